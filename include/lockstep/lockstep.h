@@ -1,0 +1,225 @@
+/*
+ * lockstep: fault-tolerant collective communication for distributed training
+ * over unreliable networks.
+ *
+ * This is the whole public C API. It is C99 compatible; every handle is opaque;
+ * every call returns a lockstep_status_t and never throws. A call that returns
+ * an error leaves its out-parameters untouched unless it says otherwise.
+ *
+ * Threading: a communicator belongs to the thread that created it. Only the
+ * calls documented as thread-safe may be made from other threads.
+ */
+#ifndef LOCKSTEP_LOCKSTEP_H
+#define LOCKSTEP_LOCKSTEP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LOCKSTEP_VERSION_MAJOR 0
+#define LOCKSTEP_VERSION_MINOR 1
+#define LOCKSTEP_VERSION_PATCH 0
+#define LOCKSTEP_VERSION_HEX \
+  ((LOCKSTEP_VERSION_MAJOR << 16) | (LOCKSTEP_VERSION_MINOR << 8) | LOCKSTEP_VERSION_PATCH)
+
+#if defined(_WIN32)
+#define LOCKSTEP_EXPORT __declspec(dllexport)
+#else
+#define LOCKSTEP_EXPORT __attribute__((visibility("default")))
+#endif
+
+/* The default port of the master (PRODUCT semantics rule 9). */
+#define LOCKSTEP_DEFAULT_MASTER_PORT 48148
+
+/*
+ * Status codes. Each says what the caller may do next:
+ *  - INVALID_ARGUMENT / INVALID_USAGE / NOT_INITIALIZED: a bug in the caller; fix the call.
+ *  - PEER_CONNECTION_LOST / OPERATION_MISMATCH: the operation failed on every
+ *    participant; retry it (with the survivors).
+ *  - UPDATE_TOPOLOGY_FAILED / TOPOLOGY_OPTIMIZATION_FAILED: the phase failed on every
+ *    participant; the only legal action is to call it again.
+ *  - MASTER_CONNECTION_FAILED / MASTER_CONNECTION_LOST / KICKED / REJECTED: this
+ *    communicator is finished; destroy it and create a new one (a new identity).
+ */
+typedef enum lockstep_status {
+  LOCKSTEP_OK = 0,
+  LOCKSTEP_STATUS_NOT_INITIALIZED = 1,
+  LOCKSTEP_STATUS_INTERNAL_ERROR = 2,
+  LOCKSTEP_STATUS_INVALID_ARGUMENT = 3,
+  LOCKSTEP_STATUS_INVALID_USAGE = 4,
+  LOCKSTEP_STATUS_TOO_FEW_PEERS = 5,
+  LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED = 6,
+  LOCKSTEP_STATUS_MASTER_CONNECTION_LOST = 7,
+  LOCKSTEP_STATUS_PEER_CONNECTION_FAILED = 8,
+  LOCKSTEP_STATUS_PEER_CONNECTION_LOST = 9,
+  LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE = 10,
+  LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS = 11,
+  LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED = 12,
+  LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED = 13,
+  LOCKSTEP_STATUS_KICKED = 14,
+  LOCKSTEP_STATUS_REJECTED = 15,
+  LOCKSTEP_STATUS_OPERATION_MISMATCH = 16,
+  LOCKSTEP_STATUS_PROTOCOL_ERROR = 17,
+  LOCKSTEP_STATUS_TIMEOUT = 18,
+  LOCKSTEP_STATUS_WRONG_THREAD = 19,
+  LOCKSTEP_STATUS_INTERRUPTED = 20
+} lockstep_status_t;
+
+/* A static, human-readable description of a status code (never NULL). */
+LOCKSTEP_EXPORT const char* lockstep_status_string(lockstep_status_t status);
+
+/* The library's version at run time, encoded as LOCKSTEP_VERSION_HEX. */
+LOCKSTEP_EXPORT uint32_t lockstep_version(void);
+/* The library's version as "MAJOR.MINOR.PATCH". */
+LOCKSTEP_EXPORT const char* lockstep_version_string(void);
+
+/* Log levels; the default comes from the environment variable LOCKSTEP_LOG_LEVEL
+ * (error, warn, info, debug, trace), or "info" when it is not set. */
+typedef enum lockstep_log_level {
+  LOCKSTEP_LOG_ERROR = 0,
+  LOCKSTEP_LOG_WARN = 1,
+  LOCKSTEP_LOG_INFO = 2,
+  LOCKSTEP_LOG_DEBUG = 3,
+  LOCKSTEP_LOG_TRACE = 4
+} lockstep_log_level_t;
+
+/* Sets the process-wide log level (thread-safe). */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_set_log_level(lockstep_log_level_t level);
+
+/* ---------------------------------------------------------------- master */
+
+typedef struct lockstep_master lockstep_master_t;
+
+typedef struct lockstep_master_config {
+  /* IPv4 address to listen on; NULL or "" means 0.0.0.0. */
+  const char* listen_host;
+  /* Port to listen on; 0 picks an ephemeral port (see lockstep_master_port). */
+  uint16_t listen_port;
+  /* A peer silent for this long is removed. 0 means the default (5000 ms). */
+  uint32_t heartbeat_timeout_ms;
+  /* Semantics rule 1: an accepted peer that has not joined an open vote after
+   * this long is removed so the others can decide. 0 turns it off (default). */
+  uint32_t vote_timeout_ms;
+  /* Maximum number of peers (registered and accepted); 0 means the default (1024). */
+  uint32_t peers_max;
+} lockstep_master_config_t;
+
+/* Fills a config with the defaults (port 48148, all interfaces). */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_master_config_init(lockstep_master_config_t* config);
+
+/* Creates a master; it does not listen until lockstep_master_run. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_master_create(const lockstep_master_config_t* config,
+                                                          lockstep_master_t** out_master);
+/* Binds the listening socket and starts serving on a background thread; returns
+ * once the socket is listening. Fails with MASTER_CONNECTION_FAILED if it cannot bind. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_master_run(lockstep_master_t* master);
+/* The port the master listens on (useful after listening on port 0). */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_master_port(const lockstep_master_t* master,
+                                                        uint16_t* out_port);
+/* Asks the master to stop; thread-safe and safe to call from a signal-free context
+ * at any time. Returns at once. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_master_interrupt(lockstep_master_t* master);
+/* Blocks until the master has stopped (after lockstep_master_interrupt). */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_master_await(lockstep_master_t* master);
+/* Interrupts (if running), awaits and frees the master. NULL is allowed. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_master_destroy(lockstep_master_t* master);
+
+/* ---------------------------------------------------------- communicator */
+
+typedef struct lockstep_comm lockstep_comm_t;
+
+typedef struct lockstep_comm_config {
+  /* Address of the master (IPv4 literal or host name). */
+  const char* master_host;
+  /* Port of the master; 0 means LOCKSTEP_DEFAULT_MASTER_PORT. */
+  uint16_t master_port;
+  /* The peer group: collectives and shared-state syncs span one group. */
+  uint32_t peer_group;
+  /* Number of p2p connections per ring neighbour and direction; 0 means 1. */
+  uint32_t p2p_pool_size;
+  /* Semantics rule 9: -1 (default) takes the first free ports above 48148;
+   * 0 puts every socket on an ephemeral port; any other value is the first port tried. */
+  int32_t base_port;
+  /* How long connect waits for the master's TCP connection and handshake; 0 means 10000. */
+  uint32_t connect_timeout_ms;
+  /* Address other peers should use to reach this one; NULL or "" means the address
+   * the master sees this peer connect from. */
+  const char* advertised_host;
+  /* IPv4 address the p2p sockets bind to; NULL or "" means 0.0.0.0. */
+  const char* bind_host;
+} lockstep_comm_config_t;
+
+/* Fills a config with the defaults; master_host defaults to "127.0.0.1". */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_config_init(lockstep_comm_config_t* config);
+
+/* Creates a communicator owned by the calling thread. It binds its listening
+ * sockets but does not contact the master yet. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* config,
+                                                        lockstep_comm_t** out_comm);
+/* Connects to the master and blocks until this peer is accepted into the run
+ * (the accepted peers must call lockstep_comm_update_topology for that, unless the
+ * run is empty). MASTER_CONNECTION_FAILED if the master cannot be reached within
+ * connect_timeout_ms; REJECTED if the master refuses this peer (the message says why). */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_connect(lockstep_comm_t* comm);
+/* Votes to accept pending peers and rewires the ring. Every accepted peer of the
+ * run must call it; it is a barrier. UPDATE_TOPOLOGY_FAILED: call it again. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_update_topology(lockstep_comm_t* comm);
+/* Votes whether registered peers wait to join; every accepted peer gets the same
+ * answer. May overlap collectives running on another thread. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_are_peers_pending(lockstep_comm_t* comm,
+                                                                   int* out_pending);
+/* Agreement for applications: every accepted peer of the group contributes a flag;
+ * all get 1 only if all said non-zero. If a participant is lost during the vote,
+ * every survivor gets PEER_CONNECTION_LOST. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_agree(lockstep_comm_t* comm, int flag,
+                                                       int* out_result);
+
+typedef enum lockstep_attribute {
+  LOCKSTEP_ATTR_GLOBAL_WORLD_SIZE = 0,
+  LOCKSTEP_ATTR_PEER_GROUP_WORLD_SIZE = 1,
+  LOCKSTEP_ATTR_NUM_DISTINCT_PEER_GROUPS = 2,
+  LOCKSTEP_ATTR_LARGEST_PEER_GROUP_WORLD_SIZE = 3
+} lockstep_attribute_t;
+
+/* Reads an attribute as of the last completed update topology. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_attribute(const lockstep_comm_t* comm,
+                                                               lockstep_attribute_t attribute,
+                                                               int64_t* out_value);
+
+/* One entry of the membership view (semantics rule 10). */
+typedef struct lockstep_member {
+  /* Identity: unique per connection; a restarted process is a new peer. */
+  uint8_t id[16];
+  /* Position in the ring of the group, 0-based. */
+  uint32_t rank;
+  /* Address and p2p port other peers use to reach it. */
+  char host[64];
+  uint16_t p2p_port;
+} lockstep_member_t;
+
+/* Copies the group's membership view (ordered by rank) as of the last completed
+ * update topology. *out_count receives the number of members; if capacity is too
+ * small, nothing is copied and INVALID_ARGUMENT is returned with *out_count set. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_membership(const lockstep_comm_t* comm,
+                                                                lockstep_member_t* out_members,
+                                                                size_t capacity,
+                                                                size_t* out_count);
+/* This peer's own rank in the membership view and identity. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_rank(const lockstep_comm_t* comm,
+                                                          uint32_t* out_rank);
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_id(const lockstep_comm_t* comm,
+                                                        uint8_t out_id[16]);
+/* The message that came with the last error of this communicator ("" if none). */
+LOCKSTEP_EXPORT const char* lockstep_comm_last_error(const lockstep_comm_t* comm);
+
+/* Leaves the run, joins every internal thread and frees the communicator. NULL is allowed. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_destroy(lockstep_comm_t* comm);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* LOCKSTEP_LOCKSTEP_H */

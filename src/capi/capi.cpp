@@ -1,0 +1,253 @@
+// The C API: opaque handles over the C++ master and communicator. Nothing throws
+// across this boundary; every entry point validates its arguments first.
+#include <lockstep/lockstep.h>
+
+#include "common/log.h"
+#include "master/master_server.h"
+#include "peer/communicator.h"
+
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <new>
+#include <random>
+#include <string>
+
+struct lockstep_master {
+  std::unique_ptr<lockstep::master::MasterServer> server;
+};
+
+struct lockstep_comm {
+  std::unique_ptr<lockstep::peer::Communicator> comm;
+};
+
+namespace {
+
+template <typename F>
+lockstep_status_t guarded(F&& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    LOG_ERROR("capi", "out of memory");
+    return LOCKSTEP_STATUS_INTERNAL_ERROR;
+  } catch (const std::exception& e) {
+    LOG_ERROR("capi", "unexpected exception: " << e.what());
+    return LOCKSTEP_STATUS_INTERNAL_ERROR;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+uint32_t lockstep_version(void) { return LOCKSTEP_VERSION_HEX; }
+
+const char* lockstep_version_string(void) {
+#define LOCKSTEP_STR2(x) #x
+#define LOCKSTEP_STR(x) LOCKSTEP_STR2(x)
+  return LOCKSTEP_STR(LOCKSTEP_VERSION_MAJOR) "." LOCKSTEP_STR(LOCKSTEP_VERSION_MINOR) "." LOCKSTEP_STR(
+      LOCKSTEP_VERSION_PATCH);
+}
+
+lockstep_status_t lockstep_master_config_init(lockstep_master_config_t* config) {
+  if (config == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  std::memset(config, 0, sizeof *config);
+  config->listen_port = LOCKSTEP_DEFAULT_MASTER_PORT;
+  config->heartbeat_timeout_ms = lockstep::limits::kHeartbeatTimeoutMsDefault;
+  return LOCKSTEP_OK;
+}
+
+lockstep_status_t lockstep_master_create(const lockstep_master_config_t* config, lockstep_master_t** out_master) {
+  if (config == nullptr || out_master == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] {
+    lockstep::master::Options options;
+    if (config->listen_host != nullptr && config->listen_host[0] != '\0') options.listen_host = config->listen_host;
+    options.listen_port = config->listen_port;
+    const uint32_t heartbeat = config->heartbeat_timeout_ms == 0 ? lockstep::limits::kHeartbeatTimeoutMsDefault
+                                                                 : config->heartbeat_timeout_ms;
+    if (heartbeat < lockstep::limits::kHeartbeatTimeoutMsMin || heartbeat > lockstep::limits::kHeartbeatTimeoutMsMax) {
+      return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+    }
+    options.coordinator.heartbeat_timeout_ms = heartbeat;
+    options.coordinator.vote_timeout_ms = config->vote_timeout_ms;
+    if (config->peers_max != 0) options.coordinator.peers_max = config->peers_max;
+    std::random_device random;
+    options.coordinator.instance_nonce = (static_cast<uint64_t>(random()) << 32) | random();
+    auto* master = new lockstep_master;
+    master->server = std::make_unique<lockstep::master::MasterServer>(std::move(options));
+    *out_master = master;
+    return LOCKSTEP_OK;
+  });
+}
+
+lockstep_status_t lockstep_master_run(lockstep_master_t* master) {
+  if (master == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] {
+    lockstep::Status s = master->server->start();
+    if (!s.is_ok()) LOG_ERROR("master", s.to_string());
+    return s.code();
+  });
+}
+
+lockstep_status_t lockstep_master_port(const lockstep_master_t* master, uint16_t* out_port) {
+  if (master == nullptr || out_port == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  if (!master->server->running()) return LOCKSTEP_STATUS_INVALID_USAGE;
+  *out_port = master->server->port();
+  return LOCKSTEP_OK;
+}
+
+lockstep_status_t lockstep_master_interrupt(lockstep_master_t* master) {
+  if (master == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  master->server->interrupt();
+  return LOCKSTEP_OK;
+}
+
+lockstep_status_t lockstep_master_await(lockstep_master_t* master) {
+  if (master == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  master->server->wait();
+  return LOCKSTEP_OK;
+}
+
+lockstep_status_t lockstep_master_destroy(lockstep_master_t* master) {
+  delete master;  // the server's destructor interrupts and joins
+  return LOCKSTEP_OK;
+}
+
+lockstep_status_t lockstep_comm_config_init(lockstep_comm_config_t* config) {
+  if (config == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  std::memset(config, 0, sizeof *config);
+  config->master_host = "127.0.0.1";
+  config->master_port = LOCKSTEP_DEFAULT_MASTER_PORT;
+  config->p2p_pool_size = 1;
+  config->base_port = -1;
+  config->connect_timeout_ms = lockstep::limits::kConnectTimeoutMsDefault;
+  return LOCKSTEP_OK;
+}
+
+lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* config, lockstep_comm_t** out_comm) {
+  if (config == nullptr || out_comm == nullptr || config->master_host == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] {
+    lockstep::peer::Options options;
+    options.master_host = config->master_host;
+    options.master_port = config->master_port == 0 ? LOCKSTEP_DEFAULT_MASTER_PORT : config->master_port;
+    options.peer_group = config->peer_group;
+    options.p2p_pool_size = config->p2p_pool_size == 0 ? 1 : config->p2p_pool_size;
+    options.base_port = config->base_port;
+    options.connect_timeout_ms = config->connect_timeout_ms == 0 ? lockstep::limits::kConnectTimeoutMsDefault
+                                                                 : config->connect_timeout_ms;
+    if (config->advertised_host != nullptr) options.advertised_host = config->advertised_host;
+    if (config->bind_host != nullptr) options.bind_host = config->bind_host;
+    auto created = lockstep::peer::Communicator::create(options);
+    if (!created.is_ok()) {
+      LOG_ERROR("capi", "lockstep_comm_create: " << created.status().to_string());
+      return created.status().code();
+    }
+    auto* comm = new lockstep_comm;
+    comm->comm = std::move(created.value());
+    *out_comm = comm;
+    return LOCKSTEP_OK;
+  });
+}
+
+lockstep_status_t lockstep_comm_connect(lockstep_comm_t* comm) {
+  if (comm == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] { return comm->comm->connect().code(); });
+}
+
+lockstep_status_t lockstep_comm_update_topology(lockstep_comm_t* comm) {
+  if (comm == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] { return comm->comm->update_topology().code(); });
+}
+
+lockstep_status_t lockstep_comm_are_peers_pending(lockstep_comm_t* comm, int* out_pending) {
+  if (comm == nullptr || out_pending == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] {
+    auto r = comm->comm->are_peers_pending();
+    if (!r.is_ok()) return r.status().code();
+    *out_pending = r.value() ? 1 : 0;
+    return LOCKSTEP_OK;
+  });
+}
+
+lockstep_status_t lockstep_comm_agree(lockstep_comm_t* comm, int flag, int* out_result) {
+  if (comm == nullptr || out_result == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] {
+    auto r = comm->comm->agree(flag != 0);
+    if (!r.is_ok()) return r.status().code();
+    *out_result = r.value() ? 1 : 0;
+    return LOCKSTEP_OK;
+  });
+}
+
+lockstep_status_t lockstep_comm_get_attribute(const lockstep_comm_t* comm, lockstep_attribute_t attribute,
+                                              int64_t* out_value) {
+  if (comm == nullptr || out_value == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  auto a = comm->comm->attributes();
+  if (!a.is_ok()) return a.status().code();
+  switch (attribute) {
+    case LOCKSTEP_ATTR_GLOBAL_WORLD_SIZE: *out_value = a.value().global_world_size; return LOCKSTEP_OK;
+    case LOCKSTEP_ATTR_PEER_GROUP_WORLD_SIZE: *out_value = a.value().group_world_size; return LOCKSTEP_OK;
+    case LOCKSTEP_ATTR_NUM_DISTINCT_PEER_GROUPS: *out_value = a.value().num_groups; return LOCKSTEP_OK;
+    case LOCKSTEP_ATTR_LARGEST_PEER_GROUP_WORLD_SIZE: *out_value = a.value().largest_group_size; return LOCKSTEP_OK;
+  }
+  return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+}
+
+lockstep_status_t lockstep_comm_get_membership(const lockstep_comm_t* comm, lockstep_member_t* out_members,
+                                               size_t capacity, size_t* out_count) {
+  if (comm == nullptr || out_count == nullptr || (capacity > 0 && out_members == nullptr)) {
+    return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  }
+  return guarded([&] {
+    auto view = comm->comm->membership();
+    if (!view.is_ok()) return view.status().code();
+    *out_count = view.value().size();
+    if (capacity < view.value().size()) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+    for (size_t i = 0; i < view.value().size(); ++i) {
+      const auto& m = view.value()[i];
+      lockstep_member_t& out = out_members[i];
+      std::memset(&out, 0, sizeof out);
+      for (int b = 0; b < 8; ++b) {
+        out.id[b] = static_cast<uint8_t>(m.id.hi >> (56 - 8 * b));
+        out.id[8 + b] = static_cast<uint8_t>(m.id.lo >> (56 - 8 * b));
+      }
+      out.rank = static_cast<uint32_t>(i);
+      std::strncpy(out.host, m.host.c_str(), sizeof out.host - 1);
+      out.p2p_port = m.p2p_port;
+    }
+    return LOCKSTEP_OK;
+  });
+}
+
+lockstep_status_t lockstep_comm_get_rank(const lockstep_comm_t* comm, uint32_t* out_rank) {
+  if (comm == nullptr || out_rank == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  auto r = comm->comm->rank();
+  if (!r.is_ok()) return r.status().code();
+  *out_rank = r.value();
+  return LOCKSTEP_OK;
+}
+
+lockstep_status_t lockstep_comm_get_id(const lockstep_comm_t* comm, uint8_t out_id[16]) {
+  if (comm == nullptr || out_id == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  const auto id = comm->comm->id();
+  if (id.is_nil()) return LOCKSTEP_STATUS_NOT_INITIALIZED;
+  for (int b = 0; b < 8; ++b) {
+    out_id[b] = static_cast<uint8_t>(id.hi >> (56 - 8 * b));
+    out_id[8 + b] = static_cast<uint8_t>(id.lo >> (56 - 8 * b));
+  }
+  return LOCKSTEP_OK;
+}
+
+const char* lockstep_comm_last_error(const lockstep_comm_t* comm) {
+  if (comm == nullptr) return "";
+  thread_local std::string copy;
+  copy = comm->comm->last_error();
+  return copy.c_str();
+}
+
+lockstep_status_t lockstep_comm_destroy(lockstep_comm_t* comm) {
+  delete comm;
+  return LOCKSTEP_OK;
+}
+
+}  // extern "C"

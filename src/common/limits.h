@@ -1,0 +1,32 @@
+// Every bound driven by remote input or time, in one place. Units last in names.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace lockstep::limits {
+
+// Wire framing: a frame header is 8 bytes (length, type, flags); the payload of a
+// control frame never exceeds this, whatever its type says (per-type bounds are tighter).
+inline constexpr std::uint32_t kControlFramePayloadBytesMax = 1u << 20;
+// Strings on the wire (addresses, reasons).
+inline constexpr std::uint32_t kWireStringBytesMax = 1024;
+// Members listed in one membership message.
+inline constexpr std::uint32_t kMembersPerMessageMax = 4096;
+// Peers (registered + accepted) a master serves, unless configured otherwise.
+inline constexpr std::uint32_t kPeersMaxDefault = 1024;
+// Bytes queued for sending to one connection before it is dropped as too slow.
+inline constexpr std::size_t kSendQueueBytesMax = 16u << 20;
+// Connections that have not finished the handshake, and how long they may take.
+inline constexpr std::uint32_t kHandshakeTimeoutMsDefault = 10'000;
+inline constexpr std::uint32_t kPendingHandshakesMax = 256;
+
+inline constexpr std::uint32_t kHeartbeatTimeoutMsDefault = 5'000;
+inline constexpr std::uint32_t kHeartbeatTimeoutMsMin = 100;
+inline constexpr std::uint32_t kHeartbeatTimeoutMsMax = 3'600'000;
+inline constexpr std::uint32_t kConnectTimeoutMsDefault = 10'000;
+// How long a peer waits for a p2p connection to a ring neighbour.
+inline constexpr std::uint32_t kP2PConnectTimeoutMsDefault = 5'000;
+inline constexpr std::uint32_t kP2PPoolSizeMax = 256;
+
+}  // namespace lockstep::limits

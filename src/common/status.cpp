@@ -1,0 +1,69 @@
+// Names and descriptions of the status codes, shared by the C API and the logs.
+#include "common/status.h"
+
+namespace lockstep {
+
+const char* status_name(StatusCode code) {
+  switch (code) {
+    case LOCKSTEP_OK: return "OK";
+    case LOCKSTEP_STATUS_NOT_INITIALIZED: return "NOT_INITIALIZED";
+    case LOCKSTEP_STATUS_INTERNAL_ERROR: return "INTERNAL_ERROR";
+    case LOCKSTEP_STATUS_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case LOCKSTEP_STATUS_INVALID_USAGE: return "INVALID_USAGE";
+    case LOCKSTEP_STATUS_TOO_FEW_PEERS: return "TOO_FEW_PEERS";
+    case LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED: return "MASTER_CONNECTION_FAILED";
+    case LOCKSTEP_STATUS_MASTER_CONNECTION_LOST: return "MASTER_CONNECTION_LOST";
+    case LOCKSTEP_STATUS_PEER_CONNECTION_FAILED: return "PEER_CONNECTION_FAILED";
+    case LOCKSTEP_STATUS_PEER_CONNECTION_LOST: return "PEER_CONNECTION_LOST";
+    case LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE: return "NO_SHARED_STATE_AVAILABLE";
+    case LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS: return "PENDING_ASYNC_OPERATIONS";
+    case LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED: return "UPDATE_TOPOLOGY_FAILED";
+    case LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED: return "TOPOLOGY_OPTIMIZATION_FAILED";
+    case LOCKSTEP_STATUS_KICKED: return "KICKED";
+    case LOCKSTEP_STATUS_REJECTED: return "REJECTED";
+    case LOCKSTEP_STATUS_OPERATION_MISMATCH: return "OPERATION_MISMATCH";
+    case LOCKSTEP_STATUS_PROTOCOL_ERROR: return "PROTOCOL_ERROR";
+    case LOCKSTEP_STATUS_TIMEOUT: return "TIMEOUT";
+    case LOCKSTEP_STATUS_WRONG_THREAD: return "WRONG_THREAD";
+    case LOCKSTEP_STATUS_INTERRUPTED: return "INTERRUPTED";
+  }
+  return "UNKNOWN_STATUS";
+}
+
+std::string Status::to_string() const {
+  std::string out = status_name(code_);
+  if (!message_.empty()) {
+    out += ": ";
+    out += message_;
+  }
+  return out;
+}
+
+}  // namespace lockstep
+
+extern "C" const char* lockstep_status_string(lockstep_status_t status) {
+  switch (status) {
+    case LOCKSTEP_OK: return "success";
+    case LOCKSTEP_STATUS_NOT_INITIALIZED: return "not initialized: connect the communicator first";
+    case LOCKSTEP_STATUS_INTERNAL_ERROR: return "internal error";
+    case LOCKSTEP_STATUS_INVALID_ARGUMENT: return "invalid argument";
+    case LOCKSTEP_STATUS_INVALID_USAGE: return "invalid usage: the call is not legal in the current state";
+    case LOCKSTEP_STATUS_TOO_FEW_PEERS: return "too few peers";
+    case LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED: return "could not connect to the master";
+    case LOCKSTEP_STATUS_MASTER_CONNECTION_LOST: return "connection to the master lost";
+    case LOCKSTEP_STATUS_PEER_CONNECTION_FAILED: return "could not connect to a peer";
+    case LOCKSTEP_STATUS_PEER_CONNECTION_LOST: return "a participating peer was lost; retry with the survivors";
+    case LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE: return "no shared state available: every holder of the current revision is gone";
+    case LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS: return "async operations are still pending";
+    case LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED: return "update topology failed; call it again";
+    case LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED: return "topology optimization failed; call it again";
+    case LOCKSTEP_STATUS_KICKED: return "this peer was removed from the run by the master";
+    case LOCKSTEP_STATUS_REJECTED: return "the master refused this peer";
+    case LOCKSTEP_STATUS_OPERATION_MISMATCH: return "peers requested different operations";
+    case LOCKSTEP_STATUS_PROTOCOL_ERROR: return "protocol error: malformed or unexpected message";
+    case LOCKSTEP_STATUS_TIMEOUT: return "timed out";
+    case LOCKSTEP_STATUS_WRONG_THREAD: return "called from a thread that does not own the communicator";
+    case LOCKSTEP_STATUS_INTERRUPTED: return "interrupted";
+  }
+  return "unknown status";
+}

@@ -1,0 +1,657 @@
+// Coordinator implementation. Every handler follows one pattern: validate (refuse
+// without touching state), apply, then advance() to run the completion checks, so
+// that a decision is made at exactly one place whatever event made it possible.
+#include "coordinator/coordinator.h"
+
+#include <algorithm>
+#include <cassert>
+#include <sstream>
+
+namespace lockstep::coord {
+
+using proto::MsgType;
+
+const char* to_string(Phase phase) {
+  return phase == Phase::kRegistered ? "REGISTERED" : "ACCEPTED";
+}
+const char* to_string(PeerState state) {
+  switch (state) {
+    case PeerState::kIdle: return "IDLE";
+    case PeerState::kVoteAcceptNewPeers: return "VOTE_ACCEPT_NEW_PEERS";
+    case PeerState::kEstablishingP2P: return "ESTABLISHING_P2P";
+  }
+  return "?";
+}
+const char* to_string(TopologyPhase phase) {
+  switch (phase) {
+    case TopologyPhase::kIdle: return "IDLE";
+    case TopologyPhase::kVoting: return "VOTING";
+    case TopologyPhase::kEstablishing: return "ESTABLISHING";
+  }
+  return "?";
+}
+const char* to_string(MajorOp op) {
+  return op == MajorOp::kNone ? "NONE" : "UPDATE_TOPOLOGY";
+}
+
+namespace {
+
+bool is_loopback(const std::string& host) {
+  return host.rfind("127.", 0) == 0 || host == "localhost" || host == "::1";
+}
+
+}  // namespace
+
+Coordinator::Coordinator(Config config) : config_(config) {}
+
+const Peer* Coordinator::find_peer(PeerId id) const {
+  auto it = peers_.find(id);
+  return it == peers_.end() ? nullptr : &it->second;
+}
+
+std::optional<PeerId> Coordinator::peer_of(ConnId conn) const {
+  auto it = by_conn_.find(conn);
+  if (it == by_conn_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::vector<PeerId> Coordinator::ring(std::uint32_t group) const {
+  auto it = rings_.find(group);
+  return it == rings_.end() ? std::vector<PeerId>{} : it->second;
+}
+
+MajorOp Coordinator::major_op(std::uint32_t group) const {
+  for (const auto& [id, peer] : peers_) {
+    if (peer.group == group && peer.state == PeerState::kEstablishingP2P) return MajorOp::kUpdateTopology;
+  }
+  return MajorOp::kNone;
+}
+
+std::size_t Coordinator::accepted_count() const {
+  std::size_t n = 0;
+  for (const auto& [group, ids] : rings_) n += ids.size();
+  return n;
+}
+
+proto::Attributes Coordinator::attributes(std::uint32_t group) const {
+  proto::Attributes a;
+  for (const auto& [g, ids] : rings_) {
+    if (ids.empty()) continue;
+    a.global_world_size += static_cast<std::uint32_t>(ids.size());
+    a.num_groups += 1;
+    a.largest_group_size = std::max(a.largest_group_size, static_cast<std::uint32_t>(ids.size()));
+    if (g == group) a.group_world_size = static_cast<std::uint32_t>(ids.size());
+  }
+  return a;
+}
+
+std::vector<proto::MemberInfo> Coordinator::members(const std::vector<PeerId>& ids) const {
+  std::vector<proto::MemberInfo> out;
+  out.reserve(ids.size());
+  for (const auto& id : ids) out.push_back(peers_.at(id).info);
+  return out;
+}
+
+void Coordinator::send(const Peer& peer, proto::Message message, Outbox& out) {
+  out.push_back(Send{peer.conn, std::move(message)});
+}
+
+void Coordinator::refuse(const Peer& peer, MsgType request, StatusCode status, std::string reason, Outbox& out) {
+  out.push_back(Event{"refused " + std::string(proto::msg_type_name(request)) + " from " + peer.id.to_string() +
+                      ": " + reason});
+  send(peer, proto::Refused{request, status, std::move(reason)}, out);
+}
+
+bool Coordinator::in_control_vote(const Peer& peer) const {
+  return peer.state == PeerState::kVoteAcceptNewPeers || peer.voted_pending || peer.agree_flag.has_value();
+}
+
+// ---------------------------------------------------------------- events
+
+void Coordinator::on_connect(ConnId conn, const std::string& observed_host, TimeMs now_ms, Outbox& out) {
+  if (handshaking_.size() >= config_.pending_handshakes_max) {
+    out.push_back(Event{"connection from " + observed_host + " refused: too many unfinished handshakes"});
+    out.push_back(Close{conn, "too many unfinished handshakes"});
+    return;
+  }
+  handshaking_[conn] = Handshake{observed_host, now_ms};
+}
+
+void Coordinator::on_message(ConnId conn, const proto::Message& message, TimeMs now_ms, Outbox& out) {
+  if (auto hs = handshaking_.find(conn); hs != handshaking_.end()) {
+    if (const auto* hello = std::get_if<proto::Hello>(&message)) {
+      handle_hello(conn, *hello, now_ms, out);
+    } else {
+      const std::string why = std::string("expected Hello, got ") + proto::msg_type_name(proto::type_of(message));
+      out.push_back(Event{"connection from " + hs->second.observed_host + " dropped: " + why});
+      out.push_back(Send{conn, proto::Goodbye{LOCKSTEP_STATUS_PROTOCOL_ERROR, why}});
+      out.push_back(Close{conn, why});
+      handshaking_.erase(hs);
+    }
+    advance(now_ms, out);
+    return;
+  }
+  auto it = by_conn_.find(conn);
+  if (it == by_conn_.end()) return;  // already closed by us; late bytes are ignored
+  Peer& peer = peers_.at(it->second);
+  peer.last_seen_ms = now_ms;
+  handle_peer_message(peer, message, now_ms, out);
+  advance(now_ms, out);
+}
+
+void Coordinator::on_disconnect(ConnId conn, const std::string& reason, TimeMs now_ms, Outbox& out) {
+  if (handshaking_.erase(conn) > 0) return;
+  auto it = by_conn_.find(conn);
+  if (it == by_conn_.end()) return;
+  remove_peer(it->second, LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "connection closed: " + reason,
+              /*connection_open=*/false, /*straggler=*/false, out);
+  advance(now_ms, out);
+}
+
+void Coordinator::on_protocol_error(ConnId conn, const std::string& reason, TimeMs now_ms, Outbox& out) {
+  if (auto hs = handshaking_.find(conn); hs != handshaking_.end()) {
+    out.push_back(Event{"connection from " + hs->second.observed_host + " dropped: " + reason});
+    out.push_back(Send{conn, proto::Goodbye{LOCKSTEP_STATUS_PROTOCOL_ERROR, reason}});
+    out.push_back(Close{conn, reason});
+    handshaking_.erase(hs);
+    return;
+  }
+  auto it = by_conn_.find(conn);
+  if (it == by_conn_.end()) return;
+  remove_peer(it->second, LOCKSTEP_STATUS_PROTOCOL_ERROR, "protocol error: " + reason,
+              /*connection_open=*/true, /*straggler=*/false, out);
+  advance(now_ms, out);
+}
+
+void Coordinator::on_tick(TimeMs now_ms, Outbox& out) {
+  // Handshakes that take too long.
+  for (auto it = handshaking_.begin(); it != handshaking_.end();) {
+    if (now_ms - it->second.connected_ms >= config_.handshake_timeout_ms) {
+      out.push_back(Event{"connection from " + it->second.observed_host + " dropped: no Hello within " +
+                          std::to_string(config_.handshake_timeout_ms) + " ms"});
+      out.push_back(Close{it->first, "handshake timeout"});
+      it = handshaking_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  // Silent peers.
+  std::vector<PeerId> silent;
+  for (const auto& [id, peer] : peers_) {
+    if (now_ms - peer.last_seen_ms >= config_.heartbeat_timeout_ms) silent.push_back(id);
+  }
+  for (const auto& id : silent) {
+    if (peers_.count(id) == 0) continue;
+    remove_peer(id, LOCKSTEP_STATUS_KICKED,
+                "heartbeat timeout: silent for more than " + std::to_string(config_.heartbeat_timeout_ms) + " ms",
+                /*connection_open=*/true, /*straggler=*/false, out);
+  }
+  kick_stragglers(now_ms, out);
+  // Participants of a p2p establishment that never report.
+  if (topology_phase_ == TopologyPhase::kEstablishing && now_ms - topology_started_ms_ >= config_.establish_timeout_ms) {
+    std::vector<PeerId> late;
+    for (const auto& [id, peer] : peers_) {
+      if (peer.state == PeerState::kEstablishingP2P && !peer.p2p_reported) late.push_back(id);
+    }
+    for (const auto& id : late) {
+      const Peer& peer = peers_.at(id);
+      const bool newcomer = peer.phase == Phase::kRegistered;
+      remove_peer(id, newcomer ? LOCKSTEP_STATUS_REJECTED : LOCKSTEP_STATUS_KICKED,
+                  "did not report its p2p connections within " + std::to_string(config_.establish_timeout_ms) + " ms",
+                  /*connection_open=*/true, /*straggler=*/false, out);
+    }
+  }
+  advance(now_ms, out);
+}
+
+// Semantics rule 1: with a vote timeout, accepted peers that have not joined an open
+// vote in time are removed so that the others can decide without them.
+void Coordinator::kick_stragglers(TimeMs now_ms, Outbox& out) {
+  if (config_.vote_timeout_ms == 0) return;
+  const auto expired = [&](TimeMs started) { return now_ms - started >= config_.vote_timeout_ms; };
+  std::vector<std::pair<PeerId, std::string>> stragglers;
+  for (const auto& [id, peer] : peers_) {
+    if (peer.phase != Phase::kAccepted) continue;
+    if (topology_phase_ == TopologyPhase::kVoting && expired(topology_started_ms_) &&
+        peer.state != PeerState::kVoteAcceptNewPeers) {
+      stragglers.emplace_back(id, "update-topology");
+    } else if (pending_round_ && expired(pending_round_->started_ms) && !peer.voted_pending) {
+      stragglers.emplace_back(id, "are-peers-pending");
+    } else if (auto a = agree_rounds_.find(peer.group);
+               a != agree_rounds_.end() && expired(a->second.started_ms) && !peer.agree_flag) {
+      stragglers.emplace_back(id, "agree");
+    }
+  }
+  for (const auto& [id, vote] : stragglers) {
+    remove_peer(id, LOCKSTEP_STATUS_KICKED,
+                "did not join the " + vote + " vote within the vote timeout of " +
+                    std::to_string(config_.vote_timeout_ms) + " ms",
+                /*connection_open=*/true, /*straggler=*/true, out);
+  }
+}
+
+// ---------------------------------------------------------------- handshake
+
+void Coordinator::handle_hello(ConnId conn, const proto::Hello& hello, TimeMs now_ms, Outbox& out) {
+  const Handshake hs = handshaking_.at(conn);
+  handshaking_.erase(conn);
+  const std::string host = hello.advertised_host.empty() ? hs.observed_host : hello.advertised_host;
+  auto reject = [&](const std::string& why) {
+    out.push_back(Event{"peer from " + host + " rejected: " + why});
+    out.push_back(Send{conn, proto::Goodbye{LOCKSTEP_STATUS_REJECTED, why}});
+    out.push_back(Close{conn, why});
+  };
+  if (hello.p2p_port == 0) return reject("the Hello names no p2p port");
+  if (peers_.size() >= config_.peers_max) {
+    return reject("the run already has the maximum of " + std::to_string(config_.peers_max) + " peers");
+  }
+  // The loopback pitfall: a peer seen at 127.0.0.1 cannot be reached by peers on
+  // other hosts, and a remote address cannot be used by... itself, so never mix.
+  for (const auto& [id, other] : peers_) {
+    if (is_loopback(other.info.host) != is_loopback(host)) {
+      return reject("this run's peers are reached at " + other.info.host + " but this peer at " + host +
+                    "; a run cannot mix loopback and non-loopback addresses (connect every peer to the "
+                    "master through a non-loopback address, or set advertised_host)");
+    }
+  }
+  Peer peer;
+  peer.conn = conn;
+  peer.id = PeerId{config_.instance_nonce, next_peer_counter_++};
+  peer.group = hello.group;
+  peer.last_seen_ms = now_ms;
+  peer.info = proto::MemberInfo{peer.id, host, hello.p2p_port, hello.shared_state_port, hello.benchmark_port};
+  by_conn_[conn] = peer.id;
+  out.push_back(Event{"peer " + peer.id.to_string() + " registered from " + host + " in group " +
+                      std::to_string(peer.group)});
+  send(peer, proto::Welcome{peer.id, hs.observed_host, config_.heartbeat_timeout_ms}, out);
+  peers_.emplace(peer.id, std::move(peer));
+}
+
+// ---------------------------------------------------------------- requests
+
+void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message, TimeMs, Outbox& out) {
+  const MsgType type = proto::type_of(message);
+  const bool accepted = peer.phase == Phase::kAccepted;
+  switch (type) {
+    case MsgType::kHeartbeat:
+      send(peer, proto::HeartbeatAck{}, out);
+      return;
+    case MsgType::kVoteUpdateTopology:
+      if (!accepted) return refuse(peer, type, LOCKSTEP_STATUS_NOT_INITIALIZED, "peer is not accepted yet", out);
+      if (peer.state != PeerState::kIdle || in_control_vote(peer)) {
+        return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE,
+                      std::string("peer is already in ") + to_string(peer.state) + " or another vote", out);
+      }
+      if (topology_phase_ == TopologyPhase::kIdle) {
+        topology_phase_ = TopologyPhase::kVoting;
+        // the vote timeout counts from the first vote
+        topology_started_ms_ = peer.last_seen_ms;
+      }
+      peer.state = PeerState::kVoteAcceptNewPeers;
+      return;
+    case MsgType::kP2PReport: {
+      const auto& report = std::get<proto::P2PReport>(message);
+      if (peer.state != PeerState::kEstablishingP2P || peer.p2p_reported) {
+        return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE, "no p2p establishment is waiting for this peer", out);
+      }
+      if (report.epoch != epoch_) {
+        return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE,
+                      "report for epoch " + std::to_string(report.epoch) + " but the current is " + std::to_string(epoch_),
+                      out);
+      }
+      peer.p2p_reported = true;
+      peer.unreachable = report.unreachable;
+      return;
+    }
+    case MsgType::kVotePeersPending:
+      if (!accepted) return refuse(peer, type, LOCKSTEP_STATUS_NOT_INITIALIZED, "peer is not accepted yet", out);
+      if (peer.state != PeerState::kIdle || in_control_vote(peer)) {
+        return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE, "peer is already in a vote", out);
+      }
+      if (!pending_round_) pending_round_ = Round{peer.last_seen_ms, false, {}};
+      peer.voted_pending = true;
+      return;
+    case MsgType::kVoteAgree:
+      if (!accepted) return refuse(peer, type, LOCKSTEP_STATUS_NOT_INITIALIZED, "peer is not accepted yet", out);
+      if (peer.state != PeerState::kIdle || in_control_vote(peer)) {
+        return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE, "peer is already in a vote", out);
+      }
+      if (agree_rounds_.count(peer.group) == 0) agree_rounds_[peer.group] = Round{peer.last_seen_ms, false, {}};
+      peer.agree_flag = std::get<proto::VoteAgree>(message).flag;
+      return;
+    default:
+      break;
+  }
+  // Anything else is a message a peer never sends the master after its handshake.
+  remove_peer(peer.id, LOCKSTEP_STATUS_PROTOCOL_ERROR,
+              std::string("protocol error: unexpected ") + proto::msg_type_name(type) + " from a peer",
+              /*connection_open=*/true, /*straggler=*/false, out);
+}
+
+// ---------------------------------------------------------------- removal
+
+void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& reason, bool connection_open,
+                              bool straggler, Outbox& out) {
+  auto it = peers_.find(id);
+  if (it == peers_.end()) return;
+  const Peer peer = it->second;
+  out.push_back(Event{"peer " + id.to_string() + " (" + to_string(peer.phase) + ", group " +
+                      std::to_string(peer.group) + ") removed: " + reason});
+  if (connection_open) {
+    out.push_back(Send{peer.conn, proto::Goodbye{status, reason}});
+    out.push_back(Close{peer.conn, reason});
+  }
+  by_conn_.erase(peer.conn);
+  peers_.erase(it);
+  if (peer.phase == Phase::kAccepted) {
+    auto& ids = rings_[peer.group];
+    ids.erase(std::remove(ids.begin(), ids.end(), id), ids.end());
+    if (ids.empty()) rings_.erase(peer.group);
+    topology_dirty_ = true;
+    // One outcome per agree: the loss of a participant fails the round for everyone,
+    // unless the vote timeout removed it precisely so that the others could decide.
+    if (auto a = agree_rounds_.find(peer.group); a != agree_rounds_.end() && !straggler && !a->second.failed) {
+      a->second.failed = true;
+      a->second.failure = "peer " + id.to_string() + " was lost during the agree vote (" + reason + ")";
+    }
+  }
+  if (topology_phase_ == TopologyPhase::kEstablishing && peer.state == PeerState::kEstablishingP2P) {
+    fail_establish("peer " + id.to_string() + " was lost during p2p establishment (" + reason + ")", out);
+  }
+}
+
+// ---------------------------------------------------------------- decisions
+
+void Coordinator::advance(TimeMs now_ms, Outbox& out) {
+  for (int guard = 0; guard < 64; ++guard) {
+    bool changed = false;
+    changed |= try_complete_establish(out);
+    changed |= try_complete_topology_vote(now_ms, out);
+    changed |= try_complete_pending(out);
+    changed |= try_complete_agree(out);
+    if (!changed) break;
+  }
+  detect_vote_mismatch(out);
+}
+
+bool Coordinator::try_complete_topology_vote(TimeMs now_ms, Outbox& out) {
+  if (topology_phase_ == TopologyPhase::kEstablishing) return false;
+  bool any_registered = false;
+  for (const auto& [id, peer] : peers_) {
+    if (peer.phase == Phase::kRegistered) any_registered = true;
+  }
+  if (topology_phase_ == TopologyPhase::kIdle) {
+    // An empty run admits newcomers without a vote: there is nobody to ask.
+    if (accepted_count() == 0 && any_registered) {
+      out.push_back(Event{"no accepted peers: admitting registered peers without a vote"});
+      start_establish(now_ms, out);
+      return true;
+    }
+    return false;
+  }
+  for (const auto& [id, peer] : peers_) {
+    if (peer.phase == Phase::kAccepted && peer.state != PeerState::kVoteAcceptNewPeers) return false;
+  }
+  out.push_back(Event{"update-topology vote complete (" + std::to_string(accepted_count()) + " voters)"});
+  start_establish(now_ms, out);
+  return true;
+}
+
+void Coordinator::start_establish(TimeMs now_ms, Outbox& out) {
+  ++epoch_;
+  topology_phase_ = TopologyPhase::kEstablishing;
+  topology_started_ms_ = now_ms;
+  newcomers_.clear();
+  proposed_rings_ = rings_;
+  for (auto& [id, peer] : peers_) {
+    if (peer.phase == Phase::kRegistered) {
+      newcomers_.insert(id);
+      proposed_rings_[peer.group].push_back(id);  // join order: PeerId counters increase
+    }
+    peer.state = PeerState::kEstablishingP2P;
+    peer.p2p_reported = false;
+    peer.unreachable.clear();
+  }
+  for (const auto& [id, peer] : peers_) {
+    send(peer, proto::EstablishP2P{epoch_, members(proposed_rings_.at(peer.group))}, out);
+  }
+  out.push_back(Event{"epoch " + std::to_string(epoch_) + ": establishing p2p connections with " +
+                      std::to_string(newcomers_.size()) + " newcomer(s)"});
+}
+
+void Coordinator::fail_establish(const std::string& reason, Outbox& out) {
+  topology_phase_ = TopologyPhase::kIdle;
+  for (auto& [id, peer] : peers_) {
+    if (peer.state != PeerState::kEstablishingP2P) continue;
+    peer.state = PeerState::kIdle;
+    peer.p2p_reported = false;
+    peer.unreachable.clear();
+    send(peer, proto::TopologyResult{epoch_, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED, reason, {}, {}}, out);
+  }
+  newcomers_.clear();
+  proposed_rings_.clear();
+  out.push_back(Event{"epoch " + std::to_string(epoch_) + ": update topology failed: " + reason});
+}
+
+bool Coordinator::try_complete_establish(Outbox& out) {
+  if (topology_phase_ != TopologyPhase::kEstablishing) return false;
+  for (const auto& [id, peer] : peers_) {
+    if (peer.state == PeerState::kEstablishingP2P && !peer.p2p_reported) return false;
+  }
+  // Semantics rule 2: no newcomer blocks a run. A failed connection that involves a
+  // newcomer is the newcomer's fault; between accepted peers, the one that could not
+  // reach its neighbour is removed.
+  std::map<PeerId, std::string> blamed;
+  for (const auto& [id, peer] : peers_) {
+    for (const auto& target : peer.unreachable) {
+      if (newcomers_.count(target) != 0) {
+        blamed.emplace(target, "peer " + id.to_string() + " could not connect to it");
+      } else if (newcomers_.count(id) != 0) {
+        blamed.emplace(id, "it could not connect to peer " + target.to_string());
+      } else {
+        blamed.emplace(id, "it could not connect to its ring neighbour " + target.to_string());
+      }
+    }
+  }
+  if (!blamed.empty()) {
+    std::string reason = "p2p connections failed:";
+    for (const auto& [id, why] : blamed) reason += " " + id.to_string() + " (" + why + ");";
+    fail_establish(reason, out);
+    for (const auto& [id, why] : blamed) {
+      const Peer* peer = find_peer(id);
+      if (peer == nullptr) continue;
+      const bool newcomer = peer->phase == Phase::kRegistered;
+      remove_peer(id, newcomer ? LOCKSTEP_STATUS_REJECTED : LOCKSTEP_STATUS_KICKED,
+                  "p2p connections could not be established: " + why, /*connection_open=*/true,
+                  /*straggler=*/false, out);
+    }
+    return true;
+  }
+  topology_phase_ = TopologyPhase::kIdle;
+  topology_dirty_ = false;
+  rings_ = proposed_rings_;
+  for (const auto& id : newcomers_) peers_.at(id).phase = Phase::kAccepted;
+  for (auto& [id, peer] : peers_) {
+    peer.state = PeerState::kIdle;
+    peer.p2p_reported = false;
+  }
+  for (const auto& [id, peer] : peers_) {
+    send(peer, proto::TopologyResult{epoch_, LOCKSTEP_OK, {}, members(rings_.at(peer.group)), attributes(peer.group)},
+         out);
+  }
+  std::string summary = "epoch " + std::to_string(epoch_) + ": topology updated;";
+  for (const auto& [group, ids] : rings_) {
+    summary += " group " + std::to_string(group) + " ring [";
+    for (std::size_t i = 0; i < ids.size(); ++i) summary += (i ? " " : "") + ids[i].to_string();
+    summary += "]";
+  }
+  out.push_back(Event{summary});
+  newcomers_.clear();
+  proposed_rings_.clear();
+  return true;
+}
+
+bool Coordinator::try_complete_pending(Outbox& out) {
+  if (!pending_round_) return false;
+  bool any_registered = false;
+  for (const auto& [id, peer] : peers_) {
+    if (peer.phase == Phase::kAccepted && !peer.voted_pending) return false;
+    if (peer.phase == Phase::kRegistered) any_registered = true;
+  }
+  pending_round_.reset();
+  const bool pending = any_registered || topology_dirty_;
+  for (auto& [id, peer] : peers_) {
+    if (!peer.voted_pending) continue;
+    peer.voted_pending = false;
+    send(peer, proto::PeersPendingResult{LOCKSTEP_OK, pending, {}}, out);
+  }
+  out.push_back(Event{std::string("are-peers-pending vote complete: ") + (pending ? "yes" : "no") +
+                      (topology_dirty_ ? " (peers left since the last update)" : "")});
+  return true;
+}
+
+bool Coordinator::try_complete_agree(Outbox& out) {
+  bool changed = false;
+  for (auto it = agree_rounds_.begin(); it != agree_rounds_.end();) {
+    const std::uint32_t group = it->first;
+    bool complete = true;
+    bool value = true;
+    for (const auto& [id, peer] : peers_) {
+      if (peer.group != group || peer.phase != Phase::kAccepted) continue;
+      if (!peer.agree_flag) {
+        complete = false;
+        break;
+      }
+      value = value && *peer.agree_flag;
+    }
+    if (!complete) {
+      ++it;
+      continue;
+    }
+    const Round round = it->second;
+    it = agree_rounds_.erase(it);
+    changed = true;
+    for (auto& [id, peer] : peers_) {
+      if (peer.group != group || !peer.agree_flag) continue;
+      peer.agree_flag.reset();
+      if (round.failed) {
+        send(peer, proto::AgreeResult{LOCKSTEP_STATUS_PEER_CONNECTION_LOST, false, round.failure}, out);
+      } else {
+        send(peer, proto::AgreeResult{LOCKSTEP_OK, value, {}}, out);
+      }
+    }
+    out.push_back(Event{"group " + std::to_string(group) + " agree vote complete: " +
+                        (round.failed ? "failed (" + round.failure + ")" : (value ? "true" : "false"))});
+  }
+  return changed;
+}
+
+// Every accepted peer is blocked in a vote and no vote can complete: they asked for
+// different operations. Votes are barriers, so without this the run would wait
+// forever; instead every vote fails with OPERATION_MISMATCH and all may retry.
+void Coordinator::detect_vote_mismatch(Outbox& out) {
+  std::size_t accepted = 0;
+  for (const auto& [id, peer] : peers_) {
+    if (peer.phase != Phase::kAccepted) continue;
+    ++accepted;
+    if (!in_control_vote(peer)) return;
+  }
+  if (accepted == 0) return;
+  const std::string reason = "accepted peers are waiting in different votes (update topology, are-peers-pending, "
+                             "agree); the application must call the same operation on every peer";
+  out.push_back(Event{"vote mismatch: " + reason});
+  if (topology_phase_ == TopologyPhase::kVoting) topology_phase_ = TopologyPhase::kIdle;
+  pending_round_.reset();
+  agree_rounds_.clear();
+  for (auto& [id, peer] : peers_) {
+    if (peer.state == PeerState::kVoteAcceptNewPeers) {
+      peer.state = PeerState::kIdle;
+      send(peer, proto::TopologyResult{epoch_, LOCKSTEP_STATUS_OPERATION_MISMATCH, reason, {}, {}}, out);
+    }
+    if (peer.voted_pending) {
+      peer.voted_pending = false;
+      send(peer, proto::PeersPendingResult{LOCKSTEP_STATUS_OPERATION_MISMATCH, false, reason}, out);
+    }
+    if (peer.agree_flag) {
+      peer.agree_flag.reset();
+      send(peer, proto::AgreeResult{LOCKSTEP_STATUS_OPERATION_MISMATCH, false, reason}, out);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- introspection
+
+std::string Coordinator::digest() const {
+  std::ostringstream s;
+  s << "epoch=" << epoch_ << " topo=" << to_string(topology_phase_) << " next=" << next_peer_counter_;
+  s << " handshaking=[";
+  for (const auto& [conn, hs] : handshaking_) s << conn << "@" << hs.observed_host << " ";
+  s << "] peers=[";
+  for (const auto& [id, p] : peers_) {
+    s << id.to_string() << ":" << p.conn << ":" << p.group << ":" << to_string(p.phase) << ":" << to_string(p.state)
+      << ":" << p.voted_pending << ":" << (p.agree_flag ? (*p.agree_flag ? "T" : "F") : "-") << ":" << p.p2p_reported
+      << ":" << p.unreachable.size() << " ";
+  }
+  s << "] rings=[";
+  for (const auto& [g, ids] : rings_) {
+    s << g << ":";
+    for (const auto& id : ids) s << id.to_string() << ",";
+    s << " ";
+  }
+  s << "] proposed=[";
+  for (const auto& [g, ids] : proposed_rings_) {
+    s << g << ":";
+    for (const auto& id : ids) s << id.to_string() << ",";
+    s << " ";
+  }
+  s << "] dirty=" << topology_dirty_ << " newcomers=" << newcomers_.size() << " pending=" << (pending_round_ ? "open" : "-") << " agree=[";
+  for (const auto& [g, r] : agree_rounds_) s << g << (r.failed ? ":failed " : ":open ");
+  s << "]";
+  return s.str();
+}
+
+std::optional<std::string> Coordinator::check_invariants() const {
+  // The ring of each group lists exactly its accepted peers, each once.
+  std::size_t in_rings = 0;
+  for (const auto& [group, ids] : rings_) {
+    if (ids.empty()) return "empty ring kept for group " + std::to_string(group);
+    std::set<PeerId> seen;
+    for (const auto& id : ids) {
+      const Peer* p = find_peer(id);
+      if (p == nullptr) return "ring of group " + std::to_string(group) + " lists unknown peer " + id.to_string();
+      if (p->phase != Phase::kAccepted || p->group != group) return "ring lists " + id.to_string() + " wrongly";
+      if (!seen.insert(id).second) return "ring lists " + id.to_string() + " twice";
+    }
+    in_rings += ids.size();
+  }
+  std::size_t accepted = 0;
+  for (const auto& [id, p] : peers_) {
+    if (p.phase == Phase::kAccepted) ++accepted;
+    if (by_conn_.count(p.conn) == 0 || by_conn_.at(p.conn) != id) return "connection map broken for " + id.to_string();
+    if (p.phase == Phase::kRegistered && (p.voted_pending || p.agree_flag || p.state == PeerState::kVoteAcceptNewPeers)) {
+      return "registered peer " + id.to_string() + " is in a vote";
+    }
+    if ((p.state == PeerState::kEstablishingP2P) != (topology_phase_ == TopologyPhase::kEstablishing)) {
+      return "peer " + id.to_string() + " state " + to_string(p.state) + " disagrees with topology phase " +
+             to_string(topology_phase_);
+    }
+    if (p.state == PeerState::kVoteAcceptNewPeers && topology_phase_ != TopologyPhase::kVoting) {
+      return "peer " + id.to_string() + " votes for a topology update that is not open";
+    }
+  }
+  if (accepted != in_rings) return "accepted peers and ring members differ";
+  if (by_conn_.size() != peers_.size()) return "connection map size differs from peers";
+  // One major operation per group: every peer of a group is in the same one.
+  std::map<std::uint32_t, std::set<MajorOp>> ops;
+  for (const auto& [id, p] : peers_) {
+    if (p.phase != Phase::kAccepted) continue;
+    ops[p.group].insert(p.state == PeerState::kEstablishingP2P ? MajorOp::kUpdateTopology : MajorOp::kNone);
+  }
+  for (const auto& [group, set] : ops) {
+    if (set.size() > 1) return "group " + std::to_string(group) + " runs more than one major operation";
+  }
+  if (pending_round_ && accepted == 0) return "are-peers-pending round open without accepted peers";
+  return std::nullopt;
+}
+
+}  // namespace lockstep::coord

@@ -1,0 +1,180 @@
+// The coordinator: the master's whole decision logic as a pure, deterministic state
+// machine. Events (a connection opened, a decoded message, a connection closed, a
+// protocol violation, a clock tick) go in together with the current time; the new
+// state and the commands to carry out (send a message, close a connection, log an
+// event) come out. No sockets, threads, clock reads or randomness inside, so a test
+// can drive it through any interleaving from a seed and replay it exactly.
+//
+// What it decides (docs/architecture.md has the diagrams):
+//  - each peer's connection phase (REGISTERED -> ACCEPTED) and connection state
+//    (IDLE, VOTE_ACCEPT_NEW_PEERS, ESTABLISHING_P2P);
+//  - update topology: a run-wide vote of all accepted peers, then p2p establishment
+//    with the new ring of each group, then acceptance of the newcomers;
+//  - the are-peers-pending vote (run-wide) and agree() (per group), which may overlap
+//    collectives and are not major operations;
+//  - votes as barriers, the optional vote timeout, and detection of peers blocked in
+//    different votes (which can never complete) as OPERATION_MISMATCH;
+//  - failure detection: closed connections and heartbeat timeouts;
+//  - the ring order (join order) and the membership view per group.
+#pragma once
+
+#include "common/ids.h"
+#include "common/limits.h"
+#include "protocol/messages.h"
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace lockstep::coord {
+
+using ConnId = std::uint64_t;
+
+struct Config {
+  std::uint32_t heartbeat_timeout_ms = limits::kHeartbeatTimeoutMsDefault;
+  std::uint32_t vote_timeout_ms = 0;  // 0: off (votes are pure barriers)
+  std::uint32_t handshake_timeout_ms = limits::kHandshakeTimeoutMsDefault;
+  // Participants of a p2p establishment that have not reported after this long are
+  // blamed for the failure (a newcomer is rejected, an accepted peer removed).
+  std::uint32_t establish_timeout_ms = 30'000;
+  std::uint32_t peers_max = limits::kPeersMaxDefault;
+  std::uint32_t pending_handshakes_max = limits::kPendingHandshakesMax;
+  // Random bits from the shell: the high half of every PeerId this master gives out.
+  std::uint64_t instance_nonce = 0;
+};
+
+enum class Phase { kRegistered, kAccepted };
+enum class PeerState { kIdle, kVoteAcceptNewPeers, kEstablishingP2P };
+enum class TopologyPhase { kIdle, kVoting, kEstablishing };
+// The major operation a group is in; at most one at a time (the golden rule).
+enum class MajorOp { kNone, kUpdateTopology };
+
+const char* to_string(Phase phase);
+const char* to_string(PeerState state);
+const char* to_string(TopologyPhase phase);
+const char* to_string(MajorOp op);
+
+struct Peer {
+  ConnId conn = 0;
+  PeerId id;
+  std::uint32_t group = 0;
+  Phase phase = Phase::kRegistered;
+  PeerState state = PeerState::kIdle;
+  proto::MemberInfo info;
+  TimeMs last_seen_ms = 0;
+  bool voted_pending = false;
+  std::optional<bool> agree_flag;
+  bool p2p_reported = false;
+  std::vector<PeerId> unreachable;
+};
+
+// Commands for the IO shell.
+struct Send {
+  ConnId conn;
+  proto::Message message;
+};
+// Close the connection after flushing what was queued for it.
+struct Close {
+  ConnId conn;
+  std::string reason;
+};
+// A transition worth logging, with its reason.
+struct Event {
+  std::string text;
+};
+using Command = std::variant<Send, Close, Event>;
+using Outbox = std::vector<Command>;
+
+class Coordinator {
+ public:
+  explicit Coordinator(Config config);
+
+  // A TCP connection was accepted from observed_host.
+  void on_connect(ConnId conn, const std::string& observed_host, TimeMs now_ms, Outbox& out);
+  // A well-formed message arrived on conn.
+  void on_message(ConnId conn, const proto::Message& message, TimeMs now_ms, Outbox& out);
+  // The connection closed (the shell has already forgotten it; no Close is emitted).
+  void on_disconnect(ConnId conn, const std::string& reason, TimeMs now_ms, Outbox& out);
+  // The shell could not decode what conn sent; the peer is removed and told why.
+  void on_protocol_error(ConnId conn, const std::string& reason, TimeMs now_ms, Outbox& out);
+  // Time passed: heartbeat, handshake, vote and establishment deadlines.
+  void on_tick(TimeMs now_ms, Outbox& out);
+
+  // ---- read-only views for the shell, tests and invariant checks
+  const Config& config() const { return config_; }
+  const std::map<PeerId, Peer>& peers() const { return peers_; }
+  const Peer* find_peer(PeerId id) const;
+  std::optional<PeerId> peer_of(ConnId conn) const;
+  // Ring order of a group's accepted peers (the membership view); empty if none.
+  std::vector<PeerId> ring(std::uint32_t group) const;
+  const std::map<std::uint32_t, std::vector<PeerId>>& rings() const { return rings_; }
+  TopologyPhase topology_phase() const { return topology_phase_; }
+  std::uint64_t epoch() const { return epoch_; }
+  MajorOp major_op(std::uint32_t group) const;
+  std::size_t accepted_count() const;
+  std::size_t handshaking_count() const { return handshaking_.size(); }
+  proto::Attributes attributes(std::uint32_t group) const;
+  // A canonical text form of the whole decision state (no timestamps), so that tests
+  // can check that a refused request changed nothing.
+  std::string digest() const;
+  // Checks the structural invariants; returns a description of the first violation.
+  std::optional<std::string> check_invariants() const;
+
+ private:
+  struct Handshake {
+    std::string observed_host;
+    TimeMs connected_ms = 0;
+  };
+  struct Round {
+    TimeMs started_ms = 0;
+    bool failed = false;
+    std::string failure;
+  };
+
+  void handle_hello(ConnId conn, const proto::Hello& hello, TimeMs now_ms, Outbox& out);
+  void handle_peer_message(Peer& peer, const proto::Message& message, TimeMs now_ms, Outbox& out);
+  void refuse(const Peer& peer, proto::MsgType request, StatusCode status, std::string reason, Outbox& out);
+  void send(const Peer& peer, proto::Message message, Outbox& out);
+  // Removes a peer: tells it why (unless its connection is already gone), closes the
+  // connection, and unwinds every operation it took part in.
+  void remove_peer(PeerId id, StatusCode status, const std::string& reason, bool connection_open,
+                   bool straggler, Outbox& out);
+  // Runs every completion check until nothing changes.
+  void advance(TimeMs now_ms, Outbox& out);
+  bool try_complete_topology_vote(TimeMs now_ms, Outbox& out);
+  bool try_complete_establish(Outbox& out);
+  bool try_complete_pending(Outbox& out);
+  bool try_complete_agree(Outbox& out);
+  void detect_vote_mismatch(Outbox& out);
+  void start_establish(TimeMs now_ms, Outbox& out);
+  void fail_establish(const std::string& reason, Outbox& out);
+  std::vector<proto::MemberInfo> members(const std::vector<PeerId>& ids) const;
+  bool in_control_vote(const Peer& peer) const;
+  void kick_stragglers(TimeMs now_ms, Outbox& out);
+
+  Config config_;
+  std::uint64_t next_peer_counter_ = 1;
+  std::map<ConnId, Handshake> handshaking_;
+  std::map<PeerId, Peer> peers_;
+  std::map<ConnId, PeerId> by_conn_;
+  // Ring order per group: accepted peers only.
+  std::map<std::uint32_t, std::vector<PeerId>> rings_;
+
+  TopologyPhase topology_phase_ = TopologyPhase::kIdle;
+  TimeMs topology_started_ms_ = 0;
+  std::uint64_t epoch_ = 0;
+  std::set<PeerId> newcomers_;
+  std::map<std::uint32_t, std::vector<PeerId>> proposed_rings_;
+
+  // An accepted peer left since the last completed update topology: the views are
+  // stale, so are-peers-pending answers yes until the next update.
+  bool topology_dirty_ = false;
+  std::optional<Round> pending_round_;
+  std::map<std::uint32_t, Round> agree_rounds_;
+};
+
+}  // namespace lockstep::coord

@@ -1,0 +1,320 @@
+// Master event loop. Each connection is a Session with a header-then-payload read
+// loop (payload buffers never exceed the codec's per-type bound) and a bounded write
+// queue. Closing is graceful: queued messages (a Goodbye) are flushed, the send side
+// is shut down, and at most kDrainBytesMax further bytes are read before the socket
+// is closed, so that the other side reads the reason rather than a reset.
+#include "master/master_server.h"
+
+#include "common/log.h"
+#include "protocol/codec.h"
+
+#include <asio.hpp>
+
+#include <array>
+#include <chrono>
+#include <deque>
+#include <map>
+#include <vector>
+
+namespace lockstep::master {
+namespace {
+
+constexpr std::size_t kDrainBytesMax = 64 * 1024;
+// A payload buffer larger than this is freed after use rather than kept.
+constexpr std::size_t kKeptPayloadBytesMax = 64 * 1024;
+constexpr auto kCloseGrace = std::chrono::milliseconds(1000);
+constexpr const char* kLog = "master";
+
+}  // namespace
+
+class MasterServer::Impl {
+ public:
+  explicit Impl(Options options)
+      : options_(std::move(options)),
+        coordinator_(options_.coordinator),
+        acceptor_(io_),
+        ticker_(io_),
+        start_(std::chrono::steady_clock::now()) {}
+
+  Status bind() {
+    asio::error_code ec;
+    const auto address = asio::ip::make_address_v4(options_.listen_host, ec);
+    if (ec) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "listen address '" + options_.listen_host + "' is not IPv4");
+    const asio::ip::tcp::endpoint endpoint(address, options_.listen_port);
+    acceptor_.open(endpoint.protocol(), ec);
+    if (!ec) acceptor_.set_option(asio::socket_base::reuse_address(true), ec);
+    if (!ec) acceptor_.bind(endpoint, ec);
+    if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) {
+      return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED,
+                    "cannot listen on " + options_.listen_host + ":" + std::to_string(options_.listen_port) + ": " +
+                        ec.message());
+    }
+    return Status::ok();
+  }
+
+  std::uint16_t port() const { return acceptor_.local_endpoint().port(); }
+
+  void run() {
+    do_accept();
+    schedule_tick();
+    io_.run();
+  }
+
+  void interrupt() {
+    asio::post(io_, [this] { shutdown(); });
+  }
+
+ private:
+  struct Session : std::enable_shared_from_this<Session> {
+    Session(asio::ip::tcp::socket s, coord::ConnId c) : socket(std::move(s)), conn(c), close_timer(socket.get_executor()) {}
+    asio::ip::tcp::socket socket;
+    coord::ConnId conn;
+    std::array<std::uint8_t, proto::kFrameHeaderBytes> header{};
+    std::vector<std::uint8_t> payload;
+    std::deque<std::vector<std::uint8_t>> writes;
+    std::size_t queued_bytes = 0;
+    bool writing = false;
+    bool closing = false;  // no more input is decoded
+    bool closed = false;
+    std::size_t drained_bytes = 0;
+    asio::steady_timer close_timer;
+  };
+  using SessionPtr = std::shared_ptr<Session>;
+
+  TimeMs now_ms() const {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+  void do_accept() {
+    acceptor_.async_accept([this](const asio::error_code& ec, asio::ip::tcp::socket socket) {
+      if (stopping_) return;
+      if (!ec) on_accept(std::move(socket));
+      else LOG_WARN(kLog, "accept failed: " << ec.message());
+      do_accept();
+    });
+  }
+
+  void on_accept(asio::ip::tcp::socket socket) {
+    asio::error_code ec;
+    socket.set_option(asio::ip::tcp::no_delay(true), ec);
+    const auto remote = socket.remote_endpoint(ec);
+    if (ec) return;  // already gone
+    const coord::ConnId conn = next_conn_++;
+    auto session = std::make_shared<Session>(std::move(socket), conn);
+    sessions_[conn] = session;
+    const std::string host = remote.address().to_string();
+    LOG_DEBUG(kLog, "connection " << conn << " from " << host << ":" << remote.port());
+    coord::Outbox out;
+    coordinator_.on_connect(conn, host, now_ms(), out);
+    apply(out);
+    if (!session->closing) read_header(session);
+  }
+
+  void read_header(const SessionPtr& s) {
+    asio::async_read(s->socket, asio::buffer(s->header), [this, s](const asio::error_code& ec, std::size_t) {
+      if (s->closed || s->closing) return;
+      if (ec) return lost(s, ec == asio::error::eof ? "closed by peer" : ec.message());
+      auto header = proto::decode_header(s->header);
+      if (!header.is_ok()) return violation(s, header.status().message());
+      const auto type = header.value().type;
+      // Before its Hello is accepted a connection may send nothing else, so the
+      // larger bounds of other types never apply to strangers.
+      if (type != proto::MsgType::kHello && !coordinator_.peer_of(s->conn)) {
+        return violation(s, std::string("expected Hello, got ") + proto::msg_type_name(type));
+      }
+      if (s->payload.capacity() > kKeptPayloadBytesMax) std::vector<std::uint8_t>().swap(s->payload);
+      s->payload.resize(header.value().payload_bytes);
+      if (s->payload.empty()) return on_frame(s, type);
+      asio::async_read(s->socket, asio::buffer(s->payload), [this, s, type](const asio::error_code& ec2, std::size_t) {
+        if (s->closed || s->closing) return;
+        if (ec2) return lost(s, ec2 == asio::error::eof ? "closed by peer mid-frame" : ec2.message());
+        on_frame(s, type);
+      });
+    });
+  }
+
+  void on_frame(const SessionPtr& s, proto::MsgType type) {
+    auto message = proto::decode_payload(type, s->payload);
+    if (!message.is_ok()) return violation(s, message.status().message());
+    coord::Outbox out;
+    coordinator_.on_message(s->conn, message.value(), now_ms(), out);
+    apply(out);
+    if (!s->closing && !s->closed) read_header(s);
+  }
+
+  void violation(const SessionPtr& s, const std::string& reason) {
+    LOG_WARN(kLog, "connection " << s->conn << " sent a malformed frame: " << reason);
+    coord::Outbox out;
+    coordinator_.on_protocol_error(s->conn, reason, now_ms(), out);
+    apply(out);
+    begin_close(s);  // in case the coordinator did not know the connection
+  }
+
+  void lost(const SessionPtr& s, const std::string& reason) {
+    destroy(s);
+    coord::Outbox out;
+    coordinator_.on_disconnect(s->conn, reason, now_ms(), out);
+    apply(out);
+  }
+
+  void apply(coord::Outbox& out) {
+    for (auto& command : out) {
+      if (auto* send = std::get_if<coord::Send>(&command)) {
+        enqueue(send->conn, send->message);
+      } else if (auto* close = std::get_if<coord::Close>(&command)) {
+        if (auto it = sessions_.find(close->conn); it != sessions_.end()) begin_close(it->second);
+      } else if (auto* event = std::get_if<coord::Event>(&command)) {
+        LOG_INFO(kLog, event->text);
+      }
+    }
+    out.clear();
+  }
+
+  void enqueue(coord::ConnId conn, const proto::Message& message) {
+    auto it = sessions_.find(conn);
+    if (it == sessions_.end()) return;
+    const SessionPtr& s = it->second;
+    if (s->closed || s->closing) return;
+    auto frame = proto::encode_frame(message);
+    s->queued_bytes += frame.size();
+    if (s->queued_bytes > limits::kSendQueueBytesMax) {
+      LOG_WARN(kLog, "connection " << conn << " does not read its messages; dropping it");
+      // Report the loss after the current batch of commands is applied.
+      asio::post(io_, [this, s] {
+        if (!s->closed) lost(s, "send queue above " + std::to_string(limits::kSendQueueBytesMax) + " bytes");
+      });
+      s->closing = true;
+      return;
+    }
+    s->writes.push_back(std::move(frame));
+    if (!s->writing) write_next(s);
+  }
+
+  void write_next(const SessionPtr& s) {
+    if (s->writes.empty()) {
+      s->writing = false;
+      if (s->closing) finish_close(s);
+      return;
+    }
+    s->writing = true;
+    asio::async_write(s->socket, asio::buffer(s->writes.front()), [this, s](const asio::error_code& ec, std::size_t) {
+      if (s->closed) return;
+      s->queued_bytes -= s->writes.front().size();
+      s->writes.pop_front();
+      if (ec) {
+        if (s->closing) return destroy(s);
+        return lost(s, "write failed: " + ec.message());
+      }
+      write_next(s);
+    });
+  }
+
+  // Stop decoding input; flush what is queued, then finish_close.
+  void begin_close(const SessionPtr& s) {
+    if (s->closed || s->closing) return;
+    s->closing = true;
+    s->close_timer.expires_after(kCloseGrace);
+    s->close_timer.async_wait([this, s](const asio::error_code& ec) {
+      if (!ec) destroy(s);
+    });
+    if (!s->writing) finish_close(s);
+  }
+
+  void finish_close(const SessionPtr& s) {
+    asio::error_code ec;
+    s->socket.shutdown(asio::ip::tcp::socket::shutdown_send, ec);
+    drain(s);
+  }
+
+  // Read and discard until the other side closes, a bound is hit, or the timer fires.
+  void drain(const SessionPtr& s) {
+    if (s->closed) return;
+    auto buffer = std::make_shared<std::array<std::uint8_t, 4096>>();
+    s->socket.async_read_some(asio::buffer(*buffer), [this, s, buffer](const asio::error_code& ec, std::size_t n) {
+      if (s->closed) return;
+      s->drained_bytes += n;
+      if (ec || s->drained_bytes >= kDrainBytesMax) return destroy(s);
+      drain(s);
+    });
+  }
+
+  void destroy(const SessionPtr& s) {
+    if (s->closed) return;
+    s->closed = true;
+    asio::error_code ec;
+    s->close_timer.cancel();
+    s->socket.close(ec);
+    sessions_.erase(s->conn);
+  }
+
+  void schedule_tick() {
+    ticker_.expires_after(std::chrono::milliseconds(options_.tick_ms));
+    ticker_.async_wait([this](const asio::error_code& ec) {
+      if (ec || stopping_) return;
+      coord::Outbox out;
+      coordinator_.on_tick(now_ms(), out);
+      apply(out);
+      schedule_tick();
+    });
+  }
+
+  void shutdown() {
+    if (stopping_) return;
+    stopping_ = true;
+    LOG_INFO(kLog, "shutting down; closing " << sessions_.size() << " connection(s)");
+    asio::error_code ec;
+    acceptor_.close(ec);
+    ticker_.cancel();
+    for (auto& [conn, s] : std::map<coord::ConnId, SessionPtr>(sessions_)) {
+      if (s->closed) continue;
+      // Best effort: tell peers why, without waiting for slow readers.
+      auto frame = proto::encode_frame(proto::Goodbye{LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "master shutting down"});
+      s->socket.non_blocking(true, ec);
+      s->socket.write_some(asio::buffer(frame), ec);
+      destroy(s);
+    }
+    io_.stop();
+  }
+
+  Options options_;
+  coord::Coordinator coordinator_;
+  asio::io_context io_;
+  asio::ip::tcp::acceptor acceptor_;
+  asio::steady_timer ticker_;
+  std::chrono::steady_clock::time_point start_;
+  std::map<coord::ConnId, SessionPtr> sessions_;
+  coord::ConnId next_conn_ = 1;
+  bool stopping_ = false;
+};
+
+MasterServer::MasterServer(Options options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+
+MasterServer::~MasterServer() {
+  interrupt();
+  wait();
+}
+
+Status MasterServer::start() {
+  if (thread_.joinable()) return Status(LOCKSTEP_STATUS_INVALID_USAGE, "master already started");
+  Status s = impl_->bind();
+  if (!s.is_ok()) return s;
+  port_ = impl_->port();
+  running_ = true;
+  thread_ = std::thread([this] {
+    impl_->run();
+    running_ = false;
+  });
+  LOG_INFO("master", "listening on port " << port_.load());
+  return Status::ok();
+}
+
+void MasterServer::interrupt() {
+  if (running_) impl_->interrupt();
+}
+
+void MasterServer::wait() {
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace lockstep::master

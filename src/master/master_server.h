@@ -1,0 +1,50 @@
+// The master's IO shell: an Asio event loop on one thread that accepts connections,
+// reads length-prefixed frames with the bounds of the codec, feeds decoded messages
+// and the clock to the Coordinator and carries out the commands it returns. It makes
+// no decisions of its own.
+#pragma once
+
+#include "common/status.h"
+#include "coordinator/coordinator.h"
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+
+namespace lockstep::master {
+
+struct Options {
+  std::string listen_host = "0.0.0.0";
+  std::uint16_t listen_port = LOCKSTEP_DEFAULT_MASTER_PORT;
+  coord::Config coordinator;
+  // How often the coordinator sees the clock (heartbeat and vote deadlines).
+  std::uint32_t tick_ms = 20;
+};
+
+class MasterServer {
+ public:
+  explicit MasterServer(Options options);
+  ~MasterServer();
+  MasterServer(const MasterServer&) = delete;
+  MasterServer& operator=(const MasterServer&) = delete;
+
+  // Binds and listens, then serves on a background thread.
+  Status start();
+  std::uint16_t port() const { return port_.load(); }
+  // Thread-safe; returns at once.
+  void interrupt();
+  // Blocks until the loop has stopped and the thread is joined.
+  void wait();
+  bool running() const { return running_.load(); }
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+  std::thread thread_;
+  std::atomic<std::uint16_t> port_{0};
+  std::atomic<bool> running_{false};
+};
+
+}  // namespace lockstep::master

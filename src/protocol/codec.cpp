@@ -1,0 +1,416 @@
+// Frame codec. Writer appends little-endian fields; Reader consumes them and turns
+// every underflow or out-of-range value into a PROTOCOL_ERROR naming the field.
+#include "protocol/codec.h"
+
+#include "common/limits.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+namespace lockstep::proto {
+namespace {
+
+constexpr std::uint32_t kHostBytesMax = 255;
+constexpr std::uint32_t kAuthBytesMax = 512;
+constexpr std::uint32_t kSmallPayloadBytesMax = 4096;
+
+Status protocol_error(std::string what) { return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, std::move(what)); }
+
+class Writer {
+ public:
+  explicit Writer(std::vector<std::uint8_t>& out) : out_(out) {}
+  template <typename T>
+  void u(T value) {
+    static_assert(std::is_unsigned_v<T>);
+    for (std::size_t i = 0; i < sizeof(T); ++i) out_.push_back(static_cast<std::uint8_t>(value >> (8 * i)));
+  }
+  void boolean(bool value) { u<std::uint8_t>(value ? 1 : 0); }
+  void status(StatusCode code) { u<std::uint32_t>(static_cast<std::uint32_t>(code)); }
+  // Strings longer than the wire bound are cut (only reasons can be that long).
+  void str(const std::string& value) {
+    const std::size_t n = std::min<std::size_t>(value.size(), limits::kWireStringBytesMax);
+    u<std::uint16_t>(static_cast<std::uint16_t>(n));
+    out_.insert(out_.end(), value.begin(), value.begin() + static_cast<std::ptrdiff_t>(n));
+  }
+  void bytes(const std::vector<std::uint8_t>& value) {
+    u<std::uint16_t>(static_cast<std::uint16_t>(value.size()));
+    out_.insert(out_.end(), value.begin(), value.end());
+  }
+  void id(const PeerId& value) {
+    u(value.hi);
+    u(value.lo);
+  }
+
+ private:
+  std::vector<std::uint8_t>& out_;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::span<const std::uint8_t> in) : in_(in) {}
+
+  template <typename T>
+  bool u(T* value, const char* field) {
+    static_assert(std::is_unsigned_v<T>);
+    if (!need(sizeof(T), field)) return false;
+    T out = 0;
+    for (std::size_t i = 0; i < sizeof(T); ++i) out = static_cast<T>(out | (static_cast<T>(in_[pos_ + i]) << (8 * i)));
+    pos_ += sizeof(T);
+    *value = out;
+    return true;
+  }
+  bool boolean(bool* value, const char* field) {
+    std::uint8_t raw = 0;
+    if (!u(&raw, field)) return false;
+    if (raw > 1) return fail(std::string(field) + ": boolean out of range");
+    *value = raw == 1;
+    return true;
+  }
+  bool status(StatusCode* value, const char* field) {
+    std::uint32_t raw = 0;
+    if (!u(&raw, field)) return false;
+    if (raw > static_cast<std::uint32_t>(LOCKSTEP_STATUS_INTERRUPTED)) return fail(std::string(field) + ": unknown status code");
+    *value = static_cast<StatusCode>(raw);
+    return true;
+  }
+  bool str(std::string* value, std::uint32_t bytes_max, const char* field) {
+    std::uint16_t len = 0;
+    if (!u(&len, field)) return false;
+    if (len > bytes_max) return fail(std::string(field) + ": string longer than " + std::to_string(bytes_max) + " bytes");
+    if (!need(len, field)) return false;
+    value->assign(reinterpret_cast<const char*>(in_.data() + pos_), len);
+    pos_ += len;
+    return true;
+  }
+  bool bytes(std::vector<std::uint8_t>* value, std::uint32_t bytes_max, const char* field) {
+    std::uint16_t len = 0;
+    if (!u(&len, field)) return false;
+    if (len > bytes_max) return fail(std::string(field) + ": longer than " + std::to_string(bytes_max) + " bytes");
+    if (!need(len, field)) return false;
+    value->assign(in_.begin() + static_cast<std::ptrdiff_t>(pos_), in_.begin() + static_cast<std::ptrdiff_t>(pos_ + len));
+    pos_ += len;
+    return true;
+  }
+  bool id(PeerId* value, const char* field) { return u(&value->hi, field) && u(&value->lo, field); }
+  // A count of elements each at least element_bytes_min long, bounded by count_max
+  // and by what is left in the payload (so a lying count cannot make us allocate).
+  bool count(std::uint32_t* value, std::uint32_t count_max, std::size_t element_bytes_min, const char* field) {
+    if (!u(value, field)) return false;
+    if (*value > count_max) return fail(std::string(field) + ": count above " + std::to_string(count_max));
+    if (static_cast<std::size_t>(*value) * element_bytes_min > in_.size() - pos_) return fail(std::string(field) + ": count exceeds payload");
+    return true;
+  }
+  bool fail(std::string what) {
+    if (error_.empty()) error_ = std::move(what);
+    return false;
+  }
+  bool finish() {
+    if (!error_.empty()) return false;
+    if (pos_ != in_.size()) return fail(std::to_string(in_.size() - pos_) + " trailing bytes");
+    return true;
+  }
+  const std::string& error() const { return error_; }
+
+ private:
+  bool need(std::size_t n, const char* field) {
+    if (in_.size() - pos_ < n) return fail(std::string(field) + ": truncated");
+    return true;
+  }
+  std::span<const std::uint8_t> in_;
+  std::size_t pos_ = 0;
+  std::string error_;
+};
+
+// ---- per-message encode/decode
+
+void put(Writer& w, const MemberInfo& m) {
+  w.id(m.id);
+  w.str(m.host);
+  w.u(m.p2p_port);
+  w.u(m.shared_state_port);
+  w.u(m.benchmark_port);
+}
+bool get(Reader& r, MemberInfo* m) {
+  return r.id(&m->id, "member.id") && r.str(&m->host, kHostBytesMax, "member.host") &&
+         r.u(&m->p2p_port, "member.p2p_port") && r.u(&m->shared_state_port, "member.shared_state_port") &&
+         r.u(&m->benchmark_port, "member.benchmark_port");
+}
+constexpr std::size_t kMemberBytesMin = 16 + 2 + 6;
+
+void put_members(Writer& w, const std::vector<MemberInfo>& members) {
+  w.u(static_cast<std::uint32_t>(members.size()));
+  for (const auto& m : members) put(w, m);
+}
+bool get_members(Reader& r, std::vector<MemberInfo>* members) {
+  std::uint32_t n = 0;
+  if (!r.count(&n, limits::kMembersPerMessageMax, kMemberBytesMin, "members")) return false;
+  members->resize(n);
+  for (auto& m : *members) {
+    if (!get(r, &m)) return false;
+  }
+  return true;
+}
+
+void encode_body(Writer& w, const Hello& m) {
+  w.u(m.magic);
+  w.u(m.version);
+  w.u(m.group);
+  w.u(m.p2p_port);
+  w.u(m.shared_state_port);
+  w.u(m.benchmark_port);
+  w.str(m.advertised_host);
+  w.bytes(m.auth);
+}
+bool decode_body(Reader& r, Hello* m) {
+  if (!r.u(&m->magic, "hello.magic")) return false;
+  if (m->magic != kMagic) return r.fail("hello.magic: not a lockstep peer");
+  if (!r.u(&m->version, "hello.version")) return false;
+  if (m->version != kProtocolVersion) return r.fail("hello.version: unsupported protocol version " + std::to_string(m->version));
+  return r.u(&m->group, "hello.group") && r.u(&m->p2p_port, "hello.p2p_port") &&
+         r.u(&m->shared_state_port, "hello.shared_state_port") && r.u(&m->benchmark_port, "hello.benchmark_port") &&
+         r.str(&m->advertised_host, kHostBytesMax, "hello.advertised_host") && r.bytes(&m->auth, kAuthBytesMax, "hello.auth");
+}
+void encode_body(Writer&, const Heartbeat&) {}
+bool decode_body(Reader&, Heartbeat*) { return true; }
+void encode_body(Writer&, const VoteUpdateTopology&) {}
+bool decode_body(Reader&, VoteUpdateTopology*) { return true; }
+void encode_body(Writer& w, const P2PReport& m) {
+  w.u(m.epoch);
+  w.u(static_cast<std::uint32_t>(m.unreachable.size()));
+  for (const auto& id : m.unreachable) w.id(id);
+}
+bool decode_body(Reader& r, P2PReport* m) {
+  std::uint32_t n = 0;
+  if (!r.u(&m->epoch, "p2p_report.epoch") || !r.count(&n, limits::kMembersPerMessageMax, 16, "p2p_report.unreachable")) return false;
+  m->unreachable.resize(n);
+  for (auto& id : m->unreachable) {
+    if (!r.id(&id, "p2p_report.unreachable")) return false;
+  }
+  return true;
+}
+void encode_body(Writer&, const VotePeersPending&) {}
+bool decode_body(Reader&, VotePeersPending*) { return true; }
+void encode_body(Writer& w, const VoteAgree& m) { w.boolean(m.flag); }
+bool decode_body(Reader& r, VoteAgree* m) { return r.boolean(&m->flag, "vote_agree.flag"); }
+
+void encode_body(Writer& w, const Welcome& m) {
+  w.id(m.id);
+  w.str(m.observed_host);
+  w.u(m.heartbeat_timeout_ms);
+}
+bool decode_body(Reader& r, Welcome* m) {
+  return r.id(&m->id, "welcome.id") && r.str(&m->observed_host, kHostBytesMax, "welcome.observed_host") &&
+         r.u(&m->heartbeat_timeout_ms, "welcome.heartbeat_timeout_ms");
+}
+void encode_body(Writer&, const HeartbeatAck&) {}
+bool decode_body(Reader&, HeartbeatAck*) { return true; }
+void encode_body(Writer& w, const EstablishP2P& m) {
+  w.u(m.epoch);
+  put_members(w, m.ring);
+}
+bool decode_body(Reader& r, EstablishP2P* m) { return r.u(&m->epoch, "establish.epoch") && get_members(r, &m->ring); }
+void encode_body(Writer& w, const TopologyResult& m) {
+  w.u(m.epoch);
+  w.status(m.status);
+  w.str(m.reason);
+  put_members(w, m.ring);
+  w.u(m.attributes.global_world_size);
+  w.u(m.attributes.group_world_size);
+  w.u(m.attributes.num_groups);
+  w.u(m.attributes.largest_group_size);
+}
+bool decode_body(Reader& r, TopologyResult* m) {
+  return r.u(&m->epoch, "topology.epoch") && r.status(&m->status, "topology.status") &&
+         r.str(&m->reason, limits::kWireStringBytesMax, "topology.reason") && get_members(r, &m->ring) &&
+         r.u(&m->attributes.global_world_size, "topology.global_world_size") &&
+         r.u(&m->attributes.group_world_size, "topology.group_world_size") &&
+         r.u(&m->attributes.num_groups, "topology.num_groups") &&
+         r.u(&m->attributes.largest_group_size, "topology.largest_group_size");
+}
+void encode_body(Writer& w, const PeersPendingResult& m) {
+  w.status(m.status);
+  w.boolean(m.pending);
+  w.str(m.reason);
+}
+bool decode_body(Reader& r, PeersPendingResult* m) {
+  return r.status(&m->status, "pending.status") && r.boolean(&m->pending, "pending.pending") &&
+         r.str(&m->reason, limits::kWireStringBytesMax, "pending.reason");
+}
+void encode_body(Writer& w, const AgreeResult& m) {
+  w.status(m.status);
+  w.boolean(m.value);
+  w.str(m.reason);
+}
+bool decode_body(Reader& r, AgreeResult* m) {
+  return r.status(&m->status, "agree.status") && r.boolean(&m->value, "agree.value") &&
+         r.str(&m->reason, limits::kWireStringBytesMax, "agree.reason");
+}
+void encode_body(Writer& w, const Refused& m) {
+  w.u(static_cast<std::uint16_t>(m.request));
+  w.status(m.status);
+  w.str(m.reason);
+}
+bool decode_body(Reader& r, Refused* m) {
+  std::uint16_t raw = 0;
+  if (!r.u(&raw, "refused.request")) return false;
+  if (payload_bytes_max(raw) == 0) return r.fail("refused.request: unknown message type");
+  m->request = static_cast<MsgType>(raw);
+  return r.status(&m->status, "refused.status") && r.str(&m->reason, limits::kWireStringBytesMax, "refused.reason");
+}
+void encode_body(Writer& w, const Goodbye& m) {
+  w.status(m.status);
+  w.str(m.reason);
+}
+bool decode_body(Reader& r, Goodbye* m) {
+  return r.status(&m->status, "goodbye.status") && r.str(&m->reason, limits::kWireStringBytesMax, "goodbye.reason");
+}
+void encode_body(Writer& w, const P2PHello& m) {
+  w.u(m.magic);
+  w.u(m.version);
+  w.u(static_cast<std::uint8_t>(m.channel));
+  w.id(m.from);
+  w.id(m.to);
+  w.u(m.epoch);
+  w.u(m.pool_index);
+  w.bytes(m.auth);
+}
+bool decode_body(Reader& r, P2PHello* m) {
+  if (!r.u(&m->magic, "p2p_hello.magic")) return false;
+  if (m->magic != kMagic) return r.fail("p2p_hello.magic: not a lockstep peer");
+  if (!r.u(&m->version, "p2p_hello.version")) return false;
+  if (m->version != kProtocolVersion) return r.fail("p2p_hello.version: unsupported protocol version");
+  std::uint8_t channel = 0;
+  if (!r.u(&channel, "p2p_hello.channel")) return false;
+  if (channel < 1 || channel > 3) return r.fail("p2p_hello.channel: unknown channel");
+  m->channel = static_cast<Channel>(channel);
+  return r.id(&m->from, "p2p_hello.from") && r.id(&m->to, "p2p_hello.to") && r.u(&m->epoch, "p2p_hello.epoch") &&
+         r.u(&m->pool_index, "p2p_hello.pool_index") && r.bytes(&m->auth, kAuthBytesMax, "p2p_hello.auth");
+}
+void encode_body(Writer& w, const P2PHelloAck& m) { w.status(m.status); }
+bool decode_body(Reader& r, P2PHelloAck* m) { return r.status(&m->status, "p2p_hello_ack.status"); }
+
+template <typename T>
+Result<Message> decode_as(std::span<const std::uint8_t> payload) {
+  Reader r(payload);
+  T message;
+  if (!decode_body(r, &message) || !r.finish()) {
+    return protocol_error(std::string(msg_type_name(T::kType)) + ": " + r.error());
+  }
+  return Message(std::move(message));
+}
+
+}  // namespace
+
+const char* msg_type_name(MsgType type) {
+  switch (type) {
+    case MsgType::kHello: return "Hello";
+    case MsgType::kHeartbeat: return "Heartbeat";
+    case MsgType::kVoteUpdateTopology: return "VoteUpdateTopology";
+    case MsgType::kP2PReport: return "P2PReport";
+    case MsgType::kVotePeersPending: return "VotePeersPending";
+    case MsgType::kVoteAgree: return "VoteAgree";
+    case MsgType::kWelcome: return "Welcome";
+    case MsgType::kHeartbeatAck: return "HeartbeatAck";
+    case MsgType::kEstablishP2P: return "EstablishP2P";
+    case MsgType::kTopologyResult: return "TopologyResult";
+    case MsgType::kPeersPendingResult: return "PeersPendingResult";
+    case MsgType::kAgreeResult: return "AgreeResult";
+    case MsgType::kRefused: return "Refused";
+    case MsgType::kGoodbye: return "Goodbye";
+    case MsgType::kP2PHello: return "P2PHello";
+    case MsgType::kP2PHelloAck: return "P2PHelloAck";
+  }
+  return "Unknown";
+}
+
+std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
+  switch (static_cast<MsgType>(raw_type)) {
+    case MsgType::kHeartbeat:
+    case MsgType::kVoteUpdateTopology:
+    case MsgType::kVotePeersPending:
+    case MsgType::kHeartbeatAck:
+      return kEmptyPayload;
+    case MsgType::kVoteAgree: return 1;
+    case MsgType::kP2PHelloAck: return 4;
+    case MsgType::kHello:
+    case MsgType::kWelcome:
+    case MsgType::kPeersPendingResult:
+    case MsgType::kAgreeResult:
+    case MsgType::kRefused:
+    case MsgType::kGoodbye:
+    case MsgType::kP2PHello:
+      return kSmallPayloadBytesMax;
+    case MsgType::kP2PReport:
+    case MsgType::kEstablishP2P:
+    case MsgType::kTopologyResult:
+      return limits::kControlFramePayloadBytesMax;
+  }
+  return 0;
+}
+
+Result<FrameHeader> decode_header(std::span<const std::uint8_t, kFrameHeaderBytes> b) {
+  const std::uint32_t length = static_cast<std::uint32_t>(b[0]) | (static_cast<std::uint32_t>(b[1]) << 8) |
+                               (static_cast<std::uint32_t>(b[2]) << 16) | (static_cast<std::uint32_t>(b[3]) << 24);
+  const auto raw_type = static_cast<std::uint16_t>(b[4] | (b[5] << 8));
+  const auto flags = static_cast<std::uint16_t>(b[6] | (b[7] << 8));
+  const std::uint32_t bound = payload_bytes_max(raw_type);
+  if (bound == 0) return protocol_error("unknown message type " + std::to_string(raw_type));
+  if (flags != 0) return protocol_error("nonzero frame flags " + std::to_string(flags));
+  const std::uint32_t effective = bound == kEmptyPayload ? 0 : bound;
+  if (length > effective) {
+    return protocol_error(std::string(msg_type_name(static_cast<MsgType>(raw_type))) + ": payload of " +
+                          std::to_string(length) + " bytes exceeds the maximum of " + std::to_string(effective));
+  }
+  return FrameHeader{length, static_cast<MsgType>(raw_type)};
+}
+
+Result<Message> decode_payload(MsgType type, std::span<const std::uint8_t> payload) {
+  switch (type) {
+    case MsgType::kHello: return decode_as<Hello>(payload);
+    case MsgType::kHeartbeat: return decode_as<Heartbeat>(payload);
+    case MsgType::kVoteUpdateTopology: return decode_as<VoteUpdateTopology>(payload);
+    case MsgType::kP2PReport: return decode_as<P2PReport>(payload);
+    case MsgType::kVotePeersPending: return decode_as<VotePeersPending>(payload);
+    case MsgType::kVoteAgree: return decode_as<VoteAgree>(payload);
+    case MsgType::kWelcome: return decode_as<Welcome>(payload);
+    case MsgType::kHeartbeatAck: return decode_as<HeartbeatAck>(payload);
+    case MsgType::kEstablishP2P: return decode_as<EstablishP2P>(payload);
+    case MsgType::kTopologyResult: return decode_as<TopologyResult>(payload);
+    case MsgType::kPeersPendingResult: return decode_as<PeersPendingResult>(payload);
+    case MsgType::kAgreeResult: return decode_as<AgreeResult>(payload);
+    case MsgType::kRefused: return decode_as<Refused>(payload);
+    case MsgType::kGoodbye: return decode_as<Goodbye>(payload);
+    case MsgType::kP2PHello: return decode_as<P2PHello>(payload);
+    case MsgType::kP2PHelloAck: return decode_as<P2PHelloAck>(payload);
+  }
+  return protocol_error("unknown message type " + std::to_string(static_cast<unsigned>(type)));
+}
+
+MsgType type_of(const Message& message) {
+  return std::visit([](const auto& m) { return std::decay_t<decltype(m)>::kType; }, message);
+}
+
+void encode_frame(const Message& message, std::vector<std::uint8_t>& out) {
+  const std::size_t start = out.size();
+  out.resize(start + kFrameHeaderBytes);
+  Writer w(out);
+  std::visit([&](const auto& m) { encode_body(w, m); }, message);
+  const auto length = static_cast<std::uint32_t>(out.size() - start - kFrameHeaderBytes);
+  const auto type = static_cast<std::uint16_t>(type_of(message));
+  std::uint8_t* h = out.data() + start;
+  for (int i = 0; i < 4; ++i) h[i] = static_cast<std::uint8_t>(length >> (8 * i));
+  h[4] = static_cast<std::uint8_t>(type);
+  h[5] = static_cast<std::uint8_t>(type >> 8);
+  h[6] = 0;
+  h[7] = 0;
+}
+
+std::vector<std::uint8_t> encode_frame(const Message& message) {
+  std::vector<std::uint8_t> out;
+  encode_frame(message, out);
+  return out;
+}
+
+}  // namespace lockstep::proto

@@ -1,0 +1,185 @@
+// The wire protocol's messages as plain structs. Every connection starts with a
+// handshake (Hello from the peer, Welcome or Goodbye from the master; P2PHello on
+// peer-to-peer channels); after it, length-prefixed frames of these types flow.
+// docs/protocol.md describes the encoding; codec.h turns bytes into these safely.
+#pragma once
+
+#include "common/ids.h"
+#include "common/status.h"
+
+#include <cstdint>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace lockstep::proto {
+
+inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
+inline constexpr std::uint16_t kProtocolVersion = 1;
+
+enum class MsgType : std::uint16_t {
+  // peer -> master
+  kHello = 1,
+  kHeartbeat = 2,
+  kVoteUpdateTopology = 3,
+  kP2PReport = 4,
+  kVotePeersPending = 5,
+  kVoteAgree = 6,
+  // master -> peer
+  kWelcome = 64,
+  kHeartbeatAck = 65,
+  kEstablishP2P = 66,
+  kTopologyResult = 67,
+  kPeersPendingResult = 68,
+  kAgreeResult = 69,
+  kRefused = 70,
+  kGoodbye = 71,
+  // peer -> peer (p2p, shared-state and benchmark sockets)
+  kP2PHello = 128,
+  kP2PHelloAck = 129,
+};
+
+const char* msg_type_name(MsgType type);
+
+// The kind of socket a P2PHello opens.
+enum class Channel : std::uint8_t { kRing = 1, kSharedState = 2, kBenchmark = 3 };
+
+struct MemberInfo {
+  PeerId id;
+  std::string host;
+  std::uint16_t p2p_port = 0;
+  std::uint16_t shared_state_port = 0;
+  std::uint16_t benchmark_port = 0;
+  bool operator==(const MemberInfo&) const = default;
+};
+
+struct Attributes {
+  std::uint32_t global_world_size = 0;
+  std::uint32_t group_world_size = 0;
+  std::uint32_t num_groups = 0;
+  std::uint32_t largest_group_size = 0;
+  bool operator==(const Attributes&) const = default;
+};
+
+// ---- peer -> master
+struct Hello {
+  static constexpr MsgType kType = MsgType::kHello;
+  std::uint32_t magic = kMagic;
+  std::uint16_t version = kProtocolVersion;
+  std::uint32_t group = 0;
+  std::uint16_t p2p_port = 0;
+  std::uint16_t shared_state_port = 0;
+  std::uint16_t benchmark_port = 0;
+  std::string advertised_host;      // empty: use the address the master observes
+  std::vector<std::uint8_t> auth;   // room for an authentication proof (security issue)
+  bool operator==(const Hello&) const = default;
+};
+struct Heartbeat {
+  static constexpr MsgType kType = MsgType::kHeartbeat;
+  bool operator==(const Heartbeat&) const = default;
+};
+struct VoteUpdateTopology {
+  static constexpr MsgType kType = MsgType::kVoteUpdateTopology;
+  bool operator==(const VoteUpdateTopology&) const = default;
+};
+struct P2PReport {
+  static constexpr MsgType kType = MsgType::kP2PReport;
+  std::uint64_t epoch = 0;
+  std::vector<PeerId> unreachable;  // empty: every required connection is up
+  bool operator==(const P2PReport&) const = default;
+};
+struct VotePeersPending {
+  static constexpr MsgType kType = MsgType::kVotePeersPending;
+  bool operator==(const VotePeersPending&) const = default;
+};
+struct VoteAgree {
+  static constexpr MsgType kType = MsgType::kVoteAgree;
+  bool flag = false;
+  bool operator==(const VoteAgree&) const = default;
+};
+
+// ---- master -> peer
+struct Welcome {
+  static constexpr MsgType kType = MsgType::kWelcome;
+  PeerId id;
+  std::string observed_host;
+  std::uint32_t heartbeat_timeout_ms = 0;
+  bool operator==(const Welcome&) const = default;
+};
+struct HeartbeatAck {
+  static constexpr MsgType kType = MsgType::kHeartbeatAck;
+  bool operator==(const HeartbeatAck&) const = default;
+};
+// Sent to every participant of an update topology: the new ring of its group.
+struct EstablishP2P {
+  static constexpr MsgType kType = MsgType::kEstablishP2P;
+  std::uint64_t epoch = 0;
+  std::vector<MemberInfo> ring;
+  bool operator==(const EstablishP2P&) const = default;
+};
+struct TopologyResult {
+  static constexpr MsgType kType = MsgType::kTopologyResult;
+  std::uint64_t epoch = 0;
+  StatusCode status = LOCKSTEP_OK;
+  std::string reason;
+  std::vector<MemberInfo> ring;  // on success: the membership view, ordered by rank
+  Attributes attributes;
+  bool operator==(const TopologyResult&) const = default;
+};
+struct PeersPendingResult {
+  static constexpr MsgType kType = MsgType::kPeersPendingResult;
+  StatusCode status = LOCKSTEP_OK;
+  bool pending = false;
+  std::string reason;
+  bool operator==(const PeersPendingResult&) const = default;
+};
+struct AgreeResult {
+  static constexpr MsgType kType = MsgType::kAgreeResult;
+  StatusCode status = LOCKSTEP_OK;
+  bool value = false;
+  std::string reason;
+  bool operator==(const AgreeResult&) const = default;
+};
+// A well-formed request that is illegal in the current state; nothing changed.
+struct Refused {
+  static constexpr MsgType kType = MsgType::kRefused;
+  MsgType request = MsgType::kHello;
+  StatusCode status = LOCKSTEP_STATUS_INVALID_USAGE;
+  std::string reason;
+  bool operator==(const Refused&) const = default;
+};
+// The master ends the connection (kicked, rejected, shutting down) and says why.
+struct Goodbye {
+  static constexpr MsgType kType = MsgType::kGoodbye;
+  StatusCode status = LOCKSTEP_STATUS_KICKED;
+  std::string reason;
+  bool operator==(const Goodbye&) const = default;
+};
+
+// ---- peer -> peer
+struct P2PHello {
+  static constexpr MsgType kType = MsgType::kP2PHello;
+  std::uint32_t magic = kMagic;
+  std::uint16_t version = kProtocolVersion;
+  Channel channel = Channel::kRing;
+  PeerId from;
+  PeerId to;
+  std::uint64_t epoch = 0;
+  std::uint32_t pool_index = 0;
+  std::vector<std::uint8_t> auth;
+  bool operator==(const P2PHello&) const = default;
+};
+struct P2PHelloAck {
+  static constexpr MsgType kType = MsgType::kP2PHelloAck;
+  StatusCode status = LOCKSTEP_OK;
+  bool operator==(const P2PHelloAck&) const = default;
+};
+
+using Message = std::variant<Hello, Heartbeat, VoteUpdateTopology, P2PReport, VotePeersPending,
+                             VoteAgree, Welcome, HeartbeatAck, EstablishP2P, TopologyResult,
+                             PeersPendingResult, AgreeResult, Refused, Goodbye, P2PHello,
+                             P2PHelloAck>;
+
+MsgType type_of(const Message& message);
+
+}  // namespace lockstep::proto

@@ -1,0 +1,26 @@
+// Blocking frame IO for handshakes (the master's event loop has its own reader).
+#include "transport/framed.h"
+
+#include <array>
+#include <vector>
+
+namespace lockstep::transport {
+
+Status send_message(int fd, const proto::Message& message, std::uint32_t timeout_ms) {
+  const auto bytes = proto::encode_frame(message);
+  return send_all(fd, bytes, timeout_ms);
+}
+
+Result<proto::Message> recv_message(int fd, std::uint32_t timeout_ms) {
+  std::array<std::uint8_t, proto::kFrameHeaderBytes> header{};
+  Status s = recv_exact(fd, header, timeout_ms);
+  if (!s.is_ok()) return s;
+  auto decoded = proto::decode_header(header);
+  if (!decoded.is_ok()) return decoded.status();
+  std::vector<std::uint8_t> payload(decoded.value().payload_bytes);
+  s = recv_exact(fd, payload, timeout_ms);
+  if (!s.is_ok()) return s;
+  return proto::decode_payload(decoded.value().type, payload);
+}
+
+}  // namespace lockstep::transport

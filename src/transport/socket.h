@@ -1,0 +1,59 @@
+// Blocking TCP helpers with deadlines, for the peer side: the handshake with the
+// master and the p2p connections whose file descriptors the data path owns. Every
+// wait is bounded by a timeout; every call reports failures as a Status.
+#pragma once
+
+#include "common/status.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+
+namespace lockstep::transport {
+
+// An owned file descriptor (closed on destruction; movable, not copyable).
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  Fd& operator=(Fd&& other) noexcept;
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() { reset(); }
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() { return std::exchange(fd_, -1); }
+  void reset();
+
+ private:
+  int fd_ = -1;
+};
+
+// Resolves an IPv4 host name or literal.
+Result<std::string> resolve_ipv4(const std::string& host);
+
+// Connects with a deadline; the socket is left blocking with TCP_NODELAY set.
+Result<Fd> connect_tcp(const std::string& host, std::uint16_t port, std::uint32_t timeout_ms);
+
+// A listening socket. base_port < 0: try 48149 upwards; 0: ephemeral; > 0: try it upwards.
+struct Listener {
+  Fd fd;
+  std::uint16_t port = 0;
+};
+Result<Listener> listen_tcp(const std::string& bind_host, int base_port, int backlog = 128);
+
+// Sends everything or fails (EPIPE is reported, never raised as a signal).
+Status send_all(int fd, std::span<const std::uint8_t> bytes, std::uint32_t timeout_ms);
+// Receives exactly out.size() bytes before the deadline.
+Status recv_exact(int fd, std::span<std::uint8_t> out, std::uint32_t timeout_ms);
+
+void set_nodelay(int fd);
+
+// The local and remote IPv4 address of a connected socket, as text.
+std::string peer_address(int fd);
+
+}  // namespace lockstep::transport

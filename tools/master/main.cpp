@@ -1,0 +1,81 @@
+// lockstep-master: the run's coordinator as a standalone process.
+#include "common/log.h"
+#include "master/master_server.h"
+
+#include <CLI/CLI.hpp>
+
+#include <csignal>
+#include <cstdio>
+#include <pthread.h>
+#include <random>
+
+int main(int argc, char** argv) {
+  CLI::App app{"lockstep-master: coordinates a lockstep run (membership, votes, ring order)"};
+  std::string listen = "0.0.0.0:48148";
+  std::uint32_t heartbeat_timeout_ms = lockstep::limits::kHeartbeatTimeoutMsDefault;
+  std::uint32_t vote_timeout_ms = 0;
+  std::uint32_t peers_max = lockstep::limits::kPeersMaxDefault;
+  std::string log_level;
+  app.add_option("--listen", listen, "HOST:PORT to listen on (port 0: ephemeral, printed at start)")
+      ->capture_default_str();
+  app.add_option("--heartbeat-timeout-ms", heartbeat_timeout_ms, "remove a peer silent for this long")
+      ->check(CLI::Range(lockstep::limits::kHeartbeatTimeoutMsMin, lockstep::limits::kHeartbeatTimeoutMsMax))
+      ->capture_default_str();
+  app.add_option("--vote-timeout-ms", vote_timeout_ms,
+                 "remove accepted peers that do not join an open vote within this time (0: off)")
+      ->capture_default_str();
+  app.add_option("--peers-max", peers_max, "maximum number of peers")->check(CLI::Range(1u, 1u << 20))->capture_default_str();
+  app.add_option("--log-level", log_level, "error, warn, info, debug or trace (default: $LOCKSTEP_LOG_LEVEL or info)")
+      ->check(CLI::IsMember({"error", "warn", "info", "debug", "trace"}));
+  CLI11_PARSE(app, argc, argv);
+
+  if (!log_level.empty()) {
+    lockstep::log::Level level{};
+    lockstep::log::parse_level(log_level, &level);
+    lockstep::log::set_level(level);
+  }
+  const auto colon = listen.rfind(':');
+  if (colon == std::string::npos) {
+    std::fprintf(stderr, "lockstep-master: --listen must be HOST:PORT\n");
+    return 2;
+  }
+  lockstep::master::Options options;
+  options.listen_host = listen.substr(0, colon);
+  int port = -1;
+  try {
+    port = std::stoi(listen.substr(colon + 1));
+  } catch (const std::exception&) {
+  }
+  if (port < 0 || port > 65535) {
+    std::fprintf(stderr, "lockstep-master: bad port in --listen '%s'\n", listen.c_str());
+    return 2;
+  }
+  options.listen_port = static_cast<std::uint16_t>(port);
+  options.coordinator.heartbeat_timeout_ms = heartbeat_timeout_ms;
+  options.coordinator.vote_timeout_ms = vote_timeout_ms;
+  options.coordinator.peers_max = peers_max;
+  std::random_device random;
+  options.coordinator.instance_nonce = (static_cast<std::uint64_t>(random()) << 32) | random();
+
+  // Signals are taken synchronously by this thread; the server's thread never sees them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  lockstep::master::MasterServer server(options);
+  lockstep::Status started = server.start();
+  if (!started.is_ok()) {
+    std::fprintf(stderr, "lockstep-master: %s\n", started.to_string().c_str());
+    return 1;
+  }
+  std::printf("lockstep-master listening on %s:%u\n", options.listen_host.c_str(), server.port());
+  std::fflush(stdout);
+  int received = 0;
+  sigwait(&signals, &received);
+  LOG_INFO("master", "signal " << received << " received, shutting down");
+  server.interrupt();
+  server.wait();
+  return 0;
+}

@@ -1,0 +1,211 @@
+// lockstep-testpeer: a peer process driven line by line, for tests and the demo.
+// It uses only the public C API. Each command read from stdin is answered with one
+// JSON line on stdout; --loop runs the documented membership loop on its own and
+// prints a JSON line whenever the membership view changes.
+//
+// Commands: connect | update | pending | agree 0|1 | view | exit
+#include <lockstep/lockstep.h>
+
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <thread>
+
+namespace {
+
+std::string hex_id(const uint8_t id[16]) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (int i = 0; i < 16; ++i) {
+    out += digits[id[i] >> 4];
+    out += digits[id[i] & 15];
+  }
+  return out;
+}
+
+std::string escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) continue;
+    out += c;
+  }
+  return out;
+}
+
+struct Peer {
+  lockstep_comm_t* comm = nullptr;
+  std::string name;
+
+  // The membership view as a JSON array, plus rank and world size.
+  std::string view_json() const {
+    lockstep_member_t members[256];
+    size_t count = 0;
+    if (lockstep_comm_get_membership(comm, members, 256, &count) != LOCKSTEP_OK) return "\"view\":null";
+    std::ostringstream s;
+    s << "\"view\":[";
+    for (size_t i = 0; i < count; ++i) {
+      s << (i ? "," : "") << "{\"id\":\"" << hex_id(members[i].id) << "\",\"rank\":" << members[i].rank
+        << ",\"host\":\"" << escape(members[i].host) << "\",\"port\":" << members[i].p2p_port << "}";
+    }
+    s << "]";
+    uint32_t rank = 0;
+    lockstep_comm_get_rank(comm, &rank);
+    int64_t world = 0;
+    int64_t group_world = 0;
+    int64_t groups = 0;
+    lockstep_comm_get_attribute(comm, LOCKSTEP_ATTR_GLOBAL_WORLD_SIZE, &world);
+    lockstep_comm_get_attribute(comm, LOCKSTEP_ATTR_PEER_GROUP_WORLD_SIZE, &group_world);
+    lockstep_comm_get_attribute(comm, LOCKSTEP_ATTR_NUM_DISTINCT_PEER_GROUPS, &groups);
+    s << ",\"rank\":" << rank << ",\"world\":" << world << ",\"group_world\":" << group_world
+      << ",\"groups\":" << groups;
+    return s.str();
+  }
+
+  std::string id_json() const {
+    uint8_t id[16] = {};
+    if (lockstep_comm_get_id(comm, id) != LOCKSTEP_OK) return "\"id\":null";
+    return "\"id\":\"" + hex_id(id) + "\"";
+  }
+
+  void emit(const std::string& op, lockstep_status_t status, const std::string& extra) const {
+    std::ostringstream s;
+    s << "{\"name\":\"" << escape(name) << "\",\"op\":\"" << op << "\",\"code\":" << static_cast<int>(status)
+      << ",\"status\":\"" << escape(lockstep_status_string(status)) << "\"";
+    if (status != LOCKSTEP_OK) s << ",\"error\":\"" << escape(lockstep_comm_last_error(comm)) << "\"";
+    s << "," << id_json();
+    if (!extra.empty()) s << "," << extra;
+    s << "}\n";
+    std::fputs(s.str().c_str(), stdout);
+    std::fflush(stdout);
+  }
+};
+
+bool fatal(lockstep_status_t s) {
+  return s == LOCKSTEP_STATUS_MASTER_CONNECTION_LOST || s == LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED ||
+         s == LOCKSTEP_STATUS_KICKED || s == LOCKSTEP_STATUS_REJECTED || s == LOCKSTEP_STATUS_PROTOCOL_ERROR;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"lockstep-testpeer: a scriptable lockstep peer"};
+  std::string master = "127.0.0.1:48148";
+  std::string name = "peer";
+  uint32_t group = 0;
+  uint32_t pool = 1;
+  int base_port = 0;
+  uint32_t connect_timeout_ms = 10000;
+  std::string advertised_host;
+  std::string bind_host;
+  bool loop = false;
+  uint32_t loop_interval_ms = 100;
+  app.add_option("--master", master, "HOST:PORT of the master");
+  app.add_option("--name", name, "name printed in every line");
+  app.add_option("--group", group, "peer group");
+  app.add_option("--pool", pool, "p2p connection pool size");
+  app.add_option("--base-port", base_port, "first port for this peer's sockets (0: ephemeral, -1: above 48148)");
+  app.add_option("--connect-timeout-ms", connect_timeout_ms, "timeout to reach the master");
+  app.add_option("--advertised-host", advertised_host, "address other peers use to reach this one");
+  app.add_option("--bind-host", bind_host, "address to bind the p2p sockets to");
+  app.add_flag("--loop", loop, "run the membership loop instead of reading commands");
+  app.add_option("--loop-interval-ms", loop_interval_ms, "pause between loop iterations");
+  CLI11_PARSE(app, argc, argv);
+
+  const auto colon = master.rfind(':');
+  if (colon == std::string::npos) {
+    std::fprintf(stderr, "--master must be HOST:PORT\n");
+    return 2;
+  }
+  const std::string master_host = master.substr(0, colon);
+  lockstep_comm_config_t config;
+  lockstep_comm_config_init(&config);
+  config.master_host = master_host.c_str();
+  config.master_port = static_cast<uint16_t>(std::stoi(master.substr(colon + 1)));
+  config.peer_group = group;
+  config.p2p_pool_size = pool;
+  config.base_port = base_port;
+  config.connect_timeout_ms = connect_timeout_ms;
+  config.advertised_host = advertised_host.c_str();
+  config.bind_host = bind_host.c_str();
+
+  Peer peer;
+  peer.name = name;
+  lockstep_status_t created = lockstep_comm_create(&config, &peer.comm);
+  if (created != LOCKSTEP_OK) {
+    std::printf("{\"name\":\"%s\",\"op\":\"create\",\"code\":%d}\n", escape(name).c_str(), static_cast<int>(created));
+    return 1;
+  }
+
+  if (loop) {
+    lockstep_status_t s = lockstep_comm_connect(peer.comm);
+    peer.emit("connect", s, s == LOCKSTEP_OK ? peer.view_json() : "");
+    if (s != LOCKSTEP_OK) return 1;
+    // The documented loop. A newcomer returns from connect where the accepted peers
+    // are right after update_topology, so the loop body starts with the step's work
+    // (here an agree) and ends with the membership check.
+    std::string last_view = peer.view_json();
+    bool refresh = false;
+    for (;;) {
+      int all = 0;
+      s = lockstep_comm_agree(peer.comm, 1, &all);
+      if (s == LOCKSTEP_OK) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(loop_interval_ms));
+        int pending = 0;
+        s = lockstep_comm_are_peers_pending(peer.comm, &pending);
+        if (s == LOCKSTEP_OK && (pending || refresh)) {
+          s = lockstep_comm_update_topology(peer.comm);
+          refresh = s != LOCKSTEP_OK;
+          const std::string view = peer.view_json();
+          if (s == LOCKSTEP_OK && view != last_view) {
+            peer.emit("view", s, view);
+            last_view = view;
+          }
+        }
+      }
+      if (s != LOCKSTEP_OK) {
+        peer.emit("error", s, "");
+        if (fatal(s)) break;
+        refresh = true;
+      }
+    }
+    lockstep_comm_destroy(peer.comm);
+    return 1;
+  }
+
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream words(line);
+    std::string op;
+    words >> op;
+    if (op.empty()) continue;
+    if (op == "exit") break;
+    if (op == "connect") {
+      lockstep_status_t s = lockstep_comm_connect(peer.comm);
+      peer.emit(op, s, s == LOCKSTEP_OK ? peer.view_json() : "");
+    } else if (op == "update") {
+      lockstep_status_t s = lockstep_comm_update_topology(peer.comm);
+      peer.emit(op, s, s == LOCKSTEP_OK ? peer.view_json() : "");
+    } else if (op == "pending") {
+      int pending = 0;
+      lockstep_status_t s = lockstep_comm_are_peers_pending(peer.comm, &pending);
+      peer.emit(op, s, s == LOCKSTEP_OK ? std::string("\"pending\":") + (pending ? "true" : "false") : "");
+    } else if (op == "agree") {
+      int flag = 1;
+      words >> flag;
+      int result = 0;
+      lockstep_status_t s = lockstep_comm_agree(peer.comm, flag, &result);
+      peer.emit(op, s, s == LOCKSTEP_OK ? std::string("\"result\":") + (result ? "true" : "false") : "");
+    } else if (op == "view") {
+      peer.emit(op, LOCKSTEP_OK, peer.view_json());
+    } else {
+      peer.emit(op, LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
+    }
+  }
+  lockstep_comm_destroy(peer.comm);
+  return 0;
+}
