@@ -471,11 +471,11 @@ bool Coordinator::try_complete_establish(Outbox& out) {
   topology_dirty_ = false;
   rings_ = proposed_rings_;
   for (const auto& id : newcomers_) peers_.at(id).phase = Phase::kAccepted;
+  // Peers that registered during the establishment are not participants: they wait.
   for (auto& [id, peer] : peers_) {
+    if (peer.state != PeerState::kEstablishingP2P) continue;
     peer.state = PeerState::kIdle;
     peer.p2p_reported = false;
-  }
-  for (const auto& [id, peer] : peers_) {
     send(peer, proto::TopologyResult{epoch_, LOCKSTEP_OK, {}, members(rings_.at(peer.group)), attributes(peer.group)},
          out);
   }

@@ -34,6 +34,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Inbound {
   PeerId from;
+  PeerId to;
   std::uint64_t epoch = 0;
   std::uint32_t pool_index = 0;
   transport::Fd fd;
@@ -122,6 +123,8 @@ class Link {
       for (auto it = inbound_.begin(); it != inbound_.end();) {
         if (it->epoch < epoch) {
           it = inbound_.erase(it);  // stale: a previous establishment
+        } else if (it->to != id_) {
+          it = inbound_.erase(it);  // meant for someone else
         } else if (it->epoch == epoch && it->from == from && it->pool_index < pool_size &&
                    !out[it->pool_index].valid()) {
           out[it->pool_index] = std::move(it->fd);
@@ -274,7 +277,9 @@ class Link {
         StatusCode verdict = LOCKSTEP_OK;
         {
           std::lock_guard<std::mutex> lock(mutex_);
-          if (h->hello.channel != channel || id_.is_nil() || h->hello.to != id_) verdict = LOCKSTEP_STATUS_REJECTED;
+          // Before the Welcome is processed our identity is still unknown; such a
+          // connection is kept and its target checked when it is claimed.
+          if (h->hello.channel != channel || (!id_.is_nil() && h->hello.to != id_)) verdict = LOCKSTEP_STATUS_REJECTED;
         }
         if (verdict == LOCKSTEP_OK && channel != proto::Channel::kRing) verdict = LOCKSTEP_STATUS_INVALID_USAGE;
         h->reply = proto::encode_frame(proto::P2PHelloAck{verdict});
@@ -283,7 +288,7 @@ class Link {
           if (ec3 || verdict != LOCKSTEP_OK) return close(h);
           asio::error_code e;
           h->socket.non_blocking(false, e);
-          Inbound in{h->hello.from, h->hello.epoch, h->hello.pool_index, transport::Fd(h->socket.release())};
+          Inbound in{h->hello.from, h->hello.to, h->hello.epoch, h->hello.pool_index, transport::Fd(h->socket.release())};
           {
             std::lock_guard<std::mutex> lock(mutex_);
             if (inbound_.size() >= kInboundMax) inbound_.pop_front();

@@ -3,7 +3,7 @@
 // JSON line on stdout; --loop runs the documented membership loop on its own and
 // prints a JSON line whenever the membership view changes.
 //
-// Commands: connect | update | pending | agree 0|1 | view | exit
+// Commands: connect | update | pending | agree 0|1 | view | reconnect | exit
 #include <lockstep/lockstep.h>
 
 #include <CLI/CLI.hpp>
@@ -200,6 +200,13 @@ int main(int argc, char** argv) {
       int result = 0;
       lockstep_status_t s = lockstep_comm_agree(peer.comm, flag, &result);
       peer.emit(op, s, s == LOCKSTEP_OK ? std::string("\"result\":") + (result ? "true" : "false") : "");
+    } else if (op == "reconnect") {
+      // A new communicator (a new identity) in the same process.
+      lockstep_comm_destroy(peer.comm);
+      peer.comm = nullptr;
+      lockstep_status_t s = lockstep_comm_create(&config, &peer.comm);
+      if (s == LOCKSTEP_OK) s = lockstep_comm_connect(peer.comm);
+      peer.emit(op, s, s == LOCKSTEP_OK ? peer.view_json() : "");
     } else if (op == "view") {
       peer.emit(op, LOCKSTEP_OK, peer.view_json());
     } else {

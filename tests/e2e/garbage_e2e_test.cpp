@@ -1,0 +1,180 @@
+// Hostile input to the master's port while a run goes on: garbage bytes, truncated
+// frames, zero- and one-byte frames, unknown types, and a huge length prefix
+// followed by hundreds of MiB. Each connection must be closed, the run must keep
+// working, and the master's resident memory must stay flat.
+#include "e2e.h"
+
+#include "protocol/codec.h"
+
+#include <arpa/inet.h>
+#include <cerrno>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <random>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace lockstep::e2e {
+namespace {
+
+int connect_to(std::uint16_t port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(port);
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Sends everything it can; returns the bytes the kernel accepted before an error.
+std::size_t send_some(int fd, const std::vector<std::uint8_t>& bytes) {
+  std::size_t sent = 0;
+  while (sent < bytes.size()) {
+    const ssize_t n = ::send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) break;
+    sent += static_cast<std::size_t>(n);
+  }
+  return sent;
+}
+
+// True if the master closes the connection (EOF or reset) within the timeout.
+// Whatever it sends first (a Goodbye) is read and ignored.
+bool closed_by_master(int fd, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  char buf[4096];
+  while (std::chrono::steady_clock::now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 50) <= 0) continue;
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n == 0) return true;
+    if (n < 0 && errno != EINTR && errno != EAGAIN) return true;
+  }
+  return false;
+}
+
+std::vector<std::uint8_t> header(std::uint32_t length, std::uint16_t type) {
+  return {static_cast<std::uint8_t>(length), static_cast<std::uint8_t>(length >> 8),
+          static_cast<std::uint8_t>(length >> 16), static_cast<std::uint8_t>(length >> 24),
+          static_cast<std::uint8_t>(type), static_cast<std::uint8_t>(type >> 8), 0, 0};
+}
+
+class GarbageTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    master_ = std::make_unique<Master>();
+    a_ = std::make_unique<Peer>(*master_, "g0");
+    b_ = std::make_unique<Peer>(*master_, "g1");
+    members_.clear();
+    admit(members_, {a_.get(), b_.get()});
+    ASSERT_EQ(members_.size(), 2u);
+  }
+
+  void expect_run_works() {
+    for (const auto& r : call_all(members_, "agree 1")) {
+      ASSERT_EQ(code(r), 0) << r.dump();
+      EXPECT_TRUE(r["result"].get<bool>());
+    }
+  }
+
+  void probe(const std::string& what, const std::vector<std::uint8_t>& bytes) {
+    SCOPED_TRACE(what);
+    int fd = connect_to(master_->port());
+    ASSERT_GE(fd, 0);
+    send_some(fd, bytes);
+    EXPECT_TRUE(closed_by_master(fd, scaled(5s))) << what << ": master kept the connection open";
+    ::close(fd);
+  }
+
+  std::unique_ptr<Master> master_;
+  std::unique_ptr<Peer> a_;
+  std::unique_ptr<Peer> b_;
+  std::vector<Peer*> members_;
+};
+
+TEST_F(GarbageTest, EveryMalformedInputClosesItsConnectionAndTheRunContinues) {
+  expect_run_works();
+  const long rss_before = rss_kib(master_->proc().pid());
+  ASSERT_GT(rss_before, 0);
+
+  std::mt19937 random(1234);
+  std::vector<std::uint8_t> garbage(4096);
+  for (auto& b : garbage) b = static_cast<std::uint8_t>(random());
+  probe("random garbage", garbage);
+  probe("text", {'G', 'E', 'T', ' ', '/', ' ', 'H', 'T', 'T', 'P', '/', '1', '.', '1', '\r', '\n', '\r', '\n'});
+
+  // A valid Hello cut short, then the connection half-closed.
+  auto hello = proto::encode_frame(proto::Hello{});
+  {
+    int fd = connect_to(master_->port());
+    ASSERT_GE(fd, 0);
+    send_some(fd, std::vector<std::uint8_t>(hello.begin(), hello.begin() + 12));
+    ::shutdown(fd, SHUT_WR);
+    EXPECT_TRUE(closed_by_master(fd, scaled(5s))) << "truncated frame";
+    ::close(fd);
+  }
+  probe("zero-length frame", header(0, static_cast<std::uint16_t>(proto::MsgType::kHello)));
+  auto one = header(1, static_cast<std::uint16_t>(proto::MsgType::kHello));
+  one.push_back(0x42);
+  probe("one-byte frame", one);
+  probe("unknown message type", header(4, 0x7777));
+  probe("nonzero flags", {0, 0, 0, 0, 2, 0, 1, 0});
+  probe("a peer-to-master vote before any Hello", header(0, static_cast<std::uint16_t>(proto::MsgType::kVoteUpdateTopology)));
+
+  // A huge length prefix followed by hundreds of MiB.
+  {
+    int fd = connect_to(master_->port());
+    ASSERT_GE(fd, 0);
+    send_some(fd, header(0xfffffff0u, static_cast<std::uint16_t>(proto::MsgType::kHello)));
+    std::vector<std::uint8_t> chunk(1 << 20, 0xab);
+    std::size_t offered = 0;
+    std::size_t accepted = 0;
+    for (int i = 0; i < 300; ++i) {
+      const std::size_t n = send_some(fd, chunk);
+      offered += chunk.size();
+      accepted += n;
+      if (n < chunk.size()) break;
+    }
+    EXPECT_TRUE(closed_by_master(fd, scaled(5s))) << "huge length prefix";
+    EXPECT_LT(accepted, std::size_t{300} << 20) << "the master kept reading a frame it should have refused";
+    ::close(fd);
+  }
+  // A registered peer that then misbehaves is removed; the others go on.
+  {
+    int fd = connect_to(master_->port());
+    ASSERT_GE(fd, 0);
+    proto::Hello h;
+    h.p2p_port = 9;  // never contacted: it is removed before any update
+    send_some(fd, proto::encode_frame(h));
+    send_some(fd, header(5, static_cast<std::uint16_t>(proto::MsgType::kHeartbeat)));
+    EXPECT_TRUE(closed_by_master(fd, scaled(5s))) << "registered peer sending a bad frame";
+    ::close(fd);
+  }
+
+  expect_run_works();
+  // Nothing pending: the misbehaving registrations are gone.
+  for (const auto& r : call_all(members_, "pending")) {
+    ASSERT_EQ(code(r), 0) << r.dump();
+    EXPECT_FALSE(r["pending"].get<bool>()) << r.dump();
+  }
+  const long rss_after = rss_kib(master_->proc().pid());
+  EXPECT_LT(rss_after - rss_before, 16 * 1024) << "master RSS grew from " << rss_before << " to " << rss_after << " KiB";
+}
+
+TEST_F(GarbageTest, ManyStrangersThatNeverSpeakDoNotBlockMembers) {
+  std::vector<int> fds;
+  for (int i = 0; i < 64; ++i) {
+    int fd = connect_to(master_->port());
+    ASSERT_GE(fd, 0);
+    fds.push_back(fd);
+  }
+  expect_run_works();
+  for (int fd : fds) ::close(fd);
+}
+
+}  // namespace
+}  // namespace lockstep::e2e

@@ -1,0 +1,372 @@
+"""Tests of the WAN test bed (lockstep-testbed and its delay program).
+
+They need root; without it they fail with a message saying so. CTest runs each test
+on its own (label "testbed"); the ones that measure rates run alone on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from testbed import Testbed, TestbedError, bed_namespaces, require_root, testbed_command
+
+# --- helpers -----------------------------------------------------------------------
+
+UDP_RECEIVER = r"""
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+want, deadline = int(sys.argv[2]), time.monotonic() + float(sys.argv[3])
+print("ready", flush=True)
+n = 0
+while n < want:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        break
+    s.settimeout(left)
+    try:
+        s.recv(2048)
+        n += 1
+    except socket.timeout:
+        break
+print(n, flush=True)
+"""
+
+UDP_SENDER = r"""
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for i in range(int(sys.argv[3])):
+    try:
+        s.sendto(b"x" * 100, (sys.argv[1], int(sys.argv[2])))
+    except OSError:
+        pass
+    time.sleep(0.005)
+"""
+
+TCP_CONNECT = r"""
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()
+    print("connected")
+except OSError as e:
+    print("failed", e)
+"""
+
+PY = "/usr/bin/python3"
+
+
+def udp_delivered(bed: Testbed, src: int, dst: int, count: int = 20, port: int = 40000,
+                  wait: float = 1.5) -> int:
+    """Sends `count` datagrams src->dst (5 ms apart); returns how many dst received
+    within `wait` seconds of being ready."""
+    rx = bed.popen(dst, PY, "-c", UDP_RECEIVER, port, count, wait,
+                   stdout=subprocess.PIPE, text=True)
+    try:
+        assert rx.stdout.readline().strip() == "ready"
+        bed.exec(src, PY, "-c", UDP_SENDER, bed.addr(dst), port, count)
+        out, _ = rx.communicate(timeout=30)
+        return int(out.strip())
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
+
+
+def tcp_connects(bed: Testbed, src: int, dst: int, port: int = 40001) -> bool:
+    srv = bed.popen(dst, PY, "-c",
+                    "import socket,sys;s=socket.create_server(('0.0.0.0',int(sys.argv[1])));"
+                    "print('ready',flush=True);c,_=s.accept();c.close()",
+                    port, stdout=subprocess.PIPE, text=True)
+    try:
+        assert srv.stdout.readline().strip() == "ready"
+        out = bed.exec(src, PY, "-c", TCP_CONNECT, bed.addr(dst), port, 1.5).stdout
+        return out.startswith("connected")
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def ping(bed: Testbed, src: int, dst: int, count: int = 5) -> tuple[int, float | None]:
+    """(replies, average RTT in ms)"""
+    out = bed.exec(src, "ping", "-n", "-q", "-c", count, "-i", "0.05", "-W", "1",
+                   bed.addr(dst), check=False).stdout
+    m = re.search(r"(\d+) received", out)
+    r = re.search(r"= [\d.]+/([\d.]+)/", out)
+    return (int(m.group(1)) if m else 0), (float(r.group(1)) if r else None)
+
+
+def show(results: list[dict]) -> None:
+    for r in results:
+        rate = f"{r['measured_bps'] / 1e6:.1f} Mbit/s" if r.get("measured_bps") else "-"
+        cap = f"{r['cap_bps'] / 1e6:g} Mbit/s" if r.get("cap_bps") else "none"
+        ratio = f" ({100 * r['rate_ratio']:.1f}%)" if r.get("rate_ratio") is not None else ""
+        print(f"\n  measured {r['src']}->{r['dst']}: rate {rate} of cap {cap}{ratio}, "
+              f"rtt {r['rtt_ms']} ms of configured {r['rtt_configured_ms']} ms, "
+              f"{r['streams']} streams, ok={r['ok']}")
+
+
+def root_snapshot() -> dict:
+    """What the root namespace looks like; a bed must change none of it."""
+    def run(*cmd: str) -> str:
+        return subprocess.run(cmd, capture_output=True, text=True).stdout
+
+    snap = {
+        "links": run("ip", "-o", "link", "show"),
+        "addrs": run("ip", "-o", "addr", "show"),
+        "routes": run("ip", "route", "show", "table", "all"),
+        "rules": run("ip", "rule", "show"),
+        "qdiscs": run("tc", "qdisc", "show"),
+    }
+    for table in ("filter", "nat", "mangle", "raw"):
+        snap["iptables-" + table] = run("iptables", "-w", "-t", table, "-S")
+    return snap
+
+
+def net_ns_holders(inode: str) -> list[int]:
+    """pids of processes whose network namespace is `inode` (e.g. net:[4026532...])."""
+    holders = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.readlink(f"/proc/{pid}/ns/net") == inode:
+                    holders.append(int(pid))
+            except OSError:
+                pass
+    return holders
+
+
+def ns_inode(name: str) -> str:
+    return f"net:[{os.stat(f'/run/netns/{name}').st_ino}]"
+
+
+# --- life cycle ---------------------------------------------------------------------
+
+def test_up_down_repeated():
+    """20 times up (8 hosts, with caps, delays, a cut and a running process) and down:
+    nothing of the bed is left, and the root namespace is exactly as before."""
+    require_root()
+    before = root_snapshot()
+    bed = Testbed(8)
+    t0 = time.monotonic()
+    try:
+        for round_ in range(20):
+            bed.up()
+            assert sorted(bed_namespaces([bed.prefix])) == sorted(bed.namespaces)
+            inodes = [ns_inode(n) for n in bed.namespaces]
+            bed.cap(0, 1, "100mbit")
+            bed.delay(1, 2, 5, both=True)
+            bed.cut(2, 3)
+            proc = bed.popen(3, "sleep", "600")
+            hub_proc = bed.popen("hub", "sleep", "600")
+            if round_ == 0:
+                replies, rtt = ping(bed, 1, 2, count=3)
+                assert replies == 3 and rtt is not None and rtt >= 10.0, (replies, rtt)
+                assert ping(bed, 2, 3, count=2)[0] == 0
+            bed.down()
+            assert proc.wait(timeout=10) == -signal.SIGKILL
+            assert hub_proc.wait(timeout=10) == -signal.SIGKILL
+            assert bed_namespaces([bed.prefix]) == []
+            for inode in inodes:
+                assert net_ns_holders(inode) == [], f"a process still lives in {inode}"
+            assert not os.path.exists(f"/run/lockstep-testbed/{bed.prefix}")
+            assert root_snapshot() == before, f"round {round_}: the root namespace changed"
+    finally:
+        if bed.is_up:
+            bed.down()
+    print(f"\n  20 x up/down of 8 hosts took {time.monotonic() - t0:.1f} s")
+
+
+def test_down_kills_processes_and_leftovers(testbed_factory):
+    """down finds a bed without its state, gc takes down beds whose owner died, and
+    down is idempotent."""
+    cmd = testbed_command()
+    # 1. The state directory is lost (an aborted run): down still finds the namespaces.
+    bed = testbed_factory(3)
+    bed.delay(0, 1, 5)
+    proc = bed.popen(0, "sleep", "600")
+    shutil.rmtree(f"/run/lockstep-testbed/{bed.prefix}")
+    subprocess.run([cmd, "--prefix", bed.prefix, "down"], check=True, capture_output=True)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    assert bed_namespaces([bed.prefix]) == []
+    bed.down()  # idempotent: nothing left, still succeeds
+    bed.down()
+
+    # 2. The owner of a bed died: gc takes it down; live owners' beds stay.
+    owner = subprocess.Popen(["sleep", "600"])
+    orphan = Testbed(2)
+    try:
+        orphan.run("up", 2, "--owner", owner.pid)
+        keep = testbed_factory(2)
+        proc = orphan.popen(1, "sleep", "600")
+        owner.kill()
+        owner.wait()
+        out = subprocess.run([cmd, "gc"], check=True, capture_output=True, text=True).stdout
+        assert f"bed '{orphan.prefix}' down" in out
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert bed_namespaces([orphan.prefix]) == []
+        assert sorted(bed_namespaces([keep.prefix])) == sorted(keep.namespaces)
+    finally:
+        owner.kill()
+        owner.wait()
+        orphan.down()
+
+
+def test_command_errors(testbed_factory):
+    cmd = testbed_command()
+
+    def fails(*args: object, message: str) -> None:
+        p = subprocess.run([cmd, *map(str, args)], capture_output=True, text=True)
+        assert p.returncode != 0, (args, p.stdout)
+        assert message in p.stderr, (args, p.stderr)
+
+    fails("--prefix", "t" + "x" * 10, "up", 2, message="bad prefix")
+    fails("--prefix", "terr1", "up", 0, message="number of hosts")
+    fails("--prefix", "terr1", "up", 2, "--cc", "cubic", message="reno or bbr")
+    fails("--prefix", "terr1", "up", 2, "--subnet", "10.1.2.0/16", message="--subnet")
+    fails("--prefix", "terr1", "cap", 0, 1, "1gbit", message="no bed 'terr1' is up")
+    assert bed_namespaces(["terr1"]) == []
+    bed = testbed_factory(2)
+    fails("--prefix", bed.prefix, "up", 2, message="already up")
+    fails("--prefix", bed.prefix, "cap", 0, 2, "1gbit", message="no host 2")
+    fails("--prefix", bed.prefix, "cap", 0, 1, "fast", message="bad rate")
+    fails("--prefix", bed.prefix, "delay", 0, 0, 5, message="same host")
+    # The bed is still whole after the refused commands.
+    assert sorted(bed_namespaces([bed.prefix])) == sorted(bed.namespaces)
+    assert ping(bed, 0, 1, count=2)[0] == 2
+    # Without root: a clear refusal.
+    if shutil.which("setpriv"):
+        p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                            cmd, "--prefix", "terr2", "up", 2], capture_output=True, text=True)
+        assert p.returncode != 0 and "must run as root" in p.stderr, p.stderr
+
+
+# --- rates and delays (the self-check measures) -------------------------------------
+
+def test_cap_reaches_rate(testbed_factory):
+    bed = testbed_factory(2)
+    bed.cap(0, 1, "300mbit")
+    [r] = bed.check((0, 1), seconds=3)
+    show([r])
+    assert r["cap_bps"] == 300_000_000
+    assert 0.85 <= r["rate_ratio"] <= 1.05, r
+    assert r["ok"]
+    # The human-readable form: one line per pair.
+    out = bed.run("check", "0:1", "--time", "1", "--omit", "1").stdout
+    print("\n  " + out.strip())
+    assert re.match(r"0->1  rate [\d.]+ Mbit/s of cap 300 Mbit/s \([\d.]+%\)  rtt [\d.]+ ms", out)
+
+
+def test_asymmetric_pair_both_rates_at_once(testbed_factory):
+    bed = testbed_factory(2)
+    bed.cap(0, 1, "200mbit")
+    bed.cap(1, 0, "1gbit")
+    results = bed.check((0, 1), (1, 0), seconds=3, concurrent=True)
+    show(results)
+    by_pair = {(r["src"], r["dst"]): r for r in results}
+    fwd, back = by_pair[(0, 1)], by_pair[(1, 0)]
+    assert 0.85 <= fwd["rate_ratio"] <= 1.05, fwd
+    assert 0.85 <= back["rate_ratio"] <= 1.05, back
+    # Both transfers ran at the same time (their intervals overlap almost fully).
+    overlap = min(fwd["end"], back["end"]) - max(fwd["start"], back["start"])
+    assert overlap >= 0.8 * (fwd["end"] - fwd["start"]), (fwd["start"], fwd["end"], back["start"], back["end"])
+
+
+def test_delay_rtt(testbed_factory):
+    bed = testbed_factory(3)
+    bed.delay(0, 1, 25, both=True)
+    bed.delay(0, 2, 10)   # asymmetric one-way delays add up too
+    bed.delay(2, 0, 40)
+    results = bed.check((0, 1), (0, 2), rtt_only=True)
+    show(results)
+    for r in results:
+        assert r["rtt_configured_ms"] == 50
+        assert abs(r["rtt_ms"] - 50) <= 5, r
+        assert r["rtt_min_ms"] >= 49.5, r  # really delayed, never early
+        assert r["ok"]
+    # A pair without delay stays fast.
+    replies, rtt = ping(bed, 1, 2)
+    assert replies == 5 and rtt < 5, rtt
+
+
+def test_gigabit_with_delay(testbed_factory):
+    """1 Gbit/s with 25+25 ms: the delay program must not be the bottleneck."""
+    bed = testbed_factory(2)
+    bed.cap(0, 1, "1gbit")
+    bed.delay(0, 1, 25, both=True)
+    [r] = bed.check((0, 1), seconds=4, streams=4)
+    show([r])
+    assert r["rate_ratio"] >= 0.85, r
+    assert r["rate_ratio"] <= 1.05, r
+    assert abs(r["rtt_ms"] - 50) <= 5, r
+    stats = bed.status()
+    assert all(d["alive"] for d in stats["delays"])
+
+
+# --- failures ----------------------------------------------------------------------
+
+def test_delay_program_killed_fails_closed(testbed_factory):
+    bed = testbed_factory(3)
+    bed.delay(0, 1, 25, both=True)
+    bed.delay(2, 1, 5)
+    replies, rtt = ping(bed, 0, 1)
+    assert replies == 5 and rtt >= 49.5, rtt
+    assert udp_delivered(bed, 0, 1) == 20
+
+    [prog] = [d for d in bed.status()["delays"] if (d["src"], d["dst"]) == (0, 1)]
+    os.kill(prog["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{prog['pid']}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not os.path.exists(f"/proc/{prog['pid']}")
+
+    # 0->1 is dropped, not passed on undelayed; the other pairs are untouched.
+    assert udp_delivered(bed, 0, 1) == 0
+    assert ping(bed, 0, 1)[0] == 0
+    assert not tcp_connects(bed, 0, 1)
+    assert udp_delivered(bed, 1, 0) == 20
+    assert udp_delivered(bed, 2, 1) == 20
+    [dead] = [d for d in bed.status()["delays"] if (d["src"], d["dst"]) == (0, 1)]
+    assert not dead["alive"]
+    assert "DEAD" in bed.run("status").stdout
+
+    # Setting the delay again restores the pair.
+    bed.delay(0, 1, 25)
+    replies, rtt = ping(bed, 0, 1)
+    assert replies == 5 and abs(rtt - 50) <= 5, rtt
+
+
+def test_partition_and_heal(testbed_factory):
+    bed = testbed_factory(3)
+    assert udp_delivered(bed, 0, 1) == 20 and udp_delivered(bed, 1, 0) == 20
+
+    bed.cut(0, 1)  # one direction only
+    assert udp_delivered(bed, 0, 1) == 0
+    assert udp_delivered(bed, 1, 0) == 20
+    bed.cut(1, 0)  # now both ways
+    assert udp_delivered(bed, 0, 1) == 0
+    assert udp_delivered(bed, 1, 0) == 0
+    assert ping(bed, 0, 1)[0] == 0 and ping(bed, 1, 0)[0] == 0
+    assert not tcp_connects(bed, 0, 1) and not tcp_connects(bed, 1, 0)
+    # Host 2 still reaches both sides.
+    assert udp_delivered(bed, 2, 0) == 20 and udp_delivered(bed, 1, 2) == 20
+    [r] = bed.check((0, 1), rtt_only=True)
+    assert r["cut"] and r["ping_received"] == 0 and r["ok"]
+
+    bed.heal()
+    assert udp_delivered(bed, 0, 1) == 20 and udp_delivered(bed, 1, 0) == 20
+    assert ping(bed, 0, 1)[0] == 5
+    assert tcp_connects(bed, 0, 1) and tcp_connects(bed, 1, 0)
+
+    # --both cuts and heals a pair both ways.
+    bed.cut(0, 2, both=True)
+    assert udp_delivered(bed, 0, 2) == 0 and udp_delivered(bed, 2, 0) == 0
+    bed.heal(2, 0, both=True)
+    assert udp_delivered(bed, 0, 2) == 20 and udp_delivered(bed, 2, 0) == 20
