@@ -217,16 +217,24 @@ class Link {
     });
   }
 
-  void heartbeat() {
+  void heartbeat(std::chrono::milliseconds delay = std::chrono::milliseconds(0)) {
     const auto interval = std::chrono::milliseconds(std::max<std::uint32_t>(heartbeat_timeout_ms_ / 4, 10));
-    heartbeat_.expires_after(interval);
+    heartbeat_.expires_after(delay.count() > 0 ? delay : interval);
     heartbeat_.async_wait([this](const asio::error_code& ec) {
       if (ec || !fatal().is_ok()) return;
       const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - last_rx_).count();
       if (silent > static_cast<long long>(heartbeat_timeout_ms_)) {
+        // Look once more shortly: after this process was stopped, the timer and the
+        // bytes that arrived meanwhile (perhaps the master's reason for closing)
+        // become ready together, and the bytes must win.
+        if (!suspect_silence_) {
+          suspect_silence_ = true;
+          return heartbeat(std::chrono::milliseconds(20));
+        }
         return set_fatal(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST,
                                 "no message from the master for " + std::to_string(silent) + " ms"));
       }
+      suspect_silence_ = false;
       auto frame = proto::encode_frame(proto::Heartbeat{});
       writes_.push_back(std::move(frame));
       if (writes_.size() == 1) write_next();
@@ -315,6 +323,7 @@ class Link {
   std::thread thread_;
   std::uint32_t heartbeat_timeout_ms_ = limits::kHeartbeatTimeoutMsDefault;
   Clock::time_point last_rx_;
+  bool suspect_silence_ = false;
   std::array<std::uint8_t, proto::kFrameHeaderBytes> header_{};
   std::vector<std::uint8_t> payload_;
   std::deque<std::vector<std::uint8_t>> writes_;

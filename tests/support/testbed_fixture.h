@@ -182,11 +182,9 @@ struct Options {
 
 inline std::string UniquePrefix() {
   std::random_device rd;
-  std::mt19937_64 gen((static_cast<unsigned long long>(rd()) << 32) ^ rd() ^
-                      static_cast<unsigned long long>(getpid()));
+  unsigned int v = rd();
   char buf[16];
-  std::snprintf(buf, sizeof buf, "c%08llx",
-                static_cast<unsigned long long>(gen() & 0xffffffffULL));
+  std::snprintf(buf, sizeof buf, "c%08x", v);
   return buf;
 }
 

@@ -64,7 +64,7 @@ PY = "/usr/bin/python3"
 
 
 def udp_delivered(bed: Testbed, src: int, dst: int, count: int = 20, port: int = 40000,
-                  wait: float = 1.5) -> int:
+                  wait: float = 1.0) -> int:
     """Sends `count` datagrams src->dst (5 ms apart); returns how many dst received
     within `wait` seconds of being ready."""
     rx = bed.popen(dst, PY, "-c", UDP_RECEIVER, port, count, wait,
@@ -147,6 +147,20 @@ def ns_inode(name: str) -> str:
     return f"net:[{os.stat(f'/run/netns/{name}').st_ino}]"
 
 
+def wait_in_ns(proc: subprocess.Popen, ns: str) -> None:
+    """Waits until a process started with Testbed.popen runs inside namespace ns."""
+    want, deadline = ns_inode(ns), time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if os.readlink(f"/proc/{proc.pid}/ns/net") == want:
+                return
+        except OSError:
+            pass
+        assert proc.poll() is None, f"the process ended ({proc.returncode}) before entering {ns}"
+        time.sleep(0.005)
+    raise AssertionError(f"the process did not enter {ns}")
+
+
 # --- life cycle ---------------------------------------------------------------------
 
 def test_up_down_repeated():
@@ -166,6 +180,8 @@ def test_up_down_repeated():
             bed.cut(2, 3)
             proc = bed.popen(3, "sleep", "600")
             hub_proc = bed.popen("hub", "sleep", "600")
+            wait_in_ns(proc, bed.namespace(3))
+            wait_in_ns(hub_proc, bed.prefix + "hub")
             if round_ == 0:
                 replies, rtt = ping(bed, 1, 2, count=3)
                 assert replies == 3 and rtt is not None and rtt >= 10.0, (replies, rtt)
@@ -192,6 +208,7 @@ def test_down_kills_processes_and_leftovers(testbed_factory):
     bed = testbed_factory(3)
     bed.delay(0, 1, 5)
     proc = bed.popen(0, "sleep", "600")
+    wait_in_ns(proc, bed.namespace(0))
     shutil.rmtree(f"/run/lockstep-testbed/{bed.prefix}")
     subprocess.run([cmd, "--prefix", bed.prefix, "down"], check=True, capture_output=True)
     assert proc.wait(timeout=10) == -signal.SIGKILL
@@ -206,6 +223,7 @@ def test_down_kills_processes_and_leftovers(testbed_factory):
         orphan.run("up", 2, "--owner", owner.pid)
         keep = testbed_factory(2)
         proc = orphan.popen(1, "sleep", "600")
+        wait_in_ns(proc, orphan.namespace(1))
         owner.kill()
         owner.wait()
         out = subprocess.run([cmd, "gc"], check=True, capture_output=True, text=True).stdout
@@ -244,7 +262,7 @@ def test_command_errors(testbed_factory):
     # Without root: a clear refusal.
     if shutil.which("setpriv"):
         p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                            cmd, "--prefix", "terr2", "up", 2], capture_output=True, text=True)
+                            cmd, "--prefix", "terr2", "up", "2"], capture_output=True, text=True)
         assert p.returncode != 0 and "must run as root" in p.stderr, p.stderr
 
 

@@ -1,1 +1,805 @@
+// Codec tests: every message type round-trips; every malformed header or payload
+// (unknown type, flags, oversized lengths, truncation at every byte, trailing bytes,
+// out-of-range booleans and status codes, oversized strings and lying counts, wrong
+// magic/version/channel) is a PROTOCOL_ERROR that names what was wrong; and random
+// garbage never crashes the decoder or makes it allocate without bound.
+#include "common/limits.h"
+#include "protocol/codec.h"
+#include "protocol/messages.h"
+
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+// ---- allocation tracking: the largest single allocation while armed. Lets the
+// tests check that a lying count on the wire does not make the decoder allocate.
+namespace {
+std::atomic<bool> g_track_allocations{false};
+std::atomic<std::size_t> g_largest_allocation{0};
+
+void note_allocation(std::size_t n) {
+  if (!g_track_allocations.load(std::memory_order_relaxed)) return;
+  std::size_t prev = g_largest_allocation.load(std::memory_order_relaxed);
+  while (n > prev && !g_largest_allocation.compare_exchange_weak(prev, n, std::memory_order_relaxed)) {
+  }
+}
+
+struct AllocationProbe {
+  AllocationProbe() {
+    g_largest_allocation.store(0);
+    g_track_allocations.store(true);
+  }
+  ~AllocationProbe() { g_track_allocations.store(false); }
+  std::size_t largest() const { return g_largest_allocation.load(); }
+};
+}  // namespace
+
+// The replacements pair malloc with free; GCC cannot see that across the inlined
+// operators and warns about a mismatch that is not there.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+void* operator new(std::size_t n) {
+  note_allocation(n);
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) {
+  note_allocation(n);
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
+namespace lockstep::proto {
+namespace {
+
+using Bytes = std::vector<std::uint8_t>;
+
+// ---- sample messages, one (or more) per type, with every field set
+
+MemberInfo member(std::uint64_t n, std::string host) {
+  return MemberInfo{PeerId{0xabcdef0123456789ull, n}, std::move(host), static_cast<std::uint16_t>(48149 + n),
+                    static_cast<std::uint16_t>(48150 + n), static_cast<std::uint16_t>(48151 + n)};
+}
+
+std::vector<Message> samples() {
+  std::vector<Message> all;
+  all.push_back(Hello{kMagic, kProtocolVersion, 7, 48149, 48150, 48151, "10.1.2.3", {1, 2, 3, 255}});
+  all.push_back(Hello{});
+  all.push_back(Heartbeat{});
+  all.push_back(VoteUpdateTopology{});
+  all.push_back(P2PReport{42, {PeerId{1, 2}, PeerId{0xffffffffffffffffull, 0x8000000000000000ull}}});
+  all.push_back(P2PReport{});
+  all.push_back(VotePeersPending{});
+  all.push_back(VoteAgree{true});
+  all.push_back(VoteAgree{false});
+  all.push_back(Welcome{PeerId{0x1234, 99}, "192.168.0.17", 5000});
+  all.push_back(HeartbeatAck{});
+  all.push_back(EstablishP2P{9, {member(1, "10.0.0.1"), member(2, "10.0.0.2"), member(3, "")}});
+  all.push_back(EstablishP2P{});
+  all.push_back(TopologyResult{11, LOCKSTEP_OK, "", {member(1, "a"), member(2, "b")}, Attributes{5, 2, 3, 2}});
+  all.push_back(TopologyResult{12, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED, "peer p3 could not connect", {}, {}});
+  all.push_back(PeersPendingResult{LOCKSTEP_OK, true, ""});
+  all.push_back(PeersPendingResult{LOCKSTEP_STATUS_OPERATION_MISMATCH, false, "mismatch"});
+  all.push_back(AgreeResult{LOCKSTEP_OK, true, ""});
+  all.push_back(AgreeResult{LOCKSTEP_STATUS_PEER_CONNECTION_LOST, false, "lost p4"});
+  all.push_back(Refused{MsgType::kVoteAgree, LOCKSTEP_STATUS_INVALID_USAGE, "already in a vote"});
+  all.push_back(Goodbye{LOCKSTEP_STATUS_KICKED, "heartbeat timeout"});
+  all.push_back(Goodbye{LOCKSTEP_STATUS_INTERRUPTED, ""});
+  all.push_back(P2PHello{kMagic, kProtocolVersion, Channel::kSharedState, PeerId{1, 2}, PeerId{3, 4}, 77, 5, {9, 8}});
+  all.push_back(P2PHello{kMagic, kProtocolVersion, Channel::kBenchmark, PeerId{}, PeerId{}, 0, 0, {}});
+  all.push_back(P2PHello{});
+  all.push_back(P2PHelloAck{LOCKSTEP_STATUS_REJECTED});
+  all.push_back(P2PHelloAck{});
+  return all;
+}
+
+const std::vector<MsgType>& all_types() {
+  static const std::vector<MsgType> types = {
+      MsgType::kHello,          MsgType::kHeartbeat,          MsgType::kVoteUpdateTopology, MsgType::kP2PReport,
+      MsgType::kVotePeersPending, MsgType::kVoteAgree,        MsgType::kWelcome,            MsgType::kHeartbeatAck,
+      MsgType::kEstablishP2P,   MsgType::kTopologyResult,     MsgType::kPeersPendingResult, MsgType::kAgreeResult,
+      MsgType::kRefused,        MsgType::kGoodbye,            MsgType::kP2PHello,           MsgType::kP2PHelloAck};
+  return types;
+}
+
+bool has_empty_payload(MsgType t) {
+  return t == MsgType::kHeartbeat || t == MsgType::kVoteUpdateTopology || t == MsgType::kVotePeersPending ||
+         t == MsgType::kHeartbeatAck;
+}
+
+std::array<std::uint8_t, kFrameHeaderBytes> header_bytes(std::uint32_t length, std::uint16_t type,
+                                                         std::uint16_t flags = 0) {
+  return {static_cast<std::uint8_t>(length), static_cast<std::uint8_t>(length >> 8),
+          static_cast<std::uint8_t>(length >> 16), static_cast<std::uint8_t>(length >> 24),
+          static_cast<std::uint8_t>(type), static_cast<std::uint8_t>(type >> 8),
+          static_cast<std::uint8_t>(flags), static_cast<std::uint8_t>(flags >> 8)};
+}
+
+Result<FrameHeader> header_of(const Bytes& frame) {
+  return decode_header(std::span<const std::uint8_t, kFrameHeaderBytes>(frame.data(), kFrameHeaderBytes));
+}
+
+std::span<const std::uint8_t> payload_of(const Bytes& frame) {
+  return std::span<const std::uint8_t>(frame).subspan(kFrameHeaderBytes);
+}
+
+Bytes payload_copy(const Message& m) {
+  const Bytes frame = encode_frame(m);
+  return Bytes(frame.begin() + static_cast<std::ptrdiff_t>(kFrameHeaderBytes), frame.end());
+}
+
+// Little-endian appenders for hand-built payloads.
+void put_u8(Bytes& b, std::uint8_t v) { b.push_back(v); }
+void put_u16(Bytes& b, std::uint16_t v) {
+  b.push_back(static_cast<std::uint8_t>(v));
+  b.push_back(static_cast<std::uint8_t>(v >> 8));
+}
+void put_u32(Bytes& b, std::uint32_t v) {
+  for (int i = 0; i < 4; ++i) b.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+}
+void put_u64(Bytes& b, std::uint64_t v) {
+  for (int i = 0; i < 8; ++i) b.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+}
+void put_str(Bytes& b, std::size_t len, char fill = 'x') {
+  put_u16(b, static_cast<std::uint16_t>(len));
+  b.insert(b.end(), len, static_cast<std::uint8_t>(fill));
+}
+
+// Asserts a PROTOCOL_ERROR whose message contains every fragment.
+::testing::AssertionResult is_protocol_error(const Status& status, std::initializer_list<const char*> fragments) {
+  if (status.code() != LOCKSTEP_STATUS_PROTOCOL_ERROR) {
+    return ::testing::AssertionFailure() << "expected PROTOCOL_ERROR, got " << status.to_string();
+  }
+  for (const char* f : fragments) {
+    if (status.message().find(f) == std::string::npos) {
+      return ::testing::AssertionFailure() << "message \"" << status.message() << "\" does not mention \"" << f << "\"";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+template <typename T>
+::testing::AssertionResult payload_rejected(MsgType type, const T& payload, std::initializer_list<const char*> fragments) {
+  auto r = decode_payload(type, std::span<const std::uint8_t>(payload.data(), payload.size()));
+  if (r.is_ok()) return ::testing::AssertionFailure() << "decoded although it should not";
+  return is_protocol_error(r.status(), fragments);
+}
+
+// ---------------------------------------------------------------- round trips
+
+TEST(CodecRoundTrip, EveryTypeDecodesToAnEqualMessage) {
+  std::vector<bool> seen(256, false);
+  for (const Message& m : samples()) {
+    SCOPED_TRACE(msg_type_name(type_of(m)));
+    const Bytes frame = encode_frame(m);
+    ASSERT_GE(frame.size(), kFrameHeaderBytes);
+    auto h = header_of(frame);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    EXPECT_EQ(h.value().type, type_of(m));
+    EXPECT_EQ(h.value().payload_bytes, frame.size() - kFrameHeaderBytes);
+    EXPECT_EQ(frame[6], 0);
+    EXPECT_EQ(frame[7], 0);
+    auto d = decode_payload(h.value().type, payload_of(frame));
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    EXPECT_TRUE(d.value() == m);
+    EXPECT_EQ(d.value().index(), m.index());
+    seen[static_cast<std::size_t>(type_of(m)) & 0xff] = true;
+  }
+  for (MsgType t : all_types()) EXPECT_TRUE(seen[static_cast<std::size_t>(t)]) << msg_type_name(t) << " not sampled";
+}
+
+TEST(CodecRoundTrip, EmptyPayloadTypesEncodeToHeaderOnly) {
+  for (MsgType t : all_types()) {
+    if (!has_empty_payload(t)) continue;
+    Message m;
+    switch (t) {
+      case MsgType::kHeartbeat: m = Heartbeat{}; break;
+      case MsgType::kVoteUpdateTopology: m = VoteUpdateTopology{}; break;
+      case MsgType::kVotePeersPending: m = VotePeersPending{}; break;
+      default: m = HeartbeatAck{}; break;
+    }
+    EXPECT_EQ(encode_frame(m).size(), kFrameHeaderBytes) << msg_type_name(t);
+  }
+}
+
+TEST(CodecRoundTrip, FieldsAreLittleEndianAtDocumentedOffsets) {
+  const Bytes frame = encode_frame(Welcome{PeerId{0x0102030405060708ull, 0x1112131415161718ull}, "h", 0xa0b0c0d0u});
+  // header: length 16 + 2 + 1 + 4 = 23, type 64
+  EXPECT_EQ(frame[0], 23);
+  EXPECT_EQ(frame[1], 0);
+  EXPECT_EQ(frame[4], 64);
+  EXPECT_EQ(frame[5], 0);
+  EXPECT_EQ(frame[8], 0x08);   // id.hi low byte first
+  EXPECT_EQ(frame[15], 0x01);
+  EXPECT_EQ(frame[16], 0x18);  // id.lo
+  EXPECT_EQ(frame[24], 1);     // string length
+  EXPECT_EQ(frame[26], 'h');
+  EXPECT_EQ(frame[27], 0xd0);
+  EXPECT_EQ(frame[30], 0xa0);
+}
+
+TEST(CodecRoundTrip, SeveralFramesAppendToOneBuffer) {
+  Bytes buf;
+  const auto all = samples();
+  for (const auto& m : all) encode_frame(m, buf);
+  std::size_t pos = 0;
+  std::size_t i = 0;
+  while (pos < buf.size()) {
+    ASSERT_LE(pos + kFrameHeaderBytes, buf.size());
+    auto h = decode_header(std::span<const std::uint8_t, kFrameHeaderBytes>(buf.data() + pos, kFrameHeaderBytes));
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    pos += kFrameHeaderBytes;
+    ASSERT_LE(pos + h.value().payload_bytes, buf.size());
+    auto d = decode_payload(h.value().type, std::span<const std::uint8_t>(buf.data() + pos, h.value().payload_bytes));
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    ASSERT_LT(i, all.size());
+    EXPECT_TRUE(d.value() == all[i]);
+    pos += h.value().payload_bytes;
+    ++i;
+  }
+  EXPECT_EQ(i, all.size());
+}
+
+TEST(CodecRoundTrip, StringsAndBytesAtTheirBounds) {
+  const std::string host255(255, 'h');
+  const std::vector<std::uint8_t> auth512(512, 0x5a);
+  const std::string reason1024(limits::kWireStringBytesMax, 'r');
+  std::vector<Message> edge = {
+      Hello{kMagic, kProtocolVersion, 0xffffffffu, 65535, 65535, 65535, host255, auth512},
+      Welcome{PeerId{~0ull, ~0ull}, host255, 0xffffffffu},
+      Goodbye{LOCKSTEP_STATUS_REJECTED, reason1024},
+      Refused{MsgType::kP2PHelloAck, LOCKSTEP_STATUS_INTERRUPTED, reason1024},
+      AgreeResult{LOCKSTEP_OK, true, reason1024},
+      PeersPendingResult{LOCKSTEP_OK, true, reason1024},
+      P2PHello{kMagic, kProtocolVersion, Channel::kRing, PeerId{~0ull, 1}, PeerId{2, ~0ull}, ~0ull, ~0u, auth512},
+      TopologyResult{~0ull, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED, reason1024, {member(1, host255)}, {1, 2, 3, 4}},
+  };
+  for (const auto& m : edge) {
+    SCOPED_TRACE(msg_type_name(type_of(m)));
+    const Bytes frame = encode_frame(m);
+    auto h = header_of(frame);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    auto d = decode_payload(h.value().type, payload_of(frame));
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    EXPECT_TRUE(d.value() == m);
+  }
+}
+
+TEST(CodecRoundTrip, OverlongReasonIsCutToTheWireBound) {
+  const std::string reason(limits::kWireStringBytesMax + 500, 'q');
+  const Bytes frame = encode_frame(Goodbye{LOCKSTEP_STATUS_KICKED, reason});
+  auto h = header_of(frame);
+  ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+  auto d = decode_payload(h.value().type, payload_of(frame));
+  ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+  const auto& g = std::get<Goodbye>(d.value());
+  EXPECT_EQ(g.reason, reason.substr(0, limits::kWireStringBytesMax));
+}
+
+TEST(CodecRoundTrip, MembershipOfMaximumSize) {
+  EstablishP2P big;
+  big.epoch = 3;
+  TopologyResult result;
+  result.epoch = 3;
+  result.attributes = {limits::kMembersPerMessageMax, limits::kMembersPerMessageMax, 1, limits::kMembersPerMessageMax};
+  P2PReport report;
+  for (std::uint32_t i = 0; i < limits::kMembersPerMessageMax; ++i) {
+    big.ring.push_back(member(i, "10.0." + std::to_string(i / 256) + "." + std::to_string(i % 256)));
+    report.unreachable.push_back(PeerId{i, ~static_cast<std::uint64_t>(i)});
+  }
+  result.ring = big.ring;
+  for (const Message& m : std::vector<Message>{big, result, report}) {
+    SCOPED_TRACE(msg_type_name(type_of(m)));
+    const Bytes frame = encode_frame(m);
+    auto h = header_of(frame);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    auto d = decode_payload(h.value().type, payload_of(frame));
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    EXPECT_TRUE(d.value() == m);
+  }
+  // one member more is refused by count, whatever the payload holds
+  big.ring.push_back(member(5000, "x"));
+  const Bytes frame = encode_frame(big);
+  EXPECT_TRUE(payload_rejected(MsgType::kEstablishP2P, payload_of(frame), {"EstablishP2P", "members", "count above"}));
+}
+
+TEST(CodecNames, EveryTypeHasANameAndABound) {
+  for (MsgType t : all_types()) {
+    EXPECT_STRNE(msg_type_name(t), "Unknown");
+    EXPECT_NE(payload_bytes_max(static_cast<std::uint16_t>(t)), 0u) << msg_type_name(t);
+  }
+  EXPECT_STREQ(msg_type_name(static_cast<MsgType>(999)), "Unknown");
+  EXPECT_EQ(payload_bytes_max(0), 0u);
+  EXPECT_EQ(payload_bytes_max(7), 0u);
+  EXPECT_EQ(payload_bytes_max(0xffff), 0u);
+  for (const Message& m : samples()) EXPECT_EQ(payload_of(encode_frame(m)).size() == 0, has_empty_payload(type_of(m)));
+}
+
+// ---------------------------------------------------------------- headers
+
+TEST(CodecHeader, UnknownTypesAreRejected) {
+  int known = 0;
+  for (std::uint32_t raw = 0; raw <= 0xffff; ++raw) {
+    const auto type = static_cast<std::uint16_t>(raw);
+    const bool is_known = std::find(all_types().begin(), all_types().end(), static_cast<MsgType>(type)) != all_types().end();
+    auto r = decode_header(header_bytes(0, type));
+    if (is_known) {
+      ++known;
+      EXPECT_TRUE(r.is_ok()) << raw << ": " << r.status().to_string();
+    } else {
+      ASSERT_FALSE(r.is_ok()) << raw;
+      ASSERT_TRUE(is_protocol_error(r.status(), {"unknown message type", std::to_string(raw).c_str()})) << raw;
+    }
+  }
+  EXPECT_EQ(known, static_cast<int>(all_types().size()));
+}
+
+TEST(CodecHeader, NonzeroFlagsAreRejected) {
+  for (MsgType t : all_types()) {
+    for (std::uint16_t flags : {std::uint16_t{1}, std::uint16_t{0x100}, std::uint16_t{0x8000}, std::uint16_t{0xffff}}) {
+      auto r = decode_header(header_bytes(0, static_cast<std::uint16_t>(t), flags));
+      ASSERT_FALSE(r.is_ok());
+      EXPECT_TRUE(is_protocol_error(r.status(), {"flags", std::to_string(flags).c_str()}));
+    }
+  }
+}
+
+TEST(CodecHeader, LengthAboveTheTypeBoundIsRejected) {
+  for (MsgType t : all_types()) {
+    SCOPED_TRACE(msg_type_name(t));
+    const std::uint32_t bound = payload_bytes_max(static_cast<std::uint16_t>(t));
+    const std::uint32_t effective = bound == kEmptyPayload ? 0 : bound;
+    EXPECT_LE(effective, limits::kControlFramePayloadBytesMax);
+    auto at = decode_header(header_bytes(effective, static_cast<std::uint16_t>(t)));
+    ASSERT_TRUE(at.is_ok()) << at.status().to_string();
+    EXPECT_EQ(at.value().payload_bytes, effective);
+    EXPECT_EQ(at.value().type, t);
+    for (std::uint32_t len : {effective + 1, effective + 1000, limits::kControlFramePayloadBytesMax + 1, 0x7fffffffu,
+                              0xfffffffeu, 0xffffffffu}) {
+      auto r = decode_header(header_bytes(len, static_cast<std::uint16_t>(t)));
+      ASSERT_FALSE(r.is_ok()) << len;
+      EXPECT_TRUE(is_protocol_error(r.status(), {msg_type_name(t), "exceeds the maximum", std::to_string(len).c_str()}));
+    }
+  }
+}
+
+TEST(CodecHeader, DocumentedBoundsPerType) {
+  EXPECT_EQ(payload_bytes_max(static_cast<std::uint16_t>(MsgType::kHeartbeat)), kEmptyPayload);
+  EXPECT_EQ(payload_bytes_max(static_cast<std::uint16_t>(MsgType::kVoteAgree)), 1u);
+  EXPECT_EQ(payload_bytes_max(static_cast<std::uint16_t>(MsgType::kP2PHelloAck)), 4u);
+  EXPECT_EQ(payload_bytes_max(static_cast<std::uint16_t>(MsgType::kEstablishP2P)), limits::kControlFramePayloadBytesMax);
+  EXPECT_EQ(payload_bytes_max(static_cast<std::uint16_t>(MsgType::kTopologyResult)), limits::kControlFramePayloadBytesMax);
+  EXPECT_EQ(payload_bytes_max(static_cast<std::uint16_t>(MsgType::kP2PReport)), limits::kControlFramePayloadBytesMax);
+  // every sample frame's header passes, and its payload fits the bound
+  for (const Message& m : samples()) {
+    const Bytes frame = encode_frame(m);
+    EXPECT_TRUE(header_of(frame).is_ok()) << msg_type_name(type_of(m));
+  }
+}
+
+TEST(CodecHeader, EmptyPayloadTypesRejectAnyLength) {
+  for (MsgType t : all_types()) {
+    if (!has_empty_payload(t)) continue;
+    EXPECT_TRUE(decode_header(header_bytes(0, static_cast<std::uint16_t>(t))).is_ok());
+    for (std::uint32_t len : {1u, 2u, 8u, 4096u, 0xffffffffu}) {
+      auto r = decode_header(header_bytes(len, static_cast<std::uint16_t>(t)));
+      ASSERT_FALSE(r.is_ok()) << msg_type_name(t) << " " << len;
+      EXPECT_TRUE(is_protocol_error(r.status(), {msg_type_name(t), "maximum of 0"}));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- payloads
+
+TEST(CodecPayload, TruncationAtEveryByteIsRejected) {
+  for (const Message& m : samples()) {
+    const Bytes payload = payload_copy(m);
+    const char* name = msg_type_name(type_of(m));
+    for (std::size_t n = 0; n < payload.size(); ++n) {
+      auto r = decode_payload(type_of(m), std::span<const std::uint8_t>(payload.data(), n));
+      ASSERT_FALSE(r.is_ok()) << name << " decoded from a " << n << "-byte prefix of " << payload.size();
+      const std::string& msg = r.status().message();
+      ASSERT_EQ(r.status().code(), LOCKSTEP_STATUS_PROTOCOL_ERROR) << name << " prefix " << n;
+      EXPECT_EQ(msg.rfind(std::string(name) + ": ", 0), 0u) << msg;
+      EXPECT_TRUE(msg.find("truncated") != std::string::npos || msg.find("count exceeds payload") != std::string::npos)
+          << name << " prefix " << n << ": " << msg;
+    }
+  }
+}
+
+TEST(CodecPayload, TruncationNamesTheField) {
+  const Bytes hello = payload_copy(Hello{kMagic, kProtocolVersion, 1, 2, 3, 4, "host", {1}});
+  EXPECT_TRUE(payload_rejected(MsgType::kHello, std::span(hello.data(), 0), {"Hello", "hello.magic", "truncated"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kHello, std::span(hello.data(), 5), {"hello.version", "truncated"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kHello, std::span(hello.data(), 7), {"hello.group", "truncated"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kHello, std::span(hello.data(), 11), {"hello.p2p_port", "truncated"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kHello, std::span(hello.data(), 13), {"hello.shared_state_port"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kHello, std::span(hello.data(), 15), {"hello.benchmark_port"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kHello, std::span(hello.data(), 19), {"hello.advertised_host", "truncated"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kHello, std::span(hello.data(), hello.size() - 1), {"hello.auth", "truncated"}));
+  const Bytes welcome = payload_copy(Welcome{PeerId{1, 2}, "abc", 7});
+  EXPECT_TRUE(payload_rejected(MsgType::kWelcome, std::span(welcome.data(), 10), {"Welcome", "welcome.id"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kWelcome, std::span(welcome.data(), 19), {"welcome.observed_host"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kWelcome, std::span(welcome.data(), welcome.size() - 2),
+                               {"welcome.heartbeat_timeout_ms"}));
+  const Bytes agree = payload_copy(AgreeResult{LOCKSTEP_OK, true, "r"});
+  EXPECT_TRUE(payload_rejected(MsgType::kAgreeResult, std::span(agree.data(), 3), {"agree.status"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kAgreeResult, std::span(agree.data(), 4), {"agree.value"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kAgreeResult, std::span(agree.data(), 6), {"agree.reason"}));
+  const Bytes report = payload_copy(P2PReport{1, {PeerId{1, 1}}});
+  EXPECT_TRUE(payload_rejected(MsgType::kP2PReport, std::span(report.data(), 4), {"p2p_report.epoch"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kP2PReport, std::span(report.data(), 10), {"p2p_report.unreachable"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kP2PReport, std::span(report.data(), 12), {"p2p_report.unreachable"}));
+  const Bytes topo = payload_copy(TopologyResult{1, LOCKSTEP_OK, "", {member(1, "h")}, {1, 1, 1, 1}});
+  EXPECT_TRUE(payload_rejected(MsgType::kTopologyResult, std::span(topo.data(), topo.size() - 1),
+                               {"topology.largest_group_size"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kTopologyResult, std::span(topo.data(), topo.size() - 13),
+                               {"topology.global_world_size"}));
+  const Bytes p2p = payload_copy(P2PHello{});
+  EXPECT_TRUE(payload_rejected(MsgType::kP2PHello, std::span(p2p.data(), 6), {"p2p_hello.channel"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kP2PHello, std::span(p2p.data(), 7), {"p2p_hello.from"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kP2PHello, std::span(p2p.data(), 23), {"p2p_hello.to"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kP2PHello, std::span(p2p.data(), 39), {"p2p_hello.epoch"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kP2PHello, std::span(p2p.data(), 47), {"p2p_hello.pool_index"}));
+  EXPECT_TRUE(payload_rejected(MsgType::kP2PHello, std::span(p2p.data(), 51), {"p2p_hello.auth"}));
+}
+
+TEST(CodecPayload, TrailingBytesAreRejected) {
+  for (const Message& m : samples()) {
+    for (std::size_t extra : {1u, 2u, 17u}) {
+      Bytes payload = payload_copy(m);
+      payload.insert(payload.end(), extra, 0);
+      EXPECT_TRUE(payload_rejected(type_of(m), payload,
+                                   {msg_type_name(type_of(m)), (std::to_string(extra) + " trailing bytes").c_str()}));
+    }
+  }
+}
+
+TEST(CodecPayload, ZeroAndOneBytePayloads) {
+  for (MsgType t : all_types()) {
+    SCOPED_TRACE(msg_type_name(t));
+    const Bytes zero;
+    auto r0 = decode_payload(t, zero);
+    if (has_empty_payload(t)) {
+      ASSERT_TRUE(r0.is_ok()) << r0.status().to_string();
+      EXPECT_EQ(type_of(r0.value()), t);
+    } else {
+      ASSERT_FALSE(r0.is_ok());
+      EXPECT_TRUE(is_protocol_error(r0.status(), {msg_type_name(t), "truncated"}));
+    }
+    for (int v = 0; v < 256; ++v) {
+      const Bytes one = {static_cast<std::uint8_t>(v)};
+      auto r1 = decode_payload(t, one);
+      if (t == MsgType::kVoteAgree && v <= 1) {
+        ASSERT_TRUE(r1.is_ok()) << r1.status().to_string();
+        EXPECT_EQ(std::get<VoteAgree>(r1.value()).flag, v == 1);
+        continue;
+      }
+      ASSERT_FALSE(r1.is_ok()) << v;
+      if (has_empty_payload(t)) {
+        EXPECT_TRUE(is_protocol_error(r1.status(), {"1 trailing bytes"}));
+      } else if (t == MsgType::kVoteAgree) {
+        EXPECT_TRUE(is_protocol_error(r1.status(), {"vote_agree.flag", "boolean out of range"}));
+      } else {
+        EXPECT_TRUE(is_protocol_error(r1.status(), {msg_type_name(t), "truncated"}));
+      }
+    }
+  }
+}
+
+TEST(CodecPayload, BooleansAboveOneAreRejected) {
+  for (std::uint8_t v : {std::uint8_t{2}, std::uint8_t{0x80}, std::uint8_t{0xff}}) {
+    EXPECT_TRUE(payload_rejected(MsgType::kVoteAgree, Bytes{v}, {"VoteAgree", "vote_agree.flag", "boolean out of range"}));
+    Bytes pending = payload_copy(PeersPendingResult{LOCKSTEP_OK, true, "x"});
+    pending[4] = v;
+    EXPECT_TRUE(payload_rejected(MsgType::kPeersPendingResult, pending, {"pending.pending", "boolean out of range"}));
+    Bytes agree = payload_copy(AgreeResult{LOCKSTEP_OK, false, ""});
+    agree[4] = v;
+    EXPECT_TRUE(payload_rejected(MsgType::kAgreeResult, agree, {"agree.value", "boolean out of range"}));
+  }
+}
+
+TEST(CodecPayload, UnknownStatusCodesAreRejected) {
+  struct Case {
+    Message m;
+    std::size_t offset;
+    const char* field;
+  };
+  const std::vector<Case> cases = {
+      {TopologyResult{1, LOCKSTEP_OK, "", {}, {}}, 8, "topology.status"},
+      {PeersPendingResult{}, 0, "pending.status"},
+      {AgreeResult{}, 0, "agree.status"},
+      {Refused{}, 2, "refused.status"},
+      {Goodbye{}, 0, "goodbye.status"},
+      {P2PHelloAck{}, 0, "p2p_hello_ack.status"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.field);
+    // the largest known code decodes
+    Bytes ok = payload_copy(c.m);
+    ok[c.offset] = static_cast<std::uint8_t>(LOCKSTEP_STATUS_INTERRUPTED);
+    EXPECT_TRUE(decode_payload(type_of(c.m), ok).is_ok());
+    for (std::uint32_t code : {static_cast<std::uint32_t>(LOCKSTEP_STATUS_INTERRUPTED) + 1, 100u, 0x80000000u, 0xffffffffu}) {
+      Bytes p = payload_copy(c.m);
+      for (int i = 0; i < 4; ++i) p[c.offset + static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(code >> (8 * i));
+      EXPECT_TRUE(payload_rejected(type_of(c.m), p, {c.field, "unknown status code"}));
+    }
+  }
+}
+
+TEST(CodecPayload, StringsAboveTheirBoundAreRejected) {
+  // hosts: 255 bytes at most (the encoder does not cut them, so a too-long host is caught on decode)
+  {
+    const Bytes p = payload_copy(Hello{kMagic, kProtocolVersion, 0, 1, 2, 3, std::string(256, 'a'), {}});
+    EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"Hello", "hello.advertised_host", "longer than 255"}));
+  }
+  {
+    const Bytes p = payload_copy(Welcome{PeerId{1, 1}, std::string(300, 'a'), 1});
+    EXPECT_TRUE(payload_rejected(MsgType::kWelcome, p, {"welcome.observed_host", "longer than 255"}));
+  }
+  {
+    const Bytes p = payload_copy(EstablishP2P{1, {member(1, std::string(256, 'm'))}});
+    EXPECT_TRUE(payload_rejected(MsgType::kEstablishP2P, p, {"member.host", "longer than 255"}));
+  }
+  // auth: 512 bytes at most
+  {
+    const Bytes p = payload_copy(Hello{kMagic, kProtocolVersion, 0, 1, 2, 3, "", std::vector<std::uint8_t>(513, 1)});
+    EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"hello.auth", "longer than 512"}));
+    const Bytes q = payload_copy(P2PHello{kMagic, kProtocolVersion, Channel::kRing, {}, {}, 0, 0,
+                                          std::vector<std::uint8_t>(513, 1)});
+    EXPECT_TRUE(payload_rejected(MsgType::kP2PHello, q, {"p2p_hello.auth", "longer than 512"}));
+  }
+  // reasons: kWireStringBytesMax, built by hand since the encoder cuts them
+  const std::size_t over = limits::kWireStringBytesMax + 1;
+  {
+    Bytes p;
+    put_u32(p, LOCKSTEP_STATUS_KICKED);
+    put_str(p, over);
+    EXPECT_TRUE(payload_rejected(MsgType::kGoodbye, p, {"goodbye.reason", "longer than 1024"}));
+  }
+  {
+    Bytes p;
+    put_u16(p, static_cast<std::uint16_t>(MsgType::kVoteAgree));
+    put_u32(p, LOCKSTEP_STATUS_INVALID_USAGE);
+    put_str(p, over);
+    EXPECT_TRUE(payload_rejected(MsgType::kRefused, p, {"refused.reason", "longer than 1024"}));
+  }
+  {
+    Bytes p;
+    put_u32(p, LOCKSTEP_OK);
+    put_u8(p, 1);
+    put_str(p, over);
+    EXPECT_TRUE(payload_rejected(MsgType::kAgreeResult, p, {"agree.reason", "longer than 1024"}));
+    EXPECT_TRUE(payload_rejected(MsgType::kPeersPendingResult, p, {"pending.reason", "longer than 1024"}));
+  }
+  {
+    Bytes p;
+    put_u64(p, 1);
+    put_u32(p, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+    put_str(p, over);
+    put_u32(p, 0);
+    for (int i = 0; i < 4; ++i) put_u32(p, 0);
+    EXPECT_TRUE(payload_rejected(MsgType::kTopologyResult, p, {"topology.reason", "longer than 1024"}));
+  }
+  // a string length that the payload cannot hold
+  {
+    Bytes p;
+    put_u32(p, LOCKSTEP_STATUS_KICKED);
+    put_u16(p, 1000);
+    p.insert(p.end(), 10, 'x');
+    EXPECT_TRUE(payload_rejected(MsgType::kGoodbye, p, {"goodbye.reason", "truncated"}));
+  }
+}
+
+TEST(CodecPayload, LyingCountsFailWithoutAllocating) {
+  const std::size_t kAllocationLimit = 64 * 1024;
+  {
+    // the probe sees allocations at all
+    AllocationProbe probe;
+    std::vector<std::uint8_t> big(kAllocationLimit * 2, 1);
+    EXPECT_GE(probe.largest(), big.size());
+    EXPECT_EQ(big[big.size() - 1], 1);
+  }
+  for (std::uint32_t count : {0xffffffffu, 0x80000000u, limits::kMembersPerMessageMax + 1}) {
+    Bytes establish;
+    put_u64(establish, 1);
+    put_u32(establish, count);
+    Bytes topology;
+    put_u64(topology, 1);
+    put_u32(topology, LOCKSTEP_OK);
+    put_str(topology, 0);
+    put_u32(topology, count);
+    for (int i = 0; i < 4; ++i) put_u32(topology, 1);
+    Bytes report;
+    put_u64(report, 1);
+    put_u32(report, count);
+    AllocationProbe probe;
+    EXPECT_TRUE(payload_rejected(MsgType::kEstablishP2P, establish, {"EstablishP2P", "members", "count above 4096"}));
+    EXPECT_TRUE(payload_rejected(MsgType::kTopologyResult, topology, {"TopologyResult", "members", "count above"}));
+    EXPECT_TRUE(payload_rejected(MsgType::kP2PReport, report, {"P2PReport", "p2p_report.unreachable", "count above"}));
+    EXPECT_LT(probe.largest(), kAllocationLimit) << "count " << count;
+  }
+  // a count within the limit but larger than the rest of the payload could hold
+  for (std::uint32_t count : {limits::kMembersPerMessageMax, 2u, 1u}) {
+    Bytes establish;
+    put_u64(establish, 1);
+    put_u32(establish, count);
+    establish.insert(establish.end(), 23, 0);  // one byte short of one member
+    Bytes report;
+    put_u64(report, 1);
+    put_u32(report, count);
+    report.insert(report.end(), 15, 0);  // one byte short of one id
+    AllocationProbe probe;
+    EXPECT_TRUE(payload_rejected(MsgType::kEstablishP2P, establish, {"members", "count exceeds payload"}));
+    EXPECT_TRUE(payload_rejected(MsgType::kP2PReport, report, {"p2p_report.unreachable", "count exceeds payload"}));
+    EXPECT_LT(probe.largest(), kAllocationLimit) << "count " << count;
+  }
+}
+
+TEST(CodecPayload, WrongMagicOrVersion) {
+  {
+    Bytes p = payload_copy(Hello{kMagic, kProtocolVersion, 0, 1, 0, 0, "", {}});
+    p[0] ^= 1;
+    EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"Hello", "hello.magic", "not a lockstep peer"}));
+  }
+  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{2}, std::uint16_t{0xffff}}) {
+    const Bytes p = payload_copy(Hello{kMagic, version, 0, 1, 0, 0, "", {}});
+    EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"hello.version", "unsupported", std::to_string(version).c_str()}));
+    const Bytes q = payload_copy(P2PHello{kMagic, version, Channel::kRing, {}, {}, 0, 0, {}});
+    EXPECT_TRUE(payload_rejected(MsgType::kP2PHello, q, {"P2PHello", "p2p_hello.version", "unsupported"}));
+  }
+  {
+    const Bytes p = payload_copy(Hello{0x54534b4c, kProtocolVersion, 0, 1, 0, 0, "", {}});  // byte-swapped magic
+    EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"hello.magic"}));
+    const Bytes q = payload_copy(P2PHello{0, kProtocolVersion, Channel::kRing, {}, {}, 0, 0, {}});
+    EXPECT_TRUE(payload_rejected(MsgType::kP2PHello, q, {"p2p_hello.magic", "not a lockstep peer"}));
+  }
+}
+
+TEST(CodecPayload, UnknownChannel) {
+  for (int channel = 0; channel < 256; ++channel) {
+    Bytes p = payload_copy(P2PHello{});
+    p[6] = static_cast<std::uint8_t>(channel);
+    auto r = decode_payload(MsgType::kP2PHello, p);
+    if (channel >= 1 && channel <= 3) {
+      ASSERT_TRUE(r.is_ok()) << channel << ": " << r.status().to_string();
+      EXPECT_EQ(static_cast<int>(std::get<P2PHello>(r.value()).channel), channel);
+    } else {
+      ASSERT_FALSE(r.is_ok()) << channel;
+      EXPECT_TRUE(is_protocol_error(r.status(), {"p2p_hello.channel", "unknown channel"}));
+    }
+  }
+}
+
+TEST(CodecPayload, RefusedOfUnknownRequestType) {
+  for (std::uint16_t raw : {std::uint16_t{0}, std::uint16_t{7}, std::uint16_t{63}, std::uint16_t{130}, std::uint16_t{0xffff}}) {
+    Bytes p = payload_copy(Refused{});
+    p[0] = static_cast<std::uint8_t>(raw);
+    p[1] = static_cast<std::uint8_t>(raw >> 8);
+    EXPECT_TRUE(payload_rejected(MsgType::kRefused, p, {"Refused", "refused.request", "unknown message type"}));
+  }
+}
+
+TEST(CodecPayload, DecodePayloadOfAnUnknownTypeIsAnError) {
+  const Bytes empty;
+  auto r = decode_payload(static_cast<MsgType>(999), empty);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_TRUE(is_protocol_error(r.status(), {"unknown message type", "999"}));
+}
+
+// ---------------------------------------------------------------- garbage
+
+// Decoding must be total: any bytes give a message or a PROTOCOL_ERROR. When bytes
+// decode, re-encoding them gives back exactly those bytes (the encoding is canonical).
+void check_garbage(const Bytes& frame, std::uint64_t iteration, int* decoded) {
+  if (frame.size() < kFrameHeaderBytes) return;
+  auto h = header_of(frame);
+  if (!h.is_ok()) {
+    ASSERT_EQ(h.status().code(), LOCKSTEP_STATUS_PROTOCOL_ERROR) << "iteration " << iteration;
+    ASSERT_FALSE(h.status().message().empty());
+    return;
+  }
+  const auto payload = payload_of(frame);
+  auto d = decode_payload(h.value().type, payload);
+  if (!d.is_ok()) {
+    ASSERT_EQ(d.status().code(), LOCKSTEP_STATUS_PROTOCOL_ERROR) << "iteration " << iteration;
+    ASSERT_EQ(d.status().message().rfind(std::string(msg_type_name(h.value().type)) + ": ", 0), 0u)
+        << "iteration " << iteration << ": " << d.status().message();
+    return;
+  }
+  ++*decoded;
+  ASSERT_EQ(type_of(d.value()), h.value().type) << "iteration " << iteration;
+  const Bytes again = encode_frame(d.value());
+  ASSERT_EQ(Bytes(again.begin() + kFrameHeaderBytes, again.end()), Bytes(payload.begin(), payload.end()))
+      << "iteration " << iteration << ": decoding then encoding changed the bytes";
+}
+
+TEST(CodecGarbage, RandomBytesNeverCrash) {
+  std::mt19937_64 rng(0x10c5a7e9ull);
+  const auto& types = all_types();
+  int decoded = 0;
+  AllocationProbe probe;
+  for (std::uint64_t i = 0; i < 200'000; ++i) {
+    Bytes frame;
+    const auto mode = rng() % 4;
+    std::size_t len = rng() % 64;
+    if (rng() % 16 == 0) len = rng() % 600;
+    if (mode == 0) {
+      // entirely random, header included
+      frame.resize(kFrameHeaderBytes + len);
+      for (auto& b : frame) b = static_cast<std::uint8_t>(rng());
+    } else {
+      // a valid header of a known type and a random payload; small values dominate so
+      // that booleans, counts, lengths and status codes often land in range
+      const MsgType t = types[rng() % types.size()];
+      if (has_empty_payload(t) && rng() % 2 == 0) len = 0;
+      const auto h = header_bytes(static_cast<std::uint32_t>(len), static_cast<std::uint16_t>(t));
+      frame.assign(h.begin(), h.end());
+      for (std::size_t k = 0; k < len; ++k) {
+        const auto r = rng();
+        frame.push_back(static_cast<std::uint8_t>(mode == 1 ? r : (r % 3 == 0 ? r : r % 3)));
+      }
+    }
+    ASSERT_NO_FATAL_FAILURE(check_garbage(frame, i, &decoded));
+  }
+  EXPECT_LT(probe.largest(), std::size_t{1} << 20);
+  EXPECT_GT(decoded, 0);
+}
+
+TEST(CodecGarbage, MutatedValidFramesNeverCrash) {
+  std::mt19937_64 rng(0x5eed0002ull);
+  const auto base = samples();
+  int decoded = 0;
+  for (std::uint64_t i = 0; i < 200'000; ++i) {
+    Bytes frame = encode_frame(base[rng() % base.size()]);
+    const int edits = 1 + static_cast<int>(rng() % 4);
+    for (int e = 0; e < edits; ++e) {
+      switch (rng() % 5) {
+        case 0:  // flip a bit
+          if (frame.size() > kFrameHeaderBytes) {
+            const std::size_t at = kFrameHeaderBytes + rng() % (frame.size() - kFrameHeaderBytes);
+            frame[at] = static_cast<std::uint8_t>(frame[at] ^ (1u << (rng() % 8)));
+          }
+          break;
+        case 1:  // overwrite a byte
+          if (frame.size() > kFrameHeaderBytes) {
+            frame[kFrameHeaderBytes + rng() % (frame.size() - kFrameHeaderBytes)] = static_cast<std::uint8_t>(rng());
+          }
+          break;
+        case 2:  // cut the end
+          if (frame.size() > kFrameHeaderBytes) frame.resize(frame.size() - 1 - rng() % (frame.size() - kFrameHeaderBytes));
+          break;
+        case 3:  // append
+          frame.push_back(static_cast<std::uint8_t>(rng()));
+          break;
+        default:  // insert 0xff
+          if (frame.size() > kFrameHeaderBytes) {
+            frame.insert(frame.begin() + static_cast<std::ptrdiff_t>(kFrameHeaderBytes + rng() % (frame.size() - kFrameHeaderBytes)), 0xff);
+          }
+          break;
+      }
+    }
+    // keep the header's length consistent with the mutated payload
+    const auto len = static_cast<std::uint32_t>(frame.size() - kFrameHeaderBytes);
+    for (int k = 0; k < 4; ++k) frame[static_cast<std::size_t>(k)] = static_cast<std::uint8_t>(len >> (8 * k));
+    ASSERT_NO_FATAL_FAILURE(check_garbage(frame, i, &decoded));
+  }
+  EXPECT_GT(decoded, 0);
+}
+
+}  // namespace
+}  // namespace lockstep::proto

@@ -1,6 +1,7 @@
 // Subprocess implementation on fork/exec and poll.
 #include "subprocess.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -100,9 +101,8 @@ std::optional<std::string> Subprocess::read_line(std::chrono::milliseconds timeo
     }
     if (stdout_fd_ < 0) return std::nullopt;
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) return std::nullopt;
     pollfd p{stdout_fd_, POLLIN, 0};
-    const int rc = ::poll(&p, 1, static_cast<int>(left.count()));
+    const int rc = ::poll(&p, 1, static_cast<int>(std::max<long long>(left.count(), 0)));
     if (rc < 0 && errno == EINTR) continue;
     if (rc <= 0) return std::nullopt;
     char chunk[4096];

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs dependencies, builds, and runs every test:
+#   1. the RelWithDebInfo build: unit, simulation, end-to-end, C API and test-bed tests;
+#   2. the AddressSanitizer + UndefinedBehaviorSanitizer build: the same tests but the
+#      test bed's (which measure rates), with timeouts scaled up so slow peers live.
+# Options: --quick (skip the sanitizer pass), --tsan (add a ThreadSanitizer pass).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+quick=0
+tsan=0
+for arg in "$@"; do
+  case "$arg" in
+    --quick) quick=1 ;;
+    --tsan) tsan=1 ;;
+    *) echo "unknown option $arg" >&2; exit 2 ;;
+  esac
+done
+./scripts/install-deps.sh
+jobs="$(nproc)"
+start=$SECONDS
+stamp() { echo "=== $1 ($((SECONDS - start)) s)"; }
+
+stamp "build"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build -j"$jobs"
+stamp "tests"
+ctest --test-dir build --output-on-failure -j"$jobs" -LE testbed
+stamp "test-bed tests (one at a time: they measure rates)"
+ctest --test-dir build --output-on-failure -L testbed
+
+if [ "$quick" = 0 ]; then
+  stamp "ASan+UBSan build"
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DLOCKSTEP_SANITIZE_ADDRESS=ON \
+    -DLOCKSTEP_SANITIZE_UNDEFINED=ON -DLOCKSTEP_BUILD_TESTBED=OFF -DLOCKSTEP_TEST_TIME_SCALE=4 >/dev/null
+  cmake --build build-asan -j"$jobs"
+  stamp "ASan+UBSan tests"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --test-dir build-asan --output-on-failure -j"$jobs"
+fi
+if [ "$tsan" = 1 ]; then
+  stamp "TSan build"
+  cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DLOCKSTEP_SANITIZE_THREAD=ON \
+    -DLOCKSTEP_BUILD_TESTBED=OFF -DLOCKSTEP_TEST_TIME_SCALE=6 >/dev/null
+  cmake --build build-tsan -j"$jobs"
+  stamp "TSan tests"
+  TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan --output-on-failure -j"$jobs"
+fi
+stamp "all tests passed"
