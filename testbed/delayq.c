@@ -13,7 +13,8 @@
  * NFQA_CFG_F_FAIL_OPEN). Memory is bounded: at most --max-packets packets and
  * --max-bytes bytes are held; beyond that a packet is dropped at once and counted.
  *
- * Statistics are written as one JSON line to stderr on SIGUSR1 and at exit.
+ * Statistics are written as one JSON line to stderr on SIGUSR1 and at exit, with the
+ * kernel's own drop counters of the queue.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -72,13 +73,38 @@ static uint64_t now_mono(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* The kernel's counters of this queue (this network namespace's
+ * /proc/net/netfilter/nfnetlink_queue): packets it dropped because the queue was full,
+ * and because they could not be sent to us. */
+static void kernel_drops(unsigned queue, long long *queue_dropped, long long *user_dropped) {
+  *queue_dropped = *user_dropped = -1;
+  FILE *f = fopen("/proc/net/netfilter/nfnetlink_queue", "r");
+  if (f == NULL) return;
+  unsigned q, portid, total, mode, range;
+  unsigned long long qd, ud;
+  while (fscanf(f, "%u %u %u %u %u %llu %llu %*u %*u", &q, &portid, &total, &mode, &range, &qd,
+                &ud) == 7) {
+    if (q == queue) {
+      *queue_dropped = (long long)qd;
+      *user_dropped = (long long)ud;
+      break;
+    }
+  }
+  fclose(f);
+}
+
 static void print_stats(const struct state *s, const char *event) {
+  long long kq, ku;
+  kernel_drops(s->queue, &kq, &ku);
   fprintf(stderr,
           "{\"event\":\"%s\",\"queue\":%u,\"delay_ms\":%.3f,\"received\":%" PRIu64
           ",\"released\":%" PRIu64 ",\"dropped_full\":%" PRIu64 ",\"enobufs\":%" PRIu64
-          ",\"verdict_errors\":%" PRIu64 ",\"held\":%zu,\"max_held\":%zu,\"max_late_us\":%.1f}\n",
+          ",\"verdict_errors\":%" PRIu64 ",\"held\":%zu,\"max_held\":%zu,\"max_packets\":%zu"
+          ",\"held_bytes\":%" PRIu64 ",\"max_late_us\":%.1f"
+          ",\"kernel_queue_dropped\":%lld,\"kernel_user_dropped\":%lld}\n",
           event, s->queue, s->delay_ms, s->received, s->released, s->dropped_full, s->enobufs,
-          s->verdict_errors, s->count, s->max_held, (double)s->max_late_ns / 1000.0);
+          s->verdict_errors, s->count, s->max_held, s->cap, s->bytes,
+          (double)s->max_late_ns / 1000.0, kq, ku);
   fflush(stderr);
 }
 
@@ -270,9 +296,11 @@ int main(int argc, char **argv) {
     fprintf(stderr, "delayq: nfq_set_mode: %s\n", strerror(errno));
     return 1;
   }
-  /* The kernel's own bound on queued packets equals ours; beyond it the kernel drops
-   * (never accepts: no FAIL_OPEN). GSO packets are queued whole, not segmented. */
-  if (nfq_set_queue_maxlen(s.qh, (uint32_t)max_packets) < 0)
+  /* The kernel's own bound on queued packets is ours plus room for the packets not yet
+   * read, so the packets beyond our bound reach us to be dropped and counted; past its
+   * bound the kernel drops (never accepts: no FAIL_OPEN). GSO packets are queued whole,
+   * not segmented. */
+  if (nfq_set_queue_maxlen(s.qh, (uint32_t)(max_packets + 4096)) < 0)
     fprintf(stderr, "delayq: nfq_set_queue_maxlen: %s\n", strerror(errno));
   if (nfq_set_queue_flags(s.qh, NFQA_CFG_F_GSO | NFQA_CFG_F_FAIL_OPEN, NFQA_CFG_F_GSO) < 0)
     fprintf(stderr, "delayq: NFQA_CFG_F_GSO not supported: %s\n", strerror(errno));

@@ -163,6 +163,7 @@ TEST_F(GarbageTest, EveryMalformedInputClosesItsConnectionAndTheRunContinues) {
   }
   const long rss_after = rss_kib(master_->proc().pid());
   EXPECT_LT(rss_after - rss_before, 16 * 1024) << "master RSS grew from " << rss_before << " to " << rss_after << " KiB";
+  EXPECT_EQ(master_->stop(), 0) << "the master did not shut down cleanly";
 }
 
 TEST_F(GarbageTest, ManyStrangersThatNeverSpeakDoNotBlockMembers) {

@@ -74,6 +74,9 @@ TEST(Membership, EightPeersJoinInWavesAcrossTwoGroups) {
     EXPECT_EQ(code(r), 0);
     EXPECT_FALSE(r["pending"].get<bool>());
   }
+  // Clean exits (under sanitizers this also checks for leaks and errors at exit).
+  for (auto* p : members) EXPECT_EQ(p->stop(), 0) << p->name();
+  EXPECT_EQ(master.stop(), 0);
 }
 
 TEST(Membership, KilledPeerIsGoneFromEverySurvivorsView) {

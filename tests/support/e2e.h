@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <csignal>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -52,6 +53,12 @@ class Master {
   std::uint16_t port() const { return port_; }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   tools::Subprocess& proc() { return *proc_; }
+  // Asks for a clean shutdown (SIGTERM) and returns the exit status (-1: it hung), so
+  // that sanitizer findings at exit fail the test.
+  int stop() {
+    proc_->signal(SIGTERM);
+    return proc_->wait(scaled(10s)).value_or(-1);
+  }
 
  private:
   std::unique_ptr<tools::Subprocess> proc_;
@@ -89,6 +96,11 @@ class Peer {
     return reply(timeout);
   }
   const std::string& id() const { return id_; }
+  // Asks the peer to destroy its communicator and exit; returns the exit status.
+  int stop() {
+    proc_->write_line("exit");
+    return proc_->wait(scaled(10s)).value_or(-1);
+  }
 
  private:
   std::string name_;

@@ -328,6 +328,20 @@ def test_gigabit_with_delay(testbed_factory):
     assert all(d["alive"] for d in stats["delays"])
 
 
+def test_delay_program_memory_is_bounded(testbed_factory):
+    """At most --max-packets packets are held; the rest are dropped and counted."""
+    bed = testbed_factory(2)
+    bed.run("delay", 0, 1, 600, "--max-packets", 8)
+    # 50 datagrams in 250 ms, all inside one 600 ms delay: 8 are held, 42 dropped.
+    assert udp_delivered(bed, 0, 1, count=50, wait=2.0) == 8
+    [st] = [json.loads(line) for line in bed.run("stats").stdout.splitlines()]
+    print(f"\n  delay program counters: {st}")
+    assert (st["src"], st["dst"]) == (0, 1)
+    assert st["max_packets"] == 8 and st["max_held"] == 8
+    assert st["received"] == 50 and st["released"] == 8 and st["dropped_full"] == 42
+    assert st["kernel_queue_dropped"] == 0 and st["kernel_user_dropped"] == 0
+
+
 # --- failures ----------------------------------------------------------------------
 
 def test_delay_program_killed_fails_closed(testbed_factory):

@@ -1,1 +1,1604 @@
+// Coordinator unit tests: every legal transition, every illegal request in every
+// state, failures at each point of update topology, the votes (are-peers-pending,
+// agree, mismatch, vote timeout), failure detection and the handshake rules. Every
+// step goes through a harness that checks the coordinator's structural invariants.
+#include "coordinator/coordinator.h"
+#include "protocol/codec.h"
+
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <ostream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+void PrintTo(const PeerId& id, std::ostream* os) { *os << id.to_string(); }
+namespace proto {
+void PrintTo(const MemberInfo& m, std::ostream* os) {
+  *os << "{" << m.id.to_string() << " " << m.host << ":" << m.p2p_port << "}";
+}
+}  // namespace proto
+}  // namespace lockstep
+
+namespace lockstep::coord {
+namespace {
+
+namespace p = lockstep::proto;
+
+// ---------------------------------------------------------------- outbox helpers
+
+std::string describe(const p::Message& m) {
+  std::ostringstream s;
+  s << p::msg_type_name(p::type_of(m));
+  std::visit(
+      [&](const auto& v) {
+        using T = std::decay_t<decltype(v)>;
+        if constexpr (requires { v.status; }) s << " " << status_name(v.status);
+        if constexpr (requires { v.reason; }) {
+          if (!v.reason.empty()) s << " \"" << v.reason << "\"";
+        }
+        if constexpr (std::is_same_v<T, p::EstablishP2P> || std::is_same_v<T, p::TopologyResult>) {
+          s << " epoch=" << v.epoch << " ring=[";
+          for (const auto& m2 : v.ring) s << m2.id.to_string() << " ";
+          s << "]";
+        }
+        if constexpr (std::is_same_v<T, p::AgreeResult>) s << " value=" << v.value;
+        if constexpr (std::is_same_v<T, p::PeersPendingResult>) s << " pending=" << v.pending;
+        if constexpr (std::is_same_v<T, p::Refused>) s << " request=" << p::msg_type_name(v.request);
+      },
+      m);
+  return s.str();
+}
+
+std::string describe(const Outbox& out) {
+  std::ostringstream s;
+  for (const auto& cmd : out) {
+    if (const auto* send = std::get_if<Send>(&cmd)) {
+      s << "  send conn " << send->conn << ": " << describe(send->message) << "\n";
+    } else if (const auto* close = std::get_if<Close>(&cmd)) {
+      s << "  close conn " << close->conn << ": " << close->reason << "\n";
+    } else {
+      s << "  event: " << std::get<Event>(cmd).text << "\n";
+    }
+  }
+  return s.str();
+}
+
+std::vector<p::Message> sent_to(const Outbox& out, ConnId conn) {
+  std::vector<p::Message> result;
+  for (const auto& cmd : out) {
+    if (const auto* send = std::get_if<Send>(&cmd); send != nullptr && send->conn == conn) result.push_back(send->message);
+  }
+  return result;
+}
+
+template <typename T>
+std::vector<T> all_of(const Outbox& out, ConnId conn) {
+  std::vector<T> result;
+  for (const auto& m : sent_to(out, conn)) {
+    if (const auto* v = std::get_if<T>(&m)) result.push_back(*v);
+  }
+  return result;
+}
+
+// The single message of type T sent to conn, or nullopt (with a test failure) if
+// there is none or more than one.
+template <typename T>
+std::optional<T> one_of(const Outbox& out, ConnId conn) {
+  auto all = all_of<T>(out, conn);
+  if (all.size() != 1) {
+    ADD_FAILURE() << "expected exactly one " << p::msg_type_name(T::kType) << " to conn " << conn << ", got "
+                  << all.size() << "; outbox:\n"
+                  << describe(out);
+    return std::nullopt;
+  }
+  return all.front();
+}
+
+std::size_t send_count(const Outbox& out) {
+  return static_cast<std::size_t>(std::count_if(out.begin(), out.end(), [](const Command& c) { return std::holds_alternative<Send>(c); }));
+}
+
+std::size_t close_count(const Outbox& out) {
+  return static_cast<std::size_t>(std::count_if(out.begin(), out.end(), [](const Command& c) { return std::holds_alternative<Close>(c); }));
+}
+
+bool closes(const Outbox& out, ConnId conn) {
+  return std::any_of(out.begin(), out.end(), [&](const Command& c) {
+    const auto* close = std::get_if<Close>(&c);
+    return close != nullptr && close->conn == conn;
+  });
+}
+
+// Position of the first command for conn satisfying pred, or out.size().
+std::size_t index_of(const Outbox& out, ConnId conn, p::MsgType type) {
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const auto* send = std::get_if<Send>(&out[i]);
+    if (send != nullptr && send->conn == conn && p::type_of(send->message) == type) return i;
+  }
+  return out.size();
+}
+
+std::vector<PeerId> ids_of(const std::vector<p::MemberInfo>& ring) {
+  std::vector<PeerId> ids;
+  for (const auto& m : ring) ids.push_back(m.id);
+  return ids;
+}
+
+// ---------------------------------------------------------------- harness
+
+struct FakePeer {
+  ConnId conn = 0;
+  PeerId id;
+  std::uint32_t group = 0;
+  std::string host;
+};
+
+Config test_config() {
+  Config config;
+  config.heartbeat_timeout_ms = 5'000;
+  config.vote_timeout_ms = 0;
+  config.handshake_timeout_ms = 2'000;
+  config.establish_timeout_ms = 10'000;
+  config.instance_nonce = 0xfeedfacecafe0000ull;
+  return config;
+}
+
+class Harness {
+ public:
+  explicit Harness(Config config = test_config()) : c(config) {}
+
+  Coordinator c;
+  TimeMs now = 1'000'000;
+  ConnId next_conn = 1;
+
+  void check() {
+    const auto broken = c.check_invariants();
+    EXPECT_FALSE(broken.has_value()) << "invariant broken: " << broken.value_or("") << "\nstate: " << c.digest();
+  }
+
+  Outbox connect(ConnId conn, const std::string& host) {
+    Outbox out;
+    c.on_connect(conn, host, now, out);
+    check();
+    return out;
+  }
+  Outbox send(ConnId conn, const p::Message& message) {
+    Outbox out;
+    c.on_message(conn, message, now, out);
+    check();
+    return out;
+  }
+  Outbox send(const FakePeer& peer, const p::Message& message) { return send(peer.conn, message); }
+  Outbox disconnect(ConnId conn) {
+    Outbox out;
+    c.on_disconnect(conn, "reset by peer", now, out);
+    check();
+    return out;
+  }
+  Outbox disconnect(const FakePeer& peer) { return disconnect(peer.conn); }
+  Outbox protocol_error(ConnId conn) {
+    Outbox out;
+    c.on_protocol_error(conn, "frame of unknown type 999", now, out);
+    check();
+    return out;
+  }
+  Outbox tick() {
+    Outbox out;
+    c.on_tick(now, out);
+    check();
+    return out;
+  }
+  Outbox advance(TimeMs dt) {
+    now += dt;
+    return tick();
+  }
+  // Every given peer sends a heartbeat (so that time can pass without evicting it).
+  void heartbeat(const std::vector<FakePeer>& peers) {
+    for (const auto& peer : peers) {
+      auto out = send(peer, p::Heartbeat{});
+      EXPECT_TRUE(one_of<p::HeartbeatAck>(out, peer.conn).has_value());
+    }
+  }
+
+  static p::Hello hello(std::uint32_t group, std::uint16_t port, std::string advertised = {}) {
+    p::Hello h;
+    h.group = group;
+    h.p2p_port = port;
+    h.shared_state_port = static_cast<std::uint16_t>(port + 1);
+    h.benchmark_port = static_cast<std::uint16_t>(port + 2);
+    h.advertised_host = std::move(advertised);
+    return h;
+  }
+
+  // Connects and sends a Hello; the peer is registered and welcomed.
+  FakePeer join(std::uint32_t group, Outbox* captured = nullptr, std::string host = {}) {
+    FakePeer peer;
+    peer.conn = next_conn++;
+    peer.group = group;
+    peer.host = host.empty() ? "10.0." + std::to_string(peer.conn / 256) + "." + std::to_string(peer.conn % 256) : host;
+    auto out = connect(peer.conn, peer.host);
+    EXPECT_TRUE(out.empty()) << describe(out);
+    out = send(peer.conn, hello(group, static_cast<std::uint16_t>(20000 + 3 * peer.conn)));
+    auto welcome = one_of<p::Welcome>(out, peer.conn);
+    if (welcome) {
+      peer.id = welcome->id;
+      EXPECT_EQ(welcome->observed_host, peer.host);
+      EXPECT_EQ(welcome->heartbeat_timeout_ms, c.config().heartbeat_timeout_ms);
+      EXPECT_EQ(welcome->id.hi, c.config().instance_nonce);
+    }
+    EXPECT_FALSE(closes(out, peer.conn)) << describe(out);
+    const Peer* state = c.find_peer(peer.id);
+    EXPECT_NE(state, nullptr);
+    if (state != nullptr) {
+      EXPECT_EQ(state->phase, Phase::kRegistered);
+      EXPECT_EQ(state->conn, peer.conn);
+      EXPECT_EQ(state->group, group);
+    }
+    if (captured != nullptr) *captured = out;
+    return peer;
+  }
+
+  // The first peer of an empty run: admitted without a vote.
+  FakePeer first(std::uint32_t group) {
+    Outbox out;
+    FakePeer peer = join(group, &out);
+    auto establish = one_of<p::EstablishP2P>(out, peer.conn);
+    EXPECT_TRUE(establish.has_value());
+    if (!establish) return peer;
+    out = send(peer, p::P2PReport{establish->epoch, {}});
+    auto result = one_of<p::TopologyResult>(out, peer.conn);
+    EXPECT_TRUE(result && result->status == LOCKSTEP_OK) << describe(out);
+    EXPECT_EQ(phase(peer), Phase::kAccepted);
+    return peer;
+  }
+
+  // Every voter votes for update topology; returns the outbox of the last vote.
+  Outbox vote_topology(const std::vector<FakePeer>& voters) {
+    Outbox out;
+    for (const auto& v : voters) out = send(v, p::VoteUpdateTopology{});
+    return out;
+  }
+  // Every participant reports its p2p connections as up; returns the last outbox.
+  Outbox report_all(const std::vector<FakePeer>& participants) {
+    Outbox out;
+    const std::uint64_t epoch = c.epoch();
+    for (const auto& v : participants) out = send(v, p::P2PReport{epoch, {}});
+    return out;
+  }
+  // A whole successful update topology: returns the outbox with the results.
+  Outbox update(const std::vector<FakePeer>& accepted, const std::vector<FakePeer>& newcomers) {
+    Outbox out = vote_topology(accepted);
+    std::vector<FakePeer> all = accepted;
+    all.insert(all.end(), newcomers.begin(), newcomers.end());
+    for (const auto& peer : all) EXPECT_TRUE(one_of<p::EstablishP2P>(out, peer.conn).has_value());
+    out = report_all(all);
+    for (const auto& peer : all) {
+      auto result = one_of<p::TopologyResult>(out, peer.conn);
+      EXPECT_TRUE(result && result->status == LOCKSTEP_OK) << describe(out);
+      EXPECT_EQ(phase(peer), Phase::kAccepted);
+    }
+    return out;
+  }
+
+  // A run with n accepted peers in one group.
+  std::vector<FakePeer> run_of(std::size_t n, std::uint32_t group = 1) {
+    std::vector<FakePeer> peers{first(group)};
+    std::vector<FakePeer> newcomers;
+    for (std::size_t i = 1; i < n; ++i) newcomers.push_back(join(group));
+    if (!newcomers.empty()) update(peers, newcomers);
+    peers.insert(peers.end(), newcomers.begin(), newcomers.end());
+    return peers;
+  }
+
+  const Peer* peer(const FakePeer& f) const { return c.find_peer(f.id); }
+  std::optional<Phase> phase(const FakePeer& f) const {
+    const Peer* state = peer(f);
+    return state == nullptr ? std::nullopt : std::optional<Phase>(state->phase);
+  }
+  std::optional<PeerState> state(const FakePeer& f) const {
+    const Peer* s = peer(f);
+    return s == nullptr ? std::nullopt : std::optional<PeerState>(s->state);
+  }
+  bool gone(const FakePeer& f) const { return peer(f) == nullptr && !c.peer_of(f.conn).has_value(); }
+};
+
+// The peer was told why and its connection closed.
+void expect_goodbye(const Outbox& out, const FakePeer& peer, StatusCode status) {
+  auto goodbye = one_of<p::Goodbye>(out, peer.conn);
+  ASSERT_TRUE(goodbye.has_value());
+  EXPECT_EQ(goodbye->status, status) << describe(out);
+  EXPECT_FALSE(goodbye->reason.empty());
+  EXPECT_TRUE(closes(out, peer.conn)) << describe(out);
+  EXPECT_LT(index_of(out, peer.conn, p::MsgType::kGoodbye), out.size());
+}
+
+void expect_topology_failed(const Outbox& out, const FakePeer& peer, StatusCode status) {
+  auto result = one_of<p::TopologyResult>(out, peer.conn);
+  ASSERT_TRUE(result.has_value());
+  EXPECT_EQ(result->status, status) << describe(out);
+  EXPECT_TRUE(result->ring.empty());
+  EXPECT_FALSE(result->reason.empty());
+}
+
+void expect_agree(const Outbox& out, const FakePeer& peer, StatusCode status, bool value) {
+  auto result = one_of<p::AgreeResult>(out, peer.conn);
+  ASSERT_TRUE(result.has_value());
+  EXPECT_EQ(result->status, status) << describe(out);
+  if (status == LOCKSTEP_OK) {
+    EXPECT_EQ(result->value, value);
+  } else {
+    EXPECT_FALSE(result->reason.empty());
+  }
+}
+
+void expect_pending(const Outbox& out, const FakePeer& peer, StatusCode status, bool pending) {
+  auto result = one_of<p::PeersPendingResult>(out, peer.conn);
+  ASSERT_TRUE(result.has_value());
+  EXPECT_EQ(result->status, status) << describe(out);
+  if (status == LOCKSTEP_OK) {
+    EXPECT_EQ(result->pending, pending);
+  }
+}
+
+// ---------------------------------------------------------------- admission
+
+TEST(CoordinatorAdmission, FirstPeerIsAdmittedWithoutAVote) {
+  Harness h;
+  Outbox out;
+  const FakePeer a = h.join(3, &out);
+  const auto establish = one_of<p::EstablishP2P>(out, a.conn);
+  ASSERT_TRUE(establish.has_value()) << describe(out);
+  EXPECT_LT(index_of(out, a.conn, p::MsgType::kWelcome), index_of(out, a.conn, p::MsgType::kEstablishP2P));
+  EXPECT_EQ(establish->epoch, h.c.epoch());
+  ASSERT_EQ(establish->ring.size(), 1u);
+  EXPECT_EQ(establish->ring[0].id, a.id);
+  EXPECT_EQ(establish->ring[0].host, a.host);
+  EXPECT_EQ(establish->ring[0].p2p_port, 20000 + 3 * a.conn);
+  EXPECT_EQ(establish->ring[0].shared_state_port, 20001 + 3 * a.conn);
+  EXPECT_EQ(establish->ring[0].benchmark_port, 20002 + 3 * a.conn);
+  EXPECT_EQ(h.phase(a), Phase::kRegistered);
+  EXPECT_EQ(h.state(a), PeerState::kEstablishingP2P);
+  EXPECT_EQ(h.c.topology_phase(), TopologyPhase::kEstablishing);
+  EXPECT_TRUE(h.c.ring(3).empty());
+  EXPECT_EQ(h.c.accepted_count(), 0u);
+
+  out = h.send(a, p::P2PReport{establish->epoch, {}});
+  const auto result = one_of<p::TopologyResult>(out, a.conn);
+  ASSERT_TRUE(result.has_value());
+  EXPECT_EQ(result->status, LOCKSTEP_OK);
+  EXPECT_EQ(result->epoch, establish->epoch);
+  EXPECT_EQ(result->ring, establish->ring);
+  EXPECT_EQ(result->attributes, (p::Attributes{1, 1, 1, 1}));
+  EXPECT_EQ(h.phase(a), Phase::kAccepted);
+  EXPECT_EQ(h.state(a), PeerState::kIdle);
+  EXPECT_EQ(h.c.ring(3), std::vector<PeerId>{a.id});
+  EXPECT_EQ(h.c.accepted_count(), 1u);
+  EXPECT_EQ(h.c.topology_phase(), TopologyPhase::kIdle);
+  EXPECT_EQ(h.c.attributes(3), (p::Attributes{1, 1, 1, 1}));
+}
+
+TEST(CoordinatorAdmission, PeerIdsAreUniquePerConnection) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  const FakePeer b = h.join(1);
+  EXPECT_NE(a.id, b.id);
+  h.disconnect(b);
+  // the same host connecting again is a new peer with a new identity
+  Outbox out;
+  const FakePeer b2 = h.join(1, &out, b.host);
+  EXPECT_NE(b2.id, b.id);
+  EXPECT_NE(b2.id, a.id);
+  EXPECT_GT(b2.id.lo, b.id.lo);
+}
+
+TEST(CoordinatorAdmission, SecondPeerWaitsRegisteredUntilTheAcceptedPeerVotes) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  Outbox out;
+  const FakePeer b = h.join(1, &out);
+  EXPECT_EQ(send_count(out), 1u) << describe(out);  // the Welcome only
+  EXPECT_TRUE(all_of<p::EstablishP2P>(out, a.conn).empty());
+  EXPECT_EQ(h.phase(b), Phase::kRegistered);
+  EXPECT_EQ(h.state(b), PeerState::kIdle);
+  // time passes (with heartbeats): still registered, nobody asked
+  for (int i = 0; i < 5; ++i) {
+    h.heartbeat({a, b});
+    out = h.advance(1'000);
+    EXPECT_EQ(send_count(out), 0u) << describe(out);
+  }
+  EXPECT_EQ(h.phase(b), Phase::kRegistered);
+
+  out = h.send(a, p::VoteUpdateTopology{});
+  const auto ea = one_of<p::EstablishP2P>(out, a.conn);
+  const auto eb = one_of<p::EstablishP2P>(out, b.conn);
+  ASSERT_TRUE(ea && eb);
+  EXPECT_EQ(*ea, *eb);
+  EXPECT_EQ(ids_of(ea->ring), (std::vector<PeerId>{a.id, b.id}));
+  EXPECT_EQ(h.state(a), PeerState::kEstablishingP2P);
+  EXPECT_EQ(h.state(b), PeerState::kEstablishingP2P);
+
+  out = h.send(b, p::P2PReport{ea->epoch, {}});
+  EXPECT_EQ(send_count(out), 0u) << describe(out);
+  out = h.send(a, p::P2PReport{ea->epoch, {}});
+  const auto ra = one_of<p::TopologyResult>(out, a.conn);
+  const auto rb = one_of<p::TopologyResult>(out, b.conn);
+  ASSERT_TRUE(ra && rb);
+  EXPECT_EQ(*ra, *rb);
+  EXPECT_EQ(ra->status, LOCKSTEP_OK);
+  EXPECT_EQ(ra->ring, ea->ring);
+  EXPECT_EQ(ra->attributes, (p::Attributes{2, 2, 1, 2}));
+  EXPECT_EQ(h.phase(b), Phase::kAccepted);
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, b.id}));
+}
+
+TEST(CoordinatorAdmission, NewcomersInTwoGroupsGetTheirGroupsRingInJoinOrder) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  const FakePeer b = h.join(1);
+  const FakePeer c = h.join(2);
+  const FakePeer d = h.join(1);
+  const FakePeer e = h.join(2);
+  Outbox out = h.send(a, p::VoteUpdateTopology{});
+  const std::vector<PeerId> ring1 = {a.id, b.id, d.id};
+  const std::vector<PeerId> ring2 = {c.id, e.id};
+  for (const auto& f : {a, b, d}) {
+    const auto est = one_of<p::EstablishP2P>(out, f.conn);
+    ASSERT_TRUE(est.has_value());
+    EXPECT_EQ(ids_of(est->ring), ring1);
+  }
+  for (const auto& f : {c, e}) {
+    const auto est = one_of<p::EstablishP2P>(out, f.conn);
+    ASSERT_TRUE(est.has_value());
+    EXPECT_EQ(ids_of(est->ring), ring2);
+    EXPECT_EQ(est->ring[0].host, c.host);
+  }
+  EXPECT_EQ(send_count(out), 5u) << describe(out);
+  EXPECT_EQ(h.c.major_op(1), MajorOp::kUpdateTopology);
+  EXPECT_EQ(h.c.major_op(2), MajorOp::kUpdateTopology);
+
+  out = h.report_all({e, d, c, b, a});
+  std::optional<p::TopologyResult> g1;
+  std::optional<p::TopologyResult> g2;
+  for (const auto& f : {a, b, d}) {
+    const auto r = one_of<p::TopologyResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value());
+    if (!g1) g1 = r;
+    EXPECT_EQ(*r, *g1);
+  }
+  for (const auto& f : {c, e}) {
+    const auto r = one_of<p::TopologyResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value());
+    if (!g2) g2 = r;
+    EXPECT_EQ(*r, *g2);
+  }
+  EXPECT_EQ(g1->status, LOCKSTEP_OK);
+  EXPECT_EQ(ids_of(g1->ring), ring1);
+  EXPECT_EQ(ids_of(g2->ring), ring2);
+  EXPECT_EQ(g1->attributes, (p::Attributes{5, 3, 2, 3}));
+  EXPECT_EQ(g2->attributes, (p::Attributes{5, 2, 2, 3}));
+  EXPECT_EQ(g1->epoch, g2->epoch);
+  EXPECT_EQ(h.c.ring(1), ring1);
+  EXPECT_EQ(h.c.ring(2), ring2);
+  EXPECT_EQ(h.c.accepted_count(), 5u);
+  EXPECT_EQ(h.c.major_op(1), MajorOp::kNone);
+
+  // A later newcomer is appended at the end of its group's ring; the other group's
+  // membership is unchanged but its attributes follow the run.
+  const FakePeer f = h.join(2);
+  out = h.update({a, b, c, d, e}, {f});
+  const auto rc = one_of<p::TopologyResult>(out, c.conn);
+  const auto ra = one_of<p::TopologyResult>(out, a.conn);
+  ASSERT_TRUE(rc && ra);
+  EXPECT_EQ(ids_of(rc->ring), (std::vector<PeerId>{c.id, e.id, f.id}));
+  EXPECT_EQ(ids_of(ra->ring), ring1);
+  EXPECT_EQ(rc->attributes, (p::Attributes{6, 3, 2, 3}));
+  EXPECT_EQ(ra->attributes, (p::Attributes{6, 3, 2, 3}));
+}
+
+TEST(CoordinatorAdmission, AdvertisedHostIsTheMembersAddress) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  h.send(a, p::Heartbeat{});
+  const ConnId conn = h.next_conn++;
+  h.connect(conn, "10.9.9.9");
+  Outbox out = h.send(conn, Harness::hello(1, 7000, "203.0.113.5"));
+  const auto welcome = one_of<p::Welcome>(out, conn);
+  ASSERT_TRUE(welcome.has_value());
+  EXPECT_EQ(welcome->observed_host, "10.9.9.9");
+  const FakePeer b{conn, welcome->id, 1, "203.0.113.5"};
+  out = h.vote_topology({a});
+  const auto est = one_of<p::EstablishP2P>(out, a.conn);
+  ASSERT_TRUE(est.has_value());
+  ASSERT_EQ(est->ring.size(), 2u);
+  EXPECT_EQ(est->ring[1].host, "203.0.113.5");
+  EXPECT_EQ(est->ring[1].p2p_port, 7000);
+  EXPECT_EQ(est->ring[1].shared_state_port, 7001);
+  EXPECT_EQ(est->ring[1].benchmark_port, 7002);
+  h.report_all({a, b});
+  EXPECT_EQ(h.phase(b), Phase::kAccepted);
+}
+
+TEST(CoordinatorAdmission, UpdateWithoutNewcomersSucceedsWithTheSameRing) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  const std::uint64_t epoch = h.c.epoch();
+  Outbox out = h.update(peers, {});
+  EXPECT_EQ(h.c.epoch(), epoch + 1);
+  for (const auto& f : peers) {
+    const auto r = one_of<p::TopologyResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value());
+    EXPECT_EQ(ids_of(r->ring), (std::vector<PeerId>{peers[0].id, peers[1].id, peers[2].id}));
+  }
+}
+
+TEST(CoordinatorAdmission, TopologyVoteWaitsForEveryAcceptedPeerInEveryGroup) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  const FakePeer b = h.join(2);
+  h.update({a}, {b});
+  const FakePeer n = h.join(1);
+  Outbox out = h.send(a, p::VoteUpdateTopology{});
+  EXPECT_EQ(send_count(out), 0u) << describe(out);
+  EXPECT_EQ(h.c.topology_phase(), TopologyPhase::kVoting);
+  EXPECT_EQ(h.state(a), PeerState::kVoteAcceptNewPeers);
+  out = h.send(b, p::VoteUpdateTopology{});
+  EXPECT_EQ(send_count(out), 3u) << describe(out);
+  h.report_all({a, b, n});
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, n.id}));
+}
+
+// ---------------------------------------------------------------- p2p failures
+
+TEST(CoordinatorP2P, UnreachableNewcomerIsRejectedAndTheOthersMayRetry) {
+  Harness h;
+  const auto accepted = h.run_of(2);
+  const FakePeer& a = accepted[0];
+  const FakePeer& b = accepted[1];
+  const FakePeer n = h.join(1);
+  const FakePeer m = h.join(1);
+  h.vote_topology(accepted);
+  const std::uint64_t epoch = h.c.epoch();
+  Outbox out = h.send(a, p::P2PReport{epoch, {n.id}});
+  EXPECT_EQ(send_count(out), 0u);
+  h.send(n, p::P2PReport{epoch, {}});
+  h.send(m, p::P2PReport{epoch, {}});
+  out = h.send(b, p::P2PReport{epoch, {}});
+  expect_goodbye(out, n, LOCKSTEP_STATUS_REJECTED);
+  EXPECT_TRUE(h.gone(n));
+  expect_topology_failed(out, a, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+  expect_topology_failed(out, b, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+  expect_topology_failed(out, m, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+  EXPECT_FALSE(closes(out, a.conn));
+  EXPECT_FALSE(closes(out, m.conn));
+  EXPECT_EQ(h.phase(m), Phase::kRegistered);
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, b.id}));
+  EXPECT_EQ(h.c.topology_phase(), TopologyPhase::kIdle);
+  for (const auto& f : {a, b, m}) EXPECT_EQ(h.state(f), PeerState::kIdle);
+
+  // the retry admits the remaining newcomer without the rejected one
+  out = h.update(accepted, {m});
+  const auto r = one_of<p::TopologyResult>(out, a.conn);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(ids_of(r->ring), (std::vector<PeerId>{a.id, b.id, m.id}));
+  EXPECT_TRUE(all_of<p::TopologyResult>(out, n.conn).empty());
+}
+
+TEST(CoordinatorP2P, NewcomerThatCannotReachAnAcceptedPeerIsRejected) {
+  Harness h;
+  const auto accepted = h.run_of(2);
+  const FakePeer n = h.join(1);
+  h.vote_topology(accepted);
+  h.send(n, p::P2PReport{h.c.epoch(), {accepted[1].id}});
+  h.send(accepted[1], p::P2PReport{h.c.epoch(), {}});
+  Outbox out = h.send(accepted[0], p::P2PReport{h.c.epoch(), {}});
+  expect_goodbye(out, n, LOCKSTEP_STATUS_REJECTED);
+  for (const auto& f : accepted) {
+    expect_topology_failed(out, f, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+    EXPECT_EQ(h.phase(f), Phase::kAccepted);
+  }
+  EXPECT_TRUE(h.gone(n));
+  EXPECT_EQ(h.c.accepted_count(), 2u);
+}
+
+TEST(CoordinatorP2P, AcceptedPeerThatCannotReachItsNeighbourIsKicked) {
+  Harness h;
+  const auto accepted = h.run_of(3);
+  const FakePeer n = h.join(1);
+  h.vote_topology(accepted);
+  const std::uint64_t epoch = h.c.epoch();
+  h.send(accepted[0], p::P2PReport{epoch, {}});
+  h.send(n, p::P2PReport{epoch, {}});
+  h.send(accepted[2], p::P2PReport{epoch, {}});
+  Outbox out = h.send(accepted[1], p::P2PReport{epoch, {accepted[2].id}});
+  expect_goodbye(out, accepted[1], LOCKSTEP_STATUS_KICKED);
+  EXPECT_TRUE(h.gone(accepted[1]));
+  for (const auto& f : {accepted[0], accepted[2], n}) {
+    expect_topology_failed(out, f, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+    EXPECT_FALSE(closes(out, f.conn));
+  }
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{accepted[0].id, accepted[2].id}));
+  EXPECT_EQ(h.phase(n), Phase::kRegistered);
+  // the next update admits the newcomer into the smaller ring
+  out = h.update({accepted[0], accepted[2]}, {n});
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{accepted[0].id, accepted[2].id, n.id}));
+}
+
+TEST(CoordinatorP2P, EstablishTimeoutBlamesTheParticipantsThatNeverReported) {
+  Harness h;
+  const auto accepted = h.run_of(2);
+  const FakePeer n = h.join(1);
+  const FakePeer m = h.join(1);
+  h.vote_topology(accepted);
+  const std::uint64_t epoch = h.c.epoch();
+  h.send(accepted[0], p::P2PReport{epoch, {}});
+  h.send(accepted[1], p::P2PReport{epoch, {}});
+  h.send(m, p::P2PReport{epoch, {}});
+  const TimeMs limit = h.c.config().establish_timeout_ms;
+  h.now += limit - 1;
+  h.heartbeat({accepted[0], accepted[1], n, m});
+  Outbox out = h.tick();
+  EXPECT_EQ(send_count(out), 0u) << describe(out);
+  h.now += 1;
+  out = h.tick();
+  expect_goodbye(out, n, LOCKSTEP_STATUS_REJECTED);
+  for (const auto& f : {accepted[0], accepted[1], m}) expect_topology_failed(out, f, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+  EXPECT_TRUE(h.gone(n));
+  EXPECT_EQ(h.c.topology_phase(), TopologyPhase::kIdle);
+
+  // an accepted peer that never reports is removed (kicked)
+  h.vote_topology(accepted);
+  h.send(accepted[0], p::P2PReport{h.c.epoch(), {}});
+  h.send(m, p::P2PReport{h.c.epoch(), {}});
+  h.now += limit;
+  h.heartbeat({accepted[0], accepted[1], m});
+  out = h.tick();
+  expect_goodbye(out, accepted[1], LOCKSTEP_STATUS_KICKED);
+  expect_topology_failed(out, accepted[0], LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+  expect_topology_failed(out, m, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+  EXPECT_EQ(h.c.ring(1), std::vector<PeerId>{accepted[0].id});
+}
+
+// ---------------------------------------------------------------- disconnects
+
+TEST(CoordinatorDisconnect, DuringTheTopologyVoteTheVoteCompletesWithoutIt) {
+  Harness h;
+  const auto accepted = h.run_of(3);
+  const FakePeer n = h.join(1);
+  h.send(accepted[0], p::VoteUpdateTopology{});
+  h.send(accepted[1], p::VoteUpdateTopology{});
+  Outbox out = h.disconnect(accepted[2]);
+  EXPECT_FALSE(closes(out, accepted[2].conn));
+  EXPECT_TRUE(all_of<p::Goodbye>(out, accepted[2].conn).empty());
+  for (const auto& f : {accepted[0], accepted[1], n}) {
+    const auto est = one_of<p::EstablishP2P>(out, f.conn);
+    ASSERT_TRUE(est.has_value()) << describe(out);
+    EXPECT_EQ(ids_of(est->ring), (std::vector<PeerId>{accepted[0].id, accepted[1].id, n.id}));
+  }
+  out = h.report_all({accepted[0], accepted[1], n});
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{accepted[0].id, accepted[1].id, n.id}));
+}
+
+TEST(CoordinatorDisconnect, AcceptedPeerLostDuringEstablishmentFailsTheUpdateForAll) {
+  Harness h;
+  const auto accepted = h.run_of(3);
+  const FakePeer n = h.join(1);
+  h.vote_topology(accepted);
+  h.send(accepted[0], p::P2PReport{h.c.epoch(), {}});
+  Outbox out = h.disconnect(accepted[1]);
+  for (const auto& f : {accepted[0], accepted[2], n}) {
+    expect_topology_failed(out, f, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+  }
+  EXPECT_EQ(h.c.topology_phase(), TopologyPhase::kIdle);
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{accepted[0].id, accepted[2].id}));
+  EXPECT_EQ(h.phase(n), Phase::kRegistered);
+  // retry with the survivors
+  out = h.update({accepted[0], accepted[2]}, {n});
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{accepted[0].id, accepted[2].id, n.id}));
+}
+
+TEST(CoordinatorDisconnect, NewcomerLostDuringEstablishmentFailsTheUpdateForAll) {
+  Harness h;
+  const auto accepted = h.run_of(2);
+  const FakePeer n = h.join(1);
+  const FakePeer m = h.join(2);
+  h.vote_topology(accepted);
+  h.send(n, p::P2PReport{h.c.epoch(), {}});
+  Outbox out = h.disconnect(n);
+  for (const auto& f : {accepted[0], accepted[1], m}) {
+    expect_topology_failed(out, f, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+  }
+  EXPECT_TRUE(h.gone(n));
+  // the accepted ring is untouched; the retry admits m
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{accepted[0].id, accepted[1].id}));
+  h.update(accepted, {m});
+  EXPECT_EQ(h.c.ring(2), std::vector<PeerId>{m.id});
+}
+
+TEST(CoordinatorDisconnect, RegisteredPeerLeavingChangesNothingElse) {
+  Harness h;
+  const auto accepted = h.run_of(2);
+  const FakePeer n = h.join(1);
+  h.send(accepted[0], p::VoteUpdateTopology{});
+  const std::string before = h.c.digest();
+  Outbox out = h.disconnect(n);
+  EXPECT_EQ(send_count(out), 0u) << describe(out);
+  EXPECT_TRUE(h.gone(n));
+  EXPECT_EQ(h.state(accepted[0]), PeerState::kVoteAcceptNewPeers);
+  EXPECT_NE(h.c.digest(), before);
+  // an accepted peer did not leave, so are-peers-pending says no once the vote resolves
+  out = h.send(accepted[1], p::VoteUpdateTopology{});
+  h.report_all(accepted);
+  h.send(accepted[0], p::VotePeersPending{});
+  out = h.send(accepted[1], p::VotePeersPending{});
+  expect_pending(out, accepted[0], LOCKSTEP_OK, false);
+}
+
+TEST(CoordinatorDisconnect, LastAcceptedPeerLeavingLetsRegisteredPeersIn) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  const FakePeer n = h.join(1);
+  const FakePeer m = h.join(2);
+  Outbox out = h.disconnect(a);
+  // nobody is left to ask: the registered peers are admitted without a vote
+  ASSERT_TRUE(one_of<p::EstablishP2P>(out, n.conn).has_value()) << describe(out);
+  ASSERT_TRUE(one_of<p::EstablishP2P>(out, m.conn).has_value());
+  out = h.report_all({n, m});
+  EXPECT_EQ(h.c.ring(1), std::vector<PeerId>{n.id});
+  EXPECT_EQ(h.c.ring(2), std::vector<PeerId>{m.id});
+  const auto r = one_of<p::TopologyResult>(out, n.conn);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->attributes, (p::Attributes{2, 1, 2, 1}));
+}
+
+TEST(CoordinatorDisconnect, LateMessagesAndUnknownConnectionsAreIgnored) {
+  Harness h;
+  const auto accepted = h.run_of(2);
+  h.disconnect(accepted[1]);
+  const std::string before = h.c.digest();
+  EXPECT_TRUE(h.send(accepted[1], p::VoteAgree{true}).empty());
+  EXPECT_TRUE(h.disconnect(accepted[1]).empty());
+  EXPECT_TRUE(h.protocol_error(accepted[1].conn).empty());
+  EXPECT_TRUE(h.send(999, p::Heartbeat{}).empty());
+  EXPECT_TRUE(h.disconnect(999).empty());
+  EXPECT_EQ(h.c.digest(), before);
+}
+
+// ---------------------------------------------------------------- are-peers-pending
+
+TEST(CoordinatorPending, AnswerIsTheSameForAllAndFollowsTheRule) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  // nothing pending
+  h.send(peers[0], p::VotePeersPending{});
+  Outbox out = h.send(peers[1], p::VotePeersPending{});
+  EXPECT_EQ(send_count(out), 0u);
+  EXPECT_TRUE(h.peer(peers[0])->voted_pending);
+  out = h.send(peers[2], p::VotePeersPending{});
+  for (const auto& f : peers) expect_pending(out, f, LOCKSTEP_OK, false);
+  for (const auto& f : peers) EXPECT_FALSE(h.peer(f)->voted_pending);
+
+  // a registered peer: yes
+  const FakePeer n = h.join(2);
+  for (const auto& f : peers) out = h.send(f, p::VotePeersPending{});
+  for (const auto& f : peers) expect_pending(out, f, LOCKSTEP_OK, true);
+  EXPECT_TRUE(all_of<p::PeersPendingResult>(out, n.conn).empty());
+
+  // after the update: no
+  h.update(peers, {n});
+  const std::vector<FakePeer> all = {peers[0], peers[1], peers[2], n};
+  for (const auto& f : all) out = h.send(f, p::VotePeersPending{});
+  for (const auto& f : all) expect_pending(out, f, LOCKSTEP_OK, false);
+
+  // an accepted peer left: yes, until the next update
+  h.disconnect(peers[1]);
+  const std::vector<FakePeer> rest = {peers[0], peers[2], n};
+  for (int round = 0; round < 2; ++round) {
+    for (const auto& f : rest) out = h.send(f, p::VotePeersPending{});
+    for (const auto& f : rest) expect_pending(out, f, LOCKSTEP_OK, true);
+  }
+  h.update(rest, {});
+  for (const auto& f : rest) out = h.send(f, p::VotePeersPending{});
+  for (const auto& f : rest) expect_pending(out, f, LOCKSTEP_OK, false);
+}
+
+TEST(CoordinatorPending, VoteCompletesWhenTheLastNonVoterLeaves) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  h.send(peers[0], p::VotePeersPending{});
+  h.send(peers[1], p::VotePeersPending{});
+  Outbox out = h.disconnect(peers[2]);
+  expect_pending(out, peers[0], LOCKSTEP_OK, true);  // a peer left since the last update
+  expect_pending(out, peers[1], LOCKSTEP_OK, true);
+}
+
+TEST(CoordinatorPending, IsRunWideAcrossGroups) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  const FakePeer b = h.join(2);
+  h.update({a}, {b});
+  Outbox out = h.send(a, p::VotePeersPending{});
+  EXPECT_EQ(send_count(out), 0u) << "the vote waits for the other group too";
+  out = h.send(b, p::VotePeersPending{});
+  expect_pending(out, a, LOCKSTEP_OK, false);
+  expect_pending(out, b, LOCKSTEP_OK, false);
+}
+
+// ---------------------------------------------------------------- agree
+
+TEST(CoordinatorAgree, ResultIsTheAndOfAllFlags) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  for (const auto& flags : std::vector<std::vector<bool>>{{true, true, true}, {true, false, true}, {false, false, false},
+                                                           {true, true, false}}) {
+    Outbox out;
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      out = h.send(peers[i], p::VoteAgree{flags[i]});
+      if (i + 1 < peers.size()) {
+        EXPECT_EQ(send_count(out), 0u);
+      }
+    }
+    const bool expected = std::all_of(flags.begin(), flags.end(), [](bool f) { return f; });
+    for (const auto& f : peers) expect_agree(out, f, LOCKSTEP_OK, expected);
+    EXPECT_EQ(send_count(out), peers.size());
+  }
+}
+
+TEST(CoordinatorAgree, SinglePeerDecidesAlone) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  expect_agree(h.send(a, p::VoteAgree{true}), a, LOCKSTEP_OK, true);
+  expect_agree(h.send(a, p::VoteAgree{false}), a, LOCKSTEP_OK, false);
+}
+
+TEST(CoordinatorAgree, RoundsArePerGroup) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  const FakePeer b = h.join(1);
+  const FakePeer c = h.join(2);
+  const FakePeer d = h.join(2);
+  h.update({a}, {b, c, d});
+  h.send(a, p::VoteAgree{true});
+  Outbox out = h.send(c, p::VoteAgree{false});
+  EXPECT_EQ(send_count(out), 0u);
+  out = h.send(d, p::VoteAgree{true});
+  expect_agree(out, c, LOCKSTEP_OK, false);
+  expect_agree(out, d, LOCKSTEP_OK, false);
+  EXPECT_TRUE(sent_to(out, a.conn).empty());
+  out = h.send(b, p::VoteAgree{true});
+  expect_agree(out, a, LOCKSTEP_OK, true);
+  expect_agree(out, b, LOCKSTEP_OK, true);
+  EXPECT_EQ(send_count(out), 2u);
+}
+
+TEST(CoordinatorAgree, ParticipantLostMidRoundFailsItForAllVoters) {
+  Harness h;
+  const auto peers = h.run_of(4);
+  h.send(peers[0], p::VoteAgree{true});
+  h.send(peers[1], p::VoteAgree{true});
+  Outbox out = h.disconnect(peers[3]);
+  EXPECT_EQ(send_count(out), 0u) << "peers[2] has not voted yet";
+  out = h.send(peers[2], p::VoteAgree{true});
+  for (int i = 0; i < 3; ++i) expect_agree(out, peers[static_cast<std::size_t>(i)], LOCKSTEP_STATUS_PEER_CONNECTION_LOST, false);
+  // a later round works with the survivors
+  for (int i = 0; i < 3; ++i) out = h.send(peers[static_cast<std::size_t>(i)], p::VoteAgree{true});
+  for (int i = 0; i < 3; ++i) expect_agree(out, peers[static_cast<std::size_t>(i)], LOCKSTEP_OK, true);
+}
+
+TEST(CoordinatorAgree, LastMissingParticipantLostCompletesTheRoundAsFailed) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  h.send(peers[0], p::VoteAgree{true});
+  h.send(peers[1], p::VoteAgree{true});
+  Outbox out = h.disconnect(peers[2]);
+  expect_agree(out, peers[0], LOCKSTEP_STATUS_PEER_CONNECTION_LOST, false);
+  expect_agree(out, peers[1], LOCKSTEP_STATUS_PEER_CONNECTION_LOST, false);
+  out = h.send(peers[0], p::VoteAgree{false});
+  out = h.send(peers[1], p::VoteAgree{true});
+  expect_agree(out, peers[0], LOCKSTEP_OK, false);
+  expect_agree(out, peers[1], LOCKSTEP_OK, false);
+}
+
+TEST(CoordinatorAgree, LossInAnotherGroupDoesNotFailTheRound) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  const FakePeer b = h.join(1);
+  const FakePeer c = h.join(2);
+  h.update({a}, {b, c});
+  h.send(a, p::VoteAgree{true});
+  h.disconnect(c);
+  Outbox out = h.send(b, p::VoteAgree{true});
+  expect_agree(out, a, LOCKSTEP_OK, true);
+  expect_agree(out, b, LOCKSTEP_OK, true);
+}
+
+TEST(CoordinatorAgree, ProtocolViolationOfAParticipantFailsTheRound) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  h.send(peers[0], p::VoteAgree{true});
+  h.send(peers[1], p::VoteAgree{true});
+  Outbox out = h.send(peers[2], p::Welcome{});
+  expect_goodbye(out, peers[2], LOCKSTEP_STATUS_PROTOCOL_ERROR);
+  expect_agree(out, peers[0], LOCKSTEP_STATUS_PEER_CONNECTION_LOST, false);
+  expect_agree(out, peers[1], LOCKSTEP_STATUS_PEER_CONNECTION_LOST, false);
+}
+
+// ---------------------------------------------------------------- mismatch
+
+TEST(CoordinatorMismatch, AgreeAgainstPendingFailsBoth) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  h.send(peers[0], p::VoteAgree{true});
+  Outbox out = h.send(peers[1], p::VotePeersPending{});
+  expect_agree(out, peers[0], LOCKSTEP_STATUS_OPERATION_MISMATCH, false);
+  expect_pending(out, peers[1], LOCKSTEP_STATUS_OPERATION_MISMATCH, false);
+  EXPECT_EQ(send_count(out), 2u);
+  EXPECT_FALSE(h.peer(peers[0])->agree_flag.has_value());
+  EXPECT_FALSE(h.peer(peers[1])->voted_pending);
+  // both retry the same operation and it works
+  h.send(peers[0], p::VotePeersPending{});
+  out = h.send(peers[1], p::VotePeersPending{});
+  expect_pending(out, peers[0], LOCKSTEP_OK, false);
+  expect_pending(out, peers[1], LOCKSTEP_OK, false);
+}
+
+TEST(CoordinatorMismatch, TopologyAgainstAgreeFailsBoth) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  const FakePeer n = h.join(1);
+  h.send(peers[0], p::VoteUpdateTopology{});
+  Outbox out = h.send(peers[1], p::VoteAgree{false});
+  expect_topology_failed(out, peers[0], LOCKSTEP_STATUS_OPERATION_MISMATCH);
+  expect_agree(out, peers[1], LOCKSTEP_STATUS_OPERATION_MISMATCH, false);
+  EXPECT_TRUE(sent_to(out, n.conn).empty());
+  EXPECT_EQ(h.c.topology_phase(), TopologyPhase::kIdle);
+  EXPECT_EQ(h.state(peers[0]), PeerState::kIdle);
+  h.update(peers, {n});
+}
+
+TEST(CoordinatorMismatch, WaitsUntilEveryAcceptedPeerIsBlocked) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  h.send(peers[0], p::VoteAgree{true});
+  Outbox out = h.send(peers[1], p::VotePeersPending{});
+  EXPECT_EQ(send_count(out), 0u) << "peers[2] may still join either vote";
+  out = h.send(peers[2], p::VoteUpdateTopology{});
+  expect_agree(out, peers[0], LOCKSTEP_STATUS_OPERATION_MISMATCH, false);
+  expect_pending(out, peers[1], LOCKSTEP_STATUS_OPERATION_MISMATCH, false);
+  expect_topology_failed(out, peers[2], LOCKSTEP_STATUS_OPERATION_MISMATCH);
+}
+
+TEST(CoordinatorMismatch, MismatchFoundWhenTheLastFreePeerLeaves) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  h.send(peers[0], p::VoteAgree{true});
+  h.send(peers[1], p::VotePeersPending{});
+  Outbox out = h.disconnect(peers[2]);
+  // the agree round lost a participant, so it fails either way; the pending vote is a mismatch
+  const auto agree = one_of<p::AgreeResult>(out, peers[0].conn);
+  ASSERT_TRUE(agree.has_value()) << describe(out);
+  EXPECT_NE(agree->status, LOCKSTEP_OK);
+  expect_pending(out, peers[1], LOCKSTEP_STATUS_OPERATION_MISMATCH, false);
+}
+
+// ---------------------------------------------------------------- vote timeout
+
+TEST(CoordinatorVoteTimeout, OffMeansVotesWaitForever) {
+  Harness h;  // vote_timeout_ms = 0
+  const auto peers = h.run_of(3);
+  h.send(peers[0], p::VoteAgree{true});
+  h.send(peers[1], p::VoteUpdateTopology{});
+  for (int i = 0; i < 50; ++i) {
+    h.heartbeat(peers);
+    Outbox out = h.advance(4'000);
+    EXPECT_EQ(send_count(out), 0u) << describe(out);
+  }
+  EXPECT_EQ(h.c.accepted_count(), 3u);
+  EXPECT_TRUE(h.peer(peers[0])->agree_flag.has_value());
+}
+
+TEST(CoordinatorVoteTimeout, AgreeStragglerIsKickedAndTheOthersDecide) {
+  Config config = test_config();
+  config.vote_timeout_ms = 3'000;
+  Harness h(config);
+  const auto peers = h.run_of(3);
+  h.send(peers[0], p::VoteAgree{true});
+  h.now += 1'000;
+  h.send(peers[1], p::VoteAgree{true});
+  h.now += 1'999;
+  h.heartbeat(peers);
+  Outbox out = h.tick();
+  EXPECT_EQ(send_count(out), 0u) << describe(out);
+  h.now += 1;
+  out = h.tick();
+  expect_goodbye(out, peers[2], LOCKSTEP_STATUS_KICKED);
+  EXPECT_TRUE(h.gone(peers[2]));
+  // removed as a straggler, so the round does not fail
+  expect_agree(out, peers[0], LOCKSTEP_OK, true);
+  expect_agree(out, peers[1], LOCKSTEP_OK, true);
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{peers[0].id, peers[1].id}));
+}
+
+TEST(CoordinatorVoteTimeout, TopologyStragglerIsKickedAndTheUpdateGoesOn) {
+  Config config = test_config();
+  config.vote_timeout_ms = 1'000;
+  Harness h(config);
+  const auto peers = h.run_of(3);
+  const FakePeer n = h.join(1);
+  h.vote_topology({peers[0], peers[1]});
+  h.now += 1'000;
+  h.heartbeat({peers[0], peers[1], peers[2], n});
+  Outbox out = h.tick();
+  expect_goodbye(out, peers[2], LOCKSTEP_STATUS_KICKED);
+  for (const auto& f : {peers[0], peers[1], n}) EXPECT_TRUE(one_of<p::EstablishP2P>(out, f.conn).has_value());
+  EXPECT_TRUE(all_of<p::EstablishP2P>(out, peers[2].conn).empty());
+  h.report_all({peers[0], peers[1], n});
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{peers[0].id, peers[1].id, n.id}));
+}
+
+TEST(CoordinatorVoteTimeout, PendingStragglerIsKicked) {
+  Config config = test_config();
+  config.vote_timeout_ms = 1'000;
+  Harness h(config);
+  const auto peers = h.run_of(2);
+  h.send(peers[0], p::VotePeersPending{});
+  h.now += 1'000;
+  h.heartbeat(peers);
+  Outbox out = h.tick();
+  expect_goodbye(out, peers[1], LOCKSTEP_STATUS_KICKED);
+  expect_pending(out, peers[0], LOCKSTEP_OK, true);  // a peer left
+}
+
+TEST(CoordinatorVoteTimeout, NoOpenVoteNoKick) {
+  Config config = test_config();
+  config.vote_timeout_ms = 500;
+  Harness h(config);
+  const auto peers = h.run_of(3);
+  for (int i = 0; i < 20; ++i) {
+    h.heartbeat(peers);
+    Outbox out = h.advance(1'000);
+    EXPECT_EQ(send_count(out), 0u) << describe(out);
+  }
+  EXPECT_EQ(h.c.accepted_count(), 3u);
+}
+
+// A vote whose every voter is gone is no longer waited for by anyone: the vote
+// timeout must not remove the remaining peers for "not joining" it, above all not
+// while they are in a p2p establishment, where joining a vote is refused.
+TEST(CoordinatorVoteTimeout, AbandonedAgreeRoundKicksNobodyDuringEstablishment) {
+  Config config = test_config();
+  config.vote_timeout_ms = 1'000;
+  Harness h(config);
+  const auto peers = h.run_of(2);
+  const FakePeer n = h.join(1);
+  h.send(peers[0], p::VoteAgree{true});
+  h.disconnect(peers[0]);  // the only voter is gone
+  // peers[1] now updates the topology (legal: it is idle and in no vote)
+  Outbox out = h.send(peers[1], p::VoteUpdateTopology{});
+  ASSERT_TRUE(one_of<p::EstablishP2P>(out, peers[1].conn).has_value()) << describe(out);
+  h.now += 1'500;
+  h.heartbeat({peers[1], n});
+  out = h.tick();
+  EXPECT_TRUE(all_of<p::Goodbye>(out, peers[1].conn).empty())
+      << "a peer in ESTABLISHING_P2P was kicked for not joining an agree vote that it may not join:\n"
+      << describe(out);
+  EXPECT_FALSE(h.gone(peers[1]));
+}
+
+TEST(CoordinatorVoteTimeout, AbandonedPendingRoundKicksNobody) {
+  Config config = test_config();
+  config.vote_timeout_ms = 1'000;
+  Harness h(config);
+  const auto peers = h.run_of(3);
+  h.send(peers[0], p::VotePeersPending{});
+  h.disconnect(peers[0]);  // the only voter is gone; nobody waits in this vote
+  h.now += 1'500;
+  h.heartbeat({peers[1], peers[2]});
+  Outbox out = h.tick();
+  EXPECT_EQ(close_count(out), 0u) << "the survivors were kicked from a vote no live peer waits in:\n" << describe(out);
+  EXPECT_EQ(h.c.accepted_count(), 2u);
+}
+
+// Rule 1 removes stragglers "so that the others can decide without them". A peer
+// blocked in a different vote is not a straggler: once the real straggler is gone the
+// mismatch is detected and every vote fails with OPERATION_MISMATCH.
+TEST(CoordinatorVoteTimeout, PeersWaitingInAnotherVoteAreNotStragglers) {
+  Config config = test_config();
+  config.vote_timeout_ms = 1'000;
+  Harness h(config);
+  const auto peers = h.run_of(3);
+  const FakePeer n = h.join(1);
+  h.send(peers[0], p::VoteUpdateTopology{});
+  h.send(peers[1], p::VotePeersPending{});
+  h.now += 1'000;
+  h.heartbeat({peers[0], peers[1], peers[2], n});
+  Outbox out = h.tick();
+  expect_goodbye(out, peers[2], LOCKSTEP_STATUS_KICKED);
+  EXPECT_FALSE(h.gone(peers[0])) << describe(out);
+  EXPECT_FALSE(h.gone(peers[1])) << describe(out);
+  EXPECT_EQ(h.c.accepted_count(), 2u) << describe(out);
+}
+
+// ---------------------------------------------------------------- heartbeats
+
+TEST(CoordinatorHeartbeat, HeartbeatIsAnsweredAndChangesNothing) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  const FakePeer n = h.join(1);
+  for (const auto& f : {a, n}) {
+    const std::string before = h.c.digest();
+    Outbox out = h.send(f, p::Heartbeat{});
+    EXPECT_EQ(send_count(out), 1u);
+    EXPECT_TRUE(one_of<p::HeartbeatAck>(out, f.conn).has_value());
+    EXPECT_EQ(h.c.digest(), before);
+  }
+}
+
+TEST(CoordinatorHeartbeat, SilentPeerIsKickedButNotOneThatSentInTime) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  const FakePeer n = h.join(1);
+  const TimeMs timeout = h.c.config().heartbeat_timeout_ms;
+  h.now += timeout - 10;
+  h.heartbeat({peers[0], peers[2]});
+  h.send(n, p::VotePeersPending{});  // any message counts as a sign of life (this one is refused)
+  h.now += 9;
+  Outbox out = h.tick();
+  EXPECT_EQ(close_count(out), 0u) << describe(out);
+  h.now += 1;
+  out = h.tick();
+  expect_goodbye(out, peers[1], LOCKSTEP_STATUS_KICKED);
+  EXPECT_NE(one_of<p::Goodbye>(out, peers[1].conn)->reason.find("heartbeat"), std::string::npos);
+  EXPECT_EQ(close_count(out), 1u) << describe(out);
+  EXPECT_TRUE(h.gone(peers[1]));
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{peers[0].id, peers[2].id}));
+  // the registered peer that also fell silent goes later
+  h.now += 10;
+  h.heartbeat({peers[0], peers[2]});
+  out = h.tick();
+  expect_goodbye(out, n, LOCKSTEP_STATUS_KICKED);
+}
+
+TEST(CoordinatorHeartbeat, SilentVoterFailsAnAgreeRound) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  h.send(peers[0], p::VoteAgree{true});
+  h.send(peers[1], p::VoteAgree{true});  // completes
+  h.send(peers[1], p::VoteAgree{true});  // a new round, waiting for peers[0]
+  h.now += h.c.config().heartbeat_timeout_ms;
+  h.heartbeat({peers[1]});
+  Outbox out = h.tick();
+  expect_goodbye(out, peers[0], LOCKSTEP_STATUS_KICKED);
+  expect_agree(out, peers[1], LOCKSTEP_STATUS_PEER_CONNECTION_LOST, false);
+}
+
+// ---------------------------------------------------------------- handshake
+
+TEST(CoordinatorHandshake, ConnectionWithoutHelloIsClosedAfterTheTimeout) {
+  Harness h;
+  h.connect(1, "10.0.0.1");
+  EXPECT_EQ(h.c.handshaking_count(), 1u);
+  Outbox out = h.advance(h.c.config().handshake_timeout_ms - 1);
+  EXPECT_TRUE(out.empty()) << describe(out);
+  out = h.advance(1);
+  EXPECT_TRUE(closes(out, 1)) << describe(out);
+  EXPECT_EQ(h.c.handshaking_count(), 0u);
+  // a Hello arriving after that is ignored
+  out = h.send(1, Harness::hello(1, 5000));
+  EXPECT_TRUE(out.empty()) << describe(out);
+  EXPECT_TRUE(h.c.peers().empty());
+}
+
+TEST(CoordinatorHandshake, PendingHandshakesAreCapped) {
+  Config config = test_config();
+  config.pending_handshakes_max = 3;
+  Harness h(config);
+  for (ConnId conn = 1; conn <= 3; ++conn) EXPECT_TRUE(h.connect(conn, "10.0.0." + std::to_string(conn)).empty());
+  Outbox out = h.connect(4, "10.0.0.4");
+  EXPECT_TRUE(closes(out, 4)) << describe(out);
+  EXPECT_EQ(h.c.handshaking_count(), 3u);
+  // finishing a handshake makes room again
+  h.send(1, Harness::hello(1, 5000));
+  EXPECT_EQ(h.c.handshaking_count(), 2u);
+  EXPECT_TRUE(h.connect(5, "10.0.0.5").empty());
+}
+
+TEST(CoordinatorHandshake, PeersMaxRejects) {
+  Config config = test_config();
+  config.peers_max = 2;
+  Harness h(config);
+  const FakePeer a = h.first(1);
+  const FakePeer b = h.join(1);
+  h.connect(10, "10.0.0.10");
+  Outbox out = h.send(10, Harness::hello(1, 5000));
+  auto goodbye = one_of<p::Goodbye>(out, 10);
+  ASSERT_TRUE(goodbye.has_value());
+  EXPECT_EQ(goodbye->status, LOCKSTEP_STATUS_REJECTED);
+  EXPECT_NE(goodbye->reason.find("maximum"), std::string::npos) << goodbye->reason;
+  EXPECT_TRUE(closes(out, 10));
+  EXPECT_TRUE(all_of<p::Welcome>(out, 10).empty());
+  EXPECT_EQ(h.c.peers().size(), 2u);
+  // room again after a peer leaves
+  h.disconnect(b);
+  h.join(1);
+  EXPECT_EQ(h.c.peers().size(), 2u);
+  (void)a;
+}
+
+TEST(CoordinatorHandshake, LoopbackAndRemoteAddressesAreNotMixed) {
+  {
+    Harness h;
+    h.join(1, nullptr, "127.0.0.1");
+    h.connect(20, "10.1.1.1");
+    Outbox out = h.send(20, Harness::hello(1, 5000));
+    auto goodbye = one_of<p::Goodbye>(out, 20);
+    ASSERT_TRUE(goodbye.has_value());
+    EXPECT_EQ(goodbye->status, LOCKSTEP_STATUS_REJECTED);
+    EXPECT_NE(goodbye->reason.find("loopback"), std::string::npos) << goodbye->reason;
+    EXPECT_NE(goodbye->reason.find("10.1.1.1"), std::string::npos) << goodbye->reason;
+    EXPECT_TRUE(closes(out, 20));
+    // another loopback peer is fine, and so is a remote peer advertising a loopback address? no:
+    // the address others will use decides, so a loopback advertisement joins a loopback run
+    h.join(1, nullptr, "127.0.0.2");
+    h.connect(21, "10.1.1.2");
+    out = h.send(21, Harness::hello(1, 5000, "127.0.0.1"));
+    EXPECT_TRUE(one_of<p::Welcome>(out, 21).has_value()) << describe(out);
+  }
+  {
+    Harness h;
+    h.join(1, nullptr, "10.1.1.1");
+    h.connect(20, "127.0.0.1");
+    Outbox out = h.send(20, Harness::hello(1, 5000));
+    auto goodbye = one_of<p::Goodbye>(out, 20);
+    ASSERT_TRUE(goodbye.has_value());
+    EXPECT_EQ(goodbye->status, LOCKSTEP_STATUS_REJECTED);
+    EXPECT_NE(goodbye->reason.find("loopback"), std::string::npos) << goodbye->reason;
+    // a peer that reaches the master over loopback but advertises a routable address is fine
+    h.connect(21, "127.0.0.1");
+    out = h.send(21, Harness::hello(1, 5000, "10.1.1.7"));
+    EXPECT_TRUE(one_of<p::Welcome>(out, 21).has_value()) << describe(out);
+  }
+}
+
+TEST(CoordinatorHandshake, HelloWithoutP2PPortIsRejected) {
+  Harness h;
+  h.connect(1, "10.0.0.1");
+  Outbox out = h.send(1, Harness::hello(1, 0));
+  auto goodbye = one_of<p::Goodbye>(out, 1);
+  ASSERT_TRUE(goodbye.has_value());
+  EXPECT_EQ(goodbye->status, LOCKSTEP_STATUS_REJECTED);
+  EXPECT_NE(goodbye->reason.find("p2p port"), std::string::npos) << goodbye->reason;
+  EXPECT_TRUE(closes(out, 1));
+  EXPECT_TRUE(h.c.peers().empty());
+  EXPECT_EQ(h.c.handshaking_count(), 0u);
+}
+
+TEST(CoordinatorHandshake, FirstMessageOtherThanHelloIsAProtocolError) {
+  const std::vector<p::Message> not_hello = {p::Heartbeat{}, p::VoteUpdateTopology{}, p::VoteAgree{true},
+                                             p::P2PReport{1, {}}, p::Welcome{}, p::P2PHello{}, p::Goodbye{}};
+  for (const auto& m : not_hello) {
+    Harness h;
+    h.connect(1, "10.0.0.1");
+    Outbox out = h.send(1, m);
+    auto goodbye = one_of<p::Goodbye>(out, 1);
+    ASSERT_TRUE(goodbye.has_value()) << describe(m);
+    EXPECT_EQ(goodbye->status, LOCKSTEP_STATUS_PROTOCOL_ERROR);
+    EXPECT_NE(goodbye->reason.find("Hello"), std::string::npos) << goodbye->reason;
+    EXPECT_TRUE(closes(out, 1));
+    EXPECT_EQ(h.c.handshaking_count(), 0u);
+    EXPECT_TRUE(h.c.peers().empty());
+  }
+}
+
+TEST(CoordinatorHandshake, ProtocolErrorDuringTheHandshake) {
+  Harness h;
+  h.connect(1, "10.0.0.1");
+  Outbox out = h.protocol_error(1);
+  auto goodbye = one_of<p::Goodbye>(out, 1);
+  ASSERT_TRUE(goodbye.has_value());
+  EXPECT_EQ(goodbye->status, LOCKSTEP_STATUS_PROTOCOL_ERROR);
+  EXPECT_TRUE(closes(out, 1));
+  EXPECT_EQ(h.c.handshaking_count(), 0u);
+}
+
+TEST(CoordinatorHandshake, DisconnectDuringTheHandshake) {
+  Harness h;
+  h.connect(1, "10.0.0.1");
+  Outbox out = h.disconnect(1);
+  EXPECT_TRUE(out.empty());
+  EXPECT_EQ(h.c.handshaking_count(), 0u);
+}
+
+TEST(CoordinatorProtocolError, PeerIsRemovedWithAGoodbye) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  const FakePeer n = h.join(1);
+  for (const auto& f : {n, peers[1]}) {
+    Outbox out = h.protocol_error(f.conn);
+    expect_goodbye(out, f, LOCKSTEP_STATUS_PROTOCOL_ERROR);
+    EXPECT_TRUE(h.gone(f));
+  }
+  EXPECT_EQ(h.c.ring(1), std::vector<PeerId>{peers[0].id});
+}
+
+TEST(CoordinatorProtocolError, MessagesAPeerMustNeverSendRemoveIt) {
+  const std::vector<p::Message> forbidden = {
+      p::Hello{},          p::Welcome{},       p::HeartbeatAck{}, p::EstablishP2P{}, p::TopologyResult{},
+      p::PeersPendingResult{}, p::AgreeResult{}, p::Refused{},      p::Goodbye{},      p::P2PHello{},
+      p::P2PHelloAck{}};
+  for (const auto& m : forbidden) {
+    for (bool accepted : {true, false}) {
+      SCOPED_TRACE(describe(m) + (accepted ? " from an accepted peer" : " from a registered peer"));
+      Harness h;
+      const auto peers = h.run_of(2);
+      const FakePeer n = h.join(1);
+      const FakePeer& sender = accepted ? peers[1] : n;
+      Outbox out = h.send(sender, m);
+      expect_goodbye(out, sender, LOCKSTEP_STATUS_PROTOCOL_ERROR);
+      EXPECT_TRUE(h.gone(sender));
+      EXPECT_TRUE(sent_to(out, peers[0].conn).empty()) << describe(out);
+      EXPECT_EQ(h.c.ring(1).size(), accepted ? 1u : 2u);
+      EXPECT_EQ(close_count(out), 1u);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- illegal requests
+
+enum class Where {
+  kRegistered,
+  kAcceptedIdle,
+  kInTopologyVote,
+  kInPendingVote,
+  kInAgreeVote,
+  kEstablishingAccepted,
+  kReportedAccepted,
+  kEstablishingNewcomer,
+  kReportedNewcomer,
+};
+
+const char* name(Where w) {
+  switch (w) {
+    case Where::kRegistered: return "registered";
+    case Where::kAcceptedIdle: return "accepted idle";
+    case Where::kInTopologyVote: return "in the topology vote";
+    case Where::kInPendingVote: return "in the pending vote";
+    case Where::kInAgreeVote: return "in an agree vote";
+    case Where::kEstablishingAccepted: return "accepted, establishing";
+    case Where::kReportedAccepted: return "accepted, reported";
+    case Where::kEstablishingNewcomer: return "newcomer, establishing";
+    case Where::kReportedNewcomer: return "newcomer, reported";
+  }
+  return "?";
+}
+
+enum class Request { kVoteTopology, kVotePending, kVoteAgree, kReportRightEpoch, kReportWrongEpoch, kReportOldEpoch, kHeartbeat };
+
+const char* name(Request r) {
+  switch (r) {
+    case Request::kVoteTopology: return "VoteUpdateTopology";
+    case Request::kVotePending: return "VotePeersPending";
+    case Request::kVoteAgree: return "VoteAgree";
+    case Request::kReportRightEpoch: return "P2PReport(current epoch)";
+    case Request::kReportWrongEpoch: return "P2PReport(next epoch)";
+    case Request::kReportOldEpoch: return "P2PReport(previous epoch)";
+    case Request::kHeartbeat: return "Heartbeat";
+  }
+  return "?";
+}
+
+struct Scene {
+  Harness h;
+  std::vector<FakePeer> accepted;  // three accepted peers
+  FakePeer newcomer;
+  FakePeer requester;
+};
+
+// Builds the state: three accepted peers in group 1 and one registered newcomer;
+// the requester is accepted[0] or the newcomer.
+void build(Scene& s, Where where) {
+  s.accepted = s.h.run_of(3);
+  s.newcomer = s.h.join(1);
+  s.requester = s.accepted[0];
+  switch (where) {
+    case Where::kRegistered: s.requester = s.newcomer; break;
+    case Where::kAcceptedIdle: break;
+    case Where::kInTopologyVote: s.h.send(s.accepted[0], p::VoteUpdateTopology{}); break;
+    case Where::kInPendingVote: s.h.send(s.accepted[0], p::VotePeersPending{}); break;
+    case Where::kInAgreeVote: s.h.send(s.accepted[0], p::VoteAgree{false}); break;
+    case Where::kEstablishingAccepted:
+    case Where::kReportedAccepted:
+    case Where::kEstablishingNewcomer:
+    case Where::kReportedNewcomer:
+      s.h.vote_topology(s.accepted);
+      ASSERT_EQ(s.h.c.topology_phase(), TopologyPhase::kEstablishing);
+      if (where == Where::kEstablishingNewcomer || where == Where::kReportedNewcomer) s.requester = s.newcomer;
+      if (where == Where::kReportedAccepted || where == Where::kReportedNewcomer) {
+        s.h.send(s.requester, p::P2PReport{s.h.c.epoch(), {}});
+      }
+      break;
+  }
+}
+
+p::Message make(Request r, const Coordinator& c) {
+  switch (r) {
+    case Request::kVoteTopology: return p::VoteUpdateTopology{};
+    case Request::kVotePending: return p::VotePeersPending{};
+    case Request::kVoteAgree: return p::VoteAgree{true};
+    case Request::kReportRightEpoch: return p::P2PReport{c.epoch(), {}};
+    case Request::kReportWrongEpoch: return p::P2PReport{c.epoch() + 1, {}};
+    case Request::kReportOldEpoch: return p::P2PReport{c.epoch() - 1, {}};
+    case Request::kHeartbeat: return p::Heartbeat{};
+  }
+  return p::Heartbeat{};
+}
+
+struct Expectation {
+  enum Kind { kLegal, kRefused, kAck } kind;
+  StatusCode status = LOCKSTEP_OK;
+};
+
+Expectation expected(Where where, Request request) {
+  if (request == Request::kHeartbeat) return {Expectation::kAck};
+  const bool is_vote = request == Request::kVoteTopology || request == Request::kVotePending || request == Request::kVoteAgree;
+  const bool registered = where == Where::kRegistered || where == Where::kEstablishingNewcomer || where == Where::kReportedNewcomer;
+  if (is_vote) {
+    if (registered) return {Expectation::kRefused, LOCKSTEP_STATUS_NOT_INITIALIZED};
+    if (where == Where::kAcceptedIdle) return {Expectation::kLegal};
+    return {Expectation::kRefused, LOCKSTEP_STATUS_INVALID_USAGE};
+  }
+  // reports
+  const bool waiting_for_report = where == Where::kEstablishingAccepted || where == Where::kEstablishingNewcomer;
+  if (waiting_for_report && request == Request::kReportRightEpoch) return {Expectation::kLegal};
+  return {Expectation::kRefused, LOCKSTEP_STATUS_INVALID_USAGE};
+}
+
+// What a legal request must have changed.
+void check_legal_effect(const Scene& s, Request request) {
+  const Peer* peer = s.h.peer(s.requester);
+  ASSERT_NE(peer, nullptr);
+  switch (request) {
+    case Request::kVoteTopology:
+      EXPECT_EQ(peer->state, PeerState::kVoteAcceptNewPeers);
+      EXPECT_EQ(s.h.c.topology_phase(), TopologyPhase::kVoting);
+      break;
+    case Request::kVotePending: EXPECT_TRUE(peer->voted_pending); break;
+    case Request::kVoteAgree:
+      ASSERT_TRUE(peer->agree_flag.has_value());
+      EXPECT_TRUE(*peer->agree_flag);
+      break;
+    case Request::kReportRightEpoch:
+      EXPECT_TRUE(peer->p2p_reported);
+      EXPECT_EQ(peer->state, PeerState::kEstablishingP2P);
+      break;
+    default: ADD_FAILURE() << "not a legal request here"; break;
+  }
+}
+
+TEST(CoordinatorIllegalRequests, EveryRequestInEveryState) {
+  const std::vector<Where> states = {Where::kRegistered,          Where::kAcceptedIdle,      Where::kInTopologyVote,
+                                     Where::kInPendingVote,       Where::kInAgreeVote,       Where::kEstablishingAccepted,
+                                     Where::kReportedAccepted,    Where::kEstablishingNewcomer, Where::kReportedNewcomer};
+  const std::vector<Request> requests = {Request::kVoteTopology,     Request::kVotePending,      Request::kVoteAgree,
+                                         Request::kReportRightEpoch, Request::kReportWrongEpoch, Request::kReportOldEpoch,
+                                         Request::kHeartbeat};
+  int refused = 0;
+  int legal = 0;
+  for (Where where : states) {
+    for (Request request : requests) {
+      SCOPED_TRACE(std::string(name(request)) + " from a peer " + name(where));
+      Scene s;
+      ASSERT_NO_FATAL_FAILURE(build(s, where));
+      const std::string before = s.h.c.digest();
+      const p::Message message = make(request, s.h.c);
+      Outbox out = s.h.send(s.requester, message);
+      const Expectation want = expected(where, request);
+      switch (want.kind) {
+        case Expectation::kAck:
+          EXPECT_EQ(send_count(out), 1u) << describe(out);
+          EXPECT_TRUE(one_of<p::HeartbeatAck>(out, s.requester.conn).has_value());
+          EXPECT_EQ(s.h.c.digest(), before);
+          break;
+        case Expectation::kRefused: {
+          ++refused;
+          EXPECT_EQ(send_count(out), 1u) << describe(out);
+          EXPECT_EQ(close_count(out), 0u) << describe(out);
+          const auto r = one_of<p::Refused>(out, s.requester.conn);
+          ASSERT_TRUE(r.has_value());
+          EXPECT_EQ(r->request, p::type_of(message));
+          EXPECT_EQ(r->status, want.status) << r->reason;
+          EXPECT_FALSE(r->reason.empty());
+          EXPECT_EQ(s.h.c.digest(), before) << "a refused request changed the state";
+          break;
+        }
+        case Expectation::kLegal:
+          ++legal;
+          EXPECT_EQ(send_count(out), 0u) << describe(out);
+          EXPECT_NE(s.h.c.digest(), before);
+          check_legal_effect(s, request);
+          break;
+      }
+      // whatever happened, the run still works: the requester stays, nobody was closed
+      EXPECT_FALSE(s.h.gone(s.requester));
+    }
+  }
+  EXPECT_EQ(legal, 5);
+  EXPECT_GT(refused, 40);
+}
+
+// A refusal keeps the requester's vote: the vote it joined completes normally.
+TEST(CoordinatorIllegalRequests, RefusalKeepsTheOpenVote) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  h.send(peers[0], p::VoteAgree{true});
+  Outbox out = h.send(peers[0], p::VoteAgree{false});
+  ASSERT_TRUE(one_of<p::Refused>(out, peers[0].conn).has_value());
+  out = h.send(peers[0], p::VoteUpdateTopology{});
+  ASSERT_TRUE(one_of<p::Refused>(out, peers[0].conn).has_value());
+  out = h.send(peers[1], p::VoteAgree{true});
+  expect_agree(out, peers[0], LOCKSTEP_OK, true);
+  expect_agree(out, peers[1], LOCKSTEP_OK, true);
+}
+
+// ---------------------------------------------------------------- joins during an update
+
+// A peer that says Hello while an establishment is running is not part of it (it got
+// no EstablishP2P); it stays registered, gets no TopologyResult, and the next update
+// admits it.
+TEST(CoordinatorJoinDuringUpdate, HelloDuringEstablishmentWaitsForTheNextUpdate) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  const FakePeer n = h.join(1);
+  h.vote_topology(peers);
+  Outbox out;
+  const FakePeer late = h.join(1, &out);
+  EXPECT_TRUE(all_of<p::EstablishP2P>(out, late.conn).empty());
+  out = h.report_all({peers[0], peers[1], n});
+  EXPECT_TRUE(all_of<p::TopologyResult>(out, late.conn).empty())
+      << "a peer that took no part in the establishment got its result:\n"
+      << describe(out);
+  EXPECT_EQ(h.phase(late), Phase::kRegistered);
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{peers[0].id, peers[1].id, n.id}));
+  h.update({peers[0], peers[1], n}, {late});
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{peers[0].id, peers[1].id, n.id, late.id}));
+}
+
+// The same for the very first admission of an empty run, with the late peer in a
+// group that has no ring yet.
+TEST(CoordinatorJoinDuringUpdate, HelloInANewGroupDuringTheFirstAdmission) {
+  Harness h;
+  Outbox out;
+  const FakePeer a = h.join(1, &out);
+  ASSERT_TRUE(one_of<p::EstablishP2P>(out, a.conn).has_value());
+  const FakePeer b = h.join(2, &out);
+  EXPECT_TRUE(all_of<p::EstablishP2P>(out, b.conn).empty());
+  try {
+    out = h.send(a, p::P2PReport{h.c.epoch(), {}});
+  } catch (const std::exception& e) {
+    FAIL() << "the coordinator threw while completing the establishment: " << e.what();
+  }
+  EXPECT_EQ(h.phase(a), Phase::kAccepted);
+  EXPECT_TRUE(all_of<p::TopologyResult>(out, b.conn).empty()) << describe(out);
+  EXPECT_EQ(h.phase(b), Phase::kRegistered);
+}
+
+// A Hello while the topology vote is open makes the newcomer part of that update.
+TEST(CoordinatorJoinDuringUpdate, HelloDuringTheVoteJoinsThatUpdate) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  h.send(peers[0], p::VoteUpdateTopology{});
+  const FakePeer n = h.join(2);
+  Outbox out = h.send(peers[1], p::VoteUpdateTopology{});
+  ASSERT_TRUE(one_of<p::EstablishP2P>(out, n.conn).has_value());
+  h.report_all({peers[0], peers[1], n});
+  EXPECT_EQ(h.c.ring(2), std::vector<PeerId>{n.id});
+}
+
+}  // namespace
+}  // namespace lockstep::coord
