@@ -27,6 +27,8 @@ constexpr std::size_t kMailboxMessagesMax = 256;
 // Accepted p2p connections waiting to be claimed by an establishment.
 constexpr std::size_t kInboundMax = 1024;
 constexpr std::uint32_t kInboundHandshakeTimeoutMs = 5'000;
+// Incoming connections still in their handshake; more are closed at once.
+constexpr std::size_t kInboundHandshakesMax = 256;
 
 using Clock = std::chrono::steady_clock;
 
@@ -242,10 +244,18 @@ class Link {
     });
   }
 
+  // One incoming connection until its P2PHello is answered; counted while alive.
   struct Handshake {
-    explicit Handshake(asio::ip::tcp::socket s) : socket(std::move(s)), timer(socket.get_executor()) {}
+    Handshake(asio::ip::tcp::socket s, std::size_t* counter)
+        : socket(std::move(s)), timer(socket.get_executor()), live(counter) {
+      ++*live;
+    }
+    ~Handshake() { --*live; }
+    Handshake(const Handshake&) = delete;
+    Handshake& operator=(const Handshake&) = delete;
     asio::ip::tcp::socket socket;
     asio::steady_timer timer;
+    std::size_t* live;
     std::array<std::uint8_t, proto::kFrameHeaderBytes> header{};
     std::vector<std::uint8_t> payload;
     std::vector<std::uint8_t> reply;
@@ -255,7 +265,13 @@ class Link {
   void accept_on(std::size_t index) {
     listeners_[index]->async_accept([this, index](const asio::error_code& ec, asio::ip::tcp::socket socket) {
       if (ec == asio::error::operation_aborted) return;
-      if (!ec) handshake(std::make_shared<Handshake>(std::move(socket)), static_cast<proto::Channel>(index + 1));
+      if (!ec && handshakes_ >= kInboundHandshakesMax) {
+        LOG_WARN(kLog, "too many unfinished p2p handshakes; closing a new connection");
+        asio::error_code ignored;
+        socket.close(ignored);
+      } else if (!ec) {
+        handshake(std::make_shared<Handshake>(std::move(socket), &handshakes_), static_cast<proto::Channel>(index + 1));
+      }
       accept_on(index);
     });
   }
@@ -320,6 +336,7 @@ class Link {
   asio::steady_timer heartbeat_;
   std::array<std::unique_ptr<asio::ip::tcp::acceptor>, 3> listeners_;
   std::array<std::uint16_t, 3> ports_{};
+  std::size_t handshakes_ = 0;  // io thread only
   std::thread thread_;
   std::uint32_t heartbeat_timeout_ms_ = limits::kHeartbeatTimeoutMsDefault;
   Clock::time_point last_rx_;

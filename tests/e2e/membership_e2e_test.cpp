@@ -280,6 +280,29 @@ TEST(Membership, UnreachableMasterGivesAClearErrorNotAHang) {
   EXPECT_EQ(code(json::parse(*line)), LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED) << *line;
 }
 
+TEST(Membership, MasterThatNeverAnswersGivesATimeoutNotAHang) {
+  // A socket that listens but never accepts: the TCP connection succeeds, no Welcome comes.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  ASSERT_EQ(::listen(fd, 8), 0);
+  socklen_t len = sizeof sa;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  auto p = tools::Subprocess::spawn({bin("lockstep-testpeer"), "--master", "127.0.0.1:" + std::to_string(ntohs(sa.sin_port)),
+                                     "--base-port", "0", "--connect-timeout-ms", "1000"});
+  ASSERT_TRUE(p);
+  const auto start = std::chrono::steady_clock::now();
+  p->write_line("connect");
+  auto line = p->read_line(scaled(10s));
+  const auto waited = std::chrono::steady_clock::now() - start;
+  ::close(fd);
+  ASSERT_TRUE(line);
+  EXPECT_EQ(code(json::parse(*line)), LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED) << *line;
+  EXPECT_GE(waited, 900ms);
+}
+
 TEST(Membership, MasterDeathGivesEveryPeerAnErrorNotAHang) {
   auto master = std::make_unique<Master>();
   Peer a(*master, "m0");

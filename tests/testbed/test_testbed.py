@@ -314,6 +314,26 @@ def test_delay_rtt(testbed_factory):
     assert replies == 5 and rtt < 5, rtt
 
 
+def test_delay_change_has_no_gap(testbed_factory):
+    """Changing a pair's delay hands it to a new delay program first: while a ping
+    runs through the change, no packet is lost and none passes undelayed."""
+    bed = testbed_factory(2)
+    bed.delay(0, 1, 25, both=True)
+    ping_proc = bed.popen(0, "ping", "-n", "-c", 150, "-i", "0.01", "-W", "2", bed.addr(1),
+                          stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    bed.delay(0, 1, 40)
+    out, _ = ping_proc.communicate(timeout=30)
+    rtts = [float(x) for x in re.findall(r"time=([\d.]+) ms", out)]
+    print(f"\n  ping through a delay change 25 -> 40 ms: {len(rtts)}/150 answered, "
+          f"rtt {min(rtts):.2f}..{max(rtts):.2f} ms")
+    assert len(rtts) == 150, out[-500:]
+    assert min(rtts) >= 49.5
+    assert abs(rtts[-1] - 65) <= 5  # the new delay: 40 + 25
+    [d] = [d for d in bed.status()["delays"] if (d["src"], d["dst"]) == (0, 1)]
+    assert d["ms"] == 40 and d["alive"]
+
+
 def test_gigabit_with_delay(testbed_factory):
     """1 Gbit/s with 25+25 ms: the delay program must not be the bottleneck."""
     bed = testbed_factory(2)

@@ -1,1 +1,911 @@
+// Seeded randomized runs of the coordinator. One Coordinator is driven by simulated
+// peers that connect (some with a bad Hello), join 2-3 groups, vote roughly as the
+// documented loop does, report p2p results (sometimes failures), send illegal and
+// forbidden messages, disconnect, fall silent, and let time pass. The peers know only
+// what the coordinator sent them. After every step the run is checked against the
+// product's guarantees (see the Checker comments).
+//
+// Environment: LOCKSTEP_SIM_SEEDS=N runs N seeds (default 300), LOCKSTEP_SIM_STEPS=N
+// steps per seed (default 3000), LOCKSTEP_SIM_SEED=X runs only seed X (to replay a
+// failure), LOCKSTEP_SIM_VERBOSE=1 prints the whole event log of a failing seed.
+#include "coordinator/coordinator.h"
+#include "protocol/codec.h"
+
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <deque>
+#include <exception>
+#include <map>
+#include <optional>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace lockstep::coord {
+namespace {
+
+namespace p = lockstep::proto;
+
+std::optional<std::uint64_t> env_u64(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  return std::strtoull(value, nullptr, 0);
+}
+
+std::string describe(const p::Message& m) {
+  std::ostringstream s;
+  s << p::msg_type_name(p::type_of(m));
+  std::visit(
+      [&](const auto& v) {
+        using T = std::decay_t<decltype(v)>;
+        if constexpr (requires { v.status; }) s << " " << status_name(v.status);
+        if constexpr (std::is_same_v<T, p::EstablishP2P> || std::is_same_v<T, p::TopologyResult>) {
+          s << " epoch=" << v.epoch << " ring=[";
+          for (std::size_t i = 0; i < v.ring.size(); ++i) s << (i ? " " : "") << v.ring[i].id.to_string();
+          s << "]";
+        }
+        if constexpr (std::is_same_v<T, p::P2PReport>) {
+          s << " epoch=" << v.epoch << " unreachable=[";
+          for (std::size_t i = 0; i < v.unreachable.size(); ++i) s << (i ? " " : "") << v.unreachable[i].to_string();
+          s << "]";
+        }
+        if constexpr (std::is_same_v<T, p::AgreeResult>) s << " value=" << v.value;
+        if constexpr (std::is_same_v<T, p::VoteAgree>) s << " flag=" << v.flag;
+        if constexpr (std::is_same_v<T, p::PeersPendingResult>) s << " pending=" << v.pending;
+        if constexpr (std::is_same_v<T, p::Refused>) s << " request=" << p::msg_type_name(v.request);
+        if constexpr (std::is_same_v<T, p::Hello>) s << " group=" << v.group << " port=" << v.p2p_port;
+        if constexpr (requires { v.reason; }) {
+          if (!v.reason.empty()) s << " \"" << v.reason << "\"";
+        }
+      },
+      m);
+  return s.str();
+}
+
+// What a simulated peer is waiting for, from what it sent and what it was sent.
+enum class Wait { kNone, kTopologyVote, kEstablish, kReported, kPending, kAgree };
+
+const char* to_string(Wait w) {
+  switch (w) {
+    case Wait::kNone: return "none";
+    case Wait::kTopologyVote: return "topology-vote";
+    case Wait::kEstablish: return "establish";
+    case Wait::kReported: return "reported";
+    case Wait::kPending: return "pending";
+    case Wait::kAgree: return "agree";
+  }
+  return "?";
+}
+
+struct SimPeer {
+  ConnId conn = 0;
+  std::string observed_host;
+  std::string member_host;  // what the others are told
+  std::uint16_t port = 0;
+  std::uint32_t group = 0;
+  bool will_hello = true;
+  bool hello_sent = false;
+  bool welcomed = false;
+  bool accepted = false;
+  bool open = true;     // the connection exists (neither side closed it)
+  bool silent = false;  // stopped: sends nothing any more
+  PeerId id;
+  Wait wait = Wait::kNone;
+  std::uint64_t establish_epoch = 0;
+  std::vector<p::MemberInfo> establish_ring;
+  bool agree_flag = false;
+  TimeMs last_sent_ms = 0;
+  std::uint64_t view_epoch = 0;
+};
+
+struct Failure {
+  std::string what;
+};
+
+class Sim {
+ public:
+  explicit Sim(std::uint64_t seed) : seed_(seed), rng_(seed), c_(make_config(rng_)) {
+    const std::uint32_t group_ids[] = {0, 7, 42, 0xffffffffu};
+    const std::size_t n = 2 + rng_() % 2;
+    groups_.assign(group_ids, group_ids + n);
+    max_open_ = 4 + static_cast<std::size_t>(rng_() % 9);
+  }
+
+  // Returns the failure description, or an empty string.
+  std::string run(int steps) {
+    try {
+      for (step_ = 0; step_ < steps; ++step_) one_step();
+    } catch (const Failure& f) {
+      return report(f.what);
+    } catch (const std::exception& e) {
+      return report(std::string("exception from the coordinator: ") + e.what());
+    }
+    return {};
+  }
+
+  // Totals, to check that the runs exercise what they should.
+  struct Stats {
+    int accepted = 0, topology_ok = 0, topology_failed = 0, mismatches = 0, agree_ok = 0, agree_lost = 0,
+        pending_yes = 0, pending_no = 0, refused = 0, kicked = 0, rejected = 0, protocol_errors = 0;
+  };
+  const Stats& stats() const { return stats_; }
+
+ private:
+  static Config make_config(std::mt19937_64& rng) {
+    Config config;
+    config.heartbeat_timeout_ms = 1'000;
+    config.handshake_timeout_ms = 1'500;
+    config.establish_timeout_ms = 4'000;
+    config.vote_timeout_ms = rng() % 2 == 0 ? 0 : static_cast<std::uint32_t>(1'500 + rng() % 2'000);
+    config.peers_max = rng() % 4 == 0 ? 5 : limits::kPeersMaxDefault;
+    config.pending_handshakes_max = rng() % 4 == 0 ? 2 : limits::kPendingHandshakesMax;
+    config.instance_nonce = rng();
+    return config;
+  }
+
+  [[noreturn]] void fail(const std::string& what) { throw Failure{what}; }
+  void require(bool ok, const std::string& what) {
+    if (!ok) fail(what);
+  }
+
+  std::string report(const std::string& what) {
+    std::ostringstream s;
+    s << "seed " << seed_ << " failed at step " << step_ << " (t=" << now_ << " ms): " << what << "\n";
+    s << "config: vote_timeout_ms=" << c_.config().vote_timeout_ms << " peers_max=" << c_.config().peers_max
+      << " pending_handshakes_max=" << c_.config().pending_handshakes_max << "\n";
+    s << "state: " << c_.digest() << "\n";
+    s << "last " << log_.size() << " events:\n";
+    for (const auto& line : log_) s << line;
+    s << "replay with: LOCKSTEP_SIM_SEED=" << seed_ << " ./coordinator_random_test\n";
+    return s.str();
+  }
+
+  void note(const std::string& line) {
+    log_.push_back(line);
+    const std::size_t keep = verbose_ ? 1'000'000 : 50;
+    while (log_.size() > keep) log_.pop_front();
+  }
+
+  std::string name(const SimPeer& sp) const {
+    std::string s = "conn " + std::to_string(sp.conn);
+    if (sp.welcomed) s += " (" + sp.id.to_string() + " g" + std::to_string(sp.group) + ")";
+    return s;
+  }
+
+  bool chance(unsigned percent) { return rng_() % 100 < percent; }
+  template <typename T>
+  const T& pick(const std::vector<T>& v) {
+    return v[rng_() % v.size()];
+  }
+
+  // ------------------------------------------------------------ stepping
+
+  void one_step() {
+    const auto r = rng_() % 100;
+    if (r < 6) {
+      act_connect();
+    } else if (r < 14) {
+      act_hello();
+    } else if (r < 82) {
+      act_peer();
+    } else if (r < 84) {
+      act_dead_connection();
+    } else {
+      act_time();
+    }
+  }
+
+  std::vector<SimPeer*> open_peers(bool welcomed_only) {
+    std::vector<SimPeer*> v;
+    for (auto& [conn, sp] : peers_) {
+      if (sp.open && (!welcomed_only || sp.welcomed)) v.push_back(&sp);
+    }
+    return v;
+  }
+
+  void act_connect() {
+    if (open_peers(false).size() >= max_open_) return;
+    SimPeer sp;
+    sp.conn = next_conn_++;
+    sp.observed_host = chance(2) ? "127.0.0.1" : "10.0." + std::to_string(sp.conn / 200) + "." + std::to_string(1 + sp.conn % 200);
+    sp.member_host = sp.observed_host;
+    sp.will_hello = !chance(5);
+    sp.last_sent_ms = now_;
+    peers_[sp.conn] = sp;
+    SimPeer& ref = peers_[sp.conn];
+    const std::size_t handshaking = c_.handshaking_count();
+    Outbox out;
+    c_.on_connect(ref.conn, ref.observed_host, now_, out);
+    note("t=" + std::to_string(now_) + " connect conn " + std::to_string(ref.conn) + " from " + ref.observed_host + "\n");
+    if (handshaking >= c_.config().pending_handshakes_max) {
+      require(out.size() >= 1 && closes(out, ref.conn), "a connection beyond the pending-handshake cap was not closed");
+    } else {
+      require(out.empty(), "on_connect produced commands below the pending-handshake cap");
+    }
+    absorb(out, {});
+  }
+
+  void act_hello() {
+    std::vector<SimPeer*> candidates;
+    for (auto& [conn, sp] : peers_) {
+      if (sp.open && !sp.hello_sent && sp.will_hello) candidates.push_back(&sp);
+    }
+    if (candidates.empty()) return;
+    SimPeer& sp = *pick(candidates);
+    sp.hello_sent = true;
+    sp.group = pick(groups_);
+    sp.port = static_cast<std::uint16_t>(10000 + sp.conn % 50000);
+    sp.last_sent_ms = now_;
+    const auto kind = rng_() % 100;
+    Outbox out;
+    Expect expect;
+    if (kind < 4) {
+      // a protocol violation before the handshake: the shell could not decode the frame
+      note("t=" + std::to_string(now_) + " " + name(sp) + " protocol error during handshake\n");
+      c_.on_protocol_error(sp.conn, "garbage", now_, out);
+      expect.goodbye = {sp.conn, LOCKSTEP_STATUS_PROTOCOL_ERROR};
+    } else if (kind < 8) {
+      const p::Message m = chance(50) ? p::Message(p::VoteUpdateTopology{}) : p::Message(p::P2PHello{});
+      note("t=" + std::to_string(now_) + " " + name(sp) + " sends " + describe(m) + " instead of Hello\n");
+      c_.on_message(sp.conn, m, now_, out);
+      expect.goodbye = {sp.conn, LOCKSTEP_STATUS_PROTOCOL_ERROR};
+    } else {
+      p::Hello hello;
+      hello.group = sp.group;
+      hello.p2p_port = kind < 12 ? 0 : sp.port;
+      hello.shared_state_port = static_cast<std::uint16_t>(sp.port + 1);
+      hello.benchmark_port = static_cast<std::uint16_t>(sp.port + 2);
+      if (chance(10)) {
+        hello.advertised_host = "192.168.1." + std::to_string(sp.conn % 250);
+        sp.member_host = hello.advertised_host;
+      }
+      // what the coordinator must answer
+      bool reject = hello.p2p_port == 0 || c_.peers().size() >= c_.config().peers_max;
+      for (const auto& [id, other] : c_.peers()) {
+        if (is_loopback(other.info.host) != is_loopback(sp.member_host)) reject = true;
+      }
+      note("t=" + std::to_string(now_) + " " + name(sp) + " sends " + describe(hello) + "\n");
+      c_.on_message(sp.conn, hello, now_, out);
+      if (reject) {
+        expect.goodbye = {sp.conn, LOCKSTEP_STATUS_REJECTED};
+      } else {
+        expect.welcome = sp.conn;
+      }
+    }
+    absorb(out, expect);
+  }
+
+  static bool is_loopback(const std::string& host) {
+    return host.rfind("127.", 0) == 0 || host == "localhost" || host == "::1";
+  }
+
+  // A welcomed peer does something: the documented loop, an illegal request, a
+  // forbidden message, a disconnect, a protocol error, or it falls silent.
+  void act_peer() {
+    std::vector<SimPeer*> candidates;
+    for (SimPeer* sp : open_peers(true)) {
+      if (!sp->silent) candidates.push_back(sp);
+    }
+    if (candidates.empty()) return;
+    SimPeer& sp = *pick(candidates);
+    const auto r = rng_() % 1000;
+    if (r < 15) return act_disconnect(sp);
+    if (r < 22) return act_protocol_error(sp);
+    if (r < 30) {
+      note("t=" + std::to_string(now_) + " " + name(sp) + " falls silent\n");
+      sp.silent = true;
+      return;
+    }
+    if (r < 40) return act_forbidden(sp);
+    if (r < 140) return act_illegal(sp);
+    if (r < 200) return send_heartbeat(sp);
+    // the documented loop
+    if (sp.wait == Wait::kEstablish) {
+      p::P2PReport report{sp.establish_epoch, {}};
+      if (chance(12)) {
+        if (chance(80) && sp.establish_ring.size() > 1) {
+          PeerId target = sp.id;
+          while (target == sp.id) target = pick(sp.establish_ring).id;
+          report.unreachable.push_back(target);
+        } else {
+          report.unreachable.push_back(PeerId{rng_(), rng_()});
+        }
+      }
+      sp.wait = Wait::kReported;
+      return request(sp, report, /*legal=*/true);
+    }
+    if (!sp.accepted || sp.wait != Wait::kNone) return send_heartbeat(sp);
+    const auto v = rng_() % 100;
+    if (v < 30) {
+      sp.wait = Wait::kTopologyVote;
+      return request(sp, p::VoteUpdateTopology{}, true);
+    }
+    if (v < 60) {
+      sp.wait = Wait::kPending;
+      return request(sp, p::VotePeersPending{}, true);
+    }
+    sp.wait = Wait::kAgree;
+    sp.agree_flag = !chance(15);
+    return request(sp, p::VoteAgree{sp.agree_flag}, true);
+  }
+
+  // A well-formed request the peer's own knowledge says is illegal now.
+  void act_illegal(SimPeer& sp) {
+    std::vector<p::Message> options;
+    if (!sp.accepted || sp.wait != Wait::kNone) {
+      options.push_back(p::VoteUpdateTopology{});
+      options.push_back(p::VotePeersPending{});
+      options.push_back(p::VoteAgree{chance(50)});
+    }
+    if (sp.wait == Wait::kEstablish) {
+      options.push_back(p::P2PReport{sp.establish_epoch + 1 + rng_() % 3, {}});
+      if (sp.establish_epoch > 0) options.push_back(p::P2PReport{sp.establish_epoch - 1, {}});
+    } else {
+      options.push_back(p::P2PReport{c_.epoch(), {}});
+      options.push_back(p::P2PReport{rng_() % 5, {sp.id}});
+    }
+    request(sp, pick(options), /*legal=*/false);
+  }
+
+  void act_forbidden(SimPeer& sp) {
+    static const std::vector<p::Message> forbidden = {
+        p::Hello{}, p::Welcome{}, p::HeartbeatAck{}, p::EstablishP2P{}, p::TopologyResult{}, p::PeersPendingResult{},
+        p::AgreeResult{}, p::Refused{}, p::Goodbye{}, p::P2PHello{}, p::P2PHelloAck{}};
+    const p::Message& m = pick(forbidden);
+    sp.last_sent_ms = now_;
+    note("t=" + std::to_string(now_) + " " + name(sp) + " sends forbidden " + describe(m) + "\n");
+    Outbox out;
+    c_.on_message(sp.conn, m, now_, out);
+    Expect expect;
+    expect.goodbye = {sp.conn, LOCKSTEP_STATUS_PROTOCOL_ERROR};
+    absorb(out, expect);
+  }
+
+  void act_disconnect(SimPeer& sp) {
+    note("t=" + std::to_string(now_) + " " + name(sp) + " disconnects\n");
+    mark_closed(sp);
+    Outbox out;
+    c_.on_disconnect(sp.conn, "reset", now_, out);
+    absorb(out, {});
+  }
+
+  void act_protocol_error(SimPeer& sp) {
+    note("t=" + std::to_string(now_) + " " + name(sp) + " sends an undecodable frame\n");
+    Outbox out;
+    c_.on_protocol_error(sp.conn, "bad frame", now_, out);
+    Expect expect;
+    expect.goodbye = {sp.conn, LOCKSTEP_STATUS_PROTOCOL_ERROR};
+    absorb(out, expect);
+  }
+
+  // Events for connections that are already gone must change nothing.
+  void act_dead_connection() {
+    std::vector<SimPeer*> dead;
+    for (auto& [conn, sp] : peers_) {
+      if (!sp.open) dead.push_back(&sp);
+    }
+    if (dead.empty()) return;
+    SimPeer& sp = *pick(dead);
+    const std::string before = c_.digest();
+    Outbox out;
+    switch (rng_() % 3) {
+      case 0: c_.on_message(sp.conn, p::VoteAgree{true}, now_, out); break;
+      case 1: c_.on_disconnect(sp.conn, "late", now_, out); break;
+      default: c_.on_protocol_error(sp.conn, "late", now_, out); break;
+    }
+    note("t=" + std::to_string(now_) + " late event for closed " + name(sp) + "\n");
+    require(out.empty(), "an event for a closed connection produced commands");
+    require(c_.digest() == before, "an event for a closed connection changed the state");
+    check_after_step();
+  }
+
+  void send_heartbeat(SimPeer& sp) {
+    const std::string before = c_.digest();
+    sp.last_sent_ms = now_;
+    Outbox out;
+    c_.on_message(sp.conn, p::Heartbeat{}, now_, out);
+    note("t=" + std::to_string(now_) + " " + name(sp) + " heartbeat\n");
+    std::size_t sends = 0;
+    for (const auto& cmd : out) {
+      if (const auto* s = std::get_if<Send>(&cmd)) {
+        ++sends;
+        require(s->conn == sp.conn && std::holds_alternative<p::HeartbeatAck>(s->message),
+                "a heartbeat produced something other than its HeartbeatAck: " + describe(s->message));
+      }
+      require(!std::holds_alternative<Close>(cmd), "a heartbeat closed a connection");
+    }
+    require(sends == 1, "a heartbeat was not answered exactly once");
+    require(c_.digest() == before, "a heartbeat changed the decision state");
+    check_after_step();
+  }
+
+  void request(SimPeer& sp, const p::Message& m, bool legal) {
+    sp.last_sent_ms = now_;
+    const std::string before = c_.digest();
+    note("t=" + std::to_string(now_) + " " + name(sp) + " [" + to_string(sp.wait) + "] sends " + describe(m) +
+         (legal ? "" : " (illegal)") + "\n");
+    Outbox out;
+    c_.on_message(sp.conn, m, now_, out);
+    if (!legal) {
+      std::size_t sends = 0;
+      for (const auto& cmd : out) {
+        if (const auto* s = std::get_if<Send>(&cmd)) {
+          ++sends;
+          const auto* refused = std::get_if<p::Refused>(&s->message);
+          require(s->conn == sp.conn && refused != nullptr,
+                  "an illegal " + describe(m) + " was answered with " + describe(s->message) + " to conn " +
+                      std::to_string(s->conn));
+          require(refused->request == p::type_of(m), "Refused names the wrong request");
+          const StatusCode want = (!sp.accepted && std::holds_alternative<p::VoteAgree>(m)) ||
+                                          (!sp.accepted && std::holds_alternative<p::VotePeersPending>(m)) ||
+                                          (!sp.accepted && std::holds_alternative<p::VoteUpdateTopology>(m))
+                                      ? LOCKSTEP_STATUS_NOT_INITIALIZED
+                                      : LOCKSTEP_STATUS_INVALID_USAGE;
+          require(refused->status == want, std::string("Refused with ") + status_name(refused->status) + ", expected " +
+                                               status_name(want) + " for " + describe(m));
+        }
+        require(!std::holds_alternative<Close>(cmd), "an illegal request closed a connection");
+      }
+      require(sends == 1, "an illegal request was not refused exactly once");
+      require(c_.digest() == before, "a refused request changed the decision state:\nbefore " + before + "\nafter  " + c_.digest());
+      ++stats_.refused;
+      note(describe_out(out));
+      check_after_step();
+      return;
+    }
+    Expect expect;
+    expect.legal_from = sp.conn;
+    absorb(out, expect);
+  }
+
+  // Time passes; live peers keep sending heartbeats, silent ones do not.
+  void act_time() {
+    const TimeMs hb = c_.config().heartbeat_timeout_ms;
+    TimeMs dt = 1 + static_cast<TimeMs>(rng_() % static_cast<std::uint64_t>(hb / 2));
+    if (chance(3)) dt = 0;
+    for (SimPeer* sp : open_peers(true)) {
+      if (!sp->silent && now_ + dt - sp->last_sent_ms >= hb / 2) send_heartbeat(*sp);
+    }
+    now_ += dt;
+    note("t=" + std::to_string(now_) + " tick (+" + std::to_string(dt) + " ms)\n");
+    Outbox out;
+    c_.on_tick(now_, out);
+    absorb(out, {});
+  }
+
+  void mark_closed(SimPeer& sp) {
+    if (!sp.open) return;
+    sp.open = false;
+    if (sp.accepted) dirty_ = true;
+  }
+
+  static bool closes(const Outbox& out, ConnId conn) {
+    return std::any_of(out.begin(), out.end(), [&](const Command& c) {
+      const auto* close = std::get_if<Close>(&c);
+      return close != nullptr && close->conn == conn;
+    });
+  }
+
+  std::string describe_out(const Outbox& out) const {
+    std::ostringstream s;
+    for (const auto& cmd : out) {
+      if (const auto* send = std::get_if<Send>(&cmd)) {
+        s << "    -> conn " << send->conn << ": " << describe(send->message) << "\n";
+      } else if (const auto* close = std::get_if<Close>(&cmd)) {
+        s << "    close conn " << close->conn << " (" << close->reason << ")\n";
+      } else {
+        s << "    event: " << std::get<Event>(cmd).text << "\n";
+      }
+    }
+    return s.str();
+  }
+
+  // ------------------------------------------------------------ checking an outbox
+
+  struct Expect {
+    std::optional<std::pair<ConnId, StatusCode>> goodbye;  // this conn must get this Goodbye and a Close
+    std::optional<ConnId> welcome;                          // this conn must be welcomed
+    std::optional<ConnId> legal_from;                       // this conn's request was legal: no Refused
+  };
+
+  // Applies what the coordinator sent to the simulated peers, checking each message
+  // against what the peer could legitimately receive, then the per-batch rules.
+  void absorb(const Outbox& out, const Expect& expect) {
+    note(describe_out(out));
+    std::set<ConnId> closed_here;
+    std::set<ConnId> goodbye_here;
+    struct GroupResult {
+      std::uint64_t epoch;
+      std::vector<p::MemberInfo> ring;
+      p::Attributes attributes;
+    };
+    std::map<std::uint32_t, GroupResult> ok_results;            // per group
+    std::map<std::uint32_t, p::EstablishP2P> establish_by_group;
+    std::set<PeerId> establish_recipients;
+    std::optional<std::uint64_t> establish_epoch;
+    std::optional<std::pair<StatusCode, bool>> pending_result;
+    std::map<std::uint32_t, std::pair<StatusCode, bool>> agree_results;
+    std::map<std::uint32_t, std::vector<std::pair<SimPeer*, bool>>> agree_voters;  // recipient and its flag
+    std::map<std::uint64_t, std::set<ConnId>> failed_results;  // epoch -> recipients of UPDATE_TOPOLOGY_FAILED
+    bool welcomed = false;
+
+    for (const auto& cmd : out) {
+      if (const auto* close = std::get_if<Close>(&cmd)) {
+        auto it = peers_.find(close->conn);
+        require(it != peers_.end(), "Close for an unknown connection " + std::to_string(close->conn));
+        require(it->second.open || closed_here.count(close->conn) == 0, "a connection was closed twice");
+        require(it->second.open, "Close for a connection that was already gone: " + name(it->second));
+        closed_here.insert(close->conn);
+        mark_closed(it->second);
+        continue;
+      }
+      const auto* send = std::get_if<Send>(&cmd);
+      if (send == nullptr) continue;
+      auto it = peers_.find(send->conn);
+      require(it != peers_.end(), "message to an unknown connection " + std::to_string(send->conn));
+      SimPeer& sp = it->second;
+      require(sp.open, "message to a closed connection: " + name(sp) + ": " + describe(send->message));
+      const p::Message& m = send->message;
+      if (const auto* welcome = std::get_if<p::Welcome>(&m)) {
+        require(sp.hello_sent && !sp.welcomed, "Welcome without a Hello, or twice");
+        require(expect.welcome == sp.conn, "a Hello that had to be rejected was welcomed");
+        require(welcome->observed_host == sp.observed_host, "Welcome names the wrong observed host");
+        require(welcome->heartbeat_timeout_ms == c_.config().heartbeat_timeout_ms, "Welcome names the wrong timeout");
+        for (const auto& [conn, other] : peers_) {
+          require(!other.welcomed || other.id != welcome->id, "a PeerId was given out twice");
+        }
+        sp.welcomed = true;
+        sp.id = welcome->id;
+        welcomed = true;
+      } else if (std::holds_alternative<p::HeartbeatAck>(m)) {
+        require(sp.welcomed, "HeartbeatAck to a peer that is not welcomed");
+      } else if (const auto* est = std::get_if<p::EstablishP2P>(&m)) {
+        require(sp.welcomed, "EstablishP2P before Welcome");
+        require((sp.accepted && sp.wait == Wait::kTopologyVote) || (!sp.accepted && sp.wait == Wait::kNone),
+                "EstablishP2P to " + name(sp) + " waiting for " + to_string(sp.wait) +
+                    (sp.accepted ? " (accepted)" : " (registered)"));
+        require(est->epoch == c_.epoch(), "EstablishP2P of an old epoch");
+        require(!establish_epoch || *establish_epoch == est->epoch, "two establishments in one batch");
+        establish_epoch = est->epoch;
+        require(std::any_of(est->ring.begin(), est->ring.end(), [&](const p::MemberInfo& mi) { return mi.id == sp.id; }),
+                "EstablishP2P ring without the recipient");
+        auto [g, inserted] = establish_by_group.emplace(sp.group, *est);
+        require(inserted || g->second == *est, "members of one group got different EstablishP2P rings");
+        establish_recipients.insert(sp.id);
+        sp.wait = Wait::kEstablish;
+        sp.establish_epoch = est->epoch;
+        sp.establish_ring = est->ring;
+      } else if (const auto* result = std::get_if<p::TopologyResult>(&m)) {
+        require(sp.welcomed, "TopologyResult before Welcome");
+        if (result->status == LOCKSTEP_OK) {
+          require(sp.wait == Wait::kReported,
+                  "TopologyResult OK to " + name(sp) + " waiting for " + to_string(sp.wait) + " (it never reported)");
+          require(result->epoch == sp.establish_epoch, "TopologyResult of another epoch than the establishment");
+          require(ids(result->ring) == ids(sp.establish_ring), "the accepted ring differs from the proposed ring");
+          require(result->ring == sp.establish_ring, "the accepted ring's addresses differ from the proposed ones");
+          auto [g, inserted] = ok_results.emplace(sp.group, GroupResult{result->epoch, result->ring, result->attributes});
+          require(inserted || (g->second.epoch == result->epoch && g->second.ring == result->ring &&
+                               g->second.attributes == result->attributes),
+                  "members of group " + std::to_string(sp.group) + " got different membership views");
+          if (!sp.accepted) ++stats_.accepted;
+          sp.accepted = true;
+          sp.view_epoch = result->epoch;
+          dirty_ = false;
+          ++stats_.topology_ok;
+        } else if (sp.wait == Wait::kTopologyVote) {
+          require(result->status == LOCKSTEP_STATUS_OPERATION_MISMATCH,
+                  std::string("a topology voter got ") + status_name(result->status) + " before any establishment");
+          ++stats_.mismatches;
+        } else {
+          require(sp.wait == Wait::kEstablish || sp.wait == Wait::kReported,
+                  "TopologyResult " + std::string(status_name(result->status)) + " to " + name(sp) + " waiting for " +
+                      to_string(sp.wait));
+          require(result->status == LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED,
+                  std::string("a failed establishment reported ") + status_name(result->status));
+          require(result->epoch == sp.establish_epoch, "failure of another epoch than the establishment");
+          failed_results[result->epoch].insert(sp.conn);
+          ++stats_.topology_failed;
+        }
+        sp.wait = Wait::kNone;
+      } else if (const auto* pending = std::get_if<p::PeersPendingResult>(&m)) {
+        require(sp.wait == Wait::kPending, "PeersPendingResult to " + name(sp) + " waiting for " + to_string(sp.wait));
+        require(sp.accepted, "PeersPendingResult to a registered peer");
+        const auto value = std::make_pair(pending->status, pending->pending);
+        require(!pending_result || *pending_result == value, "are-peers-pending answers differ within one round");
+        pending_result = value;
+        if (pending->status == LOCKSTEP_OK) {
+          bool registered = false;
+          for (const auto& [conn, other] : peers_) registered |= other.open && other.welcomed && !other.accepted;
+          require(pending->pending == (registered || dirty_),
+                  std::string("are-peers-pending answered ") + (pending->pending ? "yes" : "no") + " with registered=" +
+                      (registered ? "yes" : "no") + " and a departed accepted peer=" + (dirty_ ? "yes" : "no"));
+          ++(pending->pending ? stats_.pending_yes : stats_.pending_no);
+        } else {
+          require(pending->status == LOCKSTEP_STATUS_OPERATION_MISMATCH,
+                  std::string("are-peers-pending failed with ") + status_name(pending->status));
+          ++stats_.mismatches;
+        }
+        sp.wait = Wait::kNone;
+      } else if (const auto* agree = std::get_if<p::AgreeResult>(&m)) {
+        require(sp.wait == Wait::kAgree, "AgreeResult to " + name(sp) + " waiting for " + to_string(sp.wait));
+        const auto value = std::make_pair(agree->status, agree->status == LOCKSTEP_OK ? agree->value : false);
+        auto [g, inserted] = agree_results.emplace(sp.group, value);
+        require(inserted || g->second == value, "agree results differ within group " + std::to_string(sp.group));
+        agree_voters[sp.group].emplace_back(&sp, sp.agree_flag);
+        if (agree->status == LOCKSTEP_OK) {
+          ++stats_.agree_ok;
+        } else if (agree->status == LOCKSTEP_STATUS_PEER_CONNECTION_LOST) {
+          ++stats_.agree_lost;
+        } else {
+          require(agree->status == LOCKSTEP_STATUS_OPERATION_MISMATCH,
+                  std::string("agree failed with ") + status_name(agree->status));
+          ++stats_.mismatches;
+        }
+        sp.wait = Wait::kNone;
+      } else if (const auto* refused = std::get_if<p::Refused>(&m)) {
+        require(expect.legal_from != sp.conn,
+                "a request the peer's knowledge makes legal was refused: " + std::string(p::msg_type_name(refused->request)) +
+                    " (" + refused->reason + ")");
+        fail("unexpected Refused to " + name(sp));
+      } else if (const auto* goodbye = std::get_if<p::Goodbye>(&m)) {
+        require(goodbye_here.insert(sp.conn).second, "two Goodbyes to one connection");
+        require(!goodbye->reason.empty(), "a Goodbye without a reason");
+        if (expect.goodbye && expect.goodbye->first == sp.conn) {
+          require(goodbye->status == expect.goodbye->second,
+                  std::string("Goodbye ") + status_name(goodbye->status) + ", expected " + status_name(expect.goodbye->second));
+        }
+        if (goodbye->reason.find("heartbeat") != std::string::npos) {
+          require(now_ - sp.last_sent_ms >= c_.config().heartbeat_timeout_ms,
+                  "a peer that sent within the heartbeat timeout was removed for silence");
+        }
+        if (goodbye->reason.find("vote timeout") != std::string::npos) {
+          require(c_.config().vote_timeout_ms != 0, "removed by a vote timeout that is off");
+          require(sp.accepted, "a registered peer removed as a vote straggler");
+        }
+        switch (goodbye->status) {
+          case LOCKSTEP_STATUS_KICKED: ++stats_.kicked; break;
+          case LOCKSTEP_STATUS_REJECTED: ++stats_.rejected; break;
+          case LOCKSTEP_STATUS_PROTOCOL_ERROR: ++stats_.protocol_errors; break;
+          default: fail(std::string("Goodbye with status ") + status_name(goodbye->status));
+        }
+      } else {
+        fail("the coordinator sent a peer-to-master message: " + describe(m));
+      }
+    }
+
+    // ---- per-batch rules
+    for (ConnId conn : goodbye_here) require(closed_here.count(conn) != 0, "a Goodbye without a Close");
+    if (expect.goodbye) {
+      require(goodbye_here.count(expect.goodbye->first) != 0 && closed_here.count(expect.goodbye->first) != 0,
+              "conn " + std::to_string(expect.goodbye->first) + " was not sent its Goodbye and closed");
+    }
+    if (expect.welcome) require(welcomed, "a valid Hello was not welcomed");
+
+    // One decision for all: every accepted member of a group got the same view, and it
+    // is the coordinator's ring; attributes agree with the coordinator's.
+    for (const auto& [group, result] : ok_results) {
+      require(ids(result.ring) == c_.ring(group), "the membership view sent differs from coordinator.ring()");
+      require(result.attributes == c_.attributes(group), "the attributes sent differ from coordinator.attributes()");
+      for (const auto& [conn, sp] : peers_) {
+        if (sp.open && sp.accepted && sp.group == group) {
+          require(sp.view_epoch == result.epoch, "accepted " + name(sp) + " did not get the new view of its group");
+        }
+      }
+    }
+    if (!ok_results.empty()) {
+      // a success reaches every group's accepted peers, not only the groups with newcomers
+      for (const auto& [conn, sp] : peers_) {
+        if (sp.open && sp.accepted) require(ok_results.count(sp.group) != 0, "a group missed the topology result");
+      }
+    }
+    // A failed establishment is reported to every participant still connected.
+    for (const auto& [epoch, recipients] : failed_results) {
+      for (const auto& [conn, sp] : peers_) {
+        if (sp.open && sp.establish_epoch == epoch && (sp.wait == Wait::kEstablish || sp.wait == Wait::kReported)) {
+          fail("participant " + name(sp) + " of failed epoch " + std::to_string(epoch) + " got no result");
+        }
+      }
+    }
+    // A new establishment includes every peer of the run, with rings made of the
+    // group's accepted ring followed by its newcomers in join order.
+    if (establish_epoch) {
+      std::set<PeerId> everyone;
+      for (const auto& [id, peer] : c_.peers()) everyone.insert(id);
+      require(establish_recipients == everyone, "an establishment did not include every peer of the run");
+      for (const auto& [group, est] : establish_by_group) {
+        std::vector<PeerId> want = c_.ring(group);
+        std::vector<PeerId> newcomers;
+        for (const auto& [id, peer] : c_.peers()) {
+          if (peer.group == group && peer.phase == Phase::kRegistered) newcomers.push_back(id);
+        }
+        std::sort(newcomers.begin(), newcomers.end());
+        want.insert(want.end(), newcomers.begin(), newcomers.end());
+        require(ids(est.ring) == want, "the proposed ring of group " + std::to_string(group) +
+                                           " is not the accepted ring followed by the newcomers in join order");
+        for (const auto& mi : est.ring) {
+          const SimPeer* owner = by_id(mi.id);
+          require(owner != nullptr, "the ring names an unknown peer");
+          require(mi.host == owner->member_host && mi.p2p_port == owner->port &&
+                      mi.shared_state_port == static_cast<std::uint16_t>(owner->port + 1) &&
+                      mi.benchmark_port == static_cast<std::uint16_t>(owner->port + 2),
+                  "the ring carries a wrong address for " + mi.id.to_string());
+        }
+      }
+    }
+    // agree: a successful round's value is the AND of every voter's flag, and every
+    // accepted member of the group voted.
+    for (const auto& [group, value] : agree_results) {
+      if (value.first != LOCKSTEP_OK) continue;
+      bool all = true;
+      std::set<ConnId> voters;
+      for (const auto& [sp, flag] : agree_voters[group]) {
+        all = all && flag;
+        voters.insert(sp->conn);
+      }
+      require(value.second == all, "agree value is not the AND of the flags");
+      for (const auto& [conn, sp] : peers_) {
+        if (sp.open && sp.accepted && sp.group == group) {
+          require(voters.count(conn) != 0, "an agree round succeeded without accepted member " + name(sp));
+        }
+      }
+    }
+    check_after_step();
+  }
+
+  static std::vector<PeerId> ids(const std::vector<p::MemberInfo>& ring) {
+    std::vector<PeerId> v;
+    for (const auto& m : ring) v.push_back(m.id);
+    return v;
+  }
+
+  const SimPeer* by_id(PeerId id) const {
+    for (const auto& [conn, sp] : peers_) {
+      if (sp.welcomed && sp.id == id) return &sp;
+    }
+    return nullptr;
+  }
+
+  // ------------------------------------------------------------ after every step
+
+  void check_after_step() {
+    if (auto broken = c_.check_invariants()) fail("invariant broken: " + *broken);
+    // the model and the coordinator agree on who is there and in which phase
+    std::size_t open_welcomed = 0;
+    for (const auto& [conn, sp] : peers_) {
+      if (!sp.open || !sp.welcomed) continue;
+      ++open_welcomed;
+      const Peer* peer = c_.find_peer(sp.id);
+      require(peer != nullptr, "the coordinator forgot " + name(sp) + " without telling it");
+      require(peer->conn == conn, "the coordinator maps a peer to another connection");
+      require((peer->phase == Phase::kAccepted) == sp.accepted, "the phase of " + name(sp) + " differs from what it was told");
+    }
+    require(open_welcomed == c_.peers().size(), "the coordinator holds peers that were told they are gone");
+
+    std::vector<const SimPeer*> accepted;
+    for (const auto& [conn, sp] : peers_) {
+      if (sp.open && sp.accepted) accepted.push_back(&sp);
+    }
+    // One major operation per group: the accepted peers of a group are all in the
+    // establishment or none is.
+    std::map<std::uint32_t, std::set<bool>> establishing;
+    for (const SimPeer* sp : accepted) {
+      const bool in = sp->wait == Wait::kEstablish || sp->wait == Wait::kReported;
+      establishing[sp->group].insert(in);
+      require((c_.major_op(sp->group) == MajorOp::kUpdateTopology) == in, "major_op disagrees with the establishment");
+    }
+    for (const auto& [group, set] : establishing) require(set.size() == 1, "a group is half in an establishment");
+
+    // Progress: votes that every live accepted peer has joined are decided at once.
+    if (!accepted.empty()) {
+      const bool all_voting = std::all_of(accepted.begin(), accepted.end(), [](const SimPeer* sp) {
+        return sp->wait == Wait::kTopologyVote || sp->wait == Wait::kPending || sp->wait == Wait::kAgree;
+      });
+      require(!all_voting, "every accepted peer waits in a vote and nothing was decided");
+      std::map<std::uint32_t, bool> group_all_agree;
+      for (const SimPeer* sp : accepted) {
+        auto [it, inserted] = group_all_agree.emplace(sp->group, true);
+        it->second = it->second && sp->wait == Wait::kAgree;
+      }
+      for (const auto& [group, all] : group_all_agree) {
+        require(!all, "every accepted peer of group " + std::to_string(group) + " voted agree and nothing was decided");
+      }
+    }
+    // Progress: an establishment whose participants all reported is decided at once.
+    bool any_participant = false;
+    bool any_unreported = false;
+    for (const auto& [conn, sp] : peers_) {
+      if (!sp.open) continue;
+      if (sp.wait == Wait::kEstablish || sp.wait == Wait::kReported) any_participant = true;
+      if (sp.wait == Wait::kEstablish) any_unreported = true;
+    }
+    require(!any_participant || any_unreported, "every participant reported and the establishment was not decided");
+    // An empty run admits its registered peers without a vote.
+    if (accepted.empty() && !any_participant) {
+      for (const auto& [conn, sp] : peers_) {
+        require(!(sp.open && sp.welcomed), "registered " + name(sp) + " waits in a run without accepted peers");
+      }
+    }
+  }
+
+  std::uint64_t seed_;
+  std::mt19937_64 rng_;
+  Coordinator c_;
+  std::vector<std::uint32_t> groups_;
+  std::size_t max_open_ = 8;
+  std::map<ConnId, SimPeer> peers_;
+  ConnId next_conn_ = 1;
+  TimeMs now_ = 0;
+  int step_ = 0;
+  bool dirty_ = false;  // an accepted peer left since the last successful update
+  std::deque<std::string> log_;
+  bool verbose_ = env_u64("LOCKSTEP_SIM_VERBOSE").value_or(0) != 0;
+  Stats stats_;
+};
+
+TEST(CoordinatorRandom, SeededRuns) {
+  const int steps = static_cast<int>(env_u64("LOCKSTEP_SIM_STEPS").value_or(3000));
+  std::vector<std::uint64_t> seeds;
+  if (auto one = env_u64("LOCKSTEP_SIM_SEED")) {
+    seeds.push_back(*one);
+  } else {
+    const std::uint64_t n = env_u64("LOCKSTEP_SIM_SEEDS").value_or(300);
+    for (std::uint64_t s = 1; s <= n; ++s) seeds.push_back(s);
+  }
+  std::vector<std::uint64_t> failed;
+  Sim::Stats total;
+  for (std::uint64_t seed : seeds) {
+    Sim sim(seed);
+    const std::string failure = sim.run(steps);
+    if (!failure.empty()) {
+      if (failed.size() < 3) ADD_FAILURE() << failure;
+      failed.push_back(seed);
+    }
+    const auto& s = sim.stats();
+    total.accepted += s.accepted;
+    total.topology_ok += s.topology_ok;
+    total.topology_failed += s.topology_failed;
+    total.mismatches += s.mismatches;
+    total.agree_ok += s.agree_ok;
+    total.agree_lost += s.agree_lost;
+    total.pending_yes += s.pending_yes;
+    total.pending_no += s.pending_no;
+    total.refused += s.refused;
+    total.kicked += s.kicked;
+    total.rejected += s.rejected;
+    total.protocol_errors += s.protocol_errors;
+  }
+  std::ostringstream summary;
+  summary << seeds.size() << " seeds x " << steps << " steps: accepted " << total.accepted << ", topology ok "
+          << total.topology_ok << " / failed " << total.topology_failed << ", mismatches " << total.mismatches
+          << ", agree ok " << total.agree_ok << " / lost " << total.agree_lost << ", pending yes " << total.pending_yes
+          << " / no " << total.pending_no << ", refused " << total.refused << ", kicked " << total.kicked
+          << ", rejected " << total.rejected << ", protocol errors " << total.protocol_errors;
+  std::cout << summary.str() << "\n";
+  if (!failed.empty()) {
+    std::ostringstream list;
+    for (std::size_t i = 0; i < failed.size() && i < 30; ++i) list << (i ? ", " : "") << failed[i];
+    ADD_FAILURE() << failed.size() << " of " << seeds.size() << " seeds failed; first ones: " << list.str();
+  }
+  // the runs must exercise the interesting paths, or they prove little
+  if (seeds.size() >= 50) {
+    EXPECT_GT(total.topology_ok, 0);
+    EXPECT_GT(total.topology_failed, 0);
+    EXPECT_GT(total.mismatches, 0);
+    EXPECT_GT(total.agree_ok, 0);
+    EXPECT_GT(total.agree_lost, 0);
+    EXPECT_GT(total.pending_yes, 0);
+    EXPECT_GT(total.pending_no, 0);
+    EXPECT_GT(total.refused, 0);
+    EXPECT_GT(total.kicked, 0);
+    EXPECT_GT(total.rejected, 0);
+    EXPECT_GT(total.protocol_errors, 0);
+  }
+}
+
+}  // namespace
+}  // namespace lockstep::coord

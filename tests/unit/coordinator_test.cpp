@@ -246,9 +246,9 @@ class Harness {
   }
 
   // The first peer of an empty run: admitted without a vote.
-  FakePeer first(std::uint32_t group) {
+  FakePeer first(std::uint32_t group, std::string host = {}) {
     Outbox out;
-    FakePeer peer = join(group, &out);
+    FakePeer peer = join(group, &out, std::move(host));
     auto establish = one_of<p::EstablishP2P>(out, peer.conn);
     EXPECT_TRUE(establish.has_value());
     if (!establish) return peer;
@@ -1158,8 +1158,8 @@ TEST(CoordinatorHeartbeat, SilentPeerIsKickedButNotOneThatSentInTime) {
   EXPECT_EQ(close_count(out), 1u) << describe(out);
   EXPECT_TRUE(h.gone(peers[1]));
   EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{peers[0].id, peers[2].id}));
-  // the registered peer that also fell silent goes later
-  h.now += 10;
+  // the registered peer, silent since its last message, goes one timeout after it
+  h.now += timeout - 10;
   h.heartbeat({peers[0], peers[2]});
   out = h.tick();
   expect_goodbye(out, n, LOCKSTEP_STATUS_KICKED);
@@ -1234,7 +1234,7 @@ TEST(CoordinatorHandshake, PeersMaxRejects) {
 TEST(CoordinatorHandshake, LoopbackAndRemoteAddressesAreNotMixed) {
   {
     Harness h;
-    h.join(1, nullptr, "127.0.0.1");
+    h.first(1, "127.0.0.1");
     h.connect(20, "10.1.1.1");
     Outbox out = h.send(20, Harness::hello(1, 5000));
     auto goodbye = one_of<p::Goodbye>(out, 20);
@@ -1243,8 +1243,8 @@ TEST(CoordinatorHandshake, LoopbackAndRemoteAddressesAreNotMixed) {
     EXPECT_NE(goodbye->reason.find("loopback"), std::string::npos) << goodbye->reason;
     EXPECT_NE(goodbye->reason.find("10.1.1.1"), std::string::npos) << goodbye->reason;
     EXPECT_TRUE(closes(out, 20));
-    // another loopback peer is fine, and so is a remote peer advertising a loopback address? no:
-    // the address others will use decides, so a loopback advertisement joins a loopback run
+    // another loopback peer is fine; the address the others will use decides, so a
+    // peer seen remotely that advertises a loopback address joins a loopback run
     h.join(1, nullptr, "127.0.0.2");
     h.connect(21, "10.1.1.2");
     out = h.send(21, Harness::hello(1, 5000, "127.0.0.1"));
@@ -1252,7 +1252,7 @@ TEST(CoordinatorHandshake, LoopbackAndRemoteAddressesAreNotMixed) {
   }
   {
     Harness h;
-    h.join(1, nullptr, "10.1.1.1");
+    h.first(1, "10.1.1.1");
     h.connect(20, "127.0.0.1");
     Outbox out = h.send(20, Harness::hello(1, 5000));
     auto goodbye = one_of<p::Goodbye>(out, 20);
