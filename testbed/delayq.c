@@ -142,6 +142,26 @@ static int on_packet(struct nfq_q_handle *qh, struct nfgenmsg *msg, struct nfq_d
   return 0;
 }
 
+/* Reads up to `limit` queued packet messages without blocking; -1 on a fatal error. */
+static int read_pending(struct state *s, int fd, size_t limit) {
+  static char buf[1 << 17];
+  for (size_t k = 0; k < limit; k++) {
+    ssize_t r = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (r < 0) {
+      if (errno == ENOBUFS) { /* messages were lost: the kernel dropped those packets */
+        s->enobufs++;
+        continue;
+      }
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
+      fprintf(stderr, "delayq: recv: %s\n", strerror(errno));
+      return -1;
+    }
+    s->now_ns = now_mono();
+    nfq_handle_packet(s->h, buf, (int)r);
+  }
+  return 0;
+}
+
 /* Releases every held packet that is due at `now`; returns the due time of the next
  * held packet, or 0 when none is held. */
 static uint64_t release_due(struct state *s, uint64_t now) {
@@ -322,7 +342,6 @@ int main(int argc, char **argv) {
   }
   print_stats(&s, "ready");
 
-  static char buf[1 << 17];
   uint64_t armed_for = 0;
   int draining = 0;
   for (;;) {
@@ -336,36 +355,29 @@ int main(int argc, char **argv) {
       fprintf(stderr, "delayq: poll: %s\n", strerror(errno));
       break;
     }
+    int start_draining = 0;
     if (pfd[2].revents & POLLIN) {
       struct signalfd_siginfo si;
       while (read(sfd, &si, sizeof si) == (ssize_t)sizeof si) {
         if (si.ssi_signo == SIGUSR1) {
           print_stats(&s, "stats");
-        } else if (draining) {
+        } else if (draining || start_draining) {
           print_stats(&s, "exit");
           return 0;
         } else {
-          draining = 1;
+          start_draining = 1;
         }
       }
     }
-    if (pfd[0].revents & (POLLIN | POLLERR)) {
-      for (int k = 0; k < READ_BATCH; k++) {
-        ssize_t r = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
-        if (r < 0) {
-          if (errno == ENOBUFS) {
-            s.enobufs++;
-            continue;
-          }
-          if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-          fprintf(stderr, "delayq: recv: %s\n", strerror(errno));
-          print_stats(&s, "exit");
-          return 1;
-        }
-        s.now_ns = now_mono();
-        nfq_handle_packet(s.h, buf, (int)r);
+    /* When told to stop (after the rule is gone), read what is still in the socket
+     * once more, so those packets are held and released like the others. */
+    if ((pfd[0].revents & (POLLIN | POLLERR)) || start_draining) {
+      if (read_pending(&s, fd, start_draining ? SIZE_MAX : READ_BATCH) < 0) {
+        print_stats(&s, "exit");
+        return 1;
       }
     }
+    if (start_draining) draining = 1;
     if (pfd[1].revents & POLLIN) {
       uint64_t expirations;
       if (read(tfd, &expirations, sizeof expirations) < 0 && errno != EAGAIN) break;

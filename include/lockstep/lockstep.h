@@ -89,6 +89,40 @@ typedef enum lockstep_log_level {
 /* Sets the process-wide log level (thread-safe). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_set_log_level(lockstep_log_level_t level);
 
+/* Element types of collective operations and shared state. */
+typedef enum lockstep_dtype {
+  LOCKSTEP_U8 = 0,
+  LOCKSTEP_I8 = 1,
+  LOCKSTEP_U16 = 2,
+  LOCKSTEP_I16 = 3,
+  LOCKSTEP_U32 = 4,
+  LOCKSTEP_I32 = 5,
+  LOCKSTEP_U64 = 6,
+  LOCKSTEP_I64 = 7,
+  LOCKSTEP_F16 = 8,
+  LOCKSTEP_BF16 = 9,
+  LOCKSTEP_F32 = 10,
+  LOCKSTEP_F64 = 11
+} lockstep_dtype_t;
+
+/* Reduction operations. Integer sum and prod wrap around modulo 2^bits; integer avg is
+ * the wrapped sum divided by the world size, truncated toward zero; max and min
+ * propagate NaN; f16 and bf16 compute in f32 and round to nearest-even when stored. */
+typedef enum lockstep_reduce_op {
+  LOCKSTEP_SUM = 0,
+  LOCKSTEP_AVG = 1,
+  LOCKSTEP_PROD = 2,
+  LOCKSTEP_MAX = 3,
+  LOCKSTEP_MIN = 4
+} lockstep_reduce_op_t;
+
+/* Quantization on the wire (floating-point dtypes only). */
+typedef enum lockstep_quantization {
+  LOCKSTEP_QUANT_NONE = 0,
+  LOCKSTEP_QUANT_MINMAX_U8 = 1,    /* min and (max-min)/255 per chunk, 8-bit codes */
+  LOCKSTEP_QUANT_ZERO_POINT_U8 = 2 /* scale and zero point per chunk, 8-bit codes */
+} lockstep_quantization_t;
+
 /* ---------------------------------------------------------------- master */
 
 typedef struct lockstep_master lockstep_master_t;
@@ -215,7 +249,58 @@ LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_id(const lockstep_comm_t* co
 /* The message that came with the last error of this communicator ("" if none). */
 LOCKSTEP_EXPORT const char* lockstep_comm_last_error(const lockstep_comm_t* comm);
 
-/* Leaves the run, joins every internal thread and frees the communicator. NULL is allowed. */
+/* ----------------------------------------------------------- collectives */
+
+/* One all-reduce. src == dst is in place. Every peer of the group must start the same
+ * tag with the same count, dtype, op and quantization (else OPERATION_MISMATCH for all);
+ * a tag started by only some peers waits for the others like a vote; a tag still in
+ * flight cannot be started again (INVALID_USAGE). */
+typedef struct lockstep_reduce_desc {
+  const void* src;
+  void* dst;
+  uint64_t count;
+  lockstep_dtype_t dtype;
+  lockstep_reduce_op_t op;
+  lockstep_quantization_t quantization;
+  uint64_t tag;
+} lockstep_reduce_desc_t;
+
+typedef struct lockstep_reduce_info {
+  uint32_t world_size;     /* peers that took part in the successful attempt */
+  uint64_t bytes_sent;     /* bytes this peer put on the wire (headers included) */
+  uint64_t bytes_received;
+} lockstep_reduce_info_t;
+
+typedef struct lockstep_async lockstep_async_t;
+
+/* Blocking all-reduce. On success every participant holds bit-identical results.
+ * On failure (PEER_CONNECTION_LOST: a participant died or went silent; every
+ * survivor gets it) dst holds exactly what it held before the call, and the same
+ * call can be retried with the survivors. out_info may be NULL. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_reduce(lockstep_comm_t* comm, const lockstep_reduce_desc_t* desc,
+                                                            lockstep_reduce_info_t* out_info);
+/* Starts an all-reduce and returns at once. May be called from the owning thread or
+ * from one other thread (while the owning thread calls only are_peers_pending). The
+ * buffers must stay valid until the handle is awaited. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_reduce_async(lockstep_comm_t* comm,
+                                                                  const lockstep_reduce_desc_t* desc,
+                                                                  lockstep_async_t** out_handle);
+/* Non-blocking: *out_done = 1 once the operation has ended (successfully or not). */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_async_poll(const lockstep_async_t* handle, int* out_done);
+/* Waits for the operation, returns its status, fills out_info (may be NULL) and frees
+ * the handle. Must be called on the thread that launched it. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_async_wait(lockstep_async_t* handle, lockstep_reduce_info_t* out_info);
+/* Runs `count` all-reduces with at most max_in_flight at once; those that fail because
+ * a peer was lost are retried with the survivors after every outstanding one ended.
+ * Returns when all succeeded (out_infos, if not NULL, has `count` entries), or the
+ * first error that is not a lost peer. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry(lockstep_comm_t* comm,
+                                                                                const lockstep_reduce_desc_t* descs,
+                                                                                size_t count, size_t max_in_flight,
+                                                                                lockstep_reduce_info_t* out_infos);
+
+/* Leaves the run, joins every internal thread and frees the communicator. NULL is allowed.
+ * Collectives still in flight end with INTERRUPTED; their handles must still be awaited. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_destroy(lockstep_comm_t* comm);
 
 #ifdef __cplusplus

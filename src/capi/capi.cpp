@@ -21,6 +21,12 @@ struct lockstep_comm {
   std::unique_ptr<lockstep::peer::Communicator> comm;
 };
 
+struct lockstep_async {
+  // The communicator may be destroyed first: the handle keeps the operation alive.
+  lockstep::peer::Communicator* comm = nullptr;
+  std::shared_ptr<lockstep::peer::AsyncReduce> op;
+};
+
 namespace {
 
 template <typename F>
@@ -243,6 +249,84 @@ const char* lockstep_comm_last_error(const lockstep_comm_t* comm) {
   thread_local std::string copy;
   copy = comm->comm->last_error();
   return copy.c_str();
+}
+
+namespace {
+
+lockstep::peer::ReduceDescriptor to_descriptor(const lockstep_reduce_desc_t& d) {
+  lockstep::peer::ReduceDescriptor out;
+  out.src = d.src;
+  out.dst = d.dst;
+  out.count = d.count;
+  out.dtype = d.dtype;
+  out.op = d.op;
+  out.quantization = d.quantization;
+  out.tag = d.tag;
+  return out;
+}
+
+void to_info(const lockstep::peer::ReduceInfo& in, lockstep_reduce_info_t* out) {
+  if (out == nullptr) return;
+  out->world_size = in.world_size;
+  out->bytes_sent = in.bytes_sent;
+  out->bytes_received = in.bytes_received;
+}
+
+}  // namespace
+
+lockstep_status_t lockstep_comm_all_reduce(lockstep_comm_t* comm, const lockstep_reduce_desc_t* desc,
+                                           lockstep_reduce_info_t* out_info) {
+  if (comm == nullptr || desc == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] {
+    auto r = comm->comm->all_reduce(to_descriptor(*desc));
+    if (!r.is_ok()) return r.status().code();
+    to_info(r.value(), out_info);
+    return LOCKSTEP_OK;
+  });
+}
+
+lockstep_status_t lockstep_comm_all_reduce_async(lockstep_comm_t* comm, const lockstep_reduce_desc_t* desc,
+                                                 lockstep_async_t** out_handle) {
+  if (comm == nullptr || desc == nullptr || out_handle == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] {
+    auto r = comm->comm->all_reduce_async(to_descriptor(*desc));
+    if (!r.is_ok()) return r.status().code();
+    *out_handle = new lockstep_async{comm->comm.get(), r.value()};
+    return LOCKSTEP_OK;
+  });
+}
+
+lockstep_status_t lockstep_async_poll(const lockstep_async_t* handle, int* out_done) {
+  if (handle == nullptr || out_done == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  *out_done = handle->op->done() ? 1 : 0;
+  return LOCKSTEP_OK;
+}
+
+lockstep_status_t lockstep_async_wait(lockstep_async_t* handle, lockstep_reduce_info_t* out_info) {
+  if (handle == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] {
+    auto r = handle->comm->await(handle->op);
+    if (!r.is_ok() && r.status().code() == LOCKSTEP_STATUS_WRONG_THREAD) return r.status().code();  // handle kept
+    delete handle;
+    if (!r.is_ok()) return r.status().code();
+    to_info(r.value(), out_info);
+    return LOCKSTEP_OK;
+  });
+}
+
+lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry(lockstep_comm_t* comm, const lockstep_reduce_desc_t* descs,
+                                                               size_t count, size_t max_in_flight,
+                                                               lockstep_reduce_info_t* out_infos) {
+  if (comm == nullptr || (count > 0 && descs == nullptr)) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] {
+    std::vector<lockstep::peer::ReduceDescriptor> list;
+    for (size_t i = 0; i < count; ++i) list.push_back(to_descriptor(descs[i]));
+    std::vector<lockstep::peer::ReduceInfo> infos;
+    lockstep::Status s = comm->comm->all_reduce_multiple_with_retry(list, max_in_flight, &infos);
+    if (!s.is_ok()) return s.code();
+    for (size_t i = 0; out_infos != nullptr && i < count; ++i) to_info(infos[i], &out_infos[i]);
+    return LOCKSTEP_OK;
+  });
 }
 
 lockstep_status_t lockstep_comm_destroy(lockstep_comm_t* comm) {

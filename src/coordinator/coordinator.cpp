@@ -31,7 +31,12 @@ const char* to_string(TopologyPhase phase) {
   return "?";
 }
 const char* to_string(MajorOp op) {
-  return op == MajorOp::kNone ? "NONE" : "UPDATE_TOPOLOGY";
+  switch (op) {
+    case MajorOp::kNone: return "NONE";
+    case MajorOp::kUpdateTopology: return "UPDATE_TOPOLOGY";
+    case MajorOp::kCollective: return "COLLECTIVE";
+  }
+  return "?";
 }
 
 namespace {
@@ -64,7 +69,18 @@ MajorOp Coordinator::major_op(std::uint32_t group) const {
   for (const auto& [id, peer] : peers_) {
     if (peer.group == group && peer.state == PeerState::kEstablishingP2P) return MajorOp::kUpdateTopology;
   }
+  if (auto it = collectives_.find(group); it != collectives_.end() && !it->second.empty()) return MajorOp::kCollective;
   return MajorOp::kNone;
+}
+
+bool Coordinator::has_collective_in_flight(const Peer& peer) const {
+  auto it = collectives_.find(peer.group);
+  if (it == collectives_.end()) return false;
+  for (const auto& [tag, c] : it->second) {
+    if (c.votes.count(peer.id) != 0) return true;
+    if (std::find(c.participants.begin(), c.participants.end(), peer.id) != c.participants.end()) return true;
+  }
+  return false;
 }
 
 std::size_t Coordinator::accepted_count() const {
@@ -99,7 +115,7 @@ void Coordinator::send(const Peer& peer, proto::Message message, Outbox& out) {
 void Coordinator::refuse(const Peer& peer, MsgType request, StatusCode status, std::string reason, Outbox& out) {
   out.push_back(Event{"refused " + std::string(proto::msg_type_name(request)) + " from " + peer.id.to_string() +
                       ": " + reason});
-  send(peer, proto::Refused{request, status, std::move(reason)}, out);
+  send(peer, proto::Refused{request, 0, status, std::move(reason)}, out);
 }
 
 bool Coordinator::in_control_vote(const Peer& peer) const {
@@ -220,6 +236,13 @@ void Coordinator::kick_stragglers(TimeMs now_ms, Outbox& out) {
     } else if (auto a = agree_rounds_.find(peer.group);
                a != agree_rounds_.end() && expired(a->second.started_ms) && !peer.agree_flag) {
       stragglers.emplace_back(id, "agree");
+    } else if (auto g = collectives_.find(peer.group); g != collectives_.end()) {
+      for (const auto& [tag, c] : g->second) {
+        if (c.phase == Collective::Phase::kVoting && expired(c.started_ms) && c.votes.count(id) == 0) {
+          stragglers.emplace_back(id, "collective tag " + std::to_string(tag));
+          break;
+        }
+      }
     }
   }
   for (const auto& [id, vote] : stragglers) {
@@ -260,6 +283,7 @@ void Coordinator::handle_hello(ConnId conn, const proto::Hello& hello, TimeMs no
   peer.group = hello.group;
   peer.last_seen_ms = now_ms;
   peer.info = proto::MemberInfo{peer.id, host, hello.p2p_port, hello.shared_state_port, hello.benchmark_port};
+  peer.pool_size = hello.pool_size;
   by_conn_[conn] = peer.id;
   out.push_back(Event{"peer " + peer.id.to_string() + " registered from " + host + " in group " +
                       std::to_string(peer.group)});
@@ -281,6 +305,10 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
       if (peer.state != PeerState::kIdle || in_control_vote(peer)) {
         return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE,
                       std::string("peer is already in ") + to_string(peer.state) + " or another vote", out);
+      }
+      if (has_collective_in_flight(peer)) {
+        return refuse(peer, type, LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS,
+                      "collectives of this peer are still in flight; await them before updating the topology", out);
       }
       if (topology_phase_ == TopologyPhase::kIdle) {
         topology_phase_ = TopologyPhase::kVoting;
@@ -319,6 +347,10 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
       if (agree_rounds_.count(peer.group) == 0) agree_rounds_[peer.group] = Round{peer.last_seen_ms, false, {}};
       peer.agree_flag = std::get<proto::VoteAgree>(message).flag;
       return;
+    case MsgType::kCollectiveInit:
+      return handle_collective_init(peer, std::get<proto::CollectiveInit>(message), out);
+    case MsgType::kCollectiveDone:
+      return handle_collective_done(peer, std::get<proto::CollectiveDone>(message), out);
     default:
       break;
   }
@@ -326,6 +358,131 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
   remove_peer(peer.id, LOCKSTEP_STATUS_PROTOCOL_ERROR,
               std::string("protocol error: unexpected ") + proto::msg_type_name(type) + " from a peer",
               /*connection_open=*/true, /*straggler=*/false, out);
+}
+
+// ---------------------------------------------------------------- collectives
+
+void Coordinator::handle_collective_init(Peer& peer, const proto::CollectiveInit& init, Outbox& out) {
+  const MsgType type = MsgType::kCollectiveInit;
+  const auto refuse = [&](const Peer& p, MsgType t, StatusCode status, std::string reason, Outbox& o) {
+    o.push_back(Event{"refused CollectiveInit from " + p.id.to_string() + ": " + reason});
+    send(p, proto::Refused{t, init.tag, status, std::move(reason)}, o);
+  };
+  if (peer.phase != Phase::kAccepted) {
+    return refuse(peer, type, LOCKSTEP_STATUS_NOT_INITIALIZED, "peer is not accepted yet", out);
+  }
+  if (peer.state != PeerState::kIdle) {
+    return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE,
+                  std::string("collectives cannot start while the peer is in ") + to_string(peer.state), out);
+  }
+  auto& group = collectives_[peer.group];
+  auto it = group.find(init.tag);
+  if (it != group.end() &&
+      (it->second.votes.count(peer.id) != 0 || it->second.phase == Collective::Phase::kPerforming)) {
+    if (group.empty()) collectives_.erase(peer.group);
+    return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE,
+                  "tag " + std::to_string(init.tag) + " is already in flight", out);
+  }
+  if (it == group.end() && group.size() >= config_.collectives_per_group_max) {
+    if (group.empty()) collectives_.erase(peer.group);
+    return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE,
+                  "more than " + std::to_string(config_.collectives_per_group_max) + " collectives in flight", out);
+  }
+  if (it == group.end()) {
+    it = group.emplace(init.tag, Collective{}).first;
+    it->second.started_ms = peer.last_seen_ms;
+  }
+  it->second.votes[peer.id] = init.descriptor;
+}
+
+void Coordinator::handle_collective_done(Peer& peer, const proto::CollectiveDone& done, Outbox& out) {
+  auto group = collectives_.find(peer.group);
+  if (group == collectives_.end()) return;
+  auto it = group->second.find(done.tag);
+  // A report for an attempt that already ended (it crossed our outcome on the wire)
+  // changes nothing and needs no answer.
+  if (it == group->second.end() || it->second.phase != Collective::Phase::kPerforming ||
+      it->second.attempt != done.attempt) {
+    return;
+  }
+  Collective& c = it->second;
+  if (std::find(c.participants.begin(), c.participants.end(), peer.id) == c.participants.end() ||
+      c.done.count(peer.id) != 0) {
+    return refuse(peer, MsgType::kCollectiveDone, LOCKSTEP_STATUS_INVALID_USAGE,
+                  "not a participant of attempt " + std::to_string(done.attempt) + " or already reported", out);
+  }
+  if (!done.ok) {
+    const std::string reason = "peer " + peer.id.to_string() + " failed attempt " + std::to_string(done.attempt) +
+                               (done.reason.empty() ? "" : ": " + done.reason);
+    return finish_collective(peer.group, done.tag, c.participants, LOCKSTEP_STATUS_PEER_CONNECTION_LOST, reason, out);
+  }
+  c.done.insert(peer.id);
+  if (c.done.size() == c.participants.size()) {
+    finish_collective(peer.group, done.tag, c.participants, LOCKSTEP_OK, {}, out);
+  }
+}
+
+void Coordinator::finish_collective(std::uint32_t group, std::uint64_t tag, std::vector<PeerId> recipients,
+                                    StatusCode status, const std::string& reason, Outbox& out) {
+  auto& tags = collectives_.at(group);
+  const Collective c = tags.at(tag);
+  tags.erase(tag);
+  if (tags.empty()) collectives_.erase(group);
+  const auto world = static_cast<std::uint32_t>(c.participants.size());
+  for (const auto& id : recipients) {
+    if (const Peer* p = find_peer(id)) send(*p, proto::CollectiveResult{tag, c.attempt, status, world, reason}, out);
+  }
+  out.push_back(Event{"group " + std::to_string(group) + " collective tag " + std::to_string(tag) + " attempt " +
+                          std::to_string(c.attempt) + (status == LOCKSTEP_OK ? " succeeded" : " failed: " + reason),
+                      status == LOCKSTEP_OK});
+}
+
+// Starts every collective whose initiate vote is complete: every accepted peer of the
+// group voted for the tag. Differing descriptors fail it for all with a mismatch.
+bool Coordinator::try_start_collectives(Outbox& out) {
+  bool changed = false;
+  for (auto g = collectives_.begin(); g != collectives_.end();) {
+    const std::uint32_t group = g->first;
+    const std::vector<PeerId> members = ring(group);
+    std::vector<std::uint64_t> ready;
+    for (const auto& [tag, c] : g->second) {
+      if (c.phase != Collective::Phase::kVoting || members.empty()) continue;
+      bool all = true;
+      for (const auto& id : members) all = all && c.votes.count(id) != 0;
+      if (all) ready.push_back(tag);
+    }
+    ++g;  // the group may be erased below
+    for (const auto tag : ready) {
+      changed = true;
+      Collective& c = collectives_.at(group).at(tag);
+      const proto::CollectiveDescriptor& first = c.votes.begin()->second;
+      bool same = true;
+      for (const auto& [id, d] : c.votes) same = same && d == first;
+      if (!same) {
+        std::vector<PeerId> voters;
+        for (const auto& [id, d] : c.votes) voters.push_back(id);
+        finish_collective(group, tag, voters, LOCKSTEP_STATUS_OPERATION_MISMATCH,
+                          "peers started tag " + std::to_string(tag) + " with different count, dtype, op or quantization",
+                          out);
+        continue;
+      }
+      c.phase = Collective::Phase::kPerforming;
+      c.attempt = next_attempt_++;
+      c.participants = members;
+      std::uint16_t pool = 0xffff;
+      for (const auto& id : members) pool = std::min(pool, peers_.at(id).pool_size);
+      c.slot = static_cast<std::uint32_t>(c.attempt % pool);
+      c.votes.clear();
+      out.push_back(Event{"group " + std::to_string(group) + " collective tag " + std::to_string(tag) + " attempt " +
+                              std::to_string(c.attempt) + " starts over " + std::to_string(members.size()) +
+                              " peer(s) on slot " + std::to_string(c.slot),
+                          true});
+      for (const auto& id : members) {
+        send(peers_.at(id), proto::CollectiveGo{tag, c.attempt, c.slot, members}, out);
+      }
+    }
+  }
+  return changed;
 }
 
 // ---------------------------------------------------------------- removal
@@ -354,6 +511,27 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
       a->second.failed = true;
       a->second.failure = "peer " + id.to_string() + " was lost during the agree vote (" + reason + ")";
     }
+    // Collectives of its group: a vote simply loses a voter; a running attempt fails
+    // for every other participant (they retry with the survivors).
+    std::vector<std::pair<std::uint64_t, std::vector<PeerId>>> failed;
+    if (auto g = collectives_.find(peer.group); g != collectives_.end()) {
+      for (auto c = g->second.begin(); c != g->second.end();) {
+        c->second.votes.erase(id);
+        auto& who = c->second.participants;
+        if (c->second.phase == Collective::Phase::kPerforming && std::find(who.begin(), who.end(), id) != who.end()) {
+          std::vector<PeerId> others = who;
+          others.erase(std::remove(others.begin(), others.end(), id), others.end());
+          failed.emplace_back(c->first, std::move(others));
+        }
+        const bool abandoned = c->second.phase == Collective::Phase::kVoting && c->second.votes.empty();
+        c = abandoned ? g->second.erase(c) : std::next(c);
+      }
+      if (g->second.empty()) collectives_.erase(g);
+    }
+    for (const auto& [tag, others] : failed) {
+      finish_collective(peer.group, tag, others, LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
+                        "peer " + id.to_string() + " was lost during the collective (" + reason + ")", out);
+    }
   }
   if (topology_phase_ == TopologyPhase::kEstablishing && peer.state == PeerState::kEstablishingP2P) {
     fail_establish("peer " + id.to_string() + " was lost during p2p establishment (" + reason + ")", out);
@@ -369,6 +547,7 @@ void Coordinator::advance(TimeMs now_ms, Outbox& out) {
     changed |= try_complete_topology_vote(now_ms, out);
     changed |= try_complete_pending(out);
     changed |= try_complete_agree(out);
+    changed |= try_start_collectives(out);
     if (!changed) break;
   }
   detect_vote_mismatch(out);
@@ -506,7 +685,8 @@ bool Coordinator::try_complete_pending(Outbox& out) {
     send(peer, proto::PeersPendingResult{LOCKSTEP_OK, pending, {}}, out);
   }
   out.push_back(Event{std::string("are-peers-pending vote complete: ") + (pending ? "yes" : "no") +
-                      (topology_dirty_ ? " (peers left since the last update)" : "")});
+                          (topology_dirty_ ? " (peers left since the last update)" : ""),
+                      !pending});
   return true;
 }
 
@@ -541,7 +721,8 @@ bool Coordinator::try_complete_agree(Outbox& out) {
       }
     }
     out.push_back(Event{"group " + std::to_string(group) + " agree vote complete: " +
-                        (round.failed ? "failed (" + round.failure + ")" : (value ? "true" : "false"))});
+                            (round.failed ? "failed (" + round.failure + ")" : (value ? "true" : "false")),
+                        !round.failed});
   }
   return changed;
 }
@@ -606,7 +787,14 @@ std::string Coordinator::digest() const {
   }
   s << "] dirty=" << topology_dirty_ << " newcomers=" << newcomers_.size() << " pending=" << (pending_round_ ? "open" : "-") << " agree=[";
   for (const auto& [g, r] : agree_rounds_) s << g << (r.failed ? ":failed " : ":open ");
-  s << "]";
+  s << "] collectives=[";
+  for (const auto& [g, tags] : collectives_) {
+    for (const auto& [tag, c] : tags) {
+      s << g << "/" << tag << ":" << (c.phase == Collective::Phase::kVoting ? "voting" : "performing") << ":"
+        << c.votes.size() << ":" << c.attempt << ":" << c.done.size() << " ";
+    }
+  }
+  s << "] next_attempt=" << next_attempt_;
   return s.str();
 }
 
@@ -649,6 +837,23 @@ std::optional<std::string> Coordinator::check_invariants() const {
   }
   for (const auto& [group, set] : ops) {
     if (set.size() > 1) return "group " + std::to_string(group) + " runs more than one major operation";
+    if (set.count(MajorOp::kUpdateTopology) != 0 && collectives_.count(group) != 0) {
+      return "group " + std::to_string(group) + " runs collectives during an update topology";
+    }
+  }
+  for (const auto& [group, tags] : collectives_) {
+    if (tags.empty()) return "empty collective map kept for group " + std::to_string(group);
+    for (const auto& [tag, c] : tags) {
+      for (const auto& [id, d] : c.votes) {
+        const Peer* p = find_peer(id);
+        if (p == nullptr || p->phase != Phase::kAccepted || p->group != group) return "collective vote from a non-member";
+      }
+      for (const auto& id : c.participants) {
+        const Peer* p = find_peer(id);
+        if (p == nullptr || p->group != group) return "collective participant is gone or foreign";
+      }
+      if (c.phase == Collective::Phase::kVoting && c.votes.empty()) return "collective vote without voters";
+    }
   }
   if (pending_round_ && accepted == 0) return "are-peers-pending round open without accepted peers";
   return std::nullopt;

@@ -12,6 +12,8 @@
 //    with the new ring of each group, then acceptance of the newcomers;
 //  - the are-peers-pending vote (run-wide) and agree() (per group), which may overlap
 //    collectives and are not major operations;
+//  - collectives per group and tag: vote to initiate (descriptors must match), a
+//    numbered attempt over the group's ring, vote to complete, one outcome for all;
 //  - votes as barriers, the optional vote timeout, and detection of peers blocked in
 //    different votes (which can never complete) as OPERATION_MISMATCH;
 //  - failure detection: closed connections and heartbeat timeouts;
@@ -43,6 +45,8 @@ struct Config {
   std::uint32_t establish_timeout_ms = 30'000;
   std::uint32_t peers_max = limits::kPeersMaxDefault;
   std::uint32_t pending_handshakes_max = limits::kPendingHandshakesMax;
+  // Collectives (tags) in flight per group; more initiate votes are refused.
+  std::uint32_t collectives_per_group_max = 4096;
   // Random bits from the shell: the high half of every PeerId this master gives out.
   std::uint64_t instance_nonce = 0;
 };
@@ -51,7 +55,7 @@ enum class Phase { kRegistered, kAccepted };
 enum class PeerState { kIdle, kVoteAcceptNewPeers, kEstablishingP2P };
 enum class TopologyPhase { kIdle, kVoting, kEstablishing };
 // The major operation a group is in; at most one at a time (the golden rule).
-enum class MajorOp { kNone, kUpdateTopology };
+enum class MajorOp { kNone, kUpdateTopology, kCollective };
 
 const char* to_string(Phase phase);
 const char* to_string(PeerState state);
@@ -70,6 +74,19 @@ struct Peer {
   std::optional<bool> agree_flag;
   bool p2p_reported = false;
   std::vector<PeerId> unreachable;
+  std::uint16_t pool_size = 1;
+};
+
+// One collective (a tag of a group) from its first initiate vote to its outcome.
+struct Collective {
+  enum class Phase { kVoting, kPerforming };
+  Phase phase = Phase::kVoting;
+  TimeMs started_ms = 0;
+  std::map<PeerId, proto::CollectiveDescriptor> votes;
+  std::uint64_t attempt = 0;
+  std::uint32_t slot = 0;
+  std::vector<PeerId> participants;  // ring order
+  std::set<PeerId> done;
 };
 
 // Commands for the IO shell.
@@ -85,6 +102,7 @@ struct Close {
 // A transition worth logging, with its reason.
 struct Event {
   std::string text;
+  bool routine = false;  // an everyday success (logged at debug level)
 };
 using Command = std::variant<Send, Close, Event>;
 using Outbox = std::vector<Command>;
@@ -121,6 +139,9 @@ class Coordinator {
   // A canonical text form of the whole decision state (no timestamps), so that tests
   // can check that a refused request changed nothing.
   std::string digest() const;
+  const std::map<std::uint32_t, std::map<std::uint64_t, Collective>>& collectives() const { return collectives_; }
+  // True if the peer voted for, or takes part in, a collective that is not finished.
+  bool has_collective_in_flight(const Peer& peer) const;
   // Checks the structural invariants; returns a description of the first violation.
   std::optional<std::string> check_invariants() const;
 
@@ -155,6 +176,12 @@ class Coordinator {
   std::vector<proto::MemberInfo> members(const std::vector<PeerId>& ids) const;
   bool in_control_vote(const Peer& peer) const;
   void kick_stragglers(TimeMs now_ms, Outbox& out);
+  void handle_collective_init(Peer& peer, const proto::CollectiveInit& init, Outbox& out);
+  void handle_collective_done(Peer& peer, const proto::CollectiveDone& done, Outbox& out);
+  bool try_start_collectives(Outbox& out);
+  // Ends a collective with one outcome sent to `recipients`; erases it.
+  void finish_collective(std::uint32_t group, std::uint64_t tag, std::vector<PeerId> recipients,
+                         StatusCode status, const std::string& reason, Outbox& out);
 
   Config config_;
   std::uint64_t next_peer_counter_ = 1;
@@ -175,6 +202,9 @@ class Coordinator {
   bool topology_dirty_ = false;
   std::optional<Round> pending_round_;
   std::map<std::uint32_t, Round> agree_rounds_;
+
+  std::map<std::uint32_t, std::map<std::uint64_t, Collective>> collectives_;
+  std::uint64_t next_attempt_ = 1;
 };
 
 }  // namespace lockstep::coord

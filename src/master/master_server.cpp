@@ -165,7 +165,11 @@ class MasterServer::Impl {
       } else if (auto* close = std::get_if<coord::Close>(&command)) {
         if (auto it = sessions_.find(close->conn); it != sessions_.end()) begin_close(it->second);
       } else if (auto* event = std::get_if<coord::Event>(&command)) {
-        LOG_INFO(kLog, event->text);
+        if (event->routine) {
+          LOG_DEBUG(kLog, event->text);
+        } else {
+          LOG_INFO(kLog, event->text);
+        }
       }
     }
     out.clear();

@@ -5,11 +5,15 @@
 // file descriptors). The first fatal error sticks: every later call fails fast.
 #include "peer/communicator.h"
 
+#include "collectives/reduce.h"
 #include "common/log.h"
 #include "protocol/codec.h"
 #include "transport/framed.h"
 
 #include <asio.hpp>
+
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -17,6 +21,8 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
+#include <set>
 
 namespace lockstep::peer {
 namespace {
@@ -40,6 +46,70 @@ struct Inbound {
   std::uint64_t epoch = 0;
   std::uint32_t pool_index = 0;
   transport::Fd fd;
+};
+
+// The master's messages for one in-flight collective, and its abort signal: an
+// eventfd that the ring's poll() watches plus a flag checked between sub-chunks.
+class OpChannel {
+ public:
+  OpChannel() : event_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
+  ~OpChannel() {
+    if (event_fd_ >= 0) ::close(event_fd_);
+  }
+  OpChannel(const OpChannel&) = delete;
+  OpChannel& operator=(const OpChannel&) = delete;
+
+  bool valid() const { return event_fd_ >= 0; }
+  int event_fd() const { return event_fd_; }
+  const std::atomic<bool>* abort_flag() const { return &aborted_; }
+  bool aborted() const { return aborted_.load(); }
+
+  void push(proto::Message message) {
+    const auto* result = std::get_if<proto::CollectiveResult>(&message);
+    const bool stop = result != nullptr && result->status != LOCKSTEP_OK;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      messages_.push_back(std::move(message));
+    }
+    if (stop) signal();
+    cv_.notify_all();
+  }
+  // The link failed: every waiting call ends with this status.
+  void abort(const Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (fatal_.is_ok()) fatal_ = status;
+    }
+    signal();
+    cv_.notify_all();
+  }
+  Result<proto::Message> wait(const std::function<bool(const proto::Message&)>& match) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      for (auto it = messages_.begin(); it != messages_.end(); ++it) {
+        if (match(*it)) {
+          proto::Message out = std::move(*it);
+          messages_.erase(it);
+          return out;
+        }
+      }
+      if (!fatal_.is_ok()) return fatal_;
+      cv_.wait(lock);
+    }
+  }
+
+ private:
+  void signal() {
+    aborted_ = true;
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const ssize_t n = ::write(event_fd_, &one, sizeof one);
+  }
+  int event_fd_;
+  std::atomic<bool> aborted_{false};
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<proto::Message> messages_;
+  Status fatal_;
 };
 
 class Link {
@@ -115,37 +185,73 @@ class Link {
     return fatal_;
   }
 
-  // Takes pool_size ring connections from `from` for `epoch`, waiting until the deadline.
-  std::vector<transport::Fd> take_inbound(PeerId from, std::uint64_t epoch, std::uint32_t pool_size,
-                                          Clock::time_point deadline) {
+  // The newest ring connection from `from` for pool slot `slot` whose generation is
+  // above min_generation, waiting until the deadline; older ones from the same
+  // sender and slot are closed. Generations grow with every reconnect of the sender.
+  std::optional<Inbound> take_inbound(PeerId from, std::uint32_t slot, std::uint64_t min_generation,
+                                      Clock::time_point deadline) {
     std::unique_lock<std::mutex> lock(mutex_);
-    std::vector<transport::Fd> out(pool_size);
-    std::uint32_t have = 0;
     for (;;) {
+      std::optional<Inbound> best;
       for (auto it = inbound_.begin(); it != inbound_.end();) {
-        if (it->epoch < epoch) {
-          it = inbound_.erase(it);  // stale: a previous establishment
-        } else if (it->to != id_) {
+        if (it->to != id_) {
           it = inbound_.erase(it);  // meant for someone else
-        } else if (it->epoch == epoch && it->from == from && it->pool_index < pool_size &&
-                   !out[it->pool_index].valid()) {
-          out[it->pool_index] = std::move(it->fd);
-          ++have;
+        } else if (it->from == from && it->pool_index == slot) {
+          if (it->epoch > min_generation && (!best || it->epoch > best->epoch)) best = std::move(*it);
           it = inbound_.erase(it);
         } else {
           ++it;
         }
       }
-      if (have == pool_size || !fatal_.is_ok()) break;
-      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) break;
+      if (best || !fatal_.is_ok()) return best;
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) return std::nullopt;
     }
-    if (have != pool_size) out.clear();
-    return out;
+  }
+
+  // Forgets buffered connections from peers that are not members any more.
+  void prune_inbound(const std::set<PeerId>& members) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = inbound_.begin(); it != inbound_.end();) {
+      it = members.count(it->from) == 0 ? inbound_.erase(it) : std::next(it);
+    }
+  }
+
+  // ---- collectives: each in-flight collective has a channel that receives the
+  // master's messages for its tag; a failure outcome also raises its abort signal.
+  void register_op(std::uint64_t tag, const std::shared_ptr<OpChannel>& channel) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ops_[tag] = channel;
+    if (!fatal_.is_ok()) channel->abort(fatal_);
+  }
+  void unregister_op(std::uint64_t tag) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ops_.erase(tag);
+  }
+
+  // Pool slots are used by one attempt at a time, in the order of the attempts'
+  // CollectiveGo messages, which every peer receives in the same order.
+  bool wait_slot_turn(std::uint32_t slot, std::uint64_t attempt, OpChannel& channel) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      auto& queue = slots_[slot];
+      if (!queue.empty() && queue.front() == attempt) return true;
+      if (channel.aborted() || std::find(queue.begin(), queue.end(), attempt) == queue.end()) return false;
+      cv_.wait(lock);
+    }
+  }
+  void release_slot(std::uint32_t slot, std::uint64_t attempt) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& queue = slots_[slot];
+      queue.erase(std::remove(queue.begin(), queue.end(), attempt), queue.end());
+    }
+    cv_.notify_all();
   }
 
   void stop() {
     if (!thread_.joinable()) return;
     asio::post(io_, [this] {
+      set_fatal(Status(LOCKSTEP_STATUS_INTERRUPTED, "the communicator is being destroyed"));
       asio::error_code ec;
       master_.close(ec);
       heartbeat_.cancel();
@@ -164,6 +270,7 @@ class Link {
       if (!fatal_.is_ok()) return;
       fatal_ = std::move(status);
       LOG_WARN(kLog, "connection to the master ended: " << fatal_.to_string());
+      for (auto& [tag, channel] : ops_) channel->abort(fatal_);
     }
     cv_.notify_all();
     asio::error_code ec;
@@ -172,6 +279,7 @@ class Link {
   }
 
   void deliver(proto::Message message) {
+    if (route_to_op(message)) return;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (mailbox_.size() >= kMailboxMessagesMax) {
@@ -182,6 +290,36 @@ class Link {
       }
     }
     cv_.notify_all();
+  }
+
+  // Messages about a collective go to its channel (or are dropped if it is gone).
+  bool route_to_op(proto::Message& message) {
+    std::uint64_t tag = 0;
+    if (const auto* go = std::get_if<proto::CollectiveGo>(&message)) {
+      tag = go->tag;
+    } else if (const auto* result = std::get_if<proto::CollectiveResult>(&message)) {
+      tag = result->tag;
+    } else if (const auto* refused = std::get_if<proto::Refused>(&message);
+               refused != nullptr && refused->request == proto::MsgType::kCollectiveInit) {
+      tag = refused->tag;
+    } else {
+      return false;
+    }
+    std::shared_ptr<OpChannel> channel;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (auto it = ops_.find(tag); it != ops_.end()) channel = it->second;
+      if (const auto* go = std::get_if<proto::CollectiveGo>(&message); go != nullptr && channel) {
+        slots_[go->slot].push_back(go->attempt);
+      }
+    }
+    if (channel) {
+      channel->push(std::move(message));
+    } else {
+      LOG_DEBUG(kLog, "dropping a collective message for tag " << tag << " that nobody waits for");
+    }
+    cv_.notify_all();
+    return true;
   }
 
   void read_master() {
@@ -351,6 +489,8 @@ class Link {
   PeerId id_;
   std::deque<proto::Message> mailbox_;
   std::deque<Inbound> inbound_;
+  std::map<std::uint64_t, std::shared_ptr<OpChannel>> ops_;
+  std::map<std::uint32_t, std::deque<std::uint64_t>> slots_;
 };
 
 // ------------------------------------------------------------------ Communicator
@@ -358,7 +498,19 @@ class Link {
 Communicator::Communicator(const Options& options) : options_(options), owner_(std::this_thread::get_id()) {}
 
 Communicator::~Communicator() {
+  // Collectives still in flight end with an error; their threads are joined before
+  // anything they use goes away.
   if (link_) link_->stop();
+  std::vector<std::shared_ptr<AsyncReduce>> ops;
+  {
+    std::lock_guard<std::mutex> lock(ops_mutex_);
+    for (auto& w : live_ops_) {
+      if (auto op = w.lock()) ops.push_back(op);
+    }
+  }
+  for (auto& op : ops) {
+    if (op->thread_.joinable()) op->thread_.join();
+  }
 }
 
 Result<std::unique_ptr<Communicator>> Communicator::create(const Options& options) {
@@ -453,6 +605,13 @@ Status Communicator::connect() {
 
 Status Communicator::update_topology() {
   if (Status s = check_call(true); !s.is_ok()) return remember(s);
+  {
+    std::lock_guard<std::mutex> lock(ops_mutex_);
+    if (!tags_in_flight_.empty()) {
+      return remember(Status(LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS,
+                             "await every collective in flight before updating the topology"));
+    }
+  }
   link_->send(proto::VoteUpdateTopology{});
   auto result = run_establishment(/*newcomer=*/false);
   if (!result.is_ok()) return remember(result.status());
@@ -490,18 +649,16 @@ Result<proto::TopologyResult> Communicator::run_establishment(bool newcomer) {
     for (std::uint32_t i = 0; i < view_.size(); ++i) {
       if (view_[i].id == id_) rank_ = i;
     }
-  } else {
-    tx_.clear();
-    rx_.clear();
+    members_.clear();
+    for (const auto& m : view_) members_[m.id] = m;
   }
   return result;
 }
 
-// Opens pool_size connections to the next peer of the ring and waits for pool_size
-// from the previous one. Returns the peers that could not be reached.
+// Makes sure every pool slot has a connection to the next peer of the new ring and
+// one from the previous peer. Returns the peers that could not be reached.
 std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan) {
-  tx_.clear();
-  rx_.clear();
+  prune_connections(plan.ring);
   const auto& ring = plan.ring;
   const auto self = std::find_if(ring.begin(), ring.end(), [&](const auto& m) { return m.id == id_; });
   if (self == ring.end() || ring.size() < 2) return {};
@@ -512,40 +669,91 @@ std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
   std::vector<PeerId> unreachable;
   for (std::uint32_t k = 0; k < options_.p2p_pool_size; ++k) {
-    auto fd = transport::connect_tcp(next.host, next.p2p_port, options_.p2p_connect_timeout_ms);
-    Status s = fd.is_ok() ? Status::ok() : fd.status();
-    if (s.is_ok()) {
-      proto::P2PHello hello;
-      hello.channel = proto::Channel::kRing;
-      hello.from = id_;
-      hello.to = next.id;
-      hello.epoch = plan.epoch;
-      hello.pool_index = k;
-      s = transport::send_message(fd.value().get(), hello, options_.p2p_connect_timeout_ms);
-    }
-    if (s.is_ok()) {
-      auto ack = transport::recv_message(fd.value().get(), options_.p2p_connect_timeout_ms);
-      if (!ack.is_ok()) {
-        s = ack.status();
-      } else if (const auto* a = std::get_if<proto::P2PHelloAck>(&ack.value()); a == nullptr || a->status != LOCKSTEP_OK) {
-        s = Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer refused the p2p handshake");
-      }
-    }
-    if (!s.is_ok()) {
+    auto tx = tx_connection(next, k);
+    if (!tx.is_ok()) {
       LOG_WARN(kLog, "cannot connect to ring neighbour " << next.id.to_string() << " at " << next.host << ":"
-                                                          << next.p2p_port << ": " << s.message());
+                                                          << next.p2p_port << ": " << tx.status().message());
       unreachable.push_back(next.id);
       break;
     }
-    tx_.push_back(std::move(fd.value()));
   }
-  rx_ = link_->take_inbound(prev.id, plan.epoch, options_.p2p_pool_size, deadline);
-  if (rx_.empty()) {
-    LOG_WARN(kLog, "ring neighbour " << prev.id.to_string() << " did not connect within "
-                                     << options_.p2p_connect_timeout_ms << " ms");
-    if (prev.id != next.id || unreachable.empty()) unreachable.push_back(prev.id);
+  for (std::uint32_t k = 0; k < options_.p2p_pool_size; ++k) {
+    auto rx = rx_connection(prev.id, k, deadline);
+    if (!rx.is_ok()) {
+      LOG_WARN(kLog, "ring neighbour " << prev.id.to_string() << " did not connect within "
+                                       << options_.p2p_connect_timeout_ms << " ms");
+      if (prev.id != next.id || unreachable.empty()) unreachable.push_back(prev.id);
+      break;
+    }
   }
   return unreachable;
+}
+
+// ------------------------------------------------------------------ connections
+
+Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32_t slot) {
+  {
+    std::lock_guard<std::mutex> lock(connections_mutex_);
+    if (auto it = tx_.find(SlotKey{to.id, slot}); it != tx_.end()) return it->second.get();
+  }
+  auto fd = transport::connect_tcp(to.host, to.p2p_port, options_.p2p_connect_timeout_ms);
+  if (!fd.is_ok()) return fd.status();
+  proto::P2PHello hello;
+  hello.channel = proto::Channel::kRing;
+  hello.from = id_;
+  hello.to = to.id;
+  hello.epoch = next_generation_.fetch_add(1);  // the receiver keeps the newest
+  hello.pool_index = slot;
+  Status s = transport::send_message(fd.value().get(), hello, options_.p2p_connect_timeout_ms);
+  if (s.is_ok()) {
+    auto ack = transport::recv_message(fd.value().get(), options_.p2p_connect_timeout_ms);
+    if (!ack.is_ok()) {
+      s = ack.status();
+    } else if (const auto* a = std::get_if<proto::P2PHelloAck>(&ack.value()); a == nullptr || a->status != LOCKSTEP_OK) {
+      s = Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer refused the p2p handshake");
+    }
+  }
+  if (!s.is_ok()) return s;
+  transport::set_nonblocking(fd.value().get());
+  std::lock_guard<std::mutex> lock(connections_mutex_);
+  const int raw = fd.value().get();
+  tx_[SlotKey{to.id, slot}] = std::move(fd.value());
+  return raw;
+}
+
+Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::time_point deadline) {
+  std::uint64_t have = 0;
+  {
+    std::lock_guard<std::mutex> lock(connections_mutex_);
+    if (auto it = rx_.find(SlotKey{from, slot}); it != rx_.end()) have = it->second.generation;
+  }
+  // A newer connection from the same sender replaces the cached one (it reconnected).
+  auto fresh = link_->take_inbound(from, slot, have, have != 0 ? Clock::now() : deadline);
+  std::lock_guard<std::mutex> lock(connections_mutex_);
+  if (fresh) {
+    transport::set_nonblocking(fresh->fd.get());
+    auto& slot_entry = rx_[SlotKey{from, slot}];
+    slot_entry.fd = std::move(fresh->fd);
+    slot_entry.generation = fresh->epoch;
+    return slot_entry.fd.get();
+  }
+  if (auto it = rx_.find(SlotKey{from, slot}); it != rx_.end()) return it->second.fd.get();
+  return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer " + from.to_string() + " did not connect in time");
+}
+
+void Communicator::drop_connections(PeerId next, PeerId prev, std::uint32_t slot) {
+  std::lock_guard<std::mutex> lock(connections_mutex_);
+  tx_.erase(SlotKey{next, slot});
+  rx_.erase(SlotKey{prev, slot});
+}
+
+void Communicator::prune_connections(const std::vector<proto::MemberInfo>& members) {
+  std::set<PeerId> ids;
+  for (const auto& m : members) ids.insert(m.id);
+  link_->prune_inbound(ids);
+  std::lock_guard<std::mutex> lock(connections_mutex_);
+  for (auto it = tx_.begin(); it != tx_.end();) it = ids.count(it->first.peer) == 0 ? tx_.erase(it) : std::next(it);
+  for (auto it = rx_.begin(); it != rx_.end();) it = ids.count(it->first.peer) == 0 ? rx_.erase(it) : std::next(it);
 }
 
 Result<bool> Communicator::are_peers_pending() {
@@ -574,6 +782,241 @@ Result<bool> Communicator::agree(bool flag) {
   const auto& result = std::get<proto::AgreeResult>(reply.value());
   if (result.status != LOCKSTEP_OK) return remember(Status(result.status, result.reason));
   return result.value;
+}
+
+// ------------------------------------------------------------------ collectives
+
+AsyncReduce::~AsyncReduce() {
+  if (thread_.joinable()) thread_.join();
+}
+
+Status Communicator::check_collective_call(const ReduceDescriptor& d) {
+  if (d.count == 0) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "count is zero");
+  if (d.src == nullptr || d.dst == nullptr) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "null buffer");
+  if (!coll::dtype_valid(static_cast<int>(d.dtype))) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "unknown dtype");
+  if (!coll::op_valid(static_cast<int>(d.op))) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "unknown reduce op");
+  if (d.quantization != LOCKSTEP_QUANT_NONE) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "quantization is not supported yet");
+  }
+  if (d.count > (std::uint64_t{1} << 48) / coll::dtype_size(d.dtype)) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "buffer larger than 256 TiB");
+  }
+  if (!accepted_) return Status(LOCKSTEP_STATUS_NOT_INITIALIZED, "connect the communicator (and be accepted) first");
+  if (Status fatal = link_->fatal(); !fatal.is_ok()) return fatal;
+  return Status::ok();
+}
+
+Result<std::shared_ptr<AsyncReduce>> Communicator::all_reduce_async(const ReduceDescriptor& d) {
+  if (Status s = check_collective_call(d); !s.is_ok()) return remember(s);
+  const auto self = std::this_thread::get_id();
+  auto op = std::make_shared<AsyncReduce>();
+  {
+    std::lock_guard<std::mutex> lock(ops_mutex_);
+    if (self != owner_) {
+      // One thread besides the owner may run collectives (PRODUCT.md, threading).
+      if (collective_thread_ && *collective_thread_ != self && !tags_in_flight_.empty()) {
+        return remember(Status(LOCKSTEP_STATUS_WRONG_THREAD, "collectives are already launched from another thread"));
+      }
+      collective_thread_ = self;
+    }
+    if (!tags_in_flight_.insert(d.tag).second) {
+      return remember(Status(LOCKSTEP_STATUS_INVALID_USAGE, "tag " + std::to_string(d.tag) + " is already in flight"));
+    }
+    live_ops_.erase(std::remove_if(live_ops_.begin(), live_ops_.end(), [](const auto& w) { return w.expired(); }),
+                    live_ops_.end());
+    live_ops_.push_back(op);
+  }
+  op->launcher_ = self;
+  op->tag_ = d.tag;
+  auto channel = std::make_shared<OpChannel>();
+  if (!channel->valid()) {
+    std::lock_guard<std::mutex> lock(ops_mutex_);
+    tags_in_flight_.erase(d.tag);
+    return remember(Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "eventfd failed"));
+  }
+  link_->register_op(d.tag, channel);
+  op->thread_ = std::thread([this, d, channel, raw = op.get()] {
+    ReduceInfo info;
+    Status status = run_collective(d, *channel, &info);
+    link_->unregister_op(d.tag);
+    {
+      std::lock_guard<std::mutex> lock(ops_mutex_);
+      tags_in_flight_.erase(d.tag);
+    }
+    raw->status_ = std::move(status);
+    raw->info_ = info;
+    raw->finished_.store(true);
+  });
+  return op;
+}
+
+Result<ReduceInfo> Communicator::await(const std::shared_ptr<AsyncReduce>& op) {
+  if (!op) return remember(Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "null handle"));
+  if (std::this_thread::get_id() != op->launcher_) {
+    return remember(Status(LOCKSTEP_STATUS_WRONG_THREAD, "a handle is awaited on the thread that launched it"));
+  }
+  if (op->awaited_) return remember(Status(LOCKSTEP_STATUS_INVALID_USAGE, "handle already awaited"));
+  if (op->thread_.joinable()) op->thread_.join();
+  op->awaited_ = true;
+  if (!op->status_.is_ok()) return remember(op->status_);
+  return op->info_;
+}
+
+Result<ReduceInfo> Communicator::all_reduce(const ReduceDescriptor& d) {
+  auto op = all_reduce_async(d);
+  if (!op.is_ok()) return op.status();
+  return await(op.value());
+}
+
+Status Communicator::all_reduce_multiple_with_retry(const std::vector<ReduceDescriptor>& descriptors,
+                                                    std::size_t max_in_flight, std::vector<ReduceInfo>* infos) {
+  if (max_in_flight == 0) return remember(Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "max_in_flight is zero"));
+  std::set<std::uint64_t> tags;
+  for (const auto& d : descriptors) {
+    if (!tags.insert(d.tag).second) return remember(Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "duplicate tag"));
+  }
+  if (infos != nullptr) infos->assign(descriptors.size(), ReduceInfo{});
+  std::vector<std::size_t> todo(descriptors.size());
+  for (std::size_t i = 0; i < todo.size(); ++i) todo[i] = i;
+  while (!todo.empty()) {
+    std::vector<std::size_t> failed;
+    Status hard;
+    std::deque<std::pair<std::size_t, std::shared_ptr<AsyncReduce>>> running;
+    std::size_t next = 0;
+    // Keep at most max_in_flight running; await in launch order (every peer launches
+    // in the same order, and a tag waits for the others like a vote).
+    while (next < todo.size() || !running.empty()) {
+      while (hard.is_ok() && next < todo.size() && running.size() < max_in_flight) {
+        auto op = all_reduce_async(descriptors[todo[next]]);
+        if (!op.is_ok()) {
+          hard = op.status();
+          break;
+        }
+        running.emplace_back(todo[next++], op.value());
+      }
+      if (running.empty()) break;
+      auto [index, op] = running.front();
+      running.pop_front();
+      auto r = await(op);
+      if (r.is_ok()) {
+        if (infos != nullptr) (*infos)[index] = r.value();
+      } else if (r.status().code() == LOCKSTEP_STATUS_PEER_CONNECTION_LOST) {
+        failed.push_back(index);  // retried with the survivors below
+      } else if (hard.is_ok()) {
+        hard = r.status();
+      }
+    }
+    if (!hard.is_ok()) return remember(hard);
+    todo = failed;
+  }
+  return Status::ok();
+}
+
+// Vote to initiate, wait for the attempt, run the ring, vote to complete, and take
+// the master's outcome; failed attempts leave the destination as it was.
+Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channel, ReduceInfo* info) {
+  proto::CollectiveInit init;
+  init.tag = d.tag;
+  init.descriptor = proto::CollectiveDescriptor{d.count, static_cast<std::uint8_t>(d.dtype),
+                                                static_cast<std::uint8_t>(d.op), static_cast<std::uint8_t>(d.quantization)};
+  LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": vote to initiate");
+  link_->send(init);
+  auto go_message = channel.wait([](const proto::Message& m) {
+    return std::holds_alternative<proto::CollectiveGo>(m) || std::holds_alternative<proto::CollectiveResult>(m) ||
+           std::holds_alternative<proto::Refused>(m);
+  });
+  if (!go_message.is_ok()) return go_message.status();
+  if (const auto* r = std::get_if<proto::Refused>(&go_message.value())) return Status(r->status, "master: " + r->reason);
+  if (const auto* r = std::get_if<proto::CollectiveResult>(&go_message.value())) return Status(r->status, r->reason);
+  const auto go = std::get<proto::CollectiveGo>(go_message.value());
+  LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": attempt " << go.attempt << " over " << go.ring.size()
+                                  << " peer(s), slot " << go.slot);
+
+  const auto self = std::find(go.ring.begin(), go.ring.end(), id_);
+  if (self == go.ring.end()) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master's ring does not include this peer");
+  const std::size_t n = go.ring.size();
+  const std::size_t rank = static_cast<std::size_t>(self - go.ring.begin());
+  const PeerId next = go.ring[(rank + 1) % n];
+  const PeerId prev = go.ring[(rank + n - 1) % n];
+
+  std::unique_ptr<coll::RingScratch> scratch;
+  {
+    std::lock_guard<std::mutex> lock(ops_mutex_);
+    if (!free_scratch_.empty()) {
+      scratch = std::move(free_scratch_.back());
+      free_scratch_.pop_back();
+    }
+  }
+  if (!scratch) scratch = std::make_unique<coll::RingScratch>();
+  coll::RingPlan plan;
+  plan.world = n;
+  plan.rank = rank;
+  plan.src = d.src;
+  plan.dst = d.dst;
+  plan.count = static_cast<std::size_t>(d.count);
+  plan.dtype = d.dtype;
+  plan.op = d.op;
+  plan.attempt = go.attempt;
+  coll::RingStats stats;
+
+  Status local = Status::ok();
+  bool ran = false;
+  if (!link_->wait_slot_turn(go.slot, go.attempt, channel)) {
+    local = Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the attempt ended before it started here");
+  } else {
+    coll::RingIo io;
+    io.abort_fd = channel.event_fd();
+    io.abort_flag = channel.abort_flag();
+    if (n > 1) {
+      proto::MemberInfo to;
+      {
+        std::lock_guard<std::mutex> lock(connections_mutex_);
+        if (auto it = members_.find(next); it != members_.end()) to = it->second;
+      }
+      if (to.id.is_nil()) {
+        local = Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring peer " + next.to_string() + " is not in the membership view");
+      } else {
+        auto tx = tx_connection(to, go.slot);
+        auto rx = rx_connection(prev, go.slot, Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms));
+        if (!tx.is_ok()) local = tx.status();
+        else if (!rx.is_ok()) local = rx.status();
+        else {
+          io.tx_fd = tx.value();
+          io.rx_fd = rx.value();
+        }
+      }
+    }
+    if (local.is_ok()) {
+      ran = true;
+      local = coll::run_ring_all_reduce(plan, io, *scratch, &stats);
+    }
+  }
+  // Vote to complete, unless the master already ended the attempt (an abort).
+  LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": attempt " << go.attempt << " done here: " << local.to_string());
+  if (!channel.aborted()) link_->send(proto::CollectiveDone{d.tag, go.attempt, local.is_ok(), local.message()});
+  auto outcome = channel.wait([&](const proto::Message& m) {
+    const auto* r = std::get_if<proto::CollectiveResult>(&m);
+    return r != nullptr && r->attempt == go.attempt;
+  });
+  LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": outcome received");
+  Status final_status = Status::ok();
+  if (!outcome.is_ok()) {
+    final_status = outcome.status();
+  } else {
+    const auto& result = std::get<proto::CollectiveResult>(outcome.value());
+    if (result.status != LOCKSTEP_OK) final_status = Status(result.status, result.reason);
+    info->world_size = result.world_size;
+  }
+  if (!final_status.is_ok() && ran && local.is_ok()) coll::restore(plan, *scratch);  // we had finished: undo
+  if (!final_status.is_ok()) drop_connections(next, prev, go.slot);
+  link_->release_slot(go.slot, go.attempt);
+  info->bytes_sent = stats.bytes_sent;
+  info->bytes_received = stats.bytes_received;
+  {
+    std::lock_guard<std::mutex> lock(ops_mutex_);
+    free_scratch_.push_back(std::move(scratch));
+  }
+  return final_status;
 }
 
 Result<proto::Attributes> Communicator::attributes() const {

@@ -9,7 +9,13 @@
 #include "common/limits.h"
 #include "common/status.h"
 #include "protocol/messages.h"
+#include "collectives/ring.h"
 #include "transport/socket.h"
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <set>
 
 #include <cstdint>
 #include <memory>
@@ -33,7 +39,42 @@ struct Options {
   std::string bind_host;
 };
 
-class Link;  // the background thread and everything it owns (communicator.cpp)
+class Link;       // the background thread and everything it owns (communicator.cpp)
+class OpChannel;  // the master's messages for one in-flight collective
+
+// One all-reduce: src may equal dst (in place).
+struct ReduceDescriptor {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  std::uint64_t count = 0;
+  lockstep_dtype_t dtype = LOCKSTEP_F32;
+  lockstep_reduce_op_t op = LOCKSTEP_SUM;
+  lockstep_quantization_t quantization = LOCKSTEP_QUANT_NONE;
+  std::uint64_t tag = 0;
+};
+
+struct ReduceInfo {
+  std::uint32_t world_size = 0;
+  std::uint64_t bytes_sent = 0;
+  std::uint64_t bytes_received = 0;
+};
+
+// An all-reduce in flight on its own thread. Awaited on the thread that launched it.
+class AsyncReduce {
+ public:
+  ~AsyncReduce();
+  bool done() const { return finished_.load(); }
+
+ private:
+  friend class Communicator;
+  std::thread thread_;
+  std::atomic<bool> finished_{false};
+  Status status_;
+  ReduceInfo info_;
+  std::thread::id launcher_;
+  std::uint64_t tag_ = 0;
+  bool awaited_ = false;
+};
 
 class Communicator {
  public:
@@ -46,6 +87,16 @@ class Communicator {
   Status update_topology();
   Result<bool> are_peers_pending();
   Result<bool> agree(bool flag);
+
+  // Collectives. The blocking form is launch + await on the calling thread.
+  Result<ReduceInfo> all_reduce(const ReduceDescriptor& descriptor);
+  Result<std::shared_ptr<AsyncReduce>> all_reduce_async(const ReduceDescriptor& descriptor);
+  Result<ReduceInfo> await(const std::shared_ptr<AsyncReduce>& handle);
+  // Runs every descriptor with at most max_in_flight at once; failed ones are retried
+  // with the survivors once all outstanding ones have ended. Returns when all
+  // succeeded, or with the first error that is not a lost peer.
+  Status all_reduce_multiple_with_retry(const std::vector<ReduceDescriptor>& descriptors, std::size_t max_in_flight,
+                                        std::vector<ReduceInfo>* infos);
 
   Result<proto::Attributes> attributes() const;
   Result<std::vector<proto::MemberInfo>> membership() const;
@@ -62,6 +113,14 @@ class Communicator {
   // outcome. Returns the TopologyResult (its status may be a failure) or a fatal status.
   Result<proto::TopologyResult> run_establishment(bool newcomer);
   std::vector<PeerId> establish(const proto::EstablishP2P& plan);
+  Status check_collective_call(const ReduceDescriptor& d);
+  // The body of one collective, on its own thread.
+  Status run_collective(const ReduceDescriptor& d, OpChannel& channel, ReduceInfo* info);
+  // Ring connections, made on first use and cached per (peer, pool slot).
+  Result<int> tx_connection(const proto::MemberInfo& to, std::uint32_t slot);
+  Result<int> rx_connection(PeerId from, std::uint32_t slot, std::chrono::steady_clock::time_point deadline);
+  void drop_connections(PeerId next, PeerId prev, std::uint32_t slot);
+  void prune_connections(const std::vector<proto::MemberInfo>& members);
 
   Options options_;
   std::thread::id owner_;
@@ -73,9 +132,28 @@ class Communicator {
   std::vector<proto::MemberInfo> view_;
   proto::Attributes attributes_;
   std::uint32_t rank_ = 0;
-  // Ring connections of the current epoch: pool_size to the next peer, from the previous.
-  std::vector<transport::Fd> tx_;
-  std::vector<transport::Fd> rx_;
+  // Ring connections: to (tx) and from (rx) other peers, per pool slot.
+  struct SlotKey {
+    PeerId peer;
+    std::uint32_t slot = 0;
+    auto operator<=>(const SlotKey&) const = default;
+  };
+  struct RxConnection {
+    transport::Fd fd;
+    std::uint64_t generation = 0;
+  };
+  std::mutex connections_mutex_;
+  std::map<SlotKey, transport::Fd> tx_;
+  std::map<SlotKey, RxConnection> rx_;
+  std::atomic<std::uint64_t> next_generation_{1};
+  // Members by id as of the last update topology (read by collective threads).
+  std::map<PeerId, proto::MemberInfo> members_;
+  // Collectives in flight, and the one thread besides the owner that may launch them.
+  std::mutex ops_mutex_;
+  std::set<std::uint64_t> tags_in_flight_;
+  std::optional<std::thread::id> collective_thread_;
+  std::vector<std::weak_ptr<AsyncReduce>> live_ops_;
+  std::vector<std::unique_ptr<coll::RingScratch>> free_scratch_;
   mutable std::mutex error_mutex_;
   std::string last_error_;
 };

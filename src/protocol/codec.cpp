@@ -157,6 +157,7 @@ void encode_body(Writer& w, const Hello& m) {
   w.u(m.magic);
   w.u(m.version);
   w.u(m.group);
+  w.u(m.pool_size);
   w.u(m.p2p_port);
   w.u(m.shared_state_port);
   w.u(m.benchmark_port);
@@ -168,7 +169,9 @@ bool decode_body(Reader& r, Hello* m) {
   if (m->magic != kMagic) return r.fail("hello.magic: not a lockstep peer");
   if (!r.u(&m->version, "hello.version")) return false;
   if (m->version != kProtocolVersion) return r.fail("hello.version: unsupported protocol version " + std::to_string(m->version));
-  return r.u(&m->group, "hello.group") && r.u(&m->p2p_port, "hello.p2p_port") &&
+  if (!r.u(&m->group, "hello.group") || !r.u(&m->pool_size, "hello.pool_size")) return false;
+  if (m->pool_size == 0 || m->pool_size > limits::kP2PPoolSizeMax) return r.fail("hello.pool_size: out of range");
+  return r.u(&m->p2p_port, "hello.p2p_port") &&
          r.u(&m->shared_state_port, "hello.shared_state_port") && r.u(&m->benchmark_port, "hello.benchmark_port") &&
          r.str(&m->advertised_host, kHostBytesMax, "hello.advertised_host") && r.bytes(&m->auth, kAuthBytesMax, "hello.auth");
 }
@@ -194,6 +197,68 @@ void encode_body(Writer&, const VotePeersPending&) {}
 bool decode_body(Reader&, VotePeersPending*) { return true; }
 void encode_body(Writer& w, const VoteAgree& m) { w.boolean(m.flag); }
 bool decode_body(Reader& r, VoteAgree* m) { return r.boolean(&m->flag, "vote_agree.flag"); }
+
+void put(Writer& w, const CollectiveDescriptor& d) {
+  w.u(d.count);
+  w.u(d.dtype);
+  w.u(d.op);
+  w.u(d.quantization);
+}
+bool get(Reader& r, CollectiveDescriptor* d) {
+  if (!r.u(&d->count, "descriptor.count") || !r.u(&d->dtype, "descriptor.dtype") || !r.u(&d->op, "descriptor.op") ||
+      !r.u(&d->quantization, "descriptor.quantization")) {
+    return false;
+  }
+  if (d->dtype > LOCKSTEP_F64) return r.fail("descriptor.dtype: unknown dtype");
+  if (d->op > LOCKSTEP_MIN) return r.fail("descriptor.op: unknown reduce op");
+  if (d->quantization > LOCKSTEP_QUANT_ZERO_POINT_U8) return r.fail("descriptor.quantization: unknown kind");
+  return true;
+}
+void encode_body(Writer& w, const CollectiveInit& m) {
+  w.u(m.tag);
+  put(w, m.descriptor);
+}
+bool decode_body(Reader& r, CollectiveInit* m) { return r.u(&m->tag, "init.tag") && get(r, &m->descriptor); }
+void encode_body(Writer& w, const CollectiveDone& m) {
+  w.u(m.tag);
+  w.u(m.attempt);
+  w.boolean(m.ok);
+  w.str(m.reason);
+}
+bool decode_body(Reader& r, CollectiveDone* m) {
+  return r.u(&m->tag, "done.tag") && r.u(&m->attempt, "done.attempt") && r.boolean(&m->ok, "done.ok") &&
+         r.str(&m->reason, limits::kWireStringBytesMax, "done.reason");
+}
+void encode_body(Writer& w, const CollectiveGo& m) {
+  w.u(m.tag);
+  w.u(m.attempt);
+  w.u(m.slot);
+  w.u(static_cast<std::uint32_t>(m.ring.size()));
+  for (const auto& id : m.ring) w.id(id);
+}
+bool decode_body(Reader& r, CollectiveGo* m) {
+  std::uint32_t n = 0;
+  if (!r.u(&m->tag, "go.tag") || !r.u(&m->attempt, "go.attempt") || !r.u(&m->slot, "go.slot") ||
+      !r.count(&n, limits::kMembersPerMessageMax, 16, "go.ring")) {
+    return false;
+  }
+  m->ring.resize(n);
+  for (auto& id : m->ring) {
+    if (!r.id(&id, "go.ring")) return false;
+  }
+  return true;
+}
+void encode_body(Writer& w, const CollectiveResult& m) {
+  w.u(m.tag);
+  w.u(m.attempt);
+  w.status(m.status);
+  w.u(m.world_size);
+  w.str(m.reason);
+}
+bool decode_body(Reader& r, CollectiveResult* m) {
+  return r.u(&m->tag, "result.tag") && r.u(&m->attempt, "result.attempt") && r.status(&m->status, "result.status") &&
+         r.u(&m->world_size, "result.world_size") && r.str(&m->reason, limits::kWireStringBytesMax, "result.reason");
+}
 
 void encode_body(Writer& w, const Welcome& m) {
   w.id(m.id);
@@ -249,6 +314,7 @@ bool decode_body(Reader& r, AgreeResult* m) {
 }
 void encode_body(Writer& w, const Refused& m) {
   w.u(static_cast<std::uint16_t>(m.request));
+  w.u(m.tag);
   w.status(m.status);
   w.str(m.reason);
 }
@@ -257,7 +323,7 @@ bool decode_body(Reader& r, Refused* m) {
   if (!r.u(&raw, "refused.request")) return false;
   if (payload_bytes_max(raw) == 0) return r.fail("refused.request: unknown message type");
   m->request = static_cast<MsgType>(raw);
-  return r.status(&m->status, "refused.status") && r.str(&m->reason, limits::kWireStringBytesMax, "refused.reason");
+  return r.u(&m->tag, "refused.tag") && r.status(&m->status, "refused.status") && r.str(&m->reason, limits::kWireStringBytesMax, "refused.reason");
 }
 void encode_body(Writer& w, const Goodbye& m) {
   w.status(m.status);
@@ -311,6 +377,10 @@ const char* msg_type_name(MsgType type) {
     case MsgType::kP2PReport: return "P2PReport";
     case MsgType::kVotePeersPending: return "VotePeersPending";
     case MsgType::kVoteAgree: return "VoteAgree";
+    case MsgType::kCollectiveInit: return "CollectiveInit";
+    case MsgType::kCollectiveDone: return "CollectiveDone";
+    case MsgType::kCollectiveGo: return "CollectiveGo";
+    case MsgType::kCollectiveResult: return "CollectiveResult";
     case MsgType::kWelcome: return "Welcome";
     case MsgType::kHeartbeatAck: return "HeartbeatAck";
     case MsgType::kEstablishP2P: return "EstablishP2P";
@@ -341,7 +411,11 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kRefused:
     case MsgType::kGoodbye:
     case MsgType::kP2PHello:
+    case MsgType::kCollectiveInit:
+    case MsgType::kCollectiveDone:
+    case MsgType::kCollectiveResult:
       return kSmallPayloadBytesMax;
+    case MsgType::kCollectiveGo:
     case MsgType::kP2PReport:
     case MsgType::kEstablishP2P:
     case MsgType::kTopologyResult:
@@ -374,6 +448,10 @@ Result<Message> decode_payload(MsgType type, std::span<const std::uint8_t> paylo
     case MsgType::kP2PReport: return decode_as<P2PReport>(payload);
     case MsgType::kVotePeersPending: return decode_as<VotePeersPending>(payload);
     case MsgType::kVoteAgree: return decode_as<VoteAgree>(payload);
+    case MsgType::kCollectiveInit: return decode_as<CollectiveInit>(payload);
+    case MsgType::kCollectiveDone: return decode_as<CollectiveDone>(payload);
+    case MsgType::kCollectiveGo: return decode_as<CollectiveGo>(payload);
+    case MsgType::kCollectiveResult: return decode_as<CollectiveResult>(payload);
     case MsgType::kWelcome: return decode_as<Welcome>(payload);
     case MsgType::kHeartbeatAck: return decode_as<HeartbeatAck>(payload);
     case MsgType::kEstablishP2P: return decode_as<EstablishP2P>(payload);

@@ -25,6 +25,8 @@ enum class MsgType : std::uint16_t {
   kP2PReport = 4,
   kVotePeersPending = 5,
   kVoteAgree = 6,
+  kCollectiveInit = 7,
+  kCollectiveDone = 8,
   // master -> peer
   kWelcome = 64,
   kHeartbeatAck = 65,
@@ -34,6 +36,8 @@ enum class MsgType : std::uint16_t {
   kAgreeResult = 69,
   kRefused = 70,
   kGoodbye = 71,
+  kCollectiveGo = 72,
+  kCollectiveResult = 73,
   // peer -> peer (p2p, shared-state and benchmark sockets)
   kP2PHello = 128,
   kP2PHelloAck = 129,
@@ -67,6 +71,7 @@ struct Hello {
   std::uint32_t magic = kMagic;
   std::uint16_t version = kProtocolVersion;
   std::uint32_t group = 0;
+  std::uint16_t pool_size = 1;  // p2p connections per ring neighbour
   std::uint16_t p2p_port = 0;
   std::uint16_t shared_state_port = 0;
   std::uint16_t benchmark_port = 0;
@@ -96,6 +101,31 @@ struct VoteAgree {
   static constexpr MsgType kType = MsgType::kVoteAgree;
   bool flag = false;
   bool operator==(const VoteAgree&) const = default;
+};
+
+// What every participant of a collective must agree on (semantics rule 4).
+struct CollectiveDescriptor {
+  std::uint64_t count = 0;
+  std::uint8_t dtype = 0;
+  std::uint8_t op = 0;
+  std::uint8_t quantization = 0;
+  bool operator==(const CollectiveDescriptor&) const = default;
+};
+// Vote to initiate a collective with this tag.
+struct CollectiveInit {
+  static constexpr MsgType kType = MsgType::kCollectiveInit;
+  std::uint64_t tag = 0;
+  CollectiveDescriptor descriptor;
+  bool operator==(const CollectiveInit&) const = default;
+};
+// Vote to complete: this peer finished its part of the attempt (ok) or failed it.
+struct CollectiveDone {
+  static constexpr MsgType kType = MsgType::kCollectiveDone;
+  std::uint64_t tag = 0;
+  std::uint64_t attempt = 0;
+  bool ok = false;
+  std::string reason;
+  bool operator==(const CollectiveDone&) const = default;
 };
 
 // ---- master -> peer
@@ -144,6 +174,7 @@ struct AgreeResult {
 struct Refused {
   static constexpr MsgType kType = MsgType::kRefused;
   MsgType request = MsgType::kHello;
+  std::uint64_t tag = 0;  // the collective's tag when the request was a CollectiveInit
   StatusCode status = LOCKSTEP_STATUS_INVALID_USAGE;
   std::string reason;
   bool operator==(const Refused&) const = default;
@@ -154,6 +185,28 @@ struct Goodbye {
   StatusCode status = LOCKSTEP_STATUS_KICKED;
   std::string reason;
   bool operator==(const Goodbye&) const = default;
+};
+
+// Everyone voted: perform attempt `attempt` of `tag` over this ring of participants,
+// on p2p pool slot `slot`.
+struct CollectiveGo {
+  static constexpr MsgType kType = MsgType::kCollectiveGo;
+  std::uint64_t tag = 0;
+  std::uint64_t attempt = 0;
+  std::uint32_t slot = 0;
+  std::vector<PeerId> ring;
+  bool operator==(const CollectiveGo&) const = default;
+};
+// The outcome of a collective, the same for every participant. attempt 0: the
+// collective ended before an attempt started (a descriptor mismatch).
+struct CollectiveResult {
+  static constexpr MsgType kType = MsgType::kCollectiveResult;
+  std::uint64_t tag = 0;
+  std::uint64_t attempt = 0;
+  StatusCode status = LOCKSTEP_OK;
+  std::uint32_t world_size = 0;
+  std::string reason;
+  bool operator==(const CollectiveResult&) const = default;
 };
 
 // ---- peer -> peer
@@ -176,9 +229,9 @@ struct P2PHelloAck {
 };
 
 using Message = std::variant<Hello, Heartbeat, VoteUpdateTopology, P2PReport, VotePeersPending,
-                             VoteAgree, Welcome, HeartbeatAck, EstablishP2P, TopologyResult,
-                             PeersPendingResult, AgreeResult, Refused, Goodbye, P2PHello,
-                             P2PHelloAck>;
+                             VoteAgree, CollectiveInit, CollectiveDone, Welcome, HeartbeatAck,
+                             EstablishP2P, TopologyResult, PeersPendingResult, AgreeResult, Refused,
+                             Goodbye, CollectiveGo, CollectiveResult, P2PHello, P2PHelloAck>;
 
 MsgType type_of(const Message& message);
 

@@ -59,6 +59,11 @@ void set_nodelay(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
+void set_nonblocking(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+}
+
 Result<std::string> resolve_ipv4(const std::string& host) {
   in_addr addr{};
   if (::inet_pton(AF_INET, host.c_str(), &addr) == 1) return host;

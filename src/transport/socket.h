@@ -52,6 +52,7 @@ Status send_all(int fd, std::span<const std::uint8_t> bytes, std::uint32_t timeo
 Status recv_exact(int fd, std::span<std::uint8_t> out, std::uint32_t timeout_ms);
 
 void set_nodelay(int fd);
+void set_nonblocking(int fd);
 
 // The local and remote IPv4 address of a connected socket, as text.
 std::string peer_address(int fd);

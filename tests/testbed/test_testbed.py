@@ -266,6 +266,23 @@ def test_command_errors(testbed_factory):
         assert p.returncode != 0 and "must run as root" in p.stderr, p.stderr
 
 
+def test_host_settings(testbed_factory):
+    """Inside each host: IPv6 off, the chosen congestion control, raised TCP buffers."""
+    bed = testbed_factory(2, cc="bbr", tcp_mem_max=32 << 20)
+    for h in range(2):
+        def sysctl(name: str) -> list[str]:
+            return bed.exec(h, "cat", f"/proc/sys/net/{name}").stdout.split()
+        assert sysctl("ipv4/tcp_congestion_control") == ["bbr"]
+        assert sysctl("ipv4/tcp_wmem")[2] == str(32 << 20)
+        assert sysctl("ipv4/tcp_rmem")[2] == str(32 << 20)
+        assert sysctl("ipv6/conf/all/disable_ipv6") == ["1"]
+        assert bed.exec(h, "ip", "-6", "-o", "addr", "show").stdout.strip() == ""
+        links = bed.exec(h, "ip", "-o", "link", "show").stdout
+        assert "lo: <LOOPBACK,UP" in links
+        assert f"{bed.prefix}h{h}@" in links
+    assert bed.status()["cc"] == "bbr"
+
+
 # --- rates and delays (the self-check measures) -------------------------------------
 
 def test_cap_reaches_rate(testbed_factory):

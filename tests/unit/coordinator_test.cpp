@@ -1331,7 +1331,7 @@ TEST(CoordinatorProtocolError, MessagesAPeerMustNeverSendRemoveIt) {
   const std::vector<p::Message> forbidden = {
       p::Hello{},          p::Welcome{},       p::HeartbeatAck{}, p::EstablishP2P{}, p::TopologyResult{},
       p::PeersPendingResult{}, p::AgreeResult{}, p::Refused{},      p::Goodbye{},      p::P2PHello{},
-      p::P2PHelloAck{}};
+      p::P2PHelloAck{},    p::CollectiveGo{},  p::CollectiveResult{}};
   for (const auto& m : forbidden) {
     for (bool accepted : {true, false}) {
       SCOPED_TRACE(describe(m) + (accepted ? " from an accepted peer" : " from a registered peer"));
@@ -1544,6 +1544,131 @@ TEST(CoordinatorIllegalRequests, RefusalKeepsTheOpenVote) {
   out = h.send(peers[1], p::VoteAgree{true});
   expect_agree(out, peers[0], LOCKSTEP_OK, true);
   expect_agree(out, peers[1], LOCKSTEP_OK, true);
+}
+
+// ---------------------------------------------------------------- collectives
+
+const p::CollectiveDescriptor kSum{1024, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE};
+
+TEST(CoordinatorCollective, AllVoteThenAllCompleteWithOneOutcome) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  Outbox out;
+  for (std::size_t i = 0; i < peers.size(); ++i) {
+    out = h.send(peers[i], p::CollectiveInit{5, kSum});
+    if (i + 1 < peers.size()) {
+      EXPECT_EQ(send_count(out), 0u) << describe(out);
+      EXPECT_EQ(h.c.major_op(1), MajorOp::kNone);
+    }
+  }
+  std::optional<p::CollectiveGo> go;
+  for (const auto& f : peers) {
+    const auto g = one_of<p::CollectiveGo>(out, f.conn);
+    ASSERT_TRUE(g.has_value()) << describe(out);
+    if (!go) go = g;
+    EXPECT_EQ(*g, *go);
+  }
+  EXPECT_EQ(go->tag, 5u);
+  EXPECT_GT(go->attempt, 0u);
+  EXPECT_EQ(go->ring, h.c.ring(1));
+  EXPECT_EQ(go->slot, 0u);  // pool size 1
+  for (std::size_t i = 0; i < peers.size(); ++i) {
+    out = h.send(peers[i], p::CollectiveDone{5, go->attempt, true, {}});
+    if (i + 1 < peers.size()) {
+      EXPECT_EQ(send_count(out), 0u) << describe(out);
+    }
+  }
+  for (const auto& f : peers) {
+    const auto r = one_of<p::CollectiveResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value());
+    EXPECT_EQ(*r, (p::CollectiveResult{5, go->attempt, LOCKSTEP_OK, 3, {}}));
+  }
+  EXPECT_TRUE(h.c.collectives().empty());
+}
+
+TEST(CoordinatorCollective, DifferentDescriptorsFailForAll) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  h.send(peers[0], p::CollectiveInit{1, kSum});
+  p::CollectiveDescriptor other = kSum;
+  other.count = 1023;
+  Outbox out = h.send(peers[1], p::CollectiveInit{1, other});
+  for (const auto& f : peers) {
+    const auto r = one_of<p::CollectiveResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value()) << describe(out);
+    EXPECT_EQ(r->status, LOCKSTEP_STATUS_OPERATION_MISMATCH);
+    EXPECT_EQ(r->tag, 1u);
+  }
+  EXPECT_TRUE(all_of<p::CollectiveGo>(out, peers[0].conn).empty());
+}
+
+TEST(CoordinatorCollective, ParticipantLostFailsTheAttemptForTheOthers) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::CollectiveInit{2, kSum});
+  const auto go = one_of<p::CollectiveGo>(out, peers[0].conn);
+  ASSERT_TRUE(go.has_value());
+  h.send(peers[0], p::CollectiveDone{2, go->attempt, true, {}});
+  out = h.disconnect(peers[2]);
+  for (const auto& f : {peers[0], peers[1]}) {
+    const auto r = one_of<p::CollectiveResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value()) << describe(out);
+    EXPECT_EQ(r->status, LOCKSTEP_STATUS_PEER_CONNECTION_LOST);
+    EXPECT_EQ(r->attempt, go->attempt);
+  }
+  // a late report of the ended attempt changes nothing; the retry gets a new attempt
+  const std::string before = h.c.digest();
+  EXPECT_EQ(send_count(h.send(peers[1], p::CollectiveDone{2, go->attempt, true, {}})), 0u);
+  EXPECT_EQ(h.c.digest(), before);
+  h.send(peers[0], p::CollectiveInit{2, kSum});
+  out = h.send(peers[1], p::CollectiveInit{2, kSum});
+  const auto retry = one_of<p::CollectiveGo>(out, peers[1].conn);
+  ASSERT_TRUE(retry.has_value());
+  EXPECT_GT(retry->attempt, go->attempt);
+  EXPECT_EQ(retry->ring, (std::vector<PeerId>{peers[0].id, peers[1].id}));
+}
+
+TEST(CoordinatorCollective, TopologyVoteWithACollectiveInFlightIsRefused) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  h.send(peers[0], p::CollectiveInit{3, kSum});
+  const std::string before = h.c.digest();
+  Outbox out = h.send(peers[0], p::VoteUpdateTopology{});
+  const auto refused = one_of<p::Refused>(out, peers[0].conn);
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_EQ(refused->status, LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS);
+  EXPECT_EQ(h.c.digest(), before);
+  // starting a tag that is still in flight is an error
+  out = h.send(peers[0], p::CollectiveInit{3, kSum});
+  const auto again = one_of<p::Refused>(out, peers[0].conn);
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->status, LOCKSTEP_STATUS_INVALID_USAGE);
+  EXPECT_EQ(again->tag, 3u);
+  EXPECT_EQ(h.c.digest(), before);
+}
+
+// One peer votes to update the topology while another started a collective: the
+// first cannot join the tag (it is in a vote), the second cannot join the topology
+// vote (a collective is in flight). Votes that can never complete must fail with
+// OPERATION_MISMATCH rather than wait forever (the vote timeout is off).
+TEST(CoordinatorCollective, TopologyVoteAgainstACollectiveVoteDoesNotHang) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  h.send(peers[0], p::VoteUpdateTopology{});
+  Outbox out = h.send(peers[1], p::CollectiveInit{4, kSum});
+  // neither can do anything else now
+  ASSERT_TRUE(one_of<p::Refused>(h.send(peers[0], p::CollectiveInit{4, kSum}), peers[0].conn).has_value());
+  ASSERT_TRUE(one_of<p::Refused>(h.send(peers[1], p::VoteUpdateTopology{}), peers[1].conn).has_value());
+  for (int i = 0; i < 10; ++i) {
+    h.heartbeat(peers);
+    const Outbox tick = h.advance(1'000);
+    out.insert(out.end(), tick.begin(), tick.end());
+  }
+  EXPECT_EQ(all_of<p::TopologyResult>(out, peers[0].conn).size(), 1u)
+      << "the topology voter waits forever for a peer that may not join its vote";
+  EXPECT_EQ(all_of<p::CollectiveResult>(out, peers[1].conn).size(), 1u)
+      << "the collective waits forever for a peer that may not join it";
 }
 
 // ---------------------------------------------------------------- joins during an update

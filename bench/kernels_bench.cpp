@@ -1,0 +1,144 @@
+// Throughput of the all-reduce kernels on 64 MiB buffers, against memcpy of the same size
+// on the same machine. bytes_per_second counts the bytes of ONE 64 MiB buffer per
+// iteration for every benchmark (for a reduce that is the destination; it also reads the
+// source, so memory traffic is 3x that, against 2x for memcpy). Buffers are written
+// before timing, so no page faults are measured.
+//
+// Medians as BENCHMARKS.md reports them:
+//   lockstep-kernels-bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+#include "collectives/quantize.h"
+#include "collectives/reduce.h"
+
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace {
+
+namespace coll = lockstep::coll;
+
+constexpr std::size_t kBytes = std::size_t{64} << 20;
+
+// A buffer of kBytes filled with values of the dtype that stay normal and finite over
+// many accumulations (no subnormal slow paths, no overflow to inf for f32/f64).
+std::vector<std::uint8_t> make_buffer(lockstep_dtype_t dtype, std::uint64_t seed) {
+  std::vector<std::uint8_t> buf(kBytes);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> d(0.5, 1.0);
+  const std::size_t n = kBytes / coll::dtype_size(dtype);
+  for (std::size_t i = 0; i < n; ++i) {
+    const double x = d(rng);
+    switch (dtype) {
+      case LOCKSTEP_F16: {
+        const std::uint16_t h = coll::f64_to_f16(x);
+        std::memcpy(buf.data() + 2 * i, &h, 2);
+        break;
+      }
+      case LOCKSTEP_BF16: {
+        const std::uint16_t h = coll::f64_to_bf16(x);
+        std::memcpy(buf.data() + 2 * i, &h, 2);
+        break;
+      }
+      case LOCKSTEP_F32: {
+        const auto f = static_cast<float>(x);
+        std::memcpy(buf.data() + 4 * i, &f, 4);
+        break;
+      }
+      case LOCKSTEP_F64: std::memcpy(buf.data() + 8 * i, &x, 8); break;
+      default: {
+        const std::uint64_t r = rng();
+        std::memcpy(buf.data() + i * coll::dtype_size(dtype), &r, coll::dtype_size(dtype));
+        break;
+      }
+    }
+  }
+  return buf;
+}
+
+void BM_Memcpy(benchmark::State& state) {
+  auto src = make_buffer(LOCKSTEP_U8, 1);
+  std::vector<std::uint8_t> dst(kBytes, 1);
+  for (auto _ : state) {
+    std::memcpy(dst.data(), src.data(), kBytes);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(kBytes));
+}
+
+template <lockstep_dtype_t D, lockstep_reduce_op_t Op>
+void BM_Reduce(benchmark::State& state) {
+  auto dst = make_buffer(D, 2);
+  const auto src = make_buffer(D, 3);
+  const std::size_t n = kBytes / coll::dtype_size(D);
+  for (auto _ : state) {
+    coll::reduce(dst.data(), src.data(), n, D, Op);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(kBytes));
+}
+
+template <lockstep_dtype_t D, lockstep_quantization_t Q>
+void BM_Quantize(benchmark::State& state) {
+  const auto src = make_buffer(D, 4);
+  const std::size_t n = kBytes / coll::dtype_size(D);
+  std::vector<std::uint8_t> out(coll::quantized_bytes(n, Q), 1);
+  for (auto _ : state) {
+    coll::quantize(src.data(), n, D, Q, out.data());
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(kBytes));
+}
+
+template <lockstep_dtype_t D, lockstep_quantization_t Q>
+void BM_Dequantize(benchmark::State& state) {
+  const auto src = make_buffer(D, 5);
+  const std::size_t n = kBytes / coll::dtype_size(D);
+  std::vector<std::uint8_t> enc(coll::quantized_bytes(n, Q));
+  coll::quantize(src.data(), n, D, Q, enc.data());
+  std::vector<std::uint8_t> dst(kBytes, 1);
+  for (auto _ : state) {
+    coll::dequantize(enc.data(), n, D, Q, dst.data());
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(kBytes));
+}
+
+template <lockstep_dtype_t D, lockstep_quantization_t Q>
+void BM_DequantizeReduce(benchmark::State& state) {
+  const auto src = make_buffer(D, 6);
+  const std::size_t n = kBytes / coll::dtype_size(D);
+  std::vector<std::uint8_t> enc(coll::quantized_bytes(n, Q));
+  coll::quantize(src.data(), n, D, Q, enc.data());
+  auto dst = make_buffer(D, 7);
+  for (auto _ : state) {
+    coll::dequantize_reduce(dst.data(), enc.data(), n, D, Q, LOCKSTEP_SUM);
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(kBytes));
+}
+
+BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Reduce<LOCKSTEP_F32, LOCKSTEP_SUM>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Reduce<LOCKSTEP_F64, LOCKSTEP_SUM>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Reduce<LOCKSTEP_I32, LOCKSTEP_SUM>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Reduce<LOCKSTEP_F16, LOCKSTEP_SUM>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Reduce<LOCKSTEP_BF16, LOCKSTEP_SUM>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Reduce<LOCKSTEP_F32, LOCKSTEP_MAX>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Reduce<LOCKSTEP_I64, LOCKSTEP_PROD>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Quantize<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Quantize<LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U8>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Dequantize<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Dequantize<LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U8>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_DequantizeReduce<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,339 @@
+// 8-bit chunk quantization (see quantize.h for the format, the error bound and the
+// determinism rule). Compiled with -ffp-contract=off and without -ffast-math: the
+// decoder's "min + code * scale" must not become a fused multiply-add on some builds.
+#include "collectives/quantize.h"
+
+#include "collectives/reduce.h"
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+namespace lockstep::coll {
+namespace {
+
+// ---------------------------------------------------------------- element types
+// Compute: the type the chunk scan runs in (exact for every value of the dtype).
+
+struct QF16 {
+  using Storage = std::uint16_t;
+  using Compute = float;
+  static float load(std::uint16_t x) { return f16_to_f32(x); }
+  static std::uint16_t from_double(double d) { return f64_to_f16(d); }
+  static constexpr double kMax = 65504.0;
+};
+
+struct QBF16 {
+  using Storage = std::uint16_t;
+  using Compute = float;
+  static float load(std::uint16_t x) { return bf16_to_f32(x); }
+  static std::uint16_t from_double(double d) { return f64_to_bf16(d); }
+  static constexpr double kMax = 0x1.fep127;
+};
+
+struct QF32 {
+  using Storage = float;
+  using Compute = float;
+  static float load(float x) { return x; }
+  static constexpr double kMax = static_cast<double>(std::numeric_limits<float>::max());
+  // The clamp keeps the conversion defined for any double (a garbage header); a valid
+  // chunk never decodes beyond FLT_MAX by more than rounding, which rounds to FLT_MAX
+  // anyway, so the clamp changes no valid result. NaN passes through.
+  static float from_double(double d) {
+    const double c = d < -kMax ? -kMax : (d > kMax ? kMax : d);
+    return static_cast<float>(c);
+  }
+};
+
+struct QF64 {
+  using Storage = double;
+  using Compute = double;
+  static double load(double x) { return x; }
+  static constexpr double kMax = std::numeric_limits<double>::max();
+  // min + 255 * scale can round past DBL_MAX for a chunk reaching it; clamp back (a
+  // valid chunk never decodes farther from DBL_MAX than that rounding).
+  static double from_double(double d) { return d < -kMax ? -kMax : (d > kMax ? kMax : d); }
+};
+
+template <typename F>
+bool with_qdtype(lockstep_dtype_t dtype, F&& f) {
+  switch (dtype) {
+    case LOCKSTEP_F16: f.template operator()<QF16>(); return true;
+    case LOCKSTEP_BF16: f.template operator()<QBF16>(); return true;
+    case LOCKSTEP_F32: f.template operator()<QF32>(); return true;
+    case LOCKSTEP_F64: f.template operator()<QF64>(); return true;
+    default: return false;
+  }
+}
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// ---------------------------------------------------------------- header
+
+void put_f64(std::uint8_t* out, double v) {
+  const std::uint64_t bits = std::bit_cast<std::uint64_t>(v);
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<std::uint8_t>(bits >> (8 * i));
+}
+
+double get_f64(const std::uint8_t* in) {
+  std::uint64_t bits = 0;
+  for (int i = 0; i < 8; ++i) bits |= static_cast<std::uint64_t>(in[i]) << (8 * i);
+  return std::bit_cast<double>(bits);
+}
+
+// ---------------------------------------------------------------- scan
+// min, max and whether any value is NaN or infinite. Independent lanes so that GCC
+// vectorizes the reduction without -ffast-math; NaN is excluded from min/max by the
+// comparisons and detected from the exponent bits.
+
+struct Range {
+  double lo = 0.0;
+  double hi = 0.0;
+  bool non_finite = false;
+};
+
+template <typename E>
+[[gnu::noinline]] Range scan(const typename E::Storage* __restrict src, std::size_t n) {
+  using C = typename E::Compute;
+  using Bits = std::conditional_t<sizeof(C) == 4, std::uint32_t, std::uint64_t>;
+  constexpr Bits kAbs = std::numeric_limits<Bits>::max() >> 1;
+  constexpr Bits kExp = std::bit_cast<Bits>(std::numeric_limits<C>::infinity());
+  constexpr std::size_t kLanes = 16;
+  C mn[kLanes];
+  C mx[kLanes];
+  Bits worst[kLanes];
+  for (std::size_t j = 0; j < kLanes; ++j) {
+    mn[j] = std::numeric_limits<C>::infinity();
+    mx[j] = -std::numeric_limits<C>::infinity();
+    worst[j] = 0;
+  }
+  std::size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (std::size_t j = 0; j < kLanes; ++j) {
+      const C x = E::load(src[i + j]);
+      mn[j] = x < mn[j] ? x : mn[j];
+      mx[j] = x > mx[j] ? x : mx[j];
+      const Bits b = std::bit_cast<Bits>(x) & kAbs;
+      worst[j] = b > worst[j] ? b : worst[j];
+    }
+  }
+  for (std::size_t j = 0; i < n; ++i, ++j) {
+    const C x = E::load(src[i]);
+    mn[j] = x < mn[j] ? x : mn[j];
+    mx[j] = x > mx[j] ? x : mx[j];
+    const Bits b = std::bit_cast<Bits>(x) & kAbs;
+    worst[j] = b > worst[j] ? b : worst[j];
+  }
+  C lo = mn[0];
+  C hi = mx[0];
+  Bits w = worst[0];
+  for (std::size_t j = 1; j < kLanes; ++j) {
+    lo = mn[j] < lo ? mn[j] : lo;
+    hi = mx[j] > hi ? mx[j] : hi;
+    w = worst[j] > w ? worst[j] : w;
+  }
+  Range r;
+  r.non_finite = w >= kExp;
+  r.lo = static_cast<double>(lo);
+  r.hi = static_cast<double>(hi);
+  return r;
+}
+
+// ---------------------------------------------------------------- encode
+// v = (x - off) * mul + add, clamped to [0, 255], truncated: with add = 0.5 that is
+// round-half-up of (x - off) * mul. kDivide divides by `scale` instead of multiplying
+// by its reciprocal (for a subnormal f64 scale, whose reciprocal overflows).
+
+template <typename E, bool kDivide>
+[[gnu::noinline]] void encode(const typename E::Storage* __restrict src, std::size_t n,
+                              std::uint8_t* __restrict out, double off, double mul_or_scale,
+                              double add) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const double x = static_cast<double>(E::load(src[i])) - off;
+    double v = (kDivide ? x / mul_or_scale : x * mul_or_scale) + add;
+    v = v < 0.0 ? 0.0 : v;
+    v = v > 255.0 ? 255.0 : v;
+    out[i] = static_cast<std::uint8_t>(static_cast<std::int32_t>(v));
+  }
+}
+
+template <typename E>
+void quantize_chunk(const typename E::Storage* src, std::size_t n, lockstep_quantization_t quant,
+                    std::uint8_t* out) {
+  std::uint8_t* codes = out + kQuantHeaderBytes;
+  const Range r = n == 0 ? Range{} : scan<E>(src, n);
+  double lo = r.lo;
+  double hi = r.hi;
+  if (quant == LOCKSTEP_QUANT_ZERO_POINT_U8) {
+    lo = lo < 0.0 ? lo : 0.0;
+    hi = hi > 0.0 ? hi : 0.0;
+  }
+  const double range = hi - lo;
+  if (r.non_finite || !std::isfinite(range)) {
+    put_f64(out, kNaN);
+    put_f64(out + 8, kNaN);
+    if (n > 0) std::memset(codes, 0, n);
+    return;
+  }
+  const double scale = range / 255.0;
+  if (scale == 0.0) {
+    // All values equal (MINMAX) or all zero (ZERO_POINT): every code is 0.
+    put_f64(out, quant == LOCKSTEP_QUANT_MINMAX_U8 ? lo : 0.0);
+    put_f64(out + 8, 0.0);
+    if (n > 0) std::memset(codes, 0, n);
+    return;
+  }
+  // Below 2^-1000 the reciprocal could overflow: divide instead.
+  const bool divide = scale < 0x1p-1000;
+  const double mul = divide ? scale : 1.0 / scale;
+  if (quant == LOCKSTEP_QUANT_MINMAX_U8) {
+    put_f64(out, lo);
+    put_f64(out + 8, scale);
+    if (divide) {
+      encode<E, true>(src, n, codes, lo, mul, 0.5);
+    } else {
+      encode<E, false>(src, n, codes, lo, mul, 0.5);
+    }
+  } else {
+    // -lo / scale is in [0, 255]: the zero point is a valid code.
+    double zp = std::floor(-lo / scale + 0.5);
+    zp = zp < 0.0 ? 0.0 : (zp > 255.0 ? 255.0 : zp);
+    put_f64(out, scale);
+    put_f64(out + 8, zp);
+    if (divide) {
+      encode<E, true>(src, n, codes, 0.0, mul, zp + 0.5);
+    } else {
+      encode<E, false>(src, n, codes, 0.0, mul, zp + 0.5);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- decode
+
+template <typename E>
+[[gnu::noinline]] void decode_minmax(const std::uint8_t* __restrict codes, std::size_t n,
+                                     typename E::Storage* __restrict dst, double min,
+                                     double scale) {
+  for (std::size_t i = 0; i < n; ++i) {
+    dst[i] = E::from_double(min + static_cast<double>(codes[i]) * scale);
+  }
+}
+
+template <typename E>
+[[gnu::noinline]] void decode_zero_point(const std::uint8_t* __restrict codes, std::size_t n,
+                                         typename E::Storage* __restrict dst, double scale,
+                                         double zero_point) {
+  for (std::size_t i = 0; i < n; ++i) {
+    dst[i] = E::from_double((static_cast<double>(codes[i]) - zero_point) * scale);
+  }
+}
+
+template <typename E>
+void fill(typename E::Storage* dst, std::size_t n, double v) {
+  const typename E::Storage s = E::from_double(v);
+  for (std::size_t i = 0; i < n; ++i) dst[i] = s;
+}
+
+// Decodes n codes with the given header parameters.
+template <typename E>
+void decode_chunk(const std::uint8_t* codes, std::size_t n, lockstep_quantization_t quant,
+                  const QuantParams& p, typename E::Storage* dst) {
+  if (p.non_finite()) {
+    fill<E>(dst, n, kNaN);
+  } else if (quant == LOCKSTEP_QUANT_MINMAX_U8) {
+    if (p.p1 == 0.0) {
+      fill<E>(dst, n, p.p0);  // all equal: exactly min, bit for bit
+    } else {
+      decode_minmax<E>(codes, n, dst, p.p0, p.p1);
+    }
+  } else {
+    decode_zero_point<E>(codes, n, dst, p.p0, p.p1);
+  }
+}
+
+bool quant_valid(lockstep_quantization_t quant) {
+  return quant == LOCKSTEP_QUANT_MINMAX_U8 || quant == LOCKSTEP_QUANT_ZERO_POINT_U8;
+}
+
+}  // namespace
+
+bool quantization_supported(lockstep_dtype_t dtype, lockstep_quantization_t quant) {
+  return quant_valid(quant) && is_float(dtype);
+}
+
+std::size_t quantized_bytes(std::size_t count, lockstep_quantization_t quant) {
+  return quant_valid(quant) ? kQuantHeaderBytes + count : 0;
+}
+
+void quantize(const void* src, std::size_t count, lockstep_dtype_t dtype,
+              lockstep_quantization_t quant, std::uint8_t* out) {
+  if (!quant_valid(quant)) return;
+  with_qdtype(dtype, [&]<typename E>() {
+    quantize_chunk<E>(static_cast<const typename E::Storage*>(src), count, quant, out);
+  });
+}
+
+void dequantize(const std::uint8_t* in, std::size_t count, lockstep_dtype_t dtype,
+                lockstep_quantization_t quant, void* dst) {
+  if (!quant_valid(quant)) return;
+  const QuantParams p = read_quant_params(in);
+  with_qdtype(dtype, [&]<typename E>() {
+    decode_chunk<E>(in + kQuantHeaderBytes, count, quant, p,
+                    static_cast<typename E::Storage*>(dst));
+  });
+}
+
+void dequantize_reduce(void* dst, const std::uint8_t* in, std::size_t count,
+                       lockstep_dtype_t dtype, lockstep_quantization_t quant,
+                       lockstep_reduce_op_t op) {
+  if (!quant_valid(quant) || !op_valid(op)) return;
+  const QuantParams p = read_quant_params(in);
+  with_qdtype(dtype, [&]<typename E>() {
+    using S = typename E::Storage;
+    // Decode a block into a stack buffer, then reduce it with the ordinary kernel:
+    // the same bits as dequantize() followed by reduce(), no allocation.
+    constexpr std::size_t kBlock = 2048;
+    S tmp[kBlock];
+    S* d = static_cast<S*>(dst);
+    const std::uint8_t* codes = in + kQuantHeaderBytes;
+    for (std::size_t off = 0; off < count; off += kBlock) {
+      const std::size_t m = count - off < kBlock ? count - off : kBlock;
+      decode_chunk<E>(codes + off, m, quant, p, tmp);
+      reduce(d + off, tmp, m, dtype, op);
+    }
+  });
+}
+
+QuantParams read_quant_params(const std::uint8_t* in) {
+  QuantParams p;
+  p.p0 = get_f64(in);
+  p.p1 = get_f64(in + 8);
+  return p;
+}
+
+bool quantized_header_valid(const std::uint8_t* in, lockstep_dtype_t dtype,
+                            lockstep_quantization_t quant) {
+  if (!quantization_supported(dtype, quant)) return false;
+  const QuantParams p = read_quant_params(in);
+  if (p.p0 != p.p0 && p.p1 != p.p1) return true;  // the non-finite marker
+  if (!std::isfinite(p.p0) || !std::isfinite(p.p1)) return false;
+  double max = 0.0;
+  with_qdtype(dtype, [&]<typename E>() { max = E::kMax; });
+  // Decoded values may exceed the largest finite value by rounding only.
+  const double limit = max + max * 0x1p-40;
+  if (quant == LOCKSTEP_QUANT_MINMAX_U8) {
+    const double min = p.p0;
+    const double scale = p.p1;
+    if (scale < 0.0 || std::fabs(min) > max) return false;
+    const double top = min + 255.0 * scale;
+    return std::isfinite(top) && std::fabs(top) <= limit;
+  }
+  const double scale = p.p0;
+  const double zp = p.p1;
+  if (scale < 0.0 || zp < 0.0 || zp > 255.0 || zp != std::floor(zp)) return false;
+  return zp * scale <= limit && (255.0 - zp) * scale <= limit;
+}
+
+}  // namespace lockstep::coll

@@ -1,0 +1,102 @@
+// 8-bit quantization of floating-point chunks on the wire (f16, bf16, f32, f64).
+// Pure functions: no IO, no threads, no allocation.
+//
+// One call encodes ONE chunk with one set of parameters. Encoded chunk layout
+// (quantized_bytes(count) = 16 + count bytes):
+//   bytes 0..7   p0, IEEE-754 binary64, little-endian
+//   bytes 8..15  p1, IEEE-754 binary64, little-endian
+//   bytes 16..   one 8-bit code per element
+// The parameters are kept in f64 so that every dtype's min is stored exactly and the
+// decoder computes in double from exactly the bits that were sent.
+//
+// LOCKSTEP_QUANT_MINMAX_U8: p0 = min, p1 = scale = (max - min) / 255 over the chunk.
+//   code = clamp(round((x - min) / scale), 0, 255); decode = min + code * scale.
+//   A chunk whose values are all equal (scale 0) has all codes 0 and decodes to exactly
+//   min, bit for bit (-0.0 included).
+// LOCKSTEP_QUANT_ZERO_POINT_U8: p0 = scale, p1 = zero_point (an integer 0..255 held in
+//   the f64). The range is first widened to contain 0 (lo = min(min, 0),
+//   hi = max(max, 0), as affine quantization usually does), scale = (hi - lo) / 255,
+//   zero_point = round(-lo / scale), code = clamp(round(x / scale) + zero_point, 0, 255),
+//   decode = (code - zero_point) * scale. Unlike min-max, 0 is exactly representable
+//   (code == zero_point decodes to exactly 0, so zeros and sparse data stay exactly
+//   zero); the price is a coarser scale for a chunk that lies on one side of 0 (its
+//   scale covers [0, max] or [min, 0] instead of [min, max]). The sign of a zero is not
+//   kept (-0.0 decodes as +0.0).
+//
+// Error bound, per element of a chunk of finite values:
+//   |x - decode(encode(x))| <= scale / 2 + (u + 2^-47) * M + t
+// where scale is the chunk's scale (as stored in the header), M = max |x| over the
+// chunk, u is the unit roundoff of the dtype (f16 2^-11, bf16 2^-8, f32 2^-24, f64 0:
+// the rounding of the decoded double to the dtype), 2^-47 covers the double arithmetic
+// of encoder and decoder, and t is half the smallest subnormal of the dtype (f16
+// 2^-25, bf16 2^-134, f32 2^-150), for f64 2^-1066 (a subnormal scale).
+//
+// Non-finite values: a chunk that contains a NaN or an infinity (or, for f64 only,
+// whose range max - min overflows to infinity) is encoded with p0 = p1 = NaN and all
+// codes 0, and every element of it decodes to a quiet NaN. The blow-up therefore shows
+// in the all-reduce result (as NaN over the whole chunk rather than element-wise), so a
+// training loop that checks gradients for non-finite values reacts as it would without
+// quantization. No input makes any function here crash or invoke undefined behaviour.
+//
+// Determinism: dequantize() and dequantize_reduce() are pure functions of the encoded
+// bytes (and, for the latter, of dst): the decoder runs in double from the stored
+// parameters and rounds to the dtype with IEEE round-to-nearest-even. This file is
+// compiled without -ffast-math and with -ffp-contract=off, so no fused multiply-add
+// changes a result: every peer decodes the same bits. That is what keeps a quantized
+// all-reduce bit-identical on all peers when a peer uses only the dequantized form of
+// its own contribution. (The encoder needs no such property: only its bytes travel.)
+//
+// The decoder accepts any bytes: an invalid header (as a misbehaving peer could send)
+// decodes to some values without undefined behaviour; quantized_header_valid() tells
+// whether a header is one that quantize() can produce, for protocol checks.
+#pragma once
+
+#include <lockstep/lockstep.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace lockstep::coll {
+
+inline constexpr std::size_t kQuantHeaderBytes = 16;
+
+// The parameters of one chunk, as read from its header.
+struct QuantParams {
+  double p0 = 0.0;  // MINMAX: min;   ZERO_POINT: scale
+  double p1 = 0.0;  // MINMAX: scale; ZERO_POINT: zero point (integer 0..255)
+  bool non_finite() const { return p0 != p0 || p1 != p1; }
+};
+
+// Whether the combination is supported: a floating dtype and MINMAX_U8 / ZERO_POINT_U8.
+bool quantization_supported(lockstep_dtype_t dtype, lockstep_quantization_t quant);
+
+// Bytes on the wire for `count` elements: kQuantHeaderBytes + count for MINMAX_U8 and
+// ZERO_POINT_U8; 0 for LOCKSTEP_QUANT_NONE or an unknown value.
+std::size_t quantized_bytes(std::size_t count, lockstep_quantization_t quant);
+
+// Encodes src (count elements of dtype) into out (quantized_bytes(count, quant) bytes).
+// An unsupported combination writes nothing.
+void quantize(const void* src, std::size_t count, lockstep_dtype_t dtype,
+              lockstep_quantization_t quant, std::uint8_t* out);
+
+// Decodes into dst (count elements of dtype). An unsupported combination writes nothing.
+void dequantize(const std::uint8_t* in, std::size_t count, lockstep_dtype_t dtype,
+                lockstep_quantization_t quant, void* dst);
+
+// Fused: dst[i] = dst[i] OP dequantized(in)[i], bit-identical to dequantize() into a
+// temporary followed by reduce() (see reduce.h). `dst` must not overlap `in`.
+void dequantize_reduce(void* dst, const std::uint8_t* in, std::size_t count,
+                       lockstep_dtype_t dtype, lockstep_quantization_t quant,
+                       lockstep_reduce_op_t op);
+
+// The parameters stored in an encoded chunk's header (kQuantHeaderBytes readable).
+QuantParams read_quant_params(const std::uint8_t* in);
+
+// Whether the header of an encoded chunk is one quantize() can produce for this dtype:
+// the non-finite marker (both NaN), or finite parameters with scale >= 0 (a zero point
+// that is an integer in [0, 255]) whose decoded values all lie within the dtype's
+// finite range. false for an unsupported combination.
+bool quantized_header_valid(const std::uint8_t* in, lockstep_dtype_t dtype,
+                            lockstep_quantization_t quant);
+
+}  // namespace lockstep::coll

@@ -1,0 +1,243 @@
+// Reduction kernels: one loop per (dtype, op), instantiated from templates, over
+// __restrict pointers so that GCC vectorizes them. Compiled with -ffp-contract=off and
+// without -ffast-math (see reduce.h).
+#include "collectives/reduce.h"
+
+#include <cstdint>
+#include <type_traits>
+
+namespace lockstep::coll {
+namespace {
+
+// ---------------------------------------------------------------- element types
+// Storage is what the buffer holds; Compute is what the arithmetic runs in.
+
+template <typename T>
+struct Native {
+  using Storage = T;
+  using Compute = T;
+  static T load(T x) { return x; }
+  static T store(T x) { return x; }
+};
+
+struct Half {
+  using Storage = std::uint16_t;
+  using Compute = float;
+  static float load(std::uint16_t x) { return f16_to_f32(x); }
+  static std::uint16_t store(float x) { return f32_to_f16(x); }
+};
+
+struct BHalf {
+  using Storage = std::uint16_t;
+  using Compute = float;
+  static float load(std::uint16_t x) { return bf16_to_f32(x); }
+  static std::uint16_t store(float x) { return f32_to_bf16(x); }
+};
+
+// At least as wide as T and at least unsigned int, so that no operand is promoted to a
+// signed int (u16 * u16 could overflow int).
+template <typename T>
+using WideUnsigned =
+    std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
+
+// ---------------------------------------------------------------- ops
+
+struct OpSum {
+  template <typename T>
+  static T apply(T a, T b) {
+    if constexpr (std::is_integral_v<T>) {
+      using U = WideUnsigned<T>;
+      // Unsigned arithmetic wraps; the conversion back to T is modular (C++20).
+      return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
+    } else {
+      return a + b;
+    }
+  }
+};
+
+struct OpProd {
+  template <typename T>
+  static T apply(T a, T b) {
+    if constexpr (std::is_integral_v<T>) {
+      using U = WideUnsigned<T>;
+      return static_cast<T>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+    } else {
+      return a * b;
+    }
+  }
+};
+
+// Floating max/min: NaN in -> quiet NaN out (a + b of a NaN is a quiet NaN); numerically
+// equal operands are either the same value (either one will do) or zeros of different
+// signs, where a + b is +0 and -(-a + -b) is -0 unless both are -0 / +0.
+struct OpMax {
+  template <typename T>
+  static T apply(T a, T b) {
+    if constexpr (std::is_integral_v<T>) {
+      return a < b ? b : a;
+    } else {
+      const T eq = a == T(0) ? a + b : a;
+      const T ordered = a > b ? a : (b > a ? b : eq);
+      return (a != a || b != b) ? a + b : ordered;
+    }
+  }
+};
+
+struct OpMin {
+  template <typename T>
+  static T apply(T a, T b) {
+    if constexpr (std::is_integral_v<T>) {
+      return b < a ? b : a;
+    } else {
+      const T eq = a == T(0) ? -(-a + -b) : a;
+      const T ordered = a < b ? a : (b < a ? b : eq);
+      return (a != a || b != b) ? a + b : ordered;
+    }
+  }
+};
+
+// ---------------------------------------------------------------- loops
+
+template <typename E, typename Op>
+[[gnu::noinline]] void loop2(typename E::Storage* __restrict dst, const typename E::Storage* __restrict src,
+           std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    dst[i] = E::store(Op::apply(E::load(dst[i]), E::load(src[i])));
+  }
+}
+
+// dst[i] = src[i] OP dst[i]: the out == b case of reduce3, keeping the operand order.
+template <typename E, typename Op>
+[[gnu::noinline]] void loop2_swapped(typename E::Storage* __restrict dst, const typename E::Storage* __restrict src,
+                   std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    dst[i] = E::store(Op::apply(E::load(src[i]), E::load(dst[i])));
+  }
+}
+
+// dst[i] = dst[i] OP dst[i]: both operands are the same buffer (no __restrict).
+template <typename E, typename Op>
+[[gnu::noinline]] void loop_self(typename E::Storage* dst, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const typename E::Compute x = E::load(dst[i]);
+    dst[i] = E::store(Op::apply(x, x));
+  }
+}
+
+template <typename E, typename Op>
+[[gnu::noinline]] void loop3(typename E::Storage* __restrict out, const typename E::Storage* __restrict a,
+           const typename E::Storage* __restrict b, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    out[i] = E::store(Op::apply(E::load(a[i]), E::load(b[i])));
+  }
+}
+
+template <typename E>
+[[gnu::noinline]] void avg_loop(typename E::Storage* __restrict data, std::size_t n, std::uint32_t world_size) {
+  using C = typename E::Compute;
+  if constexpr (std::is_integral_v<C>) {
+    // The widest type of the same signedness: the division of the wrapped sum,
+    // truncated toward zero (C++ integer division), cannot overflow for a divisor >= 1.
+    using W = std::conditional_t<std::is_signed_v<C>, std::int64_t, std::uint64_t>;
+    const W w = static_cast<W>(world_size);
+    for (std::size_t i = 0; i < n; ++i) data[i] = static_cast<C>(static_cast<W>(data[i]) / w);
+  } else {
+    const C w = static_cast<C>(world_size);
+    for (std::size_t i = 0; i < n; ++i) data[i] = E::store(E::load(data[i]) / w);
+  }
+}
+
+// ---------------------------------------------------------------- dispatch
+// Calls f.template operator()<E>() with the element type of `dtype`; false if unknown.
+template <typename F>
+bool with_dtype(lockstep_dtype_t dtype, F&& f) {
+  switch (dtype) {
+    case LOCKSTEP_U8: f.template operator()<Native<std::uint8_t>>(); return true;
+    case LOCKSTEP_I8: f.template operator()<Native<std::int8_t>>(); return true;
+    case LOCKSTEP_U16: f.template operator()<Native<std::uint16_t>>(); return true;
+    case LOCKSTEP_I16: f.template operator()<Native<std::int16_t>>(); return true;
+    case LOCKSTEP_U32: f.template operator()<Native<std::uint32_t>>(); return true;
+    case LOCKSTEP_I32: f.template operator()<Native<std::int32_t>>(); return true;
+    case LOCKSTEP_U64: f.template operator()<Native<std::uint64_t>>(); return true;
+    case LOCKSTEP_I64: f.template operator()<Native<std::int64_t>>(); return true;
+    case LOCKSTEP_F16: f.template operator()<Half>(); return true;
+    case LOCKSTEP_BF16: f.template operator()<BHalf>(); return true;
+    case LOCKSTEP_F32: f.template operator()<Native<float>>(); return true;
+    case LOCKSTEP_F64: f.template operator()<Native<double>>(); return true;
+  }
+  return false;
+}
+
+template <typename F>
+bool with_op(lockstep_reduce_op_t op, F&& f) {
+  switch (op) {
+    case LOCKSTEP_SUM:
+    case LOCKSTEP_AVG: f.template operator()<OpSum>(); return true;
+    case LOCKSTEP_PROD: f.template operator()<OpProd>(); return true;
+    case LOCKSTEP_MAX: f.template operator()<OpMax>(); return true;
+    case LOCKSTEP_MIN: f.template operator()<OpMin>(); return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::size_t dtype_size(lockstep_dtype_t dtype) {
+  std::size_t size = 0;
+  with_dtype(dtype, [&]<typename E>() { size = sizeof(typename E::Storage); });
+  return size;
+}
+
+bool dtype_valid(int raw) { return raw >= LOCKSTEP_U8 && raw <= LOCKSTEP_F64; }
+
+bool op_valid(int raw) { return raw >= LOCKSTEP_SUM && raw <= LOCKSTEP_MIN; }
+
+bool is_float(lockstep_dtype_t dtype) {
+  return dtype == LOCKSTEP_F16 || dtype == LOCKSTEP_BF16 || dtype == LOCKSTEP_F32 ||
+         dtype == LOCKSTEP_F64;
+}
+
+void reduce(void* dst, const void* src, std::size_t count, lockstep_dtype_t dtype,
+            lockstep_reduce_op_t op) {
+  with_dtype(dtype, [&]<typename E>() {
+    using S = typename E::Storage;
+    with_op(op, [&]<typename Op>() {
+      if (dst == src) {
+        loop_self<E, Op>(static_cast<S*>(dst), count);
+      } else {
+        loop2<E, Op>(static_cast<S*>(dst), static_cast<const S*>(src), count);
+      }
+    });
+  });
+}
+
+void reduce3(void* out, const void* a, const void* b, std::size_t count, lockstep_dtype_t dtype,
+             lockstep_reduce_op_t op) {
+  with_dtype(dtype, [&]<typename E>() {
+    using S = typename E::Storage;
+    with_op(op, [&]<typename Op>() {
+      S* o = static_cast<S*>(out);
+      const S* pa = static_cast<const S*>(a);
+      const S* pb = static_cast<const S*>(b);
+      if (o == pa && o == pb) {
+        loop_self<E, Op>(o, count);
+      } else if (o == pa) {
+        loop2<E, Op>(o, pb, count);
+      } else if (o == pb) {
+        loop2_swapped<E, Op>(o, pa, count);
+      } else {
+        loop3<E, Op>(o, pa, pb, count);
+      }
+    });
+  });
+}
+
+void finalize(void* data, std::size_t count, lockstep_dtype_t dtype, lockstep_reduce_op_t op,
+              std::uint32_t world_size) {
+  if (op != LOCKSTEP_AVG || world_size == 0) return;
+  with_dtype(dtype, [&]<typename E>() {
+    avg_loop<E>(static_cast<typename E::Storage*>(data), count, world_size);
+  });
+}
+
+}  // namespace lockstep::coll

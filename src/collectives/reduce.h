@@ -1,0 +1,156 @@
+// Element-wise reduction kernels of the ring all-reduce, and the f16/bf16 conversions
+// they use. Pure functions: no IO, no threads, no allocation.
+//
+// Arithmetic (PRODUCT.md, binding semantics rule 8):
+//  - Integer sum and prod wrap around modulo 2^bits. The arithmetic is done in an
+//    unsigned type of at least the same width (at least `unsigned int`, so that u8/u16
+//    operands are not promoted to a signed int that could overflow), then truncated.
+//  - Integer max/min are the usual ones.
+//  - Floating-point max and min propagate NaN: if either operand is NaN the result is a
+//    quiet NaN. Otherwise they order -0.0 below +0.0 (IEEE 754-2019 maximum/minimum),
+//    so that max(-0, +0) = +0 and min(-0, +0) = -0 whatever the operand order.
+//  - f16 and bf16 operands are converted to f32 (exactly), the operation is done in
+//    f32, and the result is rounded to nearest-even when stored. Because f32 carries
+//    at least 2p+2 bits for both (p = 11 and 8), this double rounding is innocuous:
+//    sum, prod and the avg division come out correctly rounded in f16/bf16.
+//  - AVG: reduce() accumulates the sum exactly as SUM does; finalize() divides by the
+//    world size once all contributions are in.
+//
+// Buffers: pointers must be aligned to the element size (any element offset is fine);
+// buffers passed together are either the same pointer or do not overlap at all.
+// An unknown dtype or op makes every function here a no-op (callers validate raw values
+// from the API or the wire with dtype_valid()/op_valid() first).
+//
+// Determinism: results depend only on the operand bits. The kernels are compiled
+// without -ffast-math and with -ffp-contract=off (no fused multiply-add), with the
+// default rounding mode; the conversions below are pure bit manipulation plus exact or
+// correctly rounded IEEE operations, so every peer computes the same bits.
+#pragma once
+
+#include <lockstep/lockstep.h>
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+
+namespace lockstep::coll {
+
+// Size of one element in bytes; 0 for an unknown value.
+std::size_t dtype_size(lockstep_dtype_t dtype);
+// Whether a raw integer (from the C API or the wire) names a dtype / reduce op.
+bool dtype_valid(int raw);
+bool op_valid(int raw);
+// f16, bf16, f32, f64.
+bool is_float(lockstep_dtype_t dtype);
+
+// dst[i] = dst[i] OP src[i] for i < count. For AVG this accumulates the sum.
+void reduce(void* dst, const void* src, std::size_t count, lockstep_dtype_t dtype,
+            lockstep_reduce_op_t op);
+
+// out[i] = a[i] OP b[i] for i < count. `out` may be the same pointer as `a` or `b`.
+void reduce3(void* out, const void* a, const void* b, std::size_t count, lockstep_dtype_t dtype,
+             lockstep_reduce_op_t op);
+
+// After all contributions are summed. AVG divides every element by world_size:
+// integers as the wrapped sum read as the signed/unsigned type, divided, truncated
+// toward zero; f32/f64 divide in their own type; f16/bf16 divide in f32 and round to
+// nearest-even. Other ops, and world_size 0, leave the data unchanged.
+void finalize(void* data, std::size_t count, lockstep_dtype_t dtype, lockstep_reduce_op_t op,
+              std::uint32_t world_size);
+
+// ---------------------------------------------------------------- conversions
+// Bit-exact, table-free and branch-free (selects only), so that loops over them
+// vectorize. NaN stays NaN and comes out quiet (the quiet bit set, the upper payload
+// bits kept); infinities stay infinities; subnormals are handled exactly; overflow
+// rounds to infinity as IEEE round-to-nearest-even requires.
+
+// f16 -> f32, exact.
+inline float f16_to_f32(std::uint16_t h) noexcept {
+  const std::uint32_t sign = (static_cast<std::uint32_t>(h) & 0x8000u) << 16;
+  const std::uint32_t em = static_cast<std::uint32_t>(h) & 0x7fffu;
+  // Normal numbers: move the exponent and mantissa into place, rebias 15 -> 127.
+  const std::uint32_t normal = (em << 13) + 0x38000000u;
+  // Infinity and NaN: all-ones exponent; a NaN gets the quiet bit.
+  const std::uint32_t special = (em << 13) | 0x7f800000u | (em > 0x7c00u ? 0x00400000u : 0u);
+  // Zero and subnormals: em * 2^-24, exact in f32.
+  const std::uint32_t sub =
+      std::bit_cast<std::uint32_t>(static_cast<float>(static_cast<std::int32_t>(em)) * 0x1p-24f);
+  const std::uint32_t r = em >= 0x7c00u ? special : (em >= 0x0400u ? normal : sub);
+  return std::bit_cast<float>(r | sign);
+}
+
+// f32 -> f16, round to nearest-even.
+inline std::uint16_t f32_to_f16(float f) noexcept {
+  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  const std::uint32_t sign = (x >> 16) & 0x8000u;
+  const std::uint32_t a = x & 0x7fffffffu;
+  const std::uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu);
+  // |f| >= 2^-14: rebias 127 -> 15 and round the 23-bit mantissa to 10 bits; a carry
+  // out of the mantissa bumps the exponent, and out of the top exponent gives inf.
+  const std::uint32_t normal = (a - 0x38000000u + 0x0fffu + ((a >> 13) & 1u)) >> 13;
+  // |f| < 2^-14: adding 0.5 rounds to a multiple of 2^-24 (the f16 subnormal step) in
+  // the current (nearest-even) mode; the low bits are then the f16 subnormal encoding.
+  const std::uint32_t sub =
+      std::bit_cast<std::uint32_t>(std::bit_cast<float>(a) + 0.5f) - 0x3f000000u;
+  const std::uint32_t r =
+      a > 0x7f800000u ? nan : (a >= 0x47800000u ? 0x7c00u : (a >= 0x38800000u ? normal : sub));
+  return static_cast<std::uint16_t>(r | sign);
+}
+
+// bf16 -> f32, exact.
+inline float bf16_to_f32(std::uint16_t b) noexcept {
+  const std::uint32_t x = static_cast<std::uint32_t>(b) << 16;
+  const std::uint32_t quiet = (x & 0x7fffffffu) > 0x7f800000u ? 0x00400000u : 0u;
+  return std::bit_cast<float>(x | quiet);
+}
+
+// f32 -> bf16, round to nearest-even.
+inline std::uint16_t f32_to_bf16(float f) noexcept {
+  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  const std::uint32_t nan = (x >> 16) | 0x0040u;
+  return static_cast<std::uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+// f64 -> f16, round to nearest-even (one rounding, not via f32).
+inline std::uint16_t f64_to_f16(double d) noexcept {
+  const std::uint64_t x = std::bit_cast<std::uint64_t>(d);
+  const std::uint64_t sign = (x >> 48) & 0x8000u;
+  const std::uint64_t a = x & 0x7fffffffffffffffu;
+  const double mag = std::bit_cast<double>(a);
+  const std::uint64_t nan = 0x7e00u | ((a >> 42) & 0x3ffu);
+  // Rebias 1023 -> 15, round the 52-bit mantissa to 10 bits.
+  const std::uint64_t normal =
+      (a - (std::uint64_t{1008} << 52) + ((std::uint64_t{1} << 41) - 1) + ((a >> 42) & 1u)) >> 42;
+  // Below 2^-14: count multiples of 2^-24; adding 2^52 rounds that count to an integer
+  // (nearest-even) and leaves it in the low mantissa bits.
+  const std::uint64_t sub =
+      std::bit_cast<std::uint64_t>(mag * 0x1p24 + 0x1p52) -
+      std::bit_cast<std::uint64_t>(0x1p52);
+  // 65520 is the midpoint between the largest f16 (65504) and 2^16; it rounds to inf.
+  const std::uint64_t r =
+      mag != mag ? nan : (mag >= 65520.0 ? 0x7c00u : (mag >= 0x1p-14 ? normal : sub));
+  return static_cast<std::uint16_t>(r | sign);
+}
+
+// f64 -> bf16, round to nearest-even (one rounding, not via f32).
+inline std::uint16_t f64_to_bf16(double d) noexcept {
+  const std::uint64_t x = std::bit_cast<std::uint64_t>(d);
+  const std::uint64_t sign = (x >> 48) & 0x8000u;
+  const std::uint64_t a = x & 0x7fffffffffffffffu;
+  const double mag = std::bit_cast<double>(a);
+  const std::uint64_t nan = 0x7fc0u | ((a >> 45) & 0x7fu);
+  // Rebias 1023 -> 127, round the 52-bit mantissa to 7 bits.
+  const std::uint64_t normal =
+      (a - (std::uint64_t{896} << 52) + ((std::uint64_t{1} << 44) - 1) + ((a >> 45) & 1u)) >> 45;
+  // Below 2^-126: count multiples of 2^-133 (the bf16 subnormal step).
+  const std::uint64_t sub =
+      std::bit_cast<std::uint64_t>(mag * 0x1p133 + 0x1p52) -
+      std::bit_cast<std::uint64_t>(0x1p52);
+  // (2 - 2^-8) * 2^127 is the midpoint between the largest bf16 and 2^128: inf from there.
+  const std::uint64_t r =
+      mag != mag ? nan : (mag >= 0x1.ffp127 ? 0x7f80u : (mag >= 0x1p-126 ? normal : sub));
+  return static_cast<std::uint16_t>(r | sign);
+}
+
+}  // namespace lockstep::coll

@@ -1,0 +1,284 @@
+// Ring all-reduce driver: two cursors (send, receive) walk the same sequence of
+// sub-chunk items; a send item of step s may go once the receive of the same
+// sub-chunk at step s-1 is complete (it carries what was just reduced or received).
+#include "collectives/ring.h"
+
+#include "collectives/reduce.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+namespace lockstep::coll {
+namespace {
+
+class Layout {
+ public:
+  explicit Layout(const RingPlan& p)
+      : n_(p.world), i_(p.rank), count_(p.count), esize_(dtype_size(p.dtype)),
+        sub_elems_(std::max<std::size_t>(1, p.subchunk_bytes / std::max<std::size_t>(1, dtype_size(p.dtype)))) {
+    sub_offset_.resize(n_ + 1, 0);
+    for (std::size_t c = 0; c < n_; ++c) sub_offset_[c + 1] = sub_offset_[c] + nsub(c);
+  }
+  std::size_t steps() const { return 2 * (n_ - 1); }
+  std::size_t start(std::size_t c) const { return c * (count_ / n_) + std::min(c, count_ % n_); }
+  std::size_t len(std::size_t c) const { return start(c + 1) - start(c); }
+  std::size_t nsub(std::size_t c) const { return (len(c) + sub_elems_ - 1) / sub_elems_; }
+  std::size_t send_chunk(std::size_t s) const { return (i_ + 2 * n_ - s) % n_; }
+  std::size_t recv_chunk(std::size_t s) const { return (i_ + 2 * n_ - s - 1) % n_; }
+  // Element offset and length of sub-chunk j of chunk c.
+  std::size_t sub_start(std::size_t c, std::size_t j) const { return start(c) + j * sub_elems_; }
+  std::size_t sub_len(std::size_t c, std::size_t j) const { return std::min(sub_elems_, len(c) - j * sub_elems_); }
+  std::size_t sub_index(std::size_t c, std::size_t j) const { return sub_offset_[c] + j; }
+  std::size_t total_subs() const { return sub_offset_[n_]; }
+  std::size_t esize() const { return esize_; }
+  std::size_t n() const { return n_; }
+
+ private:
+  std::size_t n_, i_, count_, esize_, sub_elems_;
+  std::vector<std::size_t> sub_offset_;
+};
+
+// Position in the item sequence: step, sub-chunk, and bytes of the item done.
+struct Cursor {
+  std::size_t step = 0;
+  std::size_t sub = 0;
+  std::size_t item = 0;  // running item number (the frame's sequence number)
+  std::size_t bytes = 0;
+};
+
+std::uint8_t* bytes_of(void* p) { return static_cast<std::uint8_t*>(p); }
+const std::uint8_t* bytes_of(const void* p) { return static_cast<const std::uint8_t*>(p); }
+
+void put_header(std::uint8_t* h, std::uint32_t seq, std::uint64_t attempt) {
+  const std::uint32_t magic = kRingMagic;
+  std::memcpy(h, &magic, 4);
+  std::memcpy(h + 4, &seq, 4);
+  std::memcpy(h + 8, &attempt, 8);
+}
+
+class Runner {
+ public:
+  Runner(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats)
+      : p_(plan), io_(io), s_(scratch), stats_(stats), l_(plan) {}
+
+  Status run() {
+    prepare();
+    if (p_.world == 1) return single();
+    skip_empty(send_, true);
+    skip_empty(recv_, false);
+    while (send_.step < l_.steps() || recv_.step < l_.steps()) {
+      if (io_.abort_flag != nullptr && io_.abort_flag->load(std::memory_order_relaxed)) return aborted();
+      bool progress = false;
+      Status st = pump_send(&progress);
+      if (!st.is_ok()) return fail(st);
+      st = pump_recv(&progress);
+      if (!st.is_ok()) return fail(st);
+      if (progress) continue;
+      pollfd fds[3];
+      nfds_t nfds = 0;
+      if (send_ready()) fds[nfds++] = pollfd{io_.tx_fd, POLLOUT, 0};
+      if (recv_.step < l_.steps()) fds[nfds++] = pollfd{io_.rx_fd, POLLIN, 0};
+      fds[nfds++] = pollfd{io_.abort_fd, POLLIN, 0};
+      if (::poll(fds, nfds, -1) < 0 && errno != EINTR) return fail(Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll"));
+      if (fds[nfds - 1].revents != 0) return aborted();
+    }
+    return Status::ok();
+  }
+
+ private:
+  void prepare() {
+    const std::size_t total = p_.count * l_.esize();
+    if (s_.backup.size() < total) s_.backup.resize(total);
+    s_.touched.assign(l_.total_subs() + 1, 0);
+    const std::size_t staging = std::min(total, std::max<std::size_t>(p_.subchunk_bytes, l_.esize()));
+    if (s_.staging.size() < staging) s_.staging.resize(staging);
+  }
+
+  // Backs up destination elements [start, start+len) of sub-chunk g before the first write.
+  void touch(std::size_t g, std::size_t start, std::size_t len) {
+    if (s_.touched[g] != 0) return;
+    s_.touched[g] = 1;
+    std::memcpy(s_.backup.data() + start * l_.esize(), bytes_of(p_.dst) + start * l_.esize(), len * l_.esize());
+  }
+
+  Status single() {
+    if (p_.src != p_.dst) {
+      touch(0, 0, p_.count);
+      std::memcpy(p_.dst, p_.src, p_.count * l_.esize());
+    }
+    return Status::ok();  // a world of one: sum, max, ... and avg over one peer are the input
+  }
+
+  void skip_empty(Cursor& c, bool sending) {
+    while (c.step < l_.steps() && c.sub >= l_.nsub(sending ? l_.send_chunk(c.step) : l_.recv_chunk(c.step))) {
+      ++c.step;
+      c.sub = 0;
+    }
+  }
+
+  void advance(Cursor& c, bool sending) {
+    ++c.sub;
+    ++c.item;
+    c.bytes = 0;
+    skip_empty(c, sending);
+  }
+
+  bool send_ready() const {
+    if (send_.step >= l_.steps()) return false;
+    if (send_.step == 0) return true;
+    // The receive of this sub-chunk at the previous step must be complete.
+    return recv_.step > send_.step - 1 || (recv_.step == send_.step - 1 && recv_.sub > send_.sub);
+  }
+
+  Status pump_send(bool* progress) {
+    while (send_ready()) {
+      const std::size_t c = l_.send_chunk(send_.step);
+      const std::size_t start = l_.sub_start(c, send_.sub);
+      const std::size_t payload = l_.sub_len(c, send_.sub) * l_.esize();
+      if (send_.bytes == 0) put_header(send_header_, static_cast<std::uint32_t>(send_.item), p_.attempt);
+      // Step 0 sends this peer's own input; later steps send what was reduced or received.
+      const std::uint8_t* data = (send_.step == 0 ? bytes_of(p_.src) : bytes_of(p_.dst)) + start * l_.esize();
+      iovec iov[2];
+      int n = 0;
+      if (send_.bytes < kRingHeaderBytes) {
+        iov[n++] = iovec{send_header_ + send_.bytes, kRingHeaderBytes - send_.bytes};
+        iov[n++] = iovec{const_cast<std::uint8_t*>(data), payload};
+      } else {
+        const std::size_t off = send_.bytes - kRingHeaderBytes;
+        iov[n++] = iovec{const_cast<std::uint8_t*>(data) + off, payload - off};
+      }
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = static_cast<std::size_t>(n);
+      const ssize_t sent = ::sendmsg(io_.tx_fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (sent < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return Status::ok();
+        return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
+                      std::string("sending to the next ring peer: ") + std::strerror(errno));
+      }
+      *progress = true;
+      send_.bytes += static_cast<std::size_t>(sent);
+      if (stats_ != nullptr) stats_->bytes_sent += static_cast<std::uint64_t>(sent);
+      if (send_.bytes == kRingHeaderBytes + payload) advance(send_, true);
+    }
+    return Status::ok();
+  }
+
+  Status pump_recv(bool* progress) {
+    while (recv_.step < l_.steps()) {
+      const std::size_t c = l_.recv_chunk(recv_.step);
+      const std::size_t start = l_.sub_start(c, recv_.sub);
+      const std::size_t elems = l_.sub_len(c, recv_.sub);
+      const std::size_t payload = elems * l_.esize();
+      const bool reducing = recv_.step < l_.n() - 1;
+      const std::size_t g = l_.sub_index(c, recv_.sub);
+      // All-gather writes straight into the destination: back it up first.
+      if (!reducing && recv_.bytes == 0) touch(g, start, elems);
+      std::uint8_t* target = reducing ? s_.staging.data() : bytes_of(p_.dst) + start * l_.esize();
+      iovec iov[2];
+      int n = 0;
+      if (recv_.bytes < kRingHeaderBytes) {
+        iov[n++] = iovec{recv_header_ + recv_.bytes, kRingHeaderBytes - recv_.bytes};
+        // Read no further than the header until it is checked.
+      } else {
+        const std::size_t off = recv_.bytes - kRingHeaderBytes;
+        iov[n++] = iovec{target + off, payload - off};
+      }
+      const ssize_t got = ::readv(io_.rx_fd, iov, n);
+      if (got < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return Status::ok();
+        return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
+                      std::string("receiving from the previous ring peer: ") + std::strerror(errno));
+      }
+      if (got == 0) return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the previous ring peer closed the connection");
+      *progress = true;
+      const std::size_t before = recv_.bytes;
+      recv_.bytes += static_cast<std::size_t>(got);
+      if (stats_ != nullptr) stats_->bytes_received += static_cast<std::uint64_t>(got);
+      if (before < kRingHeaderBytes && recv_.bytes == kRingHeaderBytes) {
+        Status h = check_header();
+        if (!h.is_ok()) return h;
+      }
+      if (recv_.bytes == kRingHeaderBytes + payload) {
+        if (reducing) {
+          touch(g, start, elems);
+          std::uint8_t* dst = bytes_of(p_.dst) + start * l_.esize();
+          const std::uint8_t* src = bytes_of(p_.src) + start * l_.esize();
+          reduce3(dst, src, s_.staging.data(), elems, p_.dtype, p_.op);
+          // The last reduce-scatter step completes this peer's chunk: finish it here,
+          // once, so that the all-gather hands every peer the same bytes.
+          if (recv_.step == l_.n() - 2) finalize(dst, elems, p_.dtype, p_.op, static_cast<std::uint32_t>(p_.world));
+        }
+        advance(recv_, false);
+      }
+    }
+    return Status::ok();
+  }
+
+  Status check_header() const {
+    std::uint32_t magic = 0;
+    std::uint32_t seq = 0;
+    std::uint64_t attempt = 0;
+    std::memcpy(&magic, recv_header_, 4);
+    std::memcpy(&seq, recv_header_ + 4, 4);
+    std::memcpy(&attempt, recv_header_ + 8, 8);
+    if (magic != kRingMagic) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring frame with a bad magic number");
+    if (attempt != p_.attempt) {
+      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring frame of attempt " + std::to_string(attempt) +
+                                                        " during attempt " + std::to_string(p_.attempt));
+    }
+    if (seq != static_cast<std::uint32_t>(recv_.item)) {
+      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring frame out of sequence");
+    }
+    return Status::ok();
+  }
+
+  Status fail(Status st) {
+    restore(p_, s_);
+    return st;
+  }
+  Status aborted() { return fail(Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the attempt was aborted")); }
+
+  const RingPlan& p_;
+  const RingIo& io_;
+  RingScratch& s_;
+  RingStats* stats_;
+  Layout l_;
+  Cursor send_;
+  Cursor recv_;
+  std::uint8_t send_header_[kRingHeaderBytes] = {};
+  std::uint8_t recv_header_[kRingHeaderBytes] = {};
+};
+
+}  // namespace
+
+Status run_ring_all_reduce(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats) {
+  return Runner(plan, io, scratch, stats).run();
+}
+
+void restore(const RingPlan& plan, RingScratch& scratch) {
+  const Layout l(plan);
+  if (plan.world == 1) {
+    if (!scratch.touched.empty() && scratch.touched[0] != 0) std::memcpy(plan.dst, scratch.backup.data(), plan.count * l.esize());
+    scratch.touched.assign(scratch.touched.size(), 0);
+    return;
+  }
+  for (std::size_t c = 0; c < plan.world; ++c) {
+    for (std::size_t j = 0; j < l.nsub(c); ++j) {
+      const std::size_t g = l.sub_index(c, j);
+      if (g >= scratch.touched.size() || scratch.touched[g] == 0) continue;
+      const std::size_t off = l.sub_start(c, j) * l.esize();
+      std::memcpy(bytes_of(plan.dst) + off, scratch.backup.data() + off, l.sub_len(c, j) * l.esize());
+      scratch.touched[g] = 0;
+    }
+  }
+}
+
+}  // namespace lockstep::coll

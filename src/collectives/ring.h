@@ -1,0 +1,67 @@
+// The pipelined ring all-reduce of one attempt, over one connection to the next peer
+// (tx) and one from the previous peer (rx). The buffer is split into one chunk per
+// peer; in 2(n-1) steps each peer sends chunk (rank - s) mod n and receives chunk
+// (rank - s - 1) mod n: the first n-1 steps reduce (reduce-scatter), the rest copy
+// (all-gather). Chunks move in sub-chunks, each with a 16-byte header naming the
+// attempt and a sequence number, so sending, receiving and reducing overlap and a
+// byte of another attempt is never taken for this one (semantics rule 3).
+//
+// The destination is backed up, sub-chunk by sub-chunk, right before its first
+// write; restore() puts it back exactly when the master declares the attempt failed.
+// One thread drives both directions with non-blocking sockets; poll() also watches
+// an abort descriptor, so aborting costs the data path nothing.
+#pragma once
+
+#include "common/status.h"
+
+#include <lockstep/lockstep.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace lockstep::coll {
+
+struct RingPlan {
+  std::size_t world = 1;
+  std::size_t rank = 0;
+  const void* src = nullptr;  // may equal dst (in place)
+  void* dst = nullptr;
+  std::size_t count = 0;
+  lockstep_dtype_t dtype = LOCKSTEP_F32;
+  lockstep_reduce_op_t op = LOCKSTEP_SUM;
+  std::uint64_t attempt = 0;
+  std::size_t subchunk_bytes = 256 * 1024;
+};
+
+struct RingIo {
+  int tx_fd = -1;     // to the next peer (non-blocking)
+  int rx_fd = -1;     // from the previous peer (non-blocking)
+  int abort_fd = -1;  // readable when the attempt must stop
+  const std::atomic<bool>* abort_flag = nullptr;  // checked between sub-chunks
+};
+
+struct RingStats {
+  std::uint64_t bytes_sent = 0;
+  std::uint64_t bytes_received = 0;
+};
+
+// Reused across attempts so that the steady state allocates nothing.
+struct RingScratch {
+  std::vector<std::uint8_t> backup;   // the destination's previous content
+  std::vector<std::uint8_t> staging;  // one received sub-chunk before it is reduced
+  std::vector<std::uint8_t> touched;  // per sub-chunk of the destination: backed up
+};
+
+inline constexpr std::size_t kRingHeaderBytes = 16;
+inline constexpr std::uint32_t kRingMagic = 0x4452414c;  // "LARD"
+
+// Runs the attempt. On failure (a socket error, a bad header, an abort) the
+// destination is restored before returning. On success the backup is kept in
+// scratch until the caller knows the outcome.
+Status run_ring_all_reduce(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats);
+// Puts back every part of the destination written by the last run with this scratch.
+void restore(const RingPlan& plan, RingScratch& scratch);
+
+}  // namespace lockstep::coll

@@ -1,0 +1,315 @@
+// Ring all-reduce correctness in one process: an embedded master and N peer threads.
+// Every op x dtype, counts 1, world-1, odd and large, in place and out of place,
+// against a reference computed independently in wide arithmetic; results must be
+// bit-identical on every peer. LOCKSTEP_FULL_MATRIX=1 adds 8 peers and larger sizes.
+#include "cluster.h"
+
+#include "collectives/reduce.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string>
+
+namespace lockstep::testing {
+namespace {
+
+const lockstep_dtype_t kDtypes[] = {LOCKSTEP_U8,  LOCKSTEP_I8,  LOCKSTEP_U16,  LOCKSTEP_I16,
+                                    LOCKSTEP_U32, LOCKSTEP_I32, LOCKSTEP_U64,  LOCKSTEP_I64,
+                                    LOCKSTEP_F16, LOCKSTEP_BF16, LOCKSTEP_F32, LOCKSTEP_F64};
+const lockstep_reduce_op_t kOps[] = {LOCKSTEP_SUM, LOCKSTEP_AVG, LOCKSTEP_PROD, LOCKSTEP_MAX, LOCKSTEP_MIN};
+
+bool full_matrix() {
+  const char* env = std::getenv("LOCKSTEP_FULL_MATRIX");
+  return env != nullptr && std::string(env) == "1";
+}
+
+bool is_signed(lockstep_dtype_t t) { return t == LOCKSTEP_I8 || t == LOCKSTEP_I16 || t == LOCKSTEP_I32 || t == LOCKSTEP_I64; }
+bool is_float(lockstep_dtype_t t) { return coll::is_float(t); }
+
+// Element value of peer p at index i, as a double that the dtype represents exactly
+// (floats near 1 so that products stay finite; integers anywhere in range).
+double input_value(lockstep_dtype_t t, std::size_t p, std::size_t i) {
+  const std::uint64_t h = (p + 1) * 0x9E3779B97F4A7C15ull ^ (i * 0xBF58476D1CE4E5B9ull);
+  const std::uint64_t mixed = (h ^ (h >> 29)) * 0x94D049BB133111EBull;
+  if (is_float(t)) return 0.5 + static_cast<double>(mixed % 64) / 64.0;  // 0.5 .. 1.484, exact in bf16
+  return static_cast<double>(mixed % 200) - (is_signed(t) ? 100.0 : 0.0);
+}
+
+void store(void* buf, lockstep_dtype_t t, std::size_t i, double v) {
+  switch (t) {
+    case LOCKSTEP_U8: static_cast<std::uint8_t*>(buf)[i] = static_cast<std::uint8_t>(v); break;
+    case LOCKSTEP_I8: static_cast<std::int8_t*>(buf)[i] = static_cast<std::int8_t>(v); break;
+    case LOCKSTEP_U16: static_cast<std::uint16_t*>(buf)[i] = static_cast<std::uint16_t>(v); break;
+    case LOCKSTEP_I16: static_cast<std::int16_t*>(buf)[i] = static_cast<std::int16_t>(v); break;
+    case LOCKSTEP_U32: static_cast<std::uint32_t*>(buf)[i] = static_cast<std::uint32_t>(v); break;
+    case LOCKSTEP_I32: static_cast<std::int32_t*>(buf)[i] = static_cast<std::int32_t>(v); break;
+    case LOCKSTEP_U64: static_cast<std::uint64_t*>(buf)[i] = static_cast<std::uint64_t>(v); break;
+    case LOCKSTEP_I64: static_cast<std::int64_t*>(buf)[i] = static_cast<std::int64_t>(v); break;
+    case LOCKSTEP_F16: static_cast<std::uint16_t*>(buf)[i] = coll::f64_to_f16(v); break;
+    case LOCKSTEP_BF16: static_cast<std::uint16_t*>(buf)[i] = coll::f64_to_bf16(v); break;
+    case LOCKSTEP_F32: static_cast<float*>(buf)[i] = static_cast<float>(v); break;
+    case LOCKSTEP_F64: static_cast<double*>(buf)[i] = v; break;
+  }
+}
+
+double load_float(const void* buf, lockstep_dtype_t t, std::size_t i) {
+  switch (t) {
+    case LOCKSTEP_F16: return coll::f16_to_f32(static_cast<const std::uint16_t*>(buf)[i]);
+    case LOCKSTEP_BF16: return coll::bf16_to_f32(static_cast<const std::uint16_t*>(buf)[i]);
+    case LOCKSTEP_F32: return static_cast<const float*>(buf)[i];
+    default: return static_cast<const double*>(buf)[i];
+  }
+}
+
+std::uint64_t load_bits(const void* buf, lockstep_dtype_t t, std::size_t i) {
+  std::uint64_t out = 0;
+  std::memcpy(&out, static_cast<const std::uint8_t*>(buf) + i * coll::dtype_size(t), coll::dtype_size(t));
+  return out;
+}
+
+// The reference for integers: wrapped arithmetic in 64 bits, truncated to the width;
+// avg divides the wrapped sum (as the signed or unsigned type) truncating toward zero.
+std::uint64_t int_reference(lockstep_dtype_t t, lockstep_reduce_op_t op, std::size_t world, std::size_t i) {
+  const unsigned bits = static_cast<unsigned>(coll::dtype_size(t) * 8);
+  const std::uint64_t mask = bits == 64 ? ~0ull : ((1ull << bits) - 1);
+  auto as_signed = [&](std::uint64_t v) -> std::int64_t {
+    if (bits == 64) return static_cast<std::int64_t>(v);
+    const std::uint64_t sign = 1ull << (bits - 1);
+    return static_cast<std::int64_t>((v ^ sign) - sign);
+  };
+  std::uint64_t acc = 0;
+  std::int64_t best = 0;
+  for (std::size_t p = 0; p < world; ++p) {
+    const double v = input_value(t, p, i);
+    const auto bitsv = static_cast<std::uint64_t>(static_cast<std::int64_t>(v)) & mask;
+    if (p == 0) {
+      acc = bitsv;
+      best = static_cast<std::int64_t>(v);
+      continue;
+    }
+    switch (op) {
+      case LOCKSTEP_SUM:
+      case LOCKSTEP_AVG: acc = (acc + bitsv) & mask; break;
+      case LOCKSTEP_PROD: acc = (acc * bitsv) & mask; break;
+      case LOCKSTEP_MAX: best = std::max(best, static_cast<std::int64_t>(v)); break;
+      case LOCKSTEP_MIN: best = std::min(best, static_cast<std::int64_t>(v)); break;
+    }
+  }
+  if (op == LOCKSTEP_MAX || op == LOCKSTEP_MIN) return static_cast<std::uint64_t>(best) & mask;
+  if (op == LOCKSTEP_AVG) {
+    if (is_signed(t)) return static_cast<std::uint64_t>(as_signed(acc) / static_cast<std::int64_t>(world)) & mask;
+    return (acc / world) & mask;
+  }
+  return acc;
+}
+
+double float_reference(lockstep_dtype_t t, lockstep_reduce_op_t op, std::size_t world, std::size_t i) {
+  double acc = input_value(t, 0, i);
+  for (std::size_t p = 1; p < world; ++p) {
+    const double v = input_value(t, p, i);
+    switch (op) {
+      case LOCKSTEP_SUM:
+      case LOCKSTEP_AVG: acc += v; break;
+      case LOCKSTEP_PROD: acc *= v; break;
+      case LOCKSTEP_MAX: acc = std::max(acc, v); break;
+      case LOCKSTEP_MIN: acc = std::min(acc, v); break;
+    }
+  }
+  return op == LOCKSTEP_AVG ? acc / static_cast<double>(world) : acc;
+}
+
+double tolerance(lockstep_dtype_t t, std::size_t world) {
+  const double steps = static_cast<double>(world);
+  switch (t) {
+    case LOCKSTEP_F16: return 1e-3 * steps;
+    case LOCKSTEP_BF16: return 8e-3 * steps;
+    case LOCKSTEP_F32: return 1e-6 * steps;
+    default: return 1e-14 * steps;
+  }
+}
+
+struct Case {
+  lockstep_dtype_t dtype;
+  lockstep_reduce_op_t op;
+  std::size_t count;
+  bool in_place;
+};
+
+// Every thread runs the same cases in the same order; results are compared across
+// peers through a shared table of checksums.
+void run_matrix(std::size_t world, const std::vector<std::size_t>& counts) {
+  std::vector<Case> cases;
+  for (auto t : kDtypes) {
+    for (auto op : kOps) {
+      for (auto count : counts) {
+        cases.push_back({t, op, count, true});
+        cases.push_back({t, op, count, false});
+      }
+    }
+  }
+  std::mutex mutex;
+  std::vector<std::vector<std::uint8_t>> first_result(cases.size());
+  Cluster cluster;
+  cluster.run(world, [&](peer::Communicator& comm, std::size_t) {
+    auto rank = comm.rank();
+    ASSERT_TRUE(rank.is_ok());
+    const std::size_t me = rank.value();
+    for (std::size_t k = 0; k < cases.size(); ++k) {
+      const Case& c = cases[k];
+      const std::size_t esize = coll::dtype_size(c.dtype);
+      std::vector<std::uint8_t> src(c.count * esize);
+      for (std::size_t i = 0; i < c.count; ++i) store(src.data(), c.dtype, i, input_value(c.dtype, me, i));
+      std::vector<std::uint8_t> dst(c.in_place ? 0 : c.count * esize, 0x5a);
+      std::vector<std::uint8_t>& out = c.in_place ? src : dst;
+      peer::ReduceDescriptor d;
+      d.src = src.data();
+      d.dst = out.data();
+      d.count = c.count;
+      d.dtype = c.dtype;
+      d.op = c.op;
+      d.tag = k;
+      auto r = comm.all_reduce(d);
+      ASSERT_TRUE(r.is_ok()) << "case " << k << ": " << r.status().to_string();
+      EXPECT_EQ(r.value().world_size, world);
+      if (!c.in_place) {
+        // The input is untouched.
+        for (std::size_t i = 0; i < c.count; ++i) {
+          std::vector<std::uint8_t> expect(esize);
+          store(expect.data(), c.dtype, 0, input_value(c.dtype, me, i));
+          ASSERT_EQ(std::memcmp(expect.data(), src.data() + i * esize, esize), 0) << "input modified";
+        }
+      }
+      for (std::size_t i = 0; i < c.count; ++i) {
+        if (is_float(c.dtype)) {
+          const double got = load_float(out.data(), c.dtype, i);
+          const double want = float_reference(c.dtype, c.op, world, i);
+          ASSERT_NEAR(got, want, tolerance(c.dtype, world) * std::max(1.0, std::fabs(want)))
+              << "case " << k << " dtype " << c.dtype << " op " << c.op << " count " << c.count << " i " << i;
+        } else {
+          ASSERT_EQ(load_bits(out.data(), c.dtype, i), int_reference(c.dtype, c.op, world, i))
+              << "case " << k << " dtype " << c.dtype << " op " << c.op << " count " << c.count << " i " << i;
+        }
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      if (first_result[k].empty()) {
+        first_result[k] = out;
+      } else {
+        ASSERT_EQ(first_result[k], out) << "case " << k << ": results differ between peers";
+      }
+    }
+  });
+}
+
+TEST(AllReduce, EveryOpAndDtypeTwoPeers) { run_matrix(2, {1, 3, 1001, 100'003}); }
+TEST(AllReduce, EveryOpAndDtypeThreePeers) { run_matrix(3, {1, 2, 1001, 100'003}); }
+TEST(AllReduce, EveryOpAndDtypeFourPeers) { run_matrix(4, {1, 3, 1001, 100'003}); }
+TEST(AllReduce, EveryOpAndDtypeEightPeers) {
+  if (!full_matrix()) GTEST_SKIP() << "set LOCKSTEP_FULL_MATRIX=1 for 8 peers";
+  run_matrix(8, {1, 7, 1001, 3'000'001});
+}
+
+TEST(AllReduce, LargeBufferFourPeersIsBitIdentical) {
+  const std::size_t count = (full_matrix() ? 64u : 8u) << 20;  // f32 elements: 32 or 256 MiB
+  std::mutex mutex;
+  std::vector<float> reference;
+  Cluster cluster;
+  cluster.run(4, [&](peer::Communicator& comm, std::size_t index) {
+    std::vector<float> data(count);
+    for (std::size_t i = 0; i < count; ++i) data[i] = static_cast<float>((i * 7 + index * 13) % 1000) * 0.25f;
+    peer::ReduceDescriptor d{data.data(), data.data(), count, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, 1};
+    auto r = comm.all_reduce(d);
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    // Sums of quarters below 2^24 are exact in f32 whatever the order.
+    for (std::size_t i = 0; i < count; i += 4099) {
+      float want = 0;
+      for (std::size_t p = 0; p < 4; ++p) want += static_cast<float>((i * 7 + p * 13) % 1000) * 0.25f;
+      ASSERT_EQ(data[i], want) << i;
+    }
+    EXPECT_GT(r.value().bytes_sent, count * 4 * 3 / 2);  // 2(n-1)/n of the buffer
+    std::lock_guard<std::mutex> lock(mutex);
+    if (reference.empty()) {
+      reference = data;
+    } else {
+      ASSERT_TRUE(reference == data) << "peers disagree";
+    }
+  });
+}
+
+TEST(AllReduce, InvalidArgumentsGiveSpecificErrors) {
+  Cluster cluster;
+  cluster.run(2, [&](peer::Communicator& comm, std::size_t index) {
+    float x[4] = {1, 2, 3, 4};
+    peer::ReduceDescriptor d{x, x, 4, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, 7};
+    auto bad = d;
+    bad.src = nullptr;
+    EXPECT_EQ(comm.all_reduce(bad).status().code(), LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    bad = d;
+    bad.count = 0;
+    EXPECT_EQ(comm.all_reduce(bad).status().code(), LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    bad = d;
+    bad.dtype = static_cast<lockstep_dtype_t>(15);  // in the enum's range, not a dtype
+    EXPECT_EQ(comm.all_reduce(bad).status().code(), LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    bad = d;
+    bad.op = static_cast<lockstep_reduce_op_t>(7);  // in the enum's range, not an op
+    EXPECT_EQ(comm.all_reduce(bad).status().code(), LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    // A tag still in flight cannot be started again.
+    auto first = comm.all_reduce_async(d);
+    ASSERT_TRUE(first.is_ok());
+    EXPECT_EQ(comm.all_reduce_async(d).status().code(), LOCKSTEP_STATUS_INVALID_USAGE);
+    // The topology cannot change under a collective in flight.
+    EXPECT_EQ(comm.update_topology().code(), LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS);
+    auto done = comm.await(first.value());
+    ASSERT_TRUE(done.is_ok()) << done.status().to_string();
+    EXPECT_EQ(x[0], 2.0f);
+    // Descriptors that differ between peers fail on every peer.
+    auto mismatch = d;
+    mismatch.tag = 8;
+    mismatch.count = index == 0 ? 4 : 3;
+    EXPECT_EQ(comm.all_reduce(mismatch).status().code(), LOCKSTEP_STATUS_OPERATION_MISMATCH);
+  });
+  // Before accepted.
+  peer::Options options;
+  options.master_port = cluster.port();
+  options.base_port = 0;
+  auto comm = peer::Communicator::create(options);
+  ASSERT_TRUE(comm.is_ok());
+  float y = 1;
+  peer::ReduceDescriptor d{&y, &y, 1, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, 1};
+  EXPECT_EQ(comm.value()->all_reduce(d).status().code(), LOCKSTEP_STATUS_NOT_INITIALIZED);
+}
+
+TEST(AllReduce, ManyConcurrentOverAPool) {
+  constexpr std::size_t kOpsInFlight = 32;
+  constexpr std::size_t kCount = 50'000;
+  Cluster cluster;
+  cluster.run(
+      3,
+      [&](peer::Communicator& comm, std::size_t index) {
+        std::vector<std::vector<std::int32_t>> buffers(kOpsInFlight, std::vector<std::int32_t>(kCount));
+        std::vector<std::shared_ptr<peer::AsyncReduce>> handles;
+        for (std::size_t k = 0; k < kOpsInFlight; ++k) {
+          for (std::size_t i = 0; i < kCount; ++i) buffers[k][i] = static_cast<std::int32_t>(k * 1000 + index + i);
+          peer::ReduceDescriptor d{buffers[k].data(), buffers[k].data(), kCount, LOCKSTEP_I32, LOCKSTEP_SUM,
+                                   LOCKSTEP_QUANT_NONE, 100 + k};
+          auto h = comm.all_reduce_async(d);
+          ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+          handles.push_back(h.value());
+        }
+        for (std::size_t k = 0; k < kOpsInFlight; ++k) {
+          auto r = comm.await(handles[k]);
+          ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+          for (std::size_t i = 0; i < kCount; i += 997) {
+            ASSERT_EQ(buffers[k][i], static_cast<std::int32_t>(3 * (k * 1000 + i) + 0 + 1 + 2));
+          }
+        }
+      },
+      /*pool_size=*/8);
+}
+
+}  // namespace
+}  // namespace lockstep::testing
