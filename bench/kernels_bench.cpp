@@ -66,7 +66,8 @@ void BM_Memcpy(benchmark::State& state) {
     benchmark::DoNotOptimize(dst.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(kBytes));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(kBytes));
 }
 
 template <lockstep_dtype_t D, lockstep_reduce_op_t Op>
@@ -79,7 +80,8 @@ void BM_Reduce(benchmark::State& state) {
     benchmark::DoNotOptimize(dst.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(kBytes));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(kBytes));
 }
 
 template <lockstep_dtype_t D, lockstep_quantization_t Q>
@@ -92,7 +94,8 @@ void BM_Quantize(benchmark::State& state) {
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(kBytes));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(kBytes));
 }
 
 template <lockstep_dtype_t D, lockstep_quantization_t Q>
@@ -107,7 +110,8 @@ void BM_Dequantize(benchmark::State& state) {
     benchmark::DoNotOptimize(dst.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(kBytes));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(kBytes));
 }
 
 template <lockstep_dtype_t D, lockstep_quantization_t Q>
@@ -122,7 +126,8 @@ void BM_DequantizeReduce(benchmark::State& state) {
     benchmark::DoNotOptimize(dst.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(kBytes));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
+                          static_cast<std::int64_t>(kBytes));
 }
 
 BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime();
@@ -133,11 +138,21 @@ BENCHMARK(BM_Reduce<LOCKSTEP_F16, LOCKSTEP_SUM>)->Unit(benchmark::kMillisecond)-
 BENCHMARK(BM_Reduce<LOCKSTEP_BF16, LOCKSTEP_SUM>)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Reduce<LOCKSTEP_F32, LOCKSTEP_MAX>)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Reduce<LOCKSTEP_I64, LOCKSTEP_PROD>)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Quantize<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Quantize<LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U8>)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Dequantize<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Dequantize<LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U8>)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_DequantizeReduce<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Quantize<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Quantize<LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U8>)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Dequantize<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Dequantize<LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U8>)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_DequantizeReduce<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 }  // namespace
 

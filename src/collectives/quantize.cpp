@@ -95,7 +95,8 @@ struct Range {
 };
 
 template <typename E>
-[[gnu::noinline]] Range scan(const typename E::Storage* __restrict src, std::size_t n) {
+[[LOCKSTEP_KERNEL_CLONES gnu::noinline]] Range scan(const typename E::Storage* __restrict src,
+                                                    std::size_t n) {
   using C = typename E::Compute;
   using Bits = std::conditional_t<sizeof(C) == 4, std::uint32_t, std::uint64_t>;
   constexpr Bits kAbs = std::numeric_limits<Bits>::max() >> 1;
@@ -147,9 +148,9 @@ template <typename E>
 // by its reciprocal (for a subnormal f64 scale, whose reciprocal overflows).
 
 template <typename E, bool kDivide>
-[[gnu::noinline]] void encode(const typename E::Storage* __restrict src, std::size_t n,
-                              std::uint8_t* __restrict out, double off, double mul_or_scale,
-                              double add) {
+[[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void encode(const typename E::Storage* __restrict src,
+                                                     std::size_t n, std::uint8_t* __restrict out,
+                                                     double off, double mul_or_scale, double add) {
   for (std::size_t i = 0; i < n; ++i) {
     const double x = static_cast<double>(E::load(src[i])) - off;
     double v = (kDivide ? x / mul_or_scale : x * mul_or_scale) + add;
@@ -213,18 +214,19 @@ void quantize_chunk(const typename E::Storage* src, std::size_t n, lockstep_quan
 // ---------------------------------------------------------------- decode
 
 template <typename E>
-[[gnu::noinline]] void decode_minmax(const std::uint8_t* __restrict codes, std::size_t n,
-                                     typename E::Storage* __restrict dst, double min,
-                                     double scale) {
+[[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void decode_minmax(const std::uint8_t* __restrict codes,
+                                                            std::size_t n,
+                                                            typename E::Storage* __restrict dst,
+                                                            double min, double scale) {
   for (std::size_t i = 0; i < n; ++i) {
     dst[i] = E::from_double(min + static_cast<double>(codes[i]) * scale);
   }
 }
 
 template <typename E>
-[[gnu::noinline]] void decode_zero_point(const std::uint8_t* __restrict codes, std::size_t n,
-                                         typename E::Storage* __restrict dst, double scale,
-                                         double zero_point) {
+[[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void decode_zero_point(
+    const std::uint8_t* __restrict codes, std::size_t n, typename E::Storage* __restrict dst,
+    double scale, double zero_point) {
   for (std::size_t i = 0; i < n; ++i) {
     dst[i] = E::from_double((static_cast<double>(codes[i]) - zero_point) * scale);
   }
@@ -285,9 +287,8 @@ void dequantize(const std::uint8_t* in, std::size_t count, lockstep_dtype_t dtyp
   });
 }
 
-void dequantize_reduce(void* dst, const std::uint8_t* in, std::size_t count,
-                       lockstep_dtype_t dtype, lockstep_quantization_t quant,
-                       lockstep_reduce_op_t op) {
+void dequantize_reduce(void* dst, const std::uint8_t* in, std::size_t count, lockstep_dtype_t dtype,
+                       lockstep_quantization_t quant, lockstep_reduce_op_t op) {
   if (!quant_valid(quant) || !op_valid(op)) return;
   const QuantParams p = read_quant_params(in);
   with_qdtype(dtype, [&]<typename E>() {

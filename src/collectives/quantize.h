@@ -85,9 +85,8 @@ void dequantize(const std::uint8_t* in, std::size_t count, lockstep_dtype_t dtyp
 
 // Fused: dst[i] = dst[i] OP dequantized(in)[i], bit-identical to dequantize() into a
 // temporary followed by reduce() (see reduce.h). `dst` must not overlap `in`.
-void dequantize_reduce(void* dst, const std::uint8_t* in, std::size_t count,
-                       lockstep_dtype_t dtype, lockstep_quantization_t quant,
-                       lockstep_reduce_op_t op);
+void dequantize_reduce(void* dst, const std::uint8_t* in, std::size_t count, lockstep_dtype_t dtype,
+                       lockstep_quantization_t quant, lockstep_reduce_op_t op);
 
 // The parameters stored in an encoded chunk's header (kQuantHeaderBytes readable).
 QuantParams read_quant_params(const std::uint8_t* in);

@@ -99,8 +99,9 @@ struct OpMin {
 // ---------------------------------------------------------------- loops
 
 template <typename E, typename Op>
-[[gnu::noinline]] void loop2(typename E::Storage* __restrict dst, const typename E::Storage* __restrict src,
-           std::size_t n) {
+[[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void loop2(typename E::Storage* __restrict dst,
+                                                    const typename E::Storage* __restrict src,
+                                                    std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) {
     dst[i] = E::store(Op::apply(E::load(dst[i]), E::load(src[i])));
   }
@@ -108,8 +109,8 @@ template <typename E, typename Op>
 
 // dst[i] = src[i] OP dst[i]: the out == b case of reduce3, keeping the operand order.
 template <typename E, typename Op>
-[[gnu::noinline]] void loop2_swapped(typename E::Storage* __restrict dst, const typename E::Storage* __restrict src,
-                   std::size_t n) {
+[[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void loop2_swapped(
+    typename E::Storage* __restrict dst, const typename E::Storage* __restrict src, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) {
     dst[i] = E::store(Op::apply(E::load(src[i]), E::load(dst[i])));
   }
@@ -117,7 +118,7 @@ template <typename E, typename Op>
 
 // dst[i] = dst[i] OP dst[i]: both operands are the same buffer (no __restrict).
 template <typename E, typename Op>
-[[gnu::noinline]] void loop_self(typename E::Storage* dst, std::size_t n) {
+[[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void loop_self(typename E::Storage* dst, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) {
     const typename E::Compute x = E::load(dst[i]);
     dst[i] = E::store(Op::apply(x, x));
@@ -125,15 +126,18 @@ template <typename E, typename Op>
 }
 
 template <typename E, typename Op>
-[[gnu::noinline]] void loop3(typename E::Storage* __restrict out, const typename E::Storage* __restrict a,
-           const typename E::Storage* __restrict b, std::size_t n) {
+[[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void loop3(typename E::Storage* __restrict out,
+                                                    const typename E::Storage* __restrict a,
+                                                    const typename E::Storage* __restrict b,
+                                                    std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) {
     out[i] = E::store(Op::apply(E::load(a[i]), E::load(b[i])));
   }
 }
 
 template <typename E>
-[[gnu::noinline]] void avg_loop(typename E::Storage* __restrict data, std::size_t n, std::uint32_t world_size) {
+[[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void avg_loop(typename E::Storage* __restrict data,
+                                                       std::size_t n, std::uint32_t world_size) {
   using C = typename E::Compute;
   if constexpr (std::is_integral_v<C>) {
     // The widest type of the same signedness: the division of the wrapped sum,

@@ -33,6 +33,18 @@
 #include <cstddef>
 #include <cstdint>
 
+// The kernel loops are compiled twice on x86-64 Linux with GCC, for AVX2 and for the
+// baseline, and the dynamic loader picks one per process (ifunc). Both give the same
+// bits: the operations are element-wise IEEE operations and integer ops, and AVX2
+// brings no fused multiply-add. Define LOCKSTEP_NO_KERNEL_CLONES to build only the
+// baseline (to test that path on an AVX2 machine).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(LOCKSTEP_NO_KERNEL_CLONES)
+#define LOCKSTEP_KERNEL_CLONES gnu::target_clones("avx2", "default"),
+#else
+#define LOCKSTEP_KERNEL_CLONES
+#endif
+
 namespace lockstep::coll {
 
 // Size of one element in bytes; 0 for an unknown value.
@@ -66,17 +78,17 @@ void finalize(void* data, std::size_t count, lockstep_dtype_t dtype, lockstep_re
 
 // f16 -> f32, exact.
 inline float f16_to_f32(std::uint16_t h) noexcept {
-  const std::uint32_t sign = (static_cast<std::uint32_t>(h) & 0x8000u) << 16;
-  const std::uint32_t em = static_cast<std::uint32_t>(h) & 0x7fffu;
-  // Normal numbers: move the exponent and mantissa into place, rebias 15 -> 127.
-  const std::uint32_t normal = (em << 13) + 0x38000000u;
-  // Infinity and NaN: all-ones exponent; a NaN gets the quiet bit.
-  const std::uint32_t special = (em << 13) | 0x7f800000u | (em > 0x7c00u ? 0x00400000u : 0u);
+  const std::int32_t hs = static_cast<std::int16_t>(h);
+  const std::uint32_t sign = static_cast<std::uint32_t>(hs) & 0x80000000u;
+  const std::int32_t em = hs & 0x7fff;
+  // Normal numbers: exponent and mantissa into place, exponent rebiased 15 -> 127
+  // (+112); infinity and NaN: all-ones exponent (+224); a NaN gets the quiet bit.
+  const std::uint32_t normal =
+      ((static_cast<std::uint32_t>(em) << 13) + (em >= 0x7c00 ? 0x70000000u : 0x38000000u)) |
+      (em > 0x7c00 ? 0x00400000u : 0u);
   // Zero and subnormals: em * 2^-24, exact in f32.
-  const std::uint32_t sub =
-      std::bit_cast<std::uint32_t>(static_cast<float>(static_cast<std::int32_t>(em)) * 0x1p-24f);
-  const std::uint32_t r = em >= 0x7c00u ? special : (em >= 0x0400u ? normal : sub);
-  return std::bit_cast<float>(r | sign);
+  const std::uint32_t sub = std::bit_cast<std::uint32_t>(static_cast<float>(em) * 0x1p-24f);
+  return std::bit_cast<float>((em < 0x0400 ? sub : normal) | sign);
 }
 
 // f32 -> f16, round to nearest-even.
@@ -125,8 +137,7 @@ inline std::uint16_t f64_to_f16(double d) noexcept {
   // Below 2^-14: count multiples of 2^-24; adding 2^52 rounds that count to an integer
   // (nearest-even) and leaves it in the low mantissa bits.
   const std::uint64_t sub =
-      std::bit_cast<std::uint64_t>(mag * 0x1p24 + 0x1p52) -
-      std::bit_cast<std::uint64_t>(0x1p52);
+      std::bit_cast<std::uint64_t>(mag * 0x1p24 + 0x1p52) - std::bit_cast<std::uint64_t>(0x1p52);
   // 65520 is the midpoint between the largest f16 (65504) and 2^16; it rounds to inf.
   const std::uint64_t r =
       mag != mag ? nan : (mag >= 65520.0 ? 0x7c00u : (mag >= 0x1p-14 ? normal : sub));
@@ -145,8 +156,7 @@ inline std::uint16_t f64_to_bf16(double d) noexcept {
       (a - (std::uint64_t{896} << 52) + ((std::uint64_t{1} << 44) - 1) + ((a >> 45) & 1u)) >> 45;
   // Below 2^-126: count multiples of 2^-133 (the bf16 subnormal step).
   const std::uint64_t sub =
-      std::bit_cast<std::uint64_t>(mag * 0x1p133 + 0x1p52) -
-      std::bit_cast<std::uint64_t>(0x1p52);
+      std::bit_cast<std::uint64_t>(mag * 0x1p133 + 0x1p52) - std::bit_cast<std::uint64_t>(0x1p52);
   // (2 - 2^-8) * 2^127 is the midpoint between the largest bf16 and 2^128: inf from there.
   const std::uint64_t r =
       mag != mag ? nan : (mag >= 0x1.ffp127 ? 0x7f80u : (mag >= 0x1p-126 ? normal : sub));

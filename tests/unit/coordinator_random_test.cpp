@@ -82,11 +82,23 @@ const char* to_string(Wait w) {
   return "?";
 }
 
+// A collective (tag) this peer voted for, from its CollectiveInit to its result.
+struct SimCollective {
+  bool performing = false;  // got CollectiveGo
+  std::uint64_t attempt = 0;
+  std::vector<PeerId> ring;
+  bool done_sent = false;  // reported its part as finished
+  TimeMs voted_ms = 0;
+};
+
+const p::CollectiveDescriptor kDescriptor{4096, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE};
+
 struct SimPeer {
   ConnId conn = 0;
   std::string observed_host;
   std::string member_host;  // what the others are told
   std::uint16_t port = 0;
+  std::uint16_t pool_size = 1;
   std::uint32_t group = 0;
   bool will_hello = true;
   bool hello_sent = false;
@@ -106,6 +118,7 @@ struct SimPeer {
   TimeMs waiting_since_ms = 0;  // when it entered its current vote
   TimeMs connected_ms = 0;
   std::uint64_t view_epoch = 0;
+  std::map<std::uint64_t, SimCollective> collectives;  // by tag
 };
 
 struct Failure {
@@ -137,7 +150,8 @@ class Sim {
   struct Stats {
     int accepted = 0, topology_ok = 0, topology_failed = 0, mismatches = 0, agree_ok = 0, agree_lost = 0,
         pending_yes = 0, pending_no = 0, refused = 0, kicked = 0, rejected = 0, protocol_errors = 0,
-        heartbeat_kicks = 0, straggler_kicks = 0, establish_timeouts = 0, blamed = 0;
+        heartbeat_kicks = 0, straggler_kicks = 0, establish_timeouts = 0, blamed = 0, collectives_ok = 0,
+        collectives_failed = 0;
   };
   const Stats& stats() const { return stats_; }
 
@@ -269,6 +283,8 @@ class Sim {
       hello.p2p_port = kind < 12 ? 0 : sp.port;
       hello.shared_state_port = static_cast<std::uint16_t>(sp.port + 1);
       hello.benchmark_port = static_cast<std::uint16_t>(sp.port + 2);
+      sp.pool_size = static_cast<std::uint16_t>(1 + rng_() % 4);
+      hello.pool_size = sp.pool_size;
       if (chance(10)) {
         hello.advertised_host = "192.168.1." + std::to_string(sp.conn % 250);
         sp.member_host = hello.advertised_host;
@@ -313,6 +329,7 @@ class Sim {
     }
     if (r < 40) return act_forbidden(sp);
     if (r < 140) return act_illegal(sp);
+    if (r < 145) return act_stale_done(sp);
     if (r < 200) return send_heartbeat(sp);
     // the documented loop
     if (sp.wait == Wait::kEstablish && sp.never_reports) return send_heartbeat(sp);
@@ -329,30 +346,91 @@ class Sim {
       }
       return request(sp, report, /*legal=*/true, Wait::kReported);
     }
+    const bool may_collect = sp.accepted && sp.wait != Wait::kTopologyVote && sp.wait != Wait::kEstablish &&
+                             sp.wait != Wait::kReported;
+    if (may_collect && chance(35)) return act_collective(sp);
     if (!sp.accepted || sp.wait != Wait::kNone) return send_heartbeat(sp);
     const auto v = rng_() % 100;
-    if (v < 30) return request(sp, p::VoteUpdateTopology{}, true, Wait::kTopologyVote);
+    if (v < 30 && sp.collectives.empty()) return request(sp, p::VoteUpdateTopology{}, true, Wait::kTopologyVote);
+    if (v < 30) return send_heartbeat(sp);
     if (v < 60) return request(sp, p::VotePeersPending{}, true, Wait::kPending);
     sp.agree_flag = !chance(15);
     return request(sp, p::VoteAgree{sp.agree_flag}, true, Wait::kAgree);
   }
 
+  // Collectives: finish an attempt it was told to perform (sometimes failing it), or
+  // start a tag (all peers of a group start the same tags; sometimes with a
+  // different descriptor, which must fail the tag for all).
+  void act_collective(SimPeer& sp) {
+    std::vector<std::uint64_t> running;
+    for (const auto& [tag, c] : sp.collectives) {
+      if (c.performing && !c.done_sent) running.push_back(tag);
+    }
+    if (!running.empty() && chance(70)) {
+      const std::uint64_t tag = pick(running);
+      SimCollective& c = sp.collectives.at(tag);
+      const bool ok = !chance(5);
+      c.done_sent = true;
+      return request(sp, p::CollectiveDone{tag, c.attempt, ok, ok ? "" : "ring neighbour hung up"}, true);
+    }
+    const std::uint64_t tag = 1 + rng_() % 3;
+    if (sp.collectives.count(tag) != 0) return send_heartbeat(sp);
+    p::CollectiveDescriptor d = kDescriptor;
+    if (chance(4)) d.op = LOCKSTEP_MAX;
+    sp.collectives[tag].voted_ms = now_;
+    request(sp, p::CollectiveInit{tag, d}, true);
+  }
+
+  // A CollectiveDone for an attempt that is not running (it crossed the outcome on the
+  // wire) is ignored: no answer, no change.
+  void act_stale_done(SimPeer& sp) {
+    const p::CollectiveDone done{1 + rng_() % 3, (std::uint64_t{1} << 60) + rng_() % 1000, chance(50), {}};
+    const std::string before = c_.digest();
+    sp.last_sent_ms = now_;
+    note("t=" + std::to_string(now_) + " " + name(sp) + " sends stale " + describe(done) + "\n");
+    Outbox out;
+    c_.on_message(sp.conn, done, now_, out);
+    note(describe_out(out));
+    for (const auto& cmd : out) {
+      require(!std::holds_alternative<Send>(cmd) && !std::holds_alternative<Close>(cmd),
+              "a CollectiveDone for an attempt that is not running was answered");
+    }
+    require(c_.digest() == before, "a CollectiveDone for an attempt that is not running changed the state");
+    check_after_step();
+  }
+
   // A well-formed request the peer's own knowledge says is illegal now.
   void act_illegal(SimPeer& sp) {
-    std::vector<p::Message> options;
+    std::vector<std::pair<p::Message, StatusCode>> options;
+    const StatusCode usage = LOCKSTEP_STATUS_INVALID_USAGE;
+    const StatusCode not_accepted = LOCKSTEP_STATUS_NOT_INITIALIZED;
     if (!sp.accepted || sp.wait != Wait::kNone) {
-      options.push_back(p::VoteUpdateTopology{});
-      options.push_back(p::VotePeersPending{});
-      options.push_back(p::VoteAgree{chance(50)});
+      const StatusCode st = sp.accepted ? usage : not_accepted;
+      options.emplace_back(p::VoteUpdateTopology{}, st);
+      options.emplace_back(p::VotePeersPending{}, st);
+      options.emplace_back(p::VoteAgree{chance(50)}, st);
+    } else if (!sp.collectives.empty()) {
+      options.emplace_back(p::VoteUpdateTopology{}, LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS);
     }
     if (sp.wait == Wait::kEstablish) {
-      options.push_back(p::P2PReport{sp.establish_epoch + 1 + rng_() % 3, {}});
-      if (sp.establish_epoch > 0) options.push_back(p::P2PReport{sp.establish_epoch - 1, {}});
+      options.emplace_back(p::P2PReport{sp.establish_epoch + 1 + rng_() % 3, {}}, usage);
+      if (sp.establish_epoch > 0) options.emplace_back(p::P2PReport{sp.establish_epoch - 1, {}}, usage);
     } else {
-      options.push_back(p::P2PReport{c_.epoch(), {}});
-      options.push_back(p::P2PReport{rng_() % 5, {sp.id}});
+      options.emplace_back(p::P2PReport{c_.epoch(), {}}, usage);
+      options.emplace_back(p::P2PReport{rng_() % 5, {sp.id}}, usage);
     }
-    request(sp, pick(options), /*legal=*/false);
+    // collectives: not accepted, in a topology vote or establishment, or a tag in flight
+    if (!sp.accepted) {
+      options.emplace_back(p::CollectiveInit{1 + rng_() % 3, kDescriptor}, not_accepted);
+    } else if (sp.wait == Wait::kTopologyVote || sp.wait == Wait::kEstablish || sp.wait == Wait::kReported) {
+      options.emplace_back(p::CollectiveInit{1 + rng_() % 3, kDescriptor}, usage);
+    }
+    for (const auto& [tag, c] : sp.collectives) {
+      if (sp.accepted && sp.wait != Wait::kTopologyVote) options.emplace_back(p::CollectiveInit{tag, kDescriptor}, usage);
+      if (c.performing && c.done_sent) options.emplace_back(p::CollectiveDone{tag, c.attempt, true, {}}, usage);
+    }
+    const auto& [m, status] = pick(options);
+    request(sp, m, /*legal=*/false, std::nullopt, status);
   }
 
   void act_forbidden(SimPeer& sp) {
@@ -429,15 +507,18 @@ class Sim {
   }
 
   // Sends a request; a legal one puts the peer into `next` before the coordinator answers.
-  void request(SimPeer& sp, const p::Message& m, bool legal, Wait next = Wait::kNone) {
+  // A legal request moves the peer into `next` (when given) before the coordinator
+  // answers; an illegal one must be refused with `refused_status` and change nothing.
+  void request(SimPeer& sp, const p::Message& m, bool legal, std::optional<Wait> next = std::nullopt,
+               StatusCode refused_status = LOCKSTEP_STATUS_INVALID_USAGE) {
     sp.last_sent_ms = now_;
     const std::string before = c_.digest();
     note("t=" + std::to_string(now_) + " " + name(sp) + " [" + to_string(sp.wait) + (sp.accepted ? ", accepted" : "") +
          "] sends " + describe(m) + (legal ? "" : " (illegal)") + "\n");
-    if (legal) {
-      sp.wait = next;
+    if (legal && next) {
+      sp.wait = *next;
       sp.waiting_since_ms = now_;
-      if (next == Wait::kAgree) {
+      if (*next == Wait::kAgree) {
         auto& round = agree_rounds_[sp.group];
         if (!round.open) round = AgreeRound{true, false};
       }
@@ -454,13 +535,12 @@ class Sim {
                   "an illegal " + describe(m) + " was answered with " + describe(s->message) + " to conn " +
                       std::to_string(s->conn));
           require(refused->request == p::type_of(m), "Refused names the wrong request");
-          const StatusCode want = (!sp.accepted && std::holds_alternative<p::VoteAgree>(m)) ||
-                                          (!sp.accepted && std::holds_alternative<p::VotePeersPending>(m)) ||
-                                          (!sp.accepted && std::holds_alternative<p::VoteUpdateTopology>(m))
-                                      ? LOCKSTEP_STATUS_NOT_INITIALIZED
-                                      : LOCKSTEP_STATUS_INVALID_USAGE;
-          require(refused->status == want, std::string("Refused with ") + status_name(refused->status) + ", expected " +
-                                               status_name(want) + " for " + describe(m));
+          require(refused->status == refused_status, std::string("Refused with ") + status_name(refused->status) +
+                                                         ", expected " + status_name(refused_status) + " for " +
+                                                         describe(m) + " (" + refused->reason + ")");
+          if (const auto* init = std::get_if<p::CollectiveInit>(&m)) {
+            require(refused->tag == init->tag, "Refused names the wrong tag");
+          }
         }
         require(!std::holds_alternative<Close>(cmd), "an illegal request closed a connection");
       }
@@ -591,6 +671,8 @@ class Sim {
     std::map<std::uint64_t, std::set<ConnId>> failed_results;  // epoch -> recipients of UPDATE_TOPOLOGY_FAILED
     bool welcomed = false;
     bool mismatch = false;
+    std::map<std::pair<std::uint32_t, std::uint64_t>, p::CollectiveGo> gos;              // (group, tag)
+    std::map<std::pair<std::uint32_t, std::uint64_t>, p::CollectiveResult> coll_results;  // (group, tag)
 
     for (const auto& cmd : out) {
       if (const auto* close = std::get_if<Close>(&cmd)) {
@@ -718,6 +800,43 @@ class Sim {
                 "a request the peer's knowledge makes legal was refused: " + std::string(p::msg_type_name(refused->request)) +
                     " (" + refused->reason + ")");
         fail("unexpected Refused to " + name(sp));
+      } else if (const auto* go = std::get_if<p::CollectiveGo>(&m)) {
+        require(sp.accepted, "CollectiveGo to a registered peer");
+        auto c = sp.collectives.find(go->tag);
+        require(c != sp.collectives.end() && !c->second.performing,
+                "CollectiveGo for tag " + std::to_string(go->tag) + " to " + name(sp) + " that did not start it");
+        auto [g, inserted] = gos.emplace(std::make_pair(sp.group, go->tag), *go);
+        require(inserted || g->second == *go, "members of a group got different CollectiveGo for one tag");
+        require(std::find(go->ring.begin(), go->ring.end(), sp.id) != go->ring.end(), "CollectiveGo ring without the recipient");
+        c->second.performing = true;
+        c->second.attempt = go->attempt;
+        c->second.ring = go->ring;
+      } else if (const auto* outcome = std::get_if<p::CollectiveResult>(&m)) {
+        auto c = sp.collectives.find(outcome->tag);
+        require(c != sp.collectives.end(),
+                "CollectiveResult for tag " + std::to_string(outcome->tag) + " to " + name(sp) + " that did not start it");
+        auto [g, inserted] = coll_results.emplace(std::make_pair(sp.group, outcome->tag), *outcome);
+        require(inserted || g->second == *outcome, "participants of a collective got different outcomes");
+        if (outcome->status == LOCKSTEP_STATUS_OPERATION_MISMATCH) {
+          require(!c->second.performing && outcome->attempt == 0, "a descriptor mismatch after the attempt started");
+        } else {
+          require(c->second.performing && outcome->attempt == c->second.attempt,
+                  "a collective outcome for an attempt the peer was not told to perform");
+          require(outcome->world_size == c->second.ring.size(), "the outcome's world size is not the ring's");
+          require(outcome->status == LOCKSTEP_OK || outcome->status == LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
+                  std::string("a collective ended with ") + status_name(outcome->status));
+          if (outcome->status == LOCKSTEP_OK) {
+            // success needs every participant's report
+            for (const auto& id : c->second.ring) {
+              const SimPeer* other = by_id(id);
+              require(other != nullptr && other->collectives.count(outcome->tag) != 0 &&
+                          other->collectives.at(outcome->tag).done_sent,
+                      "a collective succeeded before participant " + id.to_string() + " reported");
+            }
+          }
+        }
+        ++(outcome->status == LOCKSTEP_OK ? stats_.collectives_ok : stats_.collectives_failed);
+        sp.collectives.erase(c);
       } else if (const auto* goodbye = std::get_if<p::Goodbye>(&m)) {
         require(goodbye_here.insert(sp.conn).second, "two Goodbyes to one connection");
         require(!goodbye->reason.empty(), "a Goodbye without a reason");
@@ -821,6 +940,32 @@ class Sim {
                       mi.benchmark_port == static_cast<std::uint16_t>(owner->port + 2),
                   "the ring carries a wrong address for " + mi.id.to_string());
         }
+      }
+    }
+    // collectives: a started attempt runs on the group's current ring, is sent to all of
+    // it, and uses a pool slot every participant has; an outcome reaches everyone.
+    for (const auto& [key, go] : gos) {
+      const auto& [group, tag] = key;
+      require(go.ring == c_.ring(group), "a collective attempt's ring is not the group's ring");
+      std::uint16_t pool = 0xffff;
+      for (const auto& id : go.ring) {
+        const SimPeer* member = by_id(id);
+        require(member != nullptr && member->open, "a collective ring names a peer that is gone");
+        const auto c = member->collectives.find(tag);
+        require(c != member->collectives.end() && c->second.performing && c->second.attempt == go.attempt,
+                "participant " + member->id.to_string() + " did not get the CollectiveGo");
+        pool = std::min(pool, member->pool_size);
+      }
+      require(go.slot < pool, "a collective runs on a pool slot some participant does not have");
+    }
+    for (const auto& [key, result] : coll_results) {
+      const auto& [group, tag] = key;
+      for (const auto& [conn, sp] : peers_) {
+        if (!sp.open || sp.group != group) continue;
+        const auto c = sp.collectives.find(tag);
+        if (c == sp.collectives.end()) continue;
+        require(result.attempt == 0 ? c->second.performing : c->second.attempt != result.attempt,
+                name(sp) + " did not get the outcome of tag " + std::to_string(tag));
       }
     }
     // agree: a successful round's value is the AND of every voter's flag, and every
@@ -932,6 +1077,35 @@ class Sim {
       require((c_.major_op(sp->group) == MajorOp::kUpdateTopology) == in, "major_op disagrees with the establishment");
     }
     for (const auto& [group, set] : establishing) require(set.size() == 1, "a group is half in an establishment");
+    for (const SimPeer* sp : accepted) {
+      if (sp->wait == Wait::kEstablish || sp->wait == Wait::kReported) {
+        for (const SimPeer* other : accepted) {
+          require(other->group != sp->group || other->collectives.empty(),
+                  "a group runs a collective during an update topology");
+        }
+      }
+    }
+    // Collectives: a tag every accepted member of the group started is started (or
+    // failed) at once; a running attempt that lost a participant has failed.
+    std::map<std::pair<std::uint32_t, std::uint64_t>, std::size_t> tag_votes;
+    std::map<std::uint32_t, std::size_t> group_size;
+    for (const SimPeer* sp : accepted) {
+      ++group_size[sp->group];
+      for (const auto& [tag, c] : sp->collectives) {
+        if (!c.performing) ++tag_votes[{sp->group, tag}];
+        if (!c.performing) continue;
+        for (const auto& id : c.ring) {
+          const SimPeer* member = by_id(id);
+          require(member != nullptr && member->open,
+                  "attempt " + std::to_string(c.attempt) + " lost participant " + id.to_string() + " and still runs for " +
+                      name(*sp));
+        }
+      }
+    }
+    for (const auto& [key, votes] : tag_votes) {
+      require(votes < group_size[key.first], "every member of group " + std::to_string(key.first) + " started tag " +
+                                                 std::to_string(key.second) + " and it did not start");
+    }
 
     // Progress: votes that every live accepted peer has joined are decided at once.
     if (!accepted.empty()) {
@@ -1021,6 +1195,8 @@ TEST(CoordinatorRandom, SeededRuns) {
     total.straggler_kicks += s.straggler_kicks;
     total.establish_timeouts += s.establish_timeouts;
     total.blamed += s.blamed;
+    total.collectives_ok += s.collectives_ok;
+    total.collectives_failed += s.collectives_failed;
   }
   std::ostringstream summary;
   summary << seeds.size() << " seeds x " << steps << " steps: accepted " << total.accepted << ", topology ok "
@@ -1029,7 +1205,8 @@ TEST(CoordinatorRandom, SeededRuns) {
           << " / no " << total.pending_no << ", refused " << total.refused << ", kicked " << total.kicked
           << ", rejected " << total.rejected << ", protocol errors " << total.protocol_errors << "; removed for silence "
           << total.heartbeat_kicks << ", as vote stragglers " << total.straggler_kicks << ", for not reporting p2p "
-          << total.establish_timeouts << ", blamed for p2p failures " << total.blamed;
+          << total.establish_timeouts << ", blamed for p2p failures " << total.blamed << "; collectives ok "
+          << total.collectives_ok << " / failed " << total.collectives_failed;
   std::cout << summary.str() << "\n";
   if (!failed.empty()) {
     std::ostringstream list;
@@ -1053,6 +1230,8 @@ TEST(CoordinatorRandom, SeededRuns) {
     EXPECT_GT(total.straggler_kicks, 0);
     EXPECT_GT(total.establish_timeouts, 0);
     EXPECT_GT(total.blamed, 0);
+    EXPECT_GT(total.collectives_ok, 0);
+    EXPECT_GT(total.collectives_failed, 0);
   }
 }
 

@@ -141,8 +141,8 @@ void check_distributions() {
       std::vector<std::vector<double>> sets(7);
       for (std::size_t i = 0; i < n; ++i) {
         sets[0].push_back(normal(rng));
-        sets[1].push_back(100.0 + unit(rng));            // one-sided, away from 0
-        sets[2].push_back(-5e-3 + 4e-3 * unit(rng));     // one-sided negative
+        sets[1].push_back(100.0 + unit(rng));         // one-sided, away from 0
+        sets[2].push_back(-5e-3 + 4e-3 * unit(rng));  // one-sided negative
         sets[3].push_back(normal(rng) * std::pow(10.0, 6 * unit(rng) - 3));
         sets[4].push_back((2 * unit(rng) - 1) * 0.45 * D::kMax);  // range just below overflow
         sets[5].push_back((2 * unit(rng) - 1) * D::tiny());
@@ -256,7 +256,7 @@ TEST(Quantize, HeaderLayoutAndCodes) {
   coll::quantize(w, 4, LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U8, zout);
   const coll::QuantParams z = coll::read_quant_params(zout);
   EXPECT_EQ(z.p0, 4.0 / 255.0);
-  EXPECT_EQ(z.p1, 64.0);  // round(63.75)
+  EXPECT_EQ(z.p1, 64.0);     // round(63.75)
   EXPECT_EQ(zout[16], 0);    // round(-63.75) + 64
   EXPECT_EQ(zout[17], 64);   // zero is the zero point
   EXPECT_EQ(zout[18], 255);  // round(191.25) + 64
@@ -275,7 +275,8 @@ TEST(Quantize, QuantizedBytesAndSupport) {
   for (int d = 0; d < 12; ++d) {
     const auto dtype = static_cast<lockstep_dtype_t>(d);
     EXPECT_EQ(coll::quantization_supported(dtype, LOCKSTEP_QUANT_MINMAX_U8), coll::is_float(dtype));
-    EXPECT_EQ(coll::quantization_supported(dtype, LOCKSTEP_QUANT_ZERO_POINT_U8), coll::is_float(dtype));
+    EXPECT_EQ(coll::quantization_supported(dtype, LOCKSTEP_QUANT_ZERO_POINT_U8),
+              coll::is_float(dtype));
     EXPECT_FALSE(coll::quantization_supported(dtype, LOCKSTEP_QUANT_NONE));
   }
 }
@@ -352,7 +353,8 @@ TEST(Quantize, DecoderFormulaIsFixed) {
   const double scale = 2.0 / 255.0;
   std::memcpy(bytes.data(), &min, 8);  // little-endian host
   std::memcpy(bytes.data() + 8, &scale, 8);
-  for (int c = 0; c < 256; ++c) bytes[coll::kQuantHeaderBytes + static_cast<std::size_t>(c)] = static_cast<std::uint8_t>(c);
+  for (int c = 0; c < 256; ++c)
+    bytes[coll::kQuantHeaderBytes + static_cast<std::size_t>(c)] = static_cast<std::uint8_t>(c);
   std::vector<float> f(256);
   std::vector<double> d(256);
   std::vector<std::uint16_t> h(256);
@@ -499,9 +501,9 @@ TEST(Quantize, GarbageHeadersDecodeWithoutHarm) {
   const double inf = std::numeric_limits<double>::infinity();
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double big = std::numeric_limits<double>::max();
-  const double invalid[][2] = {{inf, 1.0},  {1.0, inf},   {-inf, -inf}, {big, big},   {-big, big},
-                               {1.0, -1.0}, {nan, 1.0},   {1.0, nan},   {1e300, 1e300},
-                               {0.0, 1e306}, {-1e40, 1.0}, {1.0, 1e37}};
+  const double invalid[][2] = {{inf, 1.0},     {1.0, inf},   {-inf, -inf}, {big, big},
+                               {-big, big},    {1.0, -1.0},  {nan, 1.0},   {1.0, nan},
+                               {1e300, 1e300}, {0.0, 1e306}, {-1e40, 1.0}, {1.0, 1e37}};
   for (auto& b : bytes) b = static_cast<std::uint8_t>(rng());
   for (const auto& p : invalid) {
     set(p[0], p[1]);
@@ -515,19 +517,22 @@ TEST(Quantize, GarbageHeadersDecodeWithoutHarm) {
   // Zero points that quantize() never writes.
   for (const double zp : {-1.0, 3.5, 256.0, 1e300}) {
     set(0.01, zp);
-    EXPECT_FALSE(coll::quantized_header_valid(bytes.data(), LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U8))
+    EXPECT_FALSE(
+        coll::quantized_header_valid(bytes.data(), LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U8))
         << zp;
     decode_garbage<F32>(bytes.data(), kN);
   }
   set(0.01, 12.0);
-  EXPECT_TRUE(coll::quantized_header_valid(bytes.data(), LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U8));
+  EXPECT_TRUE(
+      coll::quantized_header_valid(bytes.data(), LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U8));
   set(-3.0, 0.01);
   EXPECT_TRUE(coll::quantized_header_valid(bytes.data(), LOCKSTEP_F16, LOCKSTEP_QUANT_MINMAX_U8));
   set(-70000.0, 0.01);  // min beyond the f16 range
   EXPECT_FALSE(coll::quantized_header_valid(bytes.data(), LOCKSTEP_F16, LOCKSTEP_QUANT_MINMAX_U8));
   // Random headers.
   for (int i = 0; i < 2000; ++i) {
-    for (std::size_t k = 0; k < coll::kQuantHeaderBytes; ++k) bytes[k] = static_cast<std::uint8_t>(rng());
+    for (std::size_t k = 0; k < coll::kQuantHeaderBytes; ++k)
+      bytes[k] = static_cast<std::uint8_t>(rng());
     decode_garbage<F16>(bytes.data(), kN);
     decode_garbage<BF16>(bytes.data(), kN);
     decode_garbage<F32>(bytes.data(), kN);

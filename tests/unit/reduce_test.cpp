@@ -183,8 +183,7 @@ struct IntTraits {
   static T ref(T a, T b, lockstep_reduce_op_t op) {
     switch (op) {
       case LOCKSTEP_SUM:
-      case LOCKSTEP_AVG:
-        return wrap(static_cast<i128>(a) + static_cast<i128>(b));
+      case LOCKSTEP_AVG: return wrap(static_cast<i128>(a) + static_cast<i128>(b));
       case LOCKSTEP_PROD:
         if constexpr (std::is_signed_v<T>) {
           return wrap(static_cast<i128>(a) * static_cast<i128>(b));  // |a*b| <= 2^126
@@ -214,8 +213,11 @@ struct IntTraits {
 
   static std::vector<T> edges() {
     using L = std::numeric_limits<T>;
-    std::vector<T> e = {0, 1, 2, 3, L::max(), static_cast<T>(L::max() - 1), L::min(),
-                        static_cast<T>(L::max() / 2 + 1), 0x7f};
+    std::vector<T> e = {0,        1,
+                        2,        3,
+                        L::max(), static_cast<T>(L::max() - 1),
+                        L::min(), static_cast<T>(L::max() / 2 + 1),
+                        0x7f};
     if constexpr (std::is_signed_v<T>) {
       e.push_back(-1);
       e.push_back(-2);
@@ -240,13 +242,31 @@ struct F32Traits : FloatTraitsBase<float, LOCKSTEP_F32> {
     return std::isnan(s) && (std::bit_cast<std::uint32_t>(s) & 0x00400000u) != 0;
   }
   static std::uint64_t bits(float s) { return std::bit_cast<std::uint32_t>(s); }
-  static float from_bits(std::uint64_t b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b)); }
+  static float from_bits(std::uint64_t b) {
+    return std::bit_cast<float>(static_cast<std::uint32_t>(b));
+  }
   static std::vector<float> edges() {
     using L = std::numeric_limits<float>;
-    return {0.0f, -0.0f, 1.0f, -1.0f, 0.5f, 3.0f, L::max(), -L::max(), L::min(),
-            L::denorm_min(), -L::denorm_min(), std::ldexp(1.0f, -127), L::infinity(),
-            -L::infinity(), L::quiet_NaN(), from_bits(0x7f800001u) /* signaling */,
-            from_bits(0xffc12345u), 1e30f, -1e30f, 1e-30f};
+    return {0.0f,
+            -0.0f,
+            1.0f,
+            -1.0f,
+            0.5f,
+            3.0f,
+            L::max(),
+            -L::max(),
+            L::min(),
+            L::denorm_min(),
+            -L::denorm_min(),
+            std::ldexp(1.0f, -127),
+            L::infinity(),
+            -L::infinity(),
+            L::quiet_NaN(),
+            from_bits(0x7f800001u) /* signaling */,
+            from_bits(0xffc12345u),
+            1e30f,
+            -1e30f,
+            1e-30f};
   }
   static float random(std::mt19937_64& rng) {
     std::uniform_real_distribution<float> d(-100.0f, 100.0f);
@@ -264,9 +284,25 @@ struct F64Traits : FloatTraitsBase<double, LOCKSTEP_F64> {
   static double from_bits(std::uint64_t b) { return std::bit_cast<double>(b); }
   static std::vector<double> edges() {
     using L = std::numeric_limits<double>;
-    return {0.0, -0.0, 1.0, -1.0, 0.5, 3.0, L::max(), -L::max(), L::min(), L::denorm_min(),
-            -L::denorm_min(), L::infinity(), -L::infinity(), L::quiet_NaN(),
-            from_bits(0x7ff0000000000001u), from_bits(0xfff8000000abcdefu), 1e300, -1e300, 1e-300};
+    return {0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            0.5,
+            3.0,
+            L::max(),
+            -L::max(),
+            L::min(),
+            L::denorm_min(),
+            -L::denorm_min(),
+            L::infinity(),
+            -L::infinity(),
+            L::quiet_NaN(),
+            from_bits(0x7ff0000000000001u),
+            from_bits(0xfff8000000abcdefu),
+            1e300,
+            -1e300,
+            1e-300};
   }
   static double random(std::mt19937_64& rng) {
     std::uniform_real_distribution<double> d(-100.0, 100.0);
@@ -287,13 +323,45 @@ struct Half16Traits : FloatTraitsBase<std::uint16_t, D> {
   static std::uint64_t bits(std::uint16_t s) { return s; }
   static std::vector<std::uint16_t> edges() {
     if (kF16) {
-      return {0x0000, 0x8000, 0x3c00 /* 1 */, 0xbc00, 0x3800 /* 0.5 */, 0x7bff /* 65504 */,
-              0xfbff, 0x7bfe, 0x0400 /* min normal */, 0x0001 /* min subnormal */, 0x8001,
-              0x03ff, 0x7c00, 0xfc00, 0x7e00, 0x7d01 /* signaling */, 0xfe55, 0x5bff, 0x1001};
+      return {0x0000,
+              0x8000,
+              0x3c00 /* 1 */,
+              0xbc00,
+              0x3800 /* 0.5 */,
+              0x7bff /* 65504 */,
+              0xfbff,
+              0x7bfe,
+              0x0400 /* min normal */,
+              0x0001 /* min subnormal */,
+              0x8001,
+              0x03ff,
+              0x7c00,
+              0xfc00,
+              0x7e00,
+              0x7d01 /* signaling */,
+              0xfe55,
+              0x5bff,
+              0x1001};
     }
-    return {0x0000, 0x8000, 0x3f80 /* 1 */, 0xbf80, 0x3f00, 0x7f7f /* max */, 0xff7f, 0x7f7e,
-            0x0080 /* min normal */, 0x0001, 0x8001, 0x007f, 0x7f80, 0xff80, 0x7fc0,
-            0x7f81 /* signaling */, 0xffd5, 0x4b80, 0x3f81};
+    return {0x0000,
+            0x8000,
+            0x3f80 /* 1 */,
+            0xbf80,
+            0x3f00,
+            0x7f7f /* max */,
+            0xff7f,
+            0x7f7e,
+            0x0080 /* min normal */,
+            0x0001,
+            0x8001,
+            0x007f,
+            0x7f80,
+            0xff80,
+            0x7fc0,
+            0x7f81 /* signaling */,
+            0xffd5,
+            0x4b80,
+            0x3f81};
   }
   static std::uint16_t random(std::mt19937_64& rng) {
     if (rng() % 4 == 0) return static_cast<std::uint16_t>(rng());
@@ -332,13 +400,13 @@ template <typename Tr>
 ::testing::AssertionResult float_same(typename Tr::S expected, typename Tr::S got) {
   if (std::isnan(Tr::value(expected))) {
     if (Tr::is_quiet_nan(got)) return ::testing::AssertionSuccess();
-    return ::testing::AssertionFailure() << "expected a quiet NaN, got bits 0x" << std::hex
-                                         << Tr::bits(got);
+    return ::testing::AssertionFailure()
+           << "expected a quiet NaN, got bits 0x" << std::hex << Tr::bits(got);
   }
   if (Tr::bits(expected) == Tr::bits(got)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "expected bits 0x" << std::hex << Tr::bits(expected)
-                                       << " (" << Tr::value(expected) << "), got 0x" << Tr::bits(got)
-                                       << " (" << Tr::value(got) << ")";
+  return ::testing::AssertionFailure()
+         << "expected bits 0x" << std::hex << Tr::bits(expected) << " (" << Tr::value(expected)
+         << "), got 0x" << Tr::bits(got) << " (" << Tr::value(got) << ")";
 }
 
 // ---------------------------------------------------------------- the reduce matrix
@@ -426,27 +494,31 @@ void check_count(lockstep_reduce_op_t op, std::size_t count, std::size_t offset)
     const auto pb = place(b);
     auto out = place(b);
     out[offset + count] = sentinel;
-    coll::reduce3(out.data() + offset, pa.data() + offset, pb.data() + offset, count, Tr::kDtype, op);
+    coll::reduce3(out.data() + offset, pa.data() + offset, pb.data() + offset, count, Tr::kDtype,
+                  op);
     check_all(out, a, b, "reduce3");
   }
   {  // reduce3, out == a
     auto pa = place(a);
     const auto pb = place(b);
     pa[offset + count] = sentinel;
-    coll::reduce3(pa.data() + offset, pa.data() + offset, pb.data() + offset, count, Tr::kDtype, op);
+    coll::reduce3(pa.data() + offset, pa.data() + offset, pb.data() + offset, count, Tr::kDtype,
+                  op);
     check_all(pa, a, b, "reduce3 out == a");
   }
   {  // reduce3, out == b
     const auto pa = place(a);
     auto pb = place(b);
     pb[offset + count] = sentinel;
-    coll::reduce3(pb.data() + offset, pa.data() + offset, pb.data() + offset, count, Tr::kDtype, op);
+    coll::reduce3(pb.data() + offset, pa.data() + offset, pb.data() + offset, count, Tr::kDtype,
+                  op);
     check_all(pb, a, b, "reduce3 out == b");
   }
   {  // reduce3, out == a == b
     auto pa = place(a);
     pa[offset + count] = sentinel;
-    coll::reduce3(pa.data() + offset, pa.data() + offset, pa.data() + offset, count, Tr::kDtype, op);
+    coll::reduce3(pa.data() + offset, pa.data() + offset, pa.data() + offset, count, Tr::kDtype,
+                  op);
     check_all(pa, a, a, "reduce3 out == a == b");
   }
 }
@@ -512,8 +584,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(Reduce, IntegerWrapAround) {
   namespace coll = lockstep::coll;
-  std::int32_t a[] = {std::numeric_limits<std::int32_t>::max(), std::numeric_limits<std::int32_t>::min(),
-                      65536, -1};
+  std::int32_t a[] = {std::numeric_limits<std::int32_t>::max(),
+                      std::numeric_limits<std::int32_t>::min(), 65536, -1};
   const std::int32_t b[] = {1, -1, 65536, std::numeric_limits<std::int32_t>::min()};
   coll::reduce(a, b, 4, LOCKSTEP_I32, LOCKSTEP_SUM);
   EXPECT_EQ(a[0], std::numeric_limits<std::int32_t>::min());
@@ -785,17 +857,18 @@ TEST(Conversion, F16RoundsToNearestEvenAroundEveryValue) {
   EXPECT_EQ(f32_to_f16(65520.0f), 0x7c00);
   EXPECT_EQ(f32_to_f16(1e10f), 0x7c00);
   EXPECT_EQ(f32_to_f16(-std::numeric_limits<float>::infinity()), 0xfc00);
-  EXPECT_EQ(f32_to_f16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);                // tie -> even
-  EXPECT_EQ(f32_to_f16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);            // tie -> even
-  EXPECT_EQ(f32_to_f16(std::ldexp(1.0f, -25)), 0x0000);                       // tie -> 0
-  EXPECT_EQ(f32_to_f16(std::ldexp(3.0f, -25)), 0x0002);                       // tie -> even
+  EXPECT_EQ(f32_to_f16(1.0f + std::ldexp(1.0f, -11)), 0x3c00);      // tie -> even
+  EXPECT_EQ(f32_to_f16(1.0f + 3 * std::ldexp(1.0f, -11)), 0x3c02);  // tie -> even
+  EXPECT_EQ(f32_to_f16(std::ldexp(1.0f, -25)), 0x0000);             // tie -> 0
+  EXPECT_EQ(f32_to_f16(std::ldexp(3.0f, -25)), 0x0002);             // tie -> even
   EXPECT_EQ(f32_to_f16(std::ldexp(1.0f, -26)), 0x0000);
-  EXPECT_EQ(f32_to_f16(-std::ldexp(1.0f, -30)), 0x8000);                      // -0
+  EXPECT_EQ(f32_to_f16(-std::ldexp(1.0f, -30)), 0x8000);  // -0
   EXPECT_EQ(f32_to_f16(std::numeric_limits<float>::denorm_min()), 0x0000);
   EXPECT_EQ(f64_to_f16(std::numeric_limits<double>::denorm_min()), 0x0000);
   EXPECT_EQ(f64_to_f16(1e300), 0x7c00);
-  EXPECT_EQ(f64_to_f16(std::ldexp(1.0, -14) - std::ldexp(1.0, -26)), 0x0400);  // rounds up to normal
-  EXPECT_EQ(f32_to_f16(std::bit_cast<float>(0x7f800001u)), 0x7e00);           // sNaN -> qNaN
+  EXPECT_EQ(f64_to_f16(std::ldexp(1.0, -14) - std::ldexp(1.0, -26)),
+            0x0400);                                                 // rounds up to normal
+  EXPECT_EQ(f32_to_f16(std::bit_cast<float>(0x7f800001u)), 0x7e00);  // sNaN -> qNaN
   EXPECT_EQ(f32_to_f16(std::bit_cast<float>(0xffffe000u)), 0xffff);
 }
 
@@ -819,7 +892,8 @@ TEST(Conversion, RandomPatternsMatchTheReference) {
     std::uint64_t u64 = rng();
     // Keep most doubles in a range where the 16-bit formats are interesting.
     if (i % 2 == 0) {
-      u64 = (u64 & 0x800fffffffffffffu) | (static_cast<std::uint64_t>(1023 - 140 + rng() % 160) << 52);
+      u64 = (u64 & 0x800fffffffffffffu) |
+            (static_cast<std::uint64_t>(1023 - 140 + rng() % 160) << 52);
     }
     const double d = std::bit_cast<double>(u64);
     if (std::isnan(f)) {

@@ -4,6 +4,7 @@
 // prints a JSON line whenever the membership view changes.
 //
 // Commands: connect | update | pending | agree 0|1 | view | reconnect | exit
+//           allreduce COUNT TAG FILL [oop]   (f32 sum of COUNT elements all equal to FILL)
 #include <lockstep/lockstep.h>
 
 #include <CLI/CLI.hpp>
@@ -14,6 +15,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace {
 
@@ -200,6 +202,42 @@ int main(int argc, char** argv) {
       int result = 0;
       lockstep_status_t s = lockstep_comm_agree(peer.comm, flag, &result);
       peer.emit(op, s, s == LOCKSTEP_OK ? std::string("\"result\":") + (result ? "true" : "false") : "");
+    } else if (op == "allreduce") {
+      // Every element is FILL; the reply says whether the result is uniform, its
+      // value, and (on failure) whether the destination kept its previous content.
+      std::uint64_t count = 0;
+      std::uint64_t tag = 0;
+      float fill = 0;
+      std::string mode;
+      words >> count >> tag >> fill >> mode;
+      if (count == 0 || count > (std::uint64_t{1} << 30)) {
+        peer.emit(op, LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
+        continue;
+      }
+      std::vector<float> src(count, fill);
+      std::vector<float> dst;
+      if (mode == "oop") dst.assign(count, -1.0f);
+      std::vector<float>& out = mode == "oop" ? dst : src;
+      const std::vector<float> before = out;
+      lockstep_reduce_desc_t desc;
+      desc.src = src.data();
+      desc.dst = out.data();
+      desc.count = count;
+      desc.dtype = LOCKSTEP_F32;
+      desc.op = LOCKSTEP_SUM;
+      desc.quantization = LOCKSTEP_QUANT_NONE;
+      desc.tag = tag;
+      lockstep_reduce_info_t info = {0, 0, 0};
+      const auto start = std::chrono::steady_clock::now();
+      lockstep_status_t s = lockstep_comm_all_reduce(peer.comm, &desc, &info);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      bool uniform = true;
+      for (float v : out) uniform = uniform && v == out[0];
+      std::ostringstream extra;
+      extra << "\"ms\":" << ms << ",\"world\":" << info.world_size << ",\"bytes_sent\":" << info.bytes_sent
+            << ",\"value\":" << out[0] << ",\"uniform\":" << (uniform ? "true" : "false")
+            << ",\"unchanged\":" << (out == before ? "true" : "false");
+      peer.emit(op, s, extra.str());
     } else if (op == "reconnect") {
       // A new communicator (a new identity) in the same process.
       lockstep_comm_destroy(peer.comm);
