@@ -1,6 +1,6 @@
 // Throughput of the all-reduce kernels on 64 MiB buffers, against memcpy of the same size
-// on the same machine. bytes_per_second counts the bytes of ONE 64 MiB buffer per
-// iteration for every benchmark (for a reduce that is the destination; it also reads the
+// on the same machine. The counters count the bytes of ONE 64 MiB buffer per iteration
+// for every benchmark (for a reduce that is the destination; it also reads the
 // source, so memory traffic is 3x that, against 2x for memcpy). Buffers are written
 // before timing, so no page faults are measured.
 //
@@ -27,35 +27,38 @@ constexpr std::size_t kBytes = std::size_t{64} << 20;
 std::vector<std::uint8_t> make_buffer(lockstep_dtype_t dtype, std::uint64_t seed) {
   std::vector<std::uint8_t> buf(kBytes);
   std::mt19937_64 rng(seed);
+  if (!coll::is_float(dtype)) {
+    for (std::size_t i = 0; i < kBytes; i += 8) {
+      const std::uint64_t r = rng();
+      std::memcpy(buf.data() + i, &r, 8);
+    }
+    return buf;
+  }
   std::uniform_real_distribution<double> d(0.5, 1.0);
   const std::size_t n = kBytes / coll::dtype_size(dtype);
   for (std::size_t i = 0; i < n; ++i) {
     const double x = d(rng);
-    switch (dtype) {
-      case LOCKSTEP_F16: {
-        const std::uint16_t h = coll::f64_to_f16(x);
-        std::memcpy(buf.data() + 2 * i, &h, 2);
-        break;
-      }
-      case LOCKSTEP_BF16: {
-        const std::uint16_t h = coll::f64_to_bf16(x);
-        std::memcpy(buf.data() + 2 * i, &h, 2);
-        break;
-      }
-      case LOCKSTEP_F32: {
-        const auto f = static_cast<float>(x);
-        std::memcpy(buf.data() + 4 * i, &f, 4);
-        break;
-      }
-      case LOCKSTEP_F64: std::memcpy(buf.data() + 8 * i, &x, 8); break;
-      default: {
-        const std::uint64_t r = rng();
-        std::memcpy(buf.data() + i * coll::dtype_size(dtype), &r, coll::dtype_size(dtype));
-        break;
-      }
+    if (dtype == LOCKSTEP_F16 || dtype == LOCKSTEP_BF16) {
+      const std::uint16_t h = dtype == LOCKSTEP_F16 ? coll::f64_to_f16(x) : coll::f64_to_bf16(x);
+      std::memcpy(buf.data() + 2 * i, &h, 2);
+    } else if (dtype == LOCKSTEP_F32) {
+      const auto f = static_cast<float>(x);
+      std::memcpy(buf.data() + 4 * i, &f, 4);
+    } else {
+      std::memcpy(buf.data() + 8 * i, &x, 8);
     }
   }
   return buf;
+}
+
+// bytes_per_second (binary prefixes, as Google Benchmark prints it) and GB_s (10^9 bytes
+// per second, the unit of BENCHMARKS.md), both for one kBytes buffer per iteration.
+void count_bytes(benchmark::State& state) {
+  const auto bytes =
+      static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(kBytes);
+  state.SetBytesProcessed(bytes);
+  state.counters["GB_s"] = benchmark::Counter(
+      static_cast<double>(bytes), benchmark::Counter::kIsRate, benchmark::Counter::kIs1000);
 }
 
 void BM_Memcpy(benchmark::State& state) {
@@ -66,8 +69,7 @@ void BM_Memcpy(benchmark::State& state) {
     benchmark::DoNotOptimize(dst.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
-                          static_cast<std::int64_t>(kBytes));
+  count_bytes(state);
 }
 
 template <lockstep_dtype_t D, lockstep_reduce_op_t Op>
@@ -80,8 +82,7 @@ void BM_Reduce(benchmark::State& state) {
     benchmark::DoNotOptimize(dst.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
-                          static_cast<std::int64_t>(kBytes));
+  count_bytes(state);
 }
 
 template <lockstep_dtype_t D, lockstep_quantization_t Q>
@@ -94,8 +95,7 @@ void BM_Quantize(benchmark::State& state) {
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
-                          static_cast<std::int64_t>(kBytes));
+  count_bytes(state);
 }
 
 template <lockstep_dtype_t D, lockstep_quantization_t Q>
@@ -110,8 +110,7 @@ void BM_Dequantize(benchmark::State& state) {
     benchmark::DoNotOptimize(dst.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
-                          static_cast<std::int64_t>(kBytes));
+  count_bytes(state);
 }
 
 template <lockstep_dtype_t D, lockstep_quantization_t Q>
@@ -126,8 +125,7 @@ void BM_DequantizeReduce(benchmark::State& state) {
     benchmark::DoNotOptimize(dst.data());
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) *
-                          static_cast<std::int64_t>(kBytes));
+  count_bytes(state);
 }
 
 BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -3,8 +3,13 @@
 // without -ffast-math (see reduce.h).
 #include "collectives/reduce.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
+
+#if LOCKSTEP_KERNEL_X86_DISPATCH
+#include <immintrin.h>
+#endif
 
 namespace lockstep::coll {
 namespace {
@@ -151,6 +156,70 @@ template <typename E>
   }
 }
 
+// ---------------------------------------------------------------- f16 with F16C
+#if LOCKSTEP_KERNEL_X86_DISPATCH
+
+bool cpu_has_f16c() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return has;
+}
+
+// out[i] = a[i] OP b[i] in blocks: both operands converted to f32 by the hardware, the
+// f32 operation, the result rounded back by the hardware (nearest-even). Any of out, a,
+// b may be the same pointer: each block is read completely before it is written.
+template <typename Op>
+[[gnu::target("avx2,f16c"), gnu::noinline]] void half_f16c(std::uint16_t* out,
+                                                           const std::uint16_t* a,
+                                                           const std::uint16_t* b, std::size_t n) {
+  constexpr std::size_t kBlock = 512;
+  alignas(32) float fa[kBlock];
+  alignas(32) float fb[kBlock];
+  for (std::size_t off = 0; off < n; off += kBlock) {
+    const std::size_t m = std::min(kBlock, n - off);
+    std::size_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+      const auto* pa = reinterpret_cast<const __m128i*>(a + off + i);
+      const auto* pb = reinterpret_cast<const __m128i*>(b + off + i);
+      _mm256_store_ps(fa + i, _mm256_cvtph_ps(_mm_loadu_si128(pa)));
+      _mm256_store_ps(fb + i, _mm256_cvtph_ps(_mm_loadu_si128(pb)));
+    }
+    for (; i < m; ++i) {
+      fa[i] = f16_to_f32(a[off + i]);
+      fb[i] = f16_to_f32(b[off + i]);
+    }
+    for (std::size_t j = 0; j < m; ++j) fa[j] = Op::apply(fa[j], fb[j]);
+    i = 0;
+    for (; i + 8 <= m; i += 8) {
+      const __m128i h =
+          _mm256_cvtps_ph(_mm256_load_ps(fa + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + off + i), h);
+    }
+    for (; i < m; ++i) out[off + i] = f32_to_f16(fa[i]);
+  }
+}
+
+// Runs out = a OP b with F16C if the element type is f16 and the CPU has it.
+template <typename E, typename Op>
+bool try_half_f16c(void* out, const void* a, const void* b, std::size_t n) {
+  if constexpr (std::is_same_v<E, Half>) {
+    if (cpu_has_f16c()) {
+      half_f16c<Op>(static_cast<std::uint16_t*>(out), static_cast<const std::uint16_t*>(a),
+                    static_cast<const std::uint16_t*>(b), n);
+      return true;
+    }
+  }
+  return false;
+}
+
+#else
+
+template <typename E, typename Op>
+bool try_half_f16c(void*, const void*, const void*, std::size_t) {
+  return false;
+}
+
+#endif
+
 // ---------------------------------------------------------------- dispatch
 // Calls f.template operator()<E>() with the element type of `dtype`; false if unknown.
 template <typename F>
@@ -206,6 +275,7 @@ void reduce(void* dst, const void* src, std::size_t count, lockstep_dtype_t dtyp
   with_dtype(dtype, [&]<typename E>() {
     using S = typename E::Storage;
     with_op(op, [&]<typename Op>() {
+      if (try_half_f16c<E, Op>(dst, dst, src, count)) return;
       if (dst == src) {
         loop_self<E, Op>(static_cast<S*>(dst), count);
       } else {
@@ -220,6 +290,7 @@ void reduce3(void* out, const void* a, const void* b, std::size_t count, lockste
   with_dtype(dtype, [&]<typename E>() {
     using S = typename E::Storage;
     with_op(op, [&]<typename Op>() {
+      if (try_half_f16c<E, Op>(out, a, b, count)) return;
       S* o = static_cast<S*>(out);
       const S* pa = static_cast<const S*>(a);
       const S* pb = static_cast<const S*>(b);

@@ -269,7 +269,11 @@ class Link {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!fatal_.is_ok()) return;
       fatal_ = std::move(status);
-      LOG_WARN(kLog, "connection to the master ended: " << fatal_.to_string());
+      if (fatal_.code() == LOCKSTEP_STATUS_INTERRUPTED) {
+        LOG_DEBUG(kLog, "connection to the master closed: " << fatal_.to_string());
+      } else {
+        LOG_WARN(kLog, "connection to the master ended: " << fatal_.to_string());
+      }
       for (auto& [tag, channel] : ops_) channel->abort(fatal_);
     }
     cv_.notify_all();
@@ -807,6 +811,12 @@ Status Communicator::check_collective_call(const ReduceDescriptor& d) {
 }
 
 Result<std::shared_ptr<AsyncReduce>> Communicator::all_reduce_async(const ReduceDescriptor& d) {
+  return start_collective(d, /*on_own_thread=*/true);
+}
+
+// The blocking form runs the collective on the calling thread (no thread to start
+// and wake); the async form on a thread of its own. The bookkeeping is the same.
+Result<std::shared_ptr<AsyncReduce>> Communicator::start_collective(const ReduceDescriptor& d, bool on_own_thread) {
   if (Status s = check_collective_call(d); !s.is_ok()) return remember(s);
   const auto self = std::this_thread::get_id();
   auto op = std::make_shared<AsyncReduce>();
@@ -835,7 +845,7 @@ Result<std::shared_ptr<AsyncReduce>> Communicator::all_reduce_async(const Reduce
     return remember(Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "eventfd failed"));
   }
   link_->register_op(d.tag, channel);
-  op->thread_ = std::thread([this, d, channel, raw = op.get()] {
+  auto body = [this, d, channel, raw = op.get()] {
     ReduceInfo info;
     Status status = run_collective(d, *channel, &info);
     link_->unregister_op(d.tag);
@@ -846,7 +856,12 @@ Result<std::shared_ptr<AsyncReduce>> Communicator::all_reduce_async(const Reduce
     raw->status_ = std::move(status);
     raw->info_ = info;
     raw->finished_.store(true);
-  });
+  };
+  if (on_own_thread) {
+    op->thread_ = std::thread(std::move(body));
+  } else {
+    body();
+  }
   return op;
 }
 
@@ -863,7 +878,7 @@ Result<ReduceInfo> Communicator::await(const std::shared_ptr<AsyncReduce>& op) {
 }
 
 Result<ReduceInfo> Communicator::all_reduce(const ReduceDescriptor& d) {
-  auto op = all_reduce_async(d);
+  auto op = start_collective(d, /*on_own_thread=*/false);
   if (!op.is_ok()) return op.status();
   return await(op.value());
 }

@@ -114,6 +114,7 @@ class Communicator {
   Result<proto::TopologyResult> run_establishment(bool newcomer);
   std::vector<PeerId> establish(const proto::EstablishP2P& plan);
   Status check_collective_call(const ReduceDescriptor& d);
+  Result<std::shared_ptr<AsyncReduce>> start_collective(const ReduceDescriptor& d, bool on_own_thread);
   // The body of one collective, on its own thread.
   Status run_collective(const ReduceDescriptor& d, OpChannel& channel, ReduceInfo* info);
   // Ring connections, made on first use and cached per (peer, pool slot).

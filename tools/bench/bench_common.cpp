@@ -1,0 +1,573 @@
+// lockstep-bench: the orchestrator (starts a master and worker processes, combines
+// their timings) and the worker (one peer: lockstep, a plain TCP ring moving the
+// same bytes, and Gloo's ring all-reduce, in the same process and run).
+#include "bench_common.h"
+
+#include "collectives/reduce.h"
+#include "common/log.h"
+#include "master/master_server.h"
+#include "peer/communicator.h"
+#include "subprocess.h"
+#include "transport/socket.h"
+
+#include <gloo/allreduce_ring.h>
+#include <gloo/barrier_all_to_all.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/file_store.h>
+#include <gloo/transport/tcp/device.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <random>
+#include <sstream>
+#include <sys/socket.h>
+#include <thread>
+#include <unistd.h>
+
+namespace lockstep::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+const std::map<std::string, lockstep_dtype_t>& dtypes() {
+  static const std::map<std::string, lockstep_dtype_t> table = {
+      {"u8", LOCKSTEP_U8},   {"i8", LOCKSTEP_I8},   {"u16", LOCKSTEP_U16}, {"i16", LOCKSTEP_I16},
+      {"u32", LOCKSTEP_U32}, {"i32", LOCKSTEP_I32}, {"u64", LOCKSTEP_U64}, {"i64", LOCKSTEP_I64},
+      {"f16", LOCKSTEP_F16}, {"bf16", LOCKSTEP_BF16}, {"f32", LOCKSTEP_F32}, {"f64", LOCKSTEP_F64}};
+  return table;
+}
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const auto index = static_cast<std::size_t>(p * static_cast<double>(v.size() - 1) + 0.5);
+  return v[std::min(index, v.size() - 1)];
+}
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+std::string join_sizes(const std::vector<std::uint64_t>& sizes) {
+  std::string out;
+  for (auto s : sizes) out += (out.empty() ? "" : ",") + std::to_string(s);
+  return out;
+}
+
+// ------------------------------------------------------------------ worker
+
+// Joins the run and waits until the group has `world` members.
+bool join(peer::Communicator& comm, int world) {
+  if (!comm.connect().is_ok()) return false;
+  for (;;) {
+    auto a = comm.attributes();
+    if (!a.is_ok()) return false;
+    if (static_cast<int>(a.value().group_world_size) >= world) return true;
+    auto pending = comm.are_peers_pending();
+    if (!pending.is_ok()) return false;
+    if (!pending.value()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      continue;
+    }
+    Status s = comm.update_topology();
+    if (!s.is_ok() && s.code() != LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED) return false;
+  }
+}
+
+// A plain TCP ring among the workers, in index order, for the transport bound.
+class RawRing {
+ public:
+  bool setup(int index, int peers) {
+    auto listener = transport::listen_tcp("127.0.0.1", 0);
+    if (!listener.is_ok()) return false;
+    std::printf("{\"port\":%u}\n", listener.value().port);
+    std::fflush(stdout);
+    std::string line;
+    if (!std::getline(std::cin, line)) return false;  // the next worker's port
+    const auto next_port = static_cast<std::uint16_t>(std::stoi(line));
+    std::thread acceptor([&] { rx_ = transport::Fd(::accept(listener.value().fd.get(), nullptr, nullptr)); });
+    auto tx = transport::connect_tcp("127.0.0.1", next_port, 10'000);
+    acceptor.join();
+    if (!tx.is_ok() || !rx_.valid()) return false;
+    tx_ = std::move(tx.value());
+    transport::set_nodelay(rx_.get());
+    peers_ = peers;
+    (void)index;
+    return true;
+  }
+
+  // Every worker has arrived once a token went n-1 hops around the ring.
+  bool barrier() {
+    for (int i = 0; i + 1 < peers_; ++i) {
+      std::uint8_t token = 1;
+      if (!transport::send_all(tx_.get(), {&token, 1}, 60'000).is_ok()) return false;
+      if (!transport::recv_exact(rx_.get(), {&token, 1}, 60'000).is_ok()) return false;
+    }
+    return true;
+  }
+
+  // Moves 2(n-1)/n of the buffer each way, as a ring all-reduce does, without reducing.
+  double exchange_us(std::vector<std::uint8_t>& buffer) {
+    const std::size_t chunk = buffer.size() / static_cast<std::size_t>(peers_);
+    const std::size_t total = 2 * static_cast<std::size_t>(peers_ - 1) * chunk;
+    const std::size_t piece = std::min<std::size_t>(256 * 1024, std::max<std::size_t>(1, chunk));
+    if (staging_.size() < std::max(piece, std::min<std::size_t>(total, 64 * 1024))) {
+      staging_.resize(std::max(piece, std::min<std::size_t>(total, 64 * 1024)));
+    }
+    const auto start = Clock::now();
+    if (total <= 64 * 1024) {
+      // Small: the socket buffers hold it all, no second thread needed.
+      if (!transport::send_all(tx_.get(), {buffer.data(), std::min(total, buffer.size())}, 60'000).is_ok()) return 0;
+      if (total > buffer.size() && !transport::send_all(tx_.get(), {buffer.data(), total - buffer.size()}, 60'000).is_ok()) {
+        return 0;
+      }
+      if (!transport::recv_exact(rx_.get(), {staging_.data(), total}, 60'000).is_ok()) return 0;
+      return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+    }
+    std::thread sender([&] {
+      for (std::size_t sent = 0; sent < total;) {
+        const std::size_t n = std::min(piece, total - sent);
+        const std::size_t offset = sent % std::max<std::size_t>(1, buffer.size() - n + 1);
+        if (!transport::send_all(tx_.get(), {buffer.data() + offset, n}, 60'000).is_ok()) return;
+        sent += n;
+      }
+    });
+    for (std::size_t got = 0; got < total;) {
+      const std::size_t n = std::min(piece, total - got);
+      if (!transport::recv_exact(rx_.get(), {staging_.data(), n}, 60'000).is_ok()) break;
+      got += n;
+    }
+    sender.join();
+    return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+  }
+
+ private:
+  transport::Fd tx_;
+  transport::Fd rx_;
+  int peers_ = 1;
+  std::vector<std::uint8_t> staging_;
+};
+
+template <typename T>
+std::vector<double> gloo_times(const std::shared_ptr<gloo::rendezvous::Context>& context, std::uint64_t bytes,
+                               int rounds) {
+  std::vector<T> data(std::max<std::uint64_t>(1, bytes / sizeof(T)), T(1));
+  std::vector<T*> ptrs = {data.data()};
+  gloo::AllreduceRing<T> ring(context, ptrs, static_cast<int>(data.size()));
+  std::vector<double> out;
+  for (int i = 0; i < rounds; ++i) {
+    gloo::BarrierAllToAll(context).run();
+    const auto start = Clock::now();
+    ring.run();
+    out.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+  }
+  return out;
+}
+
+std::optional<std::vector<double>> gloo_for(lockstep_dtype_t t, const std::shared_ptr<gloo::rendezvous::Context>& c,
+                                            std::uint64_t bytes, int rounds) {
+  switch (t) {
+    case LOCKSTEP_F32: return gloo_times<float>(c, bytes, rounds);
+    case LOCKSTEP_F64: return gloo_times<double>(c, bytes, rounds);
+    case LOCKSTEP_I32: return gloo_times<int32_t>(c, bytes, rounds);
+    case LOCKSTEP_I64: return gloo_times<int64_t>(c, bytes, rounds);
+    default: return std::nullopt;
+  }
+}
+
+int worker_allreduce(const Settings& s) {
+  peer::Options options;
+  options.master_port = s.master_port;
+  options.base_port = 0;
+  options.p2p_pool_size = static_cast<std::uint32_t>(s.pool);
+  auto created = peer::Communicator::create(options);
+  if (!created.is_ok() || !join(*created.value(), s.peers)) {
+    std::fprintf(stderr, "worker %d: could not join: %s\n", s.index,
+                 created.is_ok() ? created.value()->last_error().c_str() : created.status().to_string().c_str());
+    return 1;
+  }
+  auto& comm = *created.value();
+  RawRing raw;
+  if (s.peers > 1 && !raw.setup(s.index, s.peers)) return 1;
+  std::shared_ptr<gloo::rendezvous::Context> gloo_context;
+  if (!s.gloo_store.empty() && s.peers > 1) {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = "127.0.0.1";
+    auto device = gloo::transport::tcp::CreateDevice(attr);
+    gloo::rendezvous::FileStore store(s.gloo_store);
+    gloo_context = std::make_shared<gloo::rendezvous::Context>(s.index, s.peers);
+    gloo_context->connectFullMesh(store, device);
+  }
+  const std::size_t esize = coll::dtype_size(s.dtype);
+  const int rounds = s.warmup + s.iterations;
+  for (const std::uint64_t bytes : s.sizes) {
+    const std::uint64_t count = std::max<std::uint64_t>(1, bytes / esize);
+    std::vector<std::vector<std::uint8_t>> buffers(static_cast<std::size_t>(s.concurrency),
+                                                   std::vector<std::uint8_t>(count * esize));
+    for (auto& b : buffers) {
+      // Small integers in every dtype: sums stay finite and exact.
+      for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<std::uint8_t>(i % 3 == 0 ? 0x01 : 0x00);
+    }
+    json out = {{"size", bytes}};
+    std::vector<double> lockstep_us;
+    std::uint64_t wire_bytes = 0;
+    for (int round = 0; round < rounds; ++round) {
+      if (!comm.agree(true).is_ok()) return 1;  // everyone starts together
+      const auto start = Clock::now();
+      std::vector<std::shared_ptr<peer::AsyncReduce>> handles;
+      for (int k = 0; k < s.concurrency; ++k) {
+        auto& b = buffers[static_cast<std::size_t>(k)];
+        peer::ReduceDescriptor d{b.data(), b.data(), count, s.dtype, s.op, LOCKSTEP_QUANT_NONE,
+                                 static_cast<std::uint64_t>(k)};
+        auto h = comm.all_reduce_async(d);
+        if (!h.is_ok()) {
+          std::fprintf(stderr, "worker %d: %s\n", s.index, h.status().to_string().c_str());
+          return 1;
+        }
+        handles.push_back(h.value());
+      }
+      std::uint64_t sent = 0;
+      for (auto& h : handles) {
+        auto r = comm.await(h);
+        if (!r.is_ok()) {
+          std::fprintf(stderr, "worker %d: %s\n", s.index, r.status().to_string().c_str());
+          return 1;
+        }
+        sent += r.value().bytes_sent;
+      }
+      const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+      if (round >= s.warmup) {
+        lockstep_us.push_back(us);
+        wire_bytes = sent;
+      }
+    }
+    out["lockstep_us"] = lockstep_us;
+    out["bytes_sent"] = wire_bytes;
+    if (s.peers > 1) {
+      std::vector<double> raw_us;
+      std::vector<std::uint8_t> raw_buffer(count * esize * static_cast<std::size_t>(s.concurrency));
+      for (int round = 0; round < rounds; ++round) {
+        if (!raw.barrier()) return 1;
+        const double us = raw.exchange_us(raw_buffer);
+        if (round >= s.warmup) raw_us.push_back(us);
+      }
+      out["raw_us"] = raw_us;
+    }
+    if (gloo_context && s.concurrency == 1) {
+      if (auto g = gloo_for(s.dtype, gloo_context, bytes, rounds)) {
+        out["gloo_us"] = std::vector<double>(g->begin() + s.warmup, g->end());
+      }
+    }
+    std::printf("%s\n", out.dump().c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+// Loops over all-reduces, retrying failures, admitting newcomers between steps, and
+// prints the monotonic time of every success.
+int worker_recovery(const Settings& s) {
+  peer::Options options;
+  options.master_port = s.master_port;
+  options.base_port = 0;
+  auto created = peer::Communicator::create(options);
+  if (!created.is_ok() || !created.value()->connect().is_ok()) return 1;
+  auto& comm = *created.value();
+  const std::uint64_t count = std::max<std::uint64_t>(1, s.sizes.front() / 4);
+  std::vector<float> data(count, 1.0f);
+  for (;;) {
+    auto a = comm.attributes();
+    if (a.is_ok() && a.value().group_world_size >= 2) {
+      peer::ReduceDescriptor d{data.data(), data.data(), count, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, 0};
+      auto r = comm.all_reduce(d);
+      if (r.is_ok()) {
+        std::fill(data.begin(), data.end(), 1.0f);
+        std::printf("{\"ok_ns\":%lld,\"world\":%u}\n", static_cast<long long>(now_ns()), r.value().world_size);
+        std::fflush(stdout);
+      } else if (r.status().code() != LOCKSTEP_STATUS_PEER_CONNECTION_LOST) {
+        return 1;
+      }
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    auto pending = comm.are_peers_pending();
+    if (!pending.is_ok()) return 1;
+    if (pending.value()) {
+      Status u = comm.update_topology();
+      if (!u.is_ok() && u.code() != LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED) return 1;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ orchestrator
+
+std::unique_ptr<master::MasterServer> start_master(std::uint32_t heartbeat_timeout_ms) {
+  master::Options options;
+  options.listen_host = "127.0.0.1";
+  options.listen_port = 0;
+  options.coordinator.heartbeat_timeout_ms = heartbeat_timeout_ms;
+  options.coordinator.instance_nonce = std::random_device{}();
+  auto m = std::make_unique<master::MasterServer>(options);
+  if (!m->start().is_ok()) return nullptr;
+  return m;
+}
+
+std::vector<std::string> worker_argv(const Settings& s, const std::string& mode, int index, std::uint16_t port) {
+  std::vector<std::string> argv = {s.self, "worker", "--mode", mode, "--master-port", std::to_string(port),
+                                   "--index", std::to_string(index), "--peers", std::to_string(s.peers),
+                                   "--size", join_sizes(s.sizes), "--dtype", dtype_name(s.dtype),
+                                   "--op", std::to_string(static_cast<int>(s.op)), "--concurrency",
+                                   std::to_string(s.concurrency), "--pool", std::to_string(s.pool),
+                                   "--iterations", std::to_string(s.iterations), "--warmup", std::to_string(s.warmup)};
+  if (!s.gloo_store.empty()) {
+    argv.push_back("--gloo-store");
+    argv.push_back(s.gloo_store);
+  }
+  return argv;
+}
+
+std::optional<json> read_json(tools::Subprocess& p, std::chrono::seconds timeout) {
+  auto line = p.read_line(timeout);
+  if (!line) return std::nullopt;
+  auto j = json::parse(*line, nullptr, false);
+  if (j.is_discarded()) return std::nullopt;
+  return j;
+}
+
+// Per iteration, the all-reduce took as long as its slowest peer.
+std::vector<double> slowest(const std::vector<json>& replies, const char* key) {
+  std::vector<double> out;
+  for (const auto& r : replies) {
+    if (!r.contains(key)) return {};
+    const auto& times = r[key];
+    if (out.empty()) out.assign(times.size(), 0.0);
+    for (std::size_t i = 0; i < times.size() && i < out.size(); ++i) out[i] = std::max(out[i], times[i].get<double>());
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> dtype_names() {
+  std::vector<std::string> out;
+  for (const auto& [name, t] : dtypes()) out.push_back(name);
+  return out;
+}
+lockstep_dtype_t dtype_from_name(const std::string& name) {
+  auto it = dtypes().find(name);
+  return it == dtypes().end() ? LOCKSTEP_F32 : it->second;
+}
+const char* dtype_name(lockstep_dtype_t dtype) {
+  for (const auto& [name, t] : dtypes()) {
+    if (t == dtype) return name.c_str();
+  }
+  return "f32";
+}
+lockstep_reduce_op_t op_from_name(const std::string& name) {
+  if (name == "avg" || name == "1") return LOCKSTEP_AVG;
+  if (name == "prod" || name == "2") return LOCKSTEP_PROD;
+  if (name == "max" || name == "3") return LOCKSTEP_MAX;
+  if (name == "min" || name == "4") return LOCKSTEP_MIN;
+  return LOCKSTEP_SUM;
+}
+
+std::optional<std::vector<std::uint64_t>> parse_sizes(const std::string& text) {
+  std::vector<std::uint64_t> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    std::size_t used = 0;
+    std::uint64_t value = 0;
+    try {
+      value = std::stoull(item, &used);
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+    const std::string unit = item.substr(used);
+    if (unit == "KiB") value <<= 10;
+    else if (unit == "MiB") value <<= 20;
+    else if (unit == "GiB") value <<= 30;
+    else if (!unit.empty() && unit != "B") return std::nullopt;
+    if (value == 0 || value > (std::uint64_t{4} << 30)) return std::nullopt;
+    out.push_back(value);
+  }
+  if (out.empty()) return std::nullopt;
+  return out;
+}
+
+std::string self_path(const char* argv0) {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(argv0) : p.string();
+}
+
+int run_worker(const Settings& s) {
+  log::set_level(log::Level::kWarn);
+  return s.mode == "recovery" ? worker_recovery(s) : worker_allreduce(s);
+}
+
+int run_allreduce(const Settings& settings) {
+  Settings s = settings;
+  log::set_level(log::Level::kWarn);
+  auto master = start_master(60'000);  // generous: a busy 2-core machine must not evict live workers
+  if (!master) return 1;
+  std::string store_dir;
+  if (s.compare_gloo) {
+    char tmpl[] = "/tmp/lockstep-bench-gloo-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) return 1;
+    store_dir = tmpl;
+    s.gloo_store = store_dir;
+  }
+  std::vector<tools::Subprocess> workers;
+  for (int i = 0; i < s.peers; ++i) {
+    auto p = tools::Subprocess::spawn(worker_argv(s, "allreduce", i, master->port()));
+    if (!p) return 1;
+    workers.push_back(std::move(*p));
+  }
+  int rc = 0;
+  if (s.peers > 1) {
+    // Wire the plain TCP ring: each worker announces a port; tell each its next.
+    std::vector<int> ports;
+    for (auto& w : workers) {
+      auto j = read_json(w, std::chrono::seconds(120));
+      if (!j || !j->contains("port")) {
+        std::fprintf(stderr, "lockstep-bench: a worker did not start\n");
+        return 1;
+      }
+      ports.push_back((*j)["port"].get<int>());
+    }
+    for (std::size_t i = 0; i < workers.size(); ++i) {
+      workers[i].write_line(std::to_string(ports[(i + 1) % workers.size()]));
+    }
+  }
+  for (const std::uint64_t bytes : s.sizes) {
+    std::vector<json> replies;
+    for (auto& w : workers) {
+      auto j = read_json(w, std::chrono::seconds(1800));
+      if (!j) {
+        std::fprintf(stderr, "lockstep-bench: a worker failed at size %llu\n", static_cast<unsigned long long>(bytes));
+        return 1;
+      }
+      replies.push_back(*j);
+    }
+    const auto lockstep_us = slowest(replies, "lockstep_us");
+    const auto raw_us = slowest(replies, "raw_us");
+    const auto gloo_us = slowest(replies, "gloo_us");
+    const double contribution = static_cast<double>(bytes) * s.concurrency;
+    const double p50 = percentile(lockstep_us, 0.5);
+    json out = {{"bench", "allreduce"},
+                {"peers", s.peers},
+                {"bytes", bytes},
+                {"dtype", dtype_name(s.dtype)},
+                {"op", static_cast<int>(s.op)},
+                {"concurrency", s.concurrency},
+                {"pool", s.pool},
+                {"iterations", s.iterations},
+                {"gbytes_s", contribution / (p50 * 1e3)},
+                {"p50_us", p50},
+                {"p99_us", percentile(lockstep_us, 0.99)},
+                {"wire_bytes_per_peer", replies[0].value("bytes_sent", 0)}};
+    if (!raw_us.empty()) {
+      const double raw = contribution / (percentile(raw_us, 0.5) * 1e3);
+      out["raw_gbytes_s"] = raw;
+      out["efficiency"] = out["gbytes_s"].get<double>() / raw;
+    }
+    if (!gloo_us.empty()) {
+      const double gloo = static_cast<double>(bytes) / (percentile(gloo_us, 0.5) * 1e3);
+      out["gloo_gbytes_s"] = gloo;
+      out["gloo_p50_us"] = percentile(gloo_us, 0.5);
+      out["ratio"] = out["gbytes_s"].get<double>() / gloo;
+    } else if (s.compare_gloo) {
+      out["gloo"] = "not measured (dtype or concurrency not supported by the comparison)";
+    }
+    std::printf("%s\n", out.dump().c_str());
+    std::fflush(stdout);
+  }
+  for (auto& w : workers) {
+    if (w.wait(std::chrono::seconds(30)).value_or(1) != 0) rc = 1;
+  }
+  if (!store_dir.empty()) std::filesystem::remove_all(store_dir);
+  return rc;
+}
+
+int run_recovery(const Settings& s) {
+  log::set_level(log::Level::kWarn);
+  auto master = start_master(s.heartbeat_timeout_ms);
+  if (!master) return 1;
+  std::map<int, tools::Subprocess> workers;
+  int next_index = 0;
+  auto spawn = [&] {
+    auto p = tools::Subprocess::spawn(worker_argv(s, "recovery", next_index, master->port()));
+    if (p) workers.emplace(next_index++, std::move(*p));
+  };
+  // Reads every worker's successes for a while; returns the last success time of each.
+  auto drain = [&](std::chrono::milliseconds duration, std::map<int, std::int64_t>& last_ok) {
+    const auto until = Clock::now() + duration;
+    while (Clock::now() < until) {
+      bool any = false;
+      for (auto& [i, w] : workers) {
+        while (auto line = w.read_line(std::chrono::milliseconds(0))) {
+          auto j = json::parse(*line, nullptr, false);
+          if (!j.is_discarded() && j.contains("ok_ns")) last_ok[i] = j["ok_ns"].get<std::int64_t>();
+          any = true;
+        }
+      }
+      if (!any) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  };
+  for (int i = 0; i < s.peers; ++i) spawn();
+  std::map<int, std::int64_t> last_ok;
+  drain(std::chrono::milliseconds(3000), last_ok);
+  std::mt19937 random(12345);
+  std::vector<double> recovery_ms;
+  for (int trial = 0; trial < s.trials; ++trial) {
+    // Kill a random worker at a uniformly random moment.
+    std::this_thread::sleep_for(std::chrono::milliseconds(50 + random() % 250));
+    drain(std::chrono::milliseconds(0), last_ok);
+    auto victim = workers.begin();
+    std::advance(victim, static_cast<long>(random() % workers.size()));
+    const std::int64_t killed_ns = now_ns();
+    victim->second.kill();
+    workers.erase(victim);
+    std::map<int, std::int64_t> after;
+    const auto deadline = Clock::now() + std::chrono::milliseconds(s.heartbeat_timeout_ms + 30'000);
+    // Wait until every survivor has completed an all-reduce that began after the kill.
+    for (;;) {
+      std::map<int, std::int64_t> seen;
+      drain(std::chrono::milliseconds(2), seen);
+      for (const auto& [i, t] : seen) {
+        if (t > killed_ns && after.count(i) == 0) after[i] = t;
+      }
+      if (after.size() == workers.size() || Clock::now() > deadline) break;
+    }
+    if (after.size() != workers.size()) {
+      std::fprintf(stderr, "lockstep-bench: survivors did not recover within the deadline\n");
+      return 1;
+    }
+    std::int64_t latest = 0;
+    for (const auto& [i, t] : after) latest = std::max(latest, t);
+    recovery_ms.push_back(static_cast<double>(latest - killed_ns) / 1e6);
+    spawn();  // a replacement joins; let the run settle
+    drain(std::chrono::milliseconds(500), last_ok);
+  }
+  json out = {{"bench", "recovery"},
+              {"peers", s.peers},
+              {"bytes", s.sizes.front()},
+              {"trials", s.trials},
+              {"heartbeat_timeout_ms", s.heartbeat_timeout_ms},
+              {"median_ms", percentile(recovery_ms, 0.5)},
+              {"p90_ms", percentile(recovery_ms, 0.9)},
+              {"max_ms", percentile(recovery_ms, 1.0)}};
+  std::printf("%s\n", out.dump().c_str());
+  return 0;
+}
+
+}  // namespace lockstep::bench

@@ -1,0 +1,44 @@
+// Shared pieces of lockstep-bench: settings, size parsing, the orchestrator and the
+// worker. See main.cpp for the command line.
+#pragma once
+
+#include <lockstep/lockstep.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace lockstep::bench {
+
+struct Settings {
+  std::string mode;  // worker: "allreduce" or "recovery"
+  int peers = 2;
+  std::vector<std::uint64_t> sizes;
+  lockstep_dtype_t dtype = LOCKSTEP_F32;
+  lockstep_reduce_op_t op = LOCKSTEP_SUM;
+  int concurrency = 1;
+  int pool = 1;
+  int iterations = 9;
+  int warmup = 2;
+  int trials = 20;
+  std::uint32_t heartbeat_timeout_ms = 5000;
+  bool compare_gloo = false;
+  std::string gloo_store;
+  std::uint16_t master_port = 0;
+  int index = 0;
+  std::string self;
+};
+
+std::vector<std::string> dtype_names();
+lockstep_dtype_t dtype_from_name(const std::string& name);
+const char* dtype_name(lockstep_dtype_t dtype);
+lockstep_reduce_op_t op_from_name(const std::string& name);
+std::optional<std::vector<std::uint64_t>> parse_sizes(const std::string& text);
+std::string self_path(const char* argv0);
+
+int run_allreduce(const Settings& s);
+int run_recovery(const Settings& s);
+int run_worker(const Settings& s);
+
+}  // namespace lockstep::bench

@@ -1,0 +1,70 @@
+// lockstep-bench: measures lockstep against the transport bound and Gloo, with the
+// definitions of PRODUCT.md. It starts a master and N worker processes on loopback
+// (workers are this program run as `lockstep-bench worker ...`) and prints one JSON
+// object per line per measurement.
+//
+//   lockstep-bench allreduce --peers 4 --size 1KiB,16MiB,256MiB [--dtype f32] [--op sum]
+//                  [--concurrency K] [--pool P] [--iterations N] [--warmup W] [--compare gloo]
+//   lockstep-bench recovery --peers 4 --size 16MiB --trials 20
+#include "bench_common.h"
+
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+
+int main(int argc, char** argv) {
+  CLI::App app{"lockstep-bench: all-reduce throughput and latency, recovery time"};
+  app.require_subcommand(1);
+  lockstep::bench::Settings s;
+  std::string sizes = "16MiB";
+  std::string dtype = "f32";
+  std::string op = "sum";
+  std::string compare;
+
+  auto* allreduce = app.add_subcommand("allreduce", "effective all-reduce throughput, latency percentiles");
+  allreduce->add_option("--peers", s.peers, "number of peer processes")->check(CLI::Range(1, 64));
+  allreduce->add_option("--size", sizes, "bytes per peer, comma-separated (suffixes KiB, MiB, GiB)");
+  allreduce->add_option("--dtype", dtype, "element type")->check(CLI::IsMember(lockstep::bench::dtype_names()));
+  allreduce->add_option("--op", op, "reduce op")->check(CLI::IsMember({"sum", "avg", "prod", "max", "min"}));
+  allreduce->add_option("--concurrency", s.concurrency, "all-reduces in flight at once")->check(CLI::Range(1, 256));
+  allreduce->add_option("--pool", s.pool, "p2p connections per neighbour")->check(CLI::Range(1, 256));
+  allreduce->add_option("--iterations", s.iterations, "timed repetitions per size")->check(CLI::Range(5, 100000));
+  allreduce->add_option("--warmup", s.warmup, "untimed repetitions first")->check(CLI::Range(0, 1000));
+  allreduce->add_option("--compare", compare, "also measure this library (gloo)")->check(CLI::IsMember({"gloo"}));
+
+  auto* recovery = app.add_subcommand("recovery", "time from a peer's SIGKILL to the survivors' next all-reduce");
+  recovery->add_option("--peers", s.peers, "number of peer processes")->check(CLI::Range(3, 64));
+  recovery->add_option("--size", sizes, "bytes per all-reduce");
+  recovery->add_option("--trials", s.trials, "kills (at least 20 for a figure)")->check(CLI::Range(1, 1000));
+  recovery->add_option("--heartbeat-timeout-ms", s.heartbeat_timeout_ms, "the master's heartbeat timeout");
+
+  auto* worker = app.add_subcommand("worker", "(internal) one peer of a benchmark");
+  worker->group("");
+  worker->add_option("--mode", s.mode)->required();
+  worker->add_option("--master-port", s.master_port)->required();
+  worker->add_option("--index", s.index)->required();
+  worker->add_option("--peers", s.peers);
+  worker->add_option("--size", sizes);
+  worker->add_option("--dtype", dtype);
+  worker->add_option("--op", op);
+  worker->add_option("--concurrency", s.concurrency);
+  worker->add_option("--pool", s.pool);
+  worker->add_option("--iterations", s.iterations);
+  worker->add_option("--warmup", s.warmup);
+  worker->add_option("--gloo-store", s.gloo_store);
+  CLI11_PARSE(app, argc, argv);
+
+  auto parsed = lockstep::bench::parse_sizes(sizes);
+  if (!parsed) {
+    std::fprintf(stderr, "lockstep-bench: bad --size '%s' (e.g. 1KiB,16MiB,1GiB)\n", sizes.c_str());
+    return 2;
+  }
+  s.sizes = *parsed;
+  s.dtype = lockstep::bench::dtype_from_name(dtype);
+  s.op = lockstep::bench::op_from_name(op);
+  s.compare_gloo = compare == "gloo";
+  s.self = lockstep::bench::self_path(argv[0]);
+  if (*worker) return lockstep::bench::run_worker(s);
+  if (*allreduce) return lockstep::bench::run_allreduce(s);
+  return lockstep::bench::run_recovery(s);
+}
