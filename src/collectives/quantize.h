@@ -33,7 +33,7 @@
 //
 // Non-finite values: a chunk that contains a NaN or an infinity (or, for f64 only,
 // whose range max - min overflows to infinity) is encoded with p0 = p1 = NaN and all
-// codes 0, and every element of it decodes to a quiet NaN. The blow-up therefore shows
+// codes 0, and every element of it decodes to the canonical quiet NaN (reduce.h). The blow-up therefore shows
 // in the all-reduce result (as NaN over the whole chunk rather than element-wise), so a
 // training loop that checks gradients for non-finite values reacts as it would without
 // quantization. No input makes any function here crash or invoke undefined behaviour.

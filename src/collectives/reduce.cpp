@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #if LOCKSTEP_KERNEL_X86_DISPATCH
@@ -15,28 +16,43 @@ namespace lockstep::coll {
 namespace {
 
 // ---------------------------------------------------------------- element types
-// Storage is what the buffer holds; Compute is what the arithmetic runs in.
+// Storage is what the buffer holds; Compute is what the arithmetic runs in. store()
+// turns a result into storage, making a NaN the canonical NaN (reduce.h). (For f16/bf16
+// that is done on the 16-bit pattern after rounding: a float select in front of the
+// conversion would let GCC thread the NaN case through it and stop vectorizing.)
 
 template <typename T>
 struct Native {
   using Storage = T;
   using Compute = T;
   static T load(T x) { return x; }
-  static T store(T x) { return x; }
+  static T store(T x) {
+    if constexpr (std::is_floating_point_v<T>) {
+      return x != x ? std::numeric_limits<T>::quiet_NaN() : x;
+    } else {
+      return x;
+    }
+  }
 };
 
 struct Half {
   using Storage = std::uint16_t;
   using Compute = float;
   static float load(std::uint16_t x) { return f16_to_f32(x); }
-  static std::uint16_t store(float x) { return f32_to_f16(x); }
+  static std::uint16_t store(float x) {
+    const std::uint16_t h = f32_to_f16(x);
+    return (h & 0x7fffu) > 0x7c00u ? std::uint16_t{0x7e00} : h;
+  }
 };
 
 struct BHalf {
   using Storage = std::uint16_t;
   using Compute = float;
   static float load(std::uint16_t x) { return bf16_to_f32(x); }
-  static std::uint16_t store(float x) { return f32_to_bf16(x); }
+  static std::uint16_t store(float x) {
+    const std::uint16_t h = f32_to_bf16(x);
+    return (h & 0x7fffu) > 0x7f80u ? std::uint16_t{0x7fc0} : h;
+  }
 };
 
 // At least as wide as T and at least unsigned int, so that no operand is promoted to a
@@ -72,9 +88,9 @@ struct OpProd {
   }
 };
 
-// Floating max/min: NaN in -> quiet NaN out (a + b of a NaN is a quiet NaN); numerically
-// equal operands are either the same value (either one will do) or zeros of different
-// signs, where a + b is +0 and -(-a + -b) is -0 unless both are -0 / +0.
+// Floating max/min: a NaN operand gives a NaN (a + b; store() makes it canonical);
+// numerically equal operands are either the same value (either one will do) or zeros,
+// where a + b is +0 and -(-a + -b) is -0 unless both are -0 / both are +0.
 struct OpMax {
   template <typename T>
   static T apply(T a, T b) {
@@ -187,7 +203,10 @@ template <typename Op>
       fa[i] = f16_to_f32(a[off + i]);
       fb[i] = f16_to_f32(b[off + i]);
     }
-    for (std::size_t j = 0; j < m; ++j) fa[j] = Op::apply(fa[j], fb[j]);
+    for (std::size_t j = 0; j < m; ++j) {
+      const float r = Op::apply(fa[j], fb[j]);
+      fa[j] = r != r ? std::numeric_limits<float>::quiet_NaN() : r;  // canonical NaN
+    }
     i = 0;
     for (; i + 8 <= m; i += 8) {
       const __m128i h =

@@ -6,9 +6,14 @@
 //    unsigned type of at least the same width (at least `unsigned int`, so that u8/u16
 //    operands are not promoted to a signed int that could overflow), then truncated.
 //  - Integer max/min are the usual ones.
-//  - Floating-point max and min propagate NaN: if either operand is NaN the result is a
-//    quiet NaN. Otherwise they order -0.0 below +0.0 (IEEE 754-2019 maximum/minimum),
-//    so that max(-0, +0) = +0 and min(-0, +0) = -0 whatever the operand order.
+//  - Floating-point max and min propagate NaN: if either operand is NaN the result is
+//    NaN. Otherwise they order -0.0 below +0.0 (IEEE 754-2019 maximum/minimum), so that
+//    max(-0, +0) = +0 and min(-0, +0) = -0 whatever the operand order.
+//  - Every floating-point result that is NaN (of any op, and of finalize) is the
+//    canonical quiet NaN: sign 0, payload 0 (f16 0x7e00, bf16 0x7fc0, f32 0x7fc00000,
+//    f64 0x7ff8000000000000). IEEE leaves open which operand's payload survives and
+//    compilers may swap the operands of a commutative operation, so without this the
+//    NaN bits would depend on the code path.
 //  - f16 and bf16 operands are converted to f32 (exactly), the operation is done in
 //    f32, and the result is rounded to nearest-even when stored. Because f32 carries
 //    at least 2p+2 bits for both (p = 11 and 8), this double rounding is innocuous:
@@ -21,10 +26,12 @@
 // An unknown dtype or op makes every function here a no-op (callers validate raw values
 // from the API or the wire with dtype_valid()/op_valid() first).
 //
-// Determinism: results depend only on the operand bits. The kernels are compiled
-// without -ffast-math and with -ffp-contract=off (no fused multiply-add), with the
-// default rounding mode; the conversions below are pure bit manipulation plus exact or
-// correctly rounded IEEE operations, so every peer computes the same bits.
+// Determinism: results depend only on the operand bits. The kernels are compiled without
+// -ffast-math and with -ffp-contract=off (no fused multiply-add) and run in the default
+// floating-point environment (round to nearest-even, no flush-to-zero: a process that
+// sets FTZ/DAZ changes f32/f64 results on subnormals); the conversions below are pure
+// bit manipulation plus exact or correctly rounded IEEE operations, and NaN results are
+// canonical, so every code path on every peer computes the same bits.
 #pragma once
 
 #include <lockstep/lockstep.h>

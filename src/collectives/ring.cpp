@@ -3,6 +3,7 @@
 // sub-chunk at step s-1 is complete (it carries what was just reduced or received).
 #include "collectives/ring.h"
 
+#include "collectives/quantize.h"
 #include "collectives/reduce.h"
 
 #include <poll.h>
@@ -39,6 +40,15 @@ class Layout {
   std::size_t total_subs() const { return sub_offset_[n_]; }
   std::size_t esize() const { return esize_; }
   std::size_t n() const { return n_; }
+  // Bytes of sub-chunk j of chunk c on the wire.
+  std::size_t wire_bytes(std::size_t c, std::size_t j, lockstep_quantization_t q) const {
+    return q == LOCKSTEP_QUANT_NONE ? sub_len(c, j) * esize_ : quantized_bytes(sub_len(c, j), q);
+  }
+  // Where the encoded form of sub-chunk j of chunk c is kept during the all-gather.
+  std::size_t encoded_offset(std::size_t c, std::size_t j) const {
+    return (start(c) + j * sub_elems_) + sub_index(c, j) * kQuantHeaderBytes;
+  }
+  std::size_t encoded_total() const { return count_ + total_subs() * kQuantHeaderBytes; }
 
  private:
   std::size_t n_, i_, count_, esize_, sub_elems_;
@@ -97,8 +107,13 @@ class Runner {
     const std::size_t total = p_.count * l_.esize();
     if (s_.backup.size() < total) s_.backup.resize(total);
     s_.touched.assign(l_.total_subs() + 1, 0);
-    const std::size_t staging = std::min(total, std::max<std::size_t>(p_.subchunk_bytes, l_.esize()));
+    const std::size_t staging =
+        std::min(total, std::max<std::size_t>(p_.subchunk_bytes, l_.esize())) + kQuantHeaderBytes;
     if (s_.staging.size() < staging) s_.staging.resize(staging);
+    if (quantized()) {
+      if (s_.encoded_send.size() < staging) s_.encoded_send.resize(staging);
+      if (s_.encoded_gather.size() < l_.encoded_total()) s_.encoded_gather.resize(l_.encoded_total());
+    }
   }
 
   // Backs up destination elements [start, start+len) of sub-chunk g before the first write.
@@ -114,6 +129,28 @@ class Runner {
       std::memcpy(p_.dst, p_.src, p_.count * l_.esize());
     }
     return Status::ok();  // a world of one: sum, max, ... and avg over one peer are the input
+  }
+
+  bool quantized() const { return p_.quantization != LOCKSTEP_QUANT_NONE; }
+
+  // The bytes of a send item. Quantized: reduce-scatter encodes the partial sum; the
+  // first all-gather step encodes this peer's final chunk and replaces its own copy
+  // with the decoded form; later steps forward what was received, unchanged.
+  const std::uint8_t* send_data(std::size_t c, std::size_t start) {
+    const std::uint8_t* raw = (send_.step == 0 ? bytes_of(p_.src) : bytes_of(p_.dst)) + start * l_.esize();
+    if (!quantized()) return raw;
+    const std::size_t elems = l_.sub_len(c, send_.sub);
+    if (send_.step + 1 < l_.n()) {
+      quantize(raw, elems, p_.dtype, p_.quantization, s_.encoded_send.data());
+      return s_.encoded_send.data();
+    }
+    std::uint8_t* kept = s_.encoded_gather.data() + l_.encoded_offset(c, send_.sub);
+    if (send_.step + 1 == l_.n()) {
+      quantize(raw, elems, p_.dtype, p_.quantization, kept);
+      touch(l_.sub_index(c, send_.sub), start, elems);
+      dequantize(kept, elems, p_.dtype, p_.quantization, bytes_of(p_.dst) + start * l_.esize());
+    }
+    return kept;
   }
 
   void skip_empty(Cursor& c, bool sending) {
@@ -141,10 +178,13 @@ class Runner {
     while (send_ready()) {
       const std::size_t c = l_.send_chunk(send_.step);
       const std::size_t start = l_.sub_start(c, send_.sub);
-      const std::size_t payload = l_.sub_len(c, send_.sub) * l_.esize();
-      if (send_.bytes == 0) put_header(send_header_, static_cast<std::uint32_t>(send_.item), p_.attempt);
+      const std::size_t payload = l_.wire_bytes(c, send_.sub, p_.quantization);
       // Step 0 sends this peer's own input; later steps send what was reduced or received.
-      const std::uint8_t* data = (send_.step == 0 ? bytes_of(p_.src) : bytes_of(p_.dst)) + start * l_.esize();
+      if (send_.bytes == 0) {
+        put_header(send_header_, static_cast<std::uint32_t>(send_.item), p_.attempt);
+        send_source_ = send_data(c, start);
+      }
+      const std::uint8_t* data = send_source_;
       iovec iov[2];
       int n = 0;
       if (send_.bytes < kRingHeaderBytes) {
@@ -176,12 +216,13 @@ class Runner {
       const std::size_t c = l_.recv_chunk(recv_.step);
       const std::size_t start = l_.sub_start(c, recv_.sub);
       const std::size_t elems = l_.sub_len(c, recv_.sub);
-      const std::size_t payload = elems * l_.esize();
+      const std::size_t payload = l_.wire_bytes(c, recv_.sub, p_.quantization);
       const bool reducing = recv_.step < l_.n() - 1;
       const std::size_t g = l_.sub_index(c, recv_.sub);
       // All-gather writes straight into the destination: back it up first.
       if (!reducing && recv_.bytes == 0) touch(g, start, elems);
       std::uint8_t* target = reducing ? s_.staging.data() : bytes_of(p_.dst) + start * l_.esize();
+      if (quantized() && !reducing) target = s_.encoded_gather.data() + l_.encoded_offset(c, recv_.sub);
       iovec iov[2];
       int n = 0;
       if (recv_.bytes < kRingHeaderBytes) {
@@ -207,11 +248,22 @@ class Runner {
         if (!h.is_ok()) return h;
       }
       if (recv_.bytes == kRingHeaderBytes + payload) {
+        if (quantized() && !quantized_header_valid(target, p_.dtype, p_.quantization)) {
+          return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "quantized sub-chunk with an impossible header");
+        }
+        if (!reducing && quantized()) {
+          dequantize(target, elems, p_.dtype, p_.quantization, bytes_of(p_.dst) + start * l_.esize());
+        }
         if (reducing) {
           touch(g, start, elems);
           std::uint8_t* dst = bytes_of(p_.dst) + start * l_.esize();
           const std::uint8_t* src = bytes_of(p_.src) + start * l_.esize();
-          reduce3(dst, src, s_.staging.data(), elems, p_.dtype, p_.op);
+          if (quantized()) {
+            if (src != dst) std::memcpy(dst, src, elems * l_.esize());
+            dequantize_reduce(dst, s_.staging.data(), elems, p_.dtype, p_.quantization, p_.op);
+          } else {
+            reduce3(dst, src, s_.staging.data(), elems, p_.dtype, p_.op);
+          }
           // The last reduce-scatter step completes this peer's chunk: finish it here,
           // once, so that the all-gather hands every peer the same bytes.
           if (recv_.step == l_.n() - 2) finalize(dst, elems, p_.dtype, p_.op, static_cast<std::uint32_t>(p_.world));
@@ -253,6 +305,7 @@ class Runner {
   Layout l_;
   Cursor send_;
   Cursor recv_;
+  const std::uint8_t* send_source_ = nullptr;
   std::uint8_t send_header_[kRingHeaderBytes] = {};
   std::uint8_t recv_header_[kRingHeaderBytes] = {};
 };

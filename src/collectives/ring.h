@@ -10,6 +10,14 @@
 // write; restore() puts it back exactly when the master declares the attempt failed.
 // One thread drives both directions with non-blocking sockets; poll() also watches
 // an abort descriptor, so aborting costs the data path nothing.
+//
+// With quantization each sub-chunk travels as 8-bit codes plus a 16-byte parameter
+// header (collectives/quantize.h). Reduce-scatter hops carry quantized partial sums;
+// the owner of a chunk quantizes its final value once, replaces its own copy with the
+// decoded form, and the all-gather forwards those encoded bytes unchanged, so every
+// peer decodes the same bits. Error bound per element: the sum over the n-1
+// reduce-scatter hops and the one all-gather encoding of each encoding's bound
+// (scale/2 plus rounding, see quantize.h).
 #pragma once
 
 #include "common/status.h"
@@ -31,6 +39,7 @@ struct RingPlan {
   std::size_t count = 0;
   lockstep_dtype_t dtype = LOCKSTEP_F32;
   lockstep_reduce_op_t op = LOCKSTEP_SUM;
+  lockstep_quantization_t quantization = LOCKSTEP_QUANT_NONE;
   std::uint64_t attempt = 0;
   std::size_t subchunk_bytes = 256 * 1024;
 };
@@ -52,6 +61,10 @@ struct RingScratch {
   std::vector<std::uint8_t> backup;   // the destination's previous content
   std::vector<std::uint8_t> staging;  // one received sub-chunk before it is reduced
   std::vector<std::uint8_t> touched;  // per sub-chunk of the destination: backed up
+  // Quantized attempts: one encoded sub-chunk on its way out, and every encoded
+  // sub-chunk of the all-gather, forwarded verbatim so that all peers decode the same bytes.
+  std::vector<std::uint8_t> encoded_send;
+  std::vector<std::uint8_t> encoded_gather;
 };
 
 inline constexpr std::size_t kRingHeaderBytes = 16;

@@ -5,6 +5,7 @@
 // file descriptors). The first fatal error sticks: every later call fails fast.
 #include "peer/communicator.h"
 
+#include "collectives/quantize.h"
 #include "collectives/reduce.h"
 #include "common/log.h"
 #include "protocol/codec.h"
@@ -799,8 +800,8 @@ Status Communicator::check_collective_call(const ReduceDescriptor& d) {
   if (d.src == nullptr || d.dst == nullptr) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "null buffer");
   if (!coll::dtype_valid(static_cast<int>(d.dtype))) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "unknown dtype");
   if (!coll::op_valid(static_cast<int>(d.op))) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "unknown reduce op");
-  if (d.quantization != LOCKSTEP_QUANT_NONE) {
-    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "quantization is not supported yet");
+  if (d.quantization != LOCKSTEP_QUANT_NONE && !coll::quantization_supported(d.dtype, d.quantization)) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "quantization needs a floating-point dtype (f16, bf16, f32, f64)");
   }
   if (d.count > (std::uint64_t{1} << 48) / coll::dtype_size(d.dtype)) {
     return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "buffer larger than 256 TiB");
@@ -971,6 +972,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   plan.count = static_cast<std::size_t>(d.count);
   plan.dtype = d.dtype;
   plan.op = d.op;
+  plan.quantization = d.quantization;
   plan.attempt = go.attempt;
   coll::RingStats stats;
 

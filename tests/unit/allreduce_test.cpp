@@ -240,6 +240,80 @@ TEST(AllReduce, LargeBufferFourPeersIsBitIdentical) {
   });
 }
 
+// Quantized: every peer ends with the same bits, within the error the encodings allow.
+// Inputs lie in [0.5, 1.5), so a partial sum of k contributions spans at most k and its
+// 8-bit min-max encoding errs by at most k/510 (scale/2); the n-1 reduce-scatter hops
+// and the one all-gather encoding add up to (n(n-1)/2 + n)/510, plus the dtype's own
+// rounding. The zero-point encoding widens each range to include 0 ([0, 1.5k)): x1.5.
+void run_quantized(std::size_t world) {
+  const lockstep_dtype_t dtypes[] = {LOCKSTEP_F16, LOCKSTEP_BF16, LOCKSTEP_F32, LOCKSTEP_F64};
+  const lockstep_reduce_op_t ops[] = {LOCKSTEP_SUM, LOCKSTEP_AVG, LOCKSTEP_MAX, LOCKSTEP_MIN};
+  const lockstep_quantization_t quants[] = {LOCKSTEP_QUANT_MINMAX_U8, LOCKSTEP_QUANT_ZERO_POINT_U8};
+  const std::size_t counts[] = {1, 3, 1001, 300'007};
+  struct QCase {
+    lockstep_dtype_t t;
+    lockstep_reduce_op_t op;
+    lockstep_quantization_t q;
+    std::size_t count;
+  };
+  std::vector<QCase> cases;
+  for (auto t : dtypes) {
+    for (auto op : ops) {
+      for (auto q : quants) {
+        for (auto c : counts) cases.push_back({t, op, q, c});
+      }
+    }
+  }
+  std::mutex mutex;
+  std::vector<std::vector<std::uint8_t>> first(cases.size());
+  Cluster cluster;
+  cluster.run(world, [&](peer::Communicator& comm, std::size_t) {
+    const std::size_t me = comm.rank().value();
+    for (std::size_t k = 0; k < cases.size(); ++k) {
+      const QCase& c = cases[k];
+      const std::size_t esize = coll::dtype_size(c.t);
+      std::vector<std::uint8_t> buf(c.count * esize);
+      for (std::size_t i = 0; i < c.count; ++i) store(buf.data(), c.t, i, input_value(c.t, me, i));
+      peer::ReduceDescriptor d{buf.data(), buf.data(), c.count, c.t, c.op, c.q, 1000 + k};
+      auto r = comm.all_reduce(d);
+      ASSERT_TRUE(r.is_ok()) << "case " << k << ": " << r.status().to_string();
+      if (c.count > 1000) {
+        // 8-bit codes: about one byte per element on the wire, not esize.
+        EXPECT_LT(r.value().bytes_sent, c.count * 2 * (world - 1) / world * 11 / 10 + 4096) << "case " << k;
+      }
+      const double n = static_cast<double>(world);
+      double bound = (n * (n - 1) / 2 + n) / 510.0 * 1.01 + tolerance(c.t, world) * 1.5 * n;
+      if (c.op == LOCKSTEP_AVG) bound /= n;
+      if (c.op == LOCKSTEP_MAX || c.op == LOCKSTEP_MIN) bound = n / 510.0 * 1.01 + tolerance(c.t, world) * 1.5;
+      if (c.q == LOCKSTEP_QUANT_ZERO_POINT_U8) bound *= 1.5;
+      for (std::size_t i = 0; i < c.count; ++i) {
+        const double got = load_float(buf.data(), c.t, i);
+        const double want = float_reference(c.t, c.op, world, i);
+        ASSERT_NEAR(got, want, bound) << "case " << k << " dtype " << c.t << " op " << c.op << " quant " << c.q
+                                      << " count " << c.count << " i " << i;
+      }
+      std::lock_guard<std::mutex> lock(mutex);
+      if (first[k].empty()) {
+        first[k] = buf;
+      } else {
+        ASSERT_EQ(first[k], buf) << "case " << k << ": quantized results differ between peers";
+      }
+    }
+  });
+}
+
+TEST(AllReduce, QuantizedTwoPeers) { run_quantized(2); }
+TEST(AllReduce, QuantizedFourPeers) { run_quantized(4); }
+
+TEST(AllReduce, QuantizationNeedsAFloatDtype) {
+  Cluster cluster;
+  cluster.run(1, [&](peer::Communicator& comm, std::size_t) {
+    std::int32_t x[2] = {1, 2};
+    peer::ReduceDescriptor d{x, x, 2, LOCKSTEP_I32, LOCKSTEP_SUM, LOCKSTEP_QUANT_MINMAX_U8, 1};
+    EXPECT_EQ(comm.all_reduce(d).status().code(), LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  });
+}
+
 TEST(AllReduce, InvalidArgumentsGiveSpecificErrors) {
   Cluster cluster;
   cluster.run(2, [&](peer::Communicator& comm, std::size_t index) {

@@ -225,8 +225,7 @@ int worker_allreduce(const Settings& s) {
       std::vector<std::shared_ptr<peer::AsyncReduce>> handles;
       for (int k = 0; k < s.concurrency; ++k) {
         auto& b = buffers[static_cast<std::size_t>(k)];
-        peer::ReduceDescriptor d{b.data(), b.data(), count, s.dtype, s.op, LOCKSTEP_QUANT_NONE,
-                                 static_cast<std::uint64_t>(k)};
+        peer::ReduceDescriptor d{b.data(), b.data(), count, s.dtype, s.op, s.quant, static_cast<std::uint64_t>(k)};
         auto h = comm.all_reduce_async(d);
         if (!h.is_ok()) {
           std::fprintf(stderr, "worker %d: %s\n", s.index, h.status().to_string().c_str());
@@ -327,6 +326,8 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& mode,
                                    "--op", std::to_string(static_cast<int>(s.op)), "--concurrency",
                                    std::to_string(s.concurrency), "--pool", std::to_string(s.pool),
                                    "--iterations", std::to_string(s.iterations), "--warmup", std::to_string(s.warmup)};
+  if (s.quant == LOCKSTEP_QUANT_MINMAX_U8) argv.insert(argv.end(), {"--quant", "minmax"});
+  if (s.quant == LOCKSTEP_QUANT_ZERO_POINT_U8) argv.insert(argv.end(), {"--quant", "zeropoint"});
   if (!s.gloo_store.empty()) {
     argv.push_back("--gloo-store");
     argv.push_back(s.gloo_store);
@@ -377,6 +378,12 @@ lockstep_reduce_op_t op_from_name(const std::string& name) {
   if (name == "max" || name == "3") return LOCKSTEP_MAX;
   if (name == "min" || name == "4") return LOCKSTEP_MIN;
   return LOCKSTEP_SUM;
+}
+
+lockstep_quantization_t quant_from_name(const std::string& name) {
+  if (name == "minmax") return LOCKSTEP_QUANT_MINMAX_U8;
+  if (name == "zeropoint") return LOCKSTEP_QUANT_ZERO_POINT_U8;
+  return LOCKSTEP_QUANT_NONE;
 }
 
 std::optional<std::vector<std::uint64_t>> parse_sizes(const std::string& text) {
@@ -469,6 +476,7 @@ int run_allreduce(const Settings& settings) {
                 {"dtype", dtype_name(s.dtype)},
                 {"op", static_cast<int>(s.op)},
                 {"concurrency", s.concurrency},
+                {"quant", s.quant == LOCKSTEP_QUANT_NONE ? "none" : (s.quant == LOCKSTEP_QUANT_MINMAX_U8 ? "minmax" : "zeropoint")},
                 {"pool", s.pool},
                 {"iterations", s.iterations},
                 {"gbytes_s", contribution / (p50 * 1e3)},

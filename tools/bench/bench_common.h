@@ -17,6 +17,7 @@ struct Settings {
   std::vector<std::uint64_t> sizes;
   lockstep_dtype_t dtype = LOCKSTEP_F32;
   lockstep_reduce_op_t op = LOCKSTEP_SUM;
+  lockstep_quantization_t quant = LOCKSTEP_QUANT_NONE;
   int concurrency = 1;
   int pool = 1;
   int iterations = 9;
@@ -34,6 +35,7 @@ std::vector<std::string> dtype_names();
 lockstep_dtype_t dtype_from_name(const std::string& name);
 const char* dtype_name(lockstep_dtype_t dtype);
 lockstep_reduce_op_t op_from_name(const std::string& name);
+lockstep_quantization_t quant_from_name(const std::string& name);
 std::optional<std::vector<std::uint64_t>> parse_sizes(const std::string& text);
 std::string self_path(const char* argv0);
 

@@ -4,7 +4,8 @@
 // object per line per measurement.
 //
 //   lockstep-bench allreduce --peers 4 --size 1KiB,16MiB,256MiB [--dtype f32] [--op sum]
-//                  [--concurrency K] [--pool P] [--iterations N] [--warmup W] [--compare gloo]
+//                  [--concurrency K] [--pool P] [--iterations N] [--warmup W] [--quant minmax]
+//                  [--compare gloo]
 //   lockstep-bench recovery --peers 4 --size 16MiB --trials 20
 #include "bench_common.h"
 
@@ -20,6 +21,7 @@ int main(int argc, char** argv) {
   std::string dtype = "f32";
   std::string op = "sum";
   std::string compare;
+  std::string quant = "none";
 
   auto* allreduce = app.add_subcommand("allreduce", "effective all-reduce throughput, latency percentiles");
   allreduce->add_option("--peers", s.peers, "number of peer processes")->check(CLI::Range(1, 64));
@@ -30,6 +32,8 @@ int main(int argc, char** argv) {
   allreduce->add_option("--pool", s.pool, "p2p connections per neighbour")->check(CLI::Range(1, 256));
   allreduce->add_option("--iterations", s.iterations, "timed repetitions per size")->check(CLI::Range(5, 100000));
   allreduce->add_option("--warmup", s.warmup, "untimed repetitions first")->check(CLI::Range(0, 1000));
+  allreduce->add_option("--quant", quant, "8-bit quantization on the wire")
+      ->check(CLI::IsMember({"none", "minmax", "zeropoint"}));
   allreduce->add_option("--compare", compare, "also measure this library (gloo)")->check(CLI::IsMember({"gloo"}));
 
   auto* recovery = app.add_subcommand("recovery", "time from a peer's SIGKILL to the survivors' next all-reduce");
@@ -52,6 +56,7 @@ int main(int argc, char** argv) {
   worker->add_option("--iterations", s.iterations);
   worker->add_option("--warmup", s.warmup);
   worker->add_option("--gloo-store", s.gloo_store);
+  worker->add_option("--quant", quant);
   CLI11_PARSE(app, argc, argv);
 
   auto parsed = lockstep::bench::parse_sizes(sizes);
@@ -62,6 +67,7 @@ int main(int argc, char** argv) {
   s.sizes = *parsed;
   s.dtype = lockstep::bench::dtype_from_name(dtype);
   s.op = lockstep::bench::op_from_name(op);
+  s.quant = lockstep::bench::quant_from_name(quant);
   s.compare_gloo = compare == "gloo";
   s.self = lockstep::bench::self_path(argv[0]);
   if (*worker) return lockstep::bench::run_worker(s);
