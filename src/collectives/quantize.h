@@ -1,5 +1,6 @@
 // 8-bit quantization of floating-point chunks on the wire (f16, bf16, f32, f64).
-// Pure functions: no IO, no threads, no allocation.
+// Pure functions: no IO, no threads, no heap allocation (dequantize_reduce decodes
+// through a 16 KiB stack buffer).
 //
 // One call encodes ONE chunk with one set of parameters. Encoded chunk layout
 // (quantized_bytes(count) = 16 + count bytes):
@@ -8,6 +9,8 @@
 //   bytes 16..   one 8-bit code per element
 // The parameters are kept in f64 so that every dtype's min is stored exactly and the
 // decoder computes in double from exactly the bits that were sent.
+//
+// Rounding of codes is to nearest, halves up: round(v) = floor(v + 0.5).
 //
 // LOCKSTEP_QUANT_MINMAX_U8: p0 = min, p1 = scale = (max - min) / 255 over the chunk.
 //   code = clamp(round((x - min) / scale), 0, 255); decode = min + code * scale.
@@ -28,15 +31,18 @@
 // where scale is the chunk's scale (as stored in the header), M = max |x| over the
 // chunk, u is the unit roundoff of the dtype (f16 2^-11, bf16 2^-8, f32 2^-24, f64 0:
 // the rounding of the decoded double to the dtype), 2^-47 covers the double arithmetic
-// of encoder and decoder, and t is half the smallest subnormal of the dtype (f16
-// 2^-25, bf16 2^-134, f32 2^-150), for f64 2^-1066 (a subnormal scale).
+// of encoder and decoder, and t covers rounding at the bottom of the range: half the
+// smallest subnormal of the dtype (f16 2^-25, bf16 2^-134, f32 2^-150), for f64 2^-1066
+// (a subnormal scale). Decoded f32/f64 values are clamped to the dtype's finite range:
+// min + 255 * scale may round past the largest finite value for a chunk that reaches it.
 //
 // Non-finite values: a chunk that contains a NaN or an infinity (or, for f64 only,
 // whose range max - min overflows to infinity) is encoded with p0 = p1 = NaN and all
-// codes 0, and every element of it decodes to the canonical quiet NaN (reduce.h). The blow-up therefore shows
-// in the all-reduce result (as NaN over the whole chunk rather than element-wise), so a
-// training loop that checks gradients for non-finite values reacts as it would without
-// quantization. No input makes any function here crash or invoke undefined behaviour.
+// codes 0, and every element of it decodes to the canonical quiet NaN (see reduce.h).
+// The blow-up therefore shows in the all-reduce result (as NaN over the whole chunk
+// rather than element-wise, and an infinity becomes NaN), so a training loop that checks
+// gradients for non-finite values reacts as it would without quantization. No input
+// makes any function here crash or invoke undefined behaviour.
 //
 // Determinism: dequantize() and dequantize_reduce() are pure functions of the encoded
 // bytes (and, for the latter, of dst): the decoder runs in double from the stored
@@ -64,6 +70,7 @@ inline constexpr std::size_t kQuantHeaderBytes = 16;
 struct QuantParams {
   double p0 = 0.0;  // MINMAX: min;   ZERO_POINT: scale
   double p1 = 0.0;  // MINMAX: scale; ZERO_POINT: zero point (integer 0..255)
+  // The non-finite marker (quantize() writes both NaN; the decoder takes either).
   bool non_finite() const { return p0 != p0 || p1 != p1; }
 };
 

@@ -45,9 +45,9 @@ struct RingPlan {
 };
 
 struct RingIo {
-  int tx_fd = -1;     // to the next peer (non-blocking)
-  int rx_fd = -1;     // from the previous peer (non-blocking)
-  int abort_fd = -1;  // readable when the attempt must stop
+  int tx_fd = -1;                                 // to the next peer (non-blocking)
+  int rx_fd = -1;                                 // from the previous peer (non-blocking)
+  int abort_fd = -1;                              // readable when the attempt must stop
   const std::atomic<bool>* abort_flag = nullptr;  // checked between sub-chunks
 };
 
@@ -73,7 +73,8 @@ inline constexpr std::uint32_t kRingMagic = 0x4452414c;  // "LARD"
 // Runs the attempt. On failure (a socket error, a bad header, an abort) the
 // destination is restored before returning. On success the backup is kept in
 // scratch until the caller knows the outcome.
-Status run_ring_all_reduce(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats);
+Status run_ring_all_reduce(const RingPlan& plan, const RingIo& io, RingScratch& scratch,
+                           RingStats* stats);
 // Puts back every part of the destination written by the last run with this scratch.
 void restore(const RingPlan& plan, RingScratch& scratch);
 

@@ -227,14 +227,18 @@ void Coordinator::kick_stragglers(TimeMs now_ms, Outbox& out) {
   const auto expired = [&](TimeMs started) { return now_ms - started >= config_.vote_timeout_ms; };
   std::vector<std::pair<PeerId, std::string>> stragglers;
   for (const auto& [id, peer] : peers_) {
-    if (peer.phase != Phase::kAccepted) continue;
-    if (topology_phase_ == TopologyPhase::kVoting && expired(topology_started_ms_) &&
-        peer.state != PeerState::kVoteAcceptNewPeers) {
+    // Only a peer free to join the vote is a straggler. One blocked in another vote or
+    // in an establishment cannot; if every peer is blocked that way,
+    // detect_vote_mismatch() answers them all instead. A peer with collectives in
+    // flight may not join an update-topology vote (but may join the others).
+    if (peer.phase != Phase::kAccepted || peer.state != PeerState::kIdle || in_control_vote(peer)) continue;
+    if (topology_phase_ == TopologyPhase::kVoting && expired(topology_started_ms_) && !has_collective_in_flight(peer)) {
       stragglers.emplace_back(id, "update-topology");
     } else if (pending_round_ && expired(pending_round_->started_ms) && !peer.voted_pending) {
       stragglers.emplace_back(id, "are-peers-pending");
-    } else if (auto a = agree_rounds_.find(peer.group);
-               a != agree_rounds_.end() && expired(a->second.started_ms) && !peer.agree_flag) {
+    } else if (auto a = agree_rounds_.find(peer.group); a != agree_rounds_.end() &&
+                                                        expired(a->second.started_ms) && !peer.agree_flag &&
+                                                        agree_has_voter(peer.group)) {
       stragglers.emplace_back(id, "agree");
     } else if (auto g = collectives_.find(peer.group); g != collectives_.end()) {
       for (const auto& [tag, c] : g->second) {
@@ -540,13 +544,71 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
 
 // ---------------------------------------------------------------- decisions
 
+bool Coordinator::agree_has_voter(std::uint32_t group) const {
+  for (const auto& [id, peer] : peers_) {
+    if (peer.group == group && peer.agree_flag) return true;
+  }
+  return false;
+}
+
+// A vote whose every voter has left is closed: nobody waits in it any more, so its
+// deadline must not make the vote timeout remove anyone.
+void Coordinator::close_abandoned_votes() {
+  bool topology_voter = false;
+  bool pending_voter = false;
+  std::set<std::uint32_t> agree_groups;
+  for (const auto& [id, peer] : peers_) {
+    topology_voter = topology_voter || peer.state == PeerState::kVoteAcceptNewPeers;
+    pending_voter = pending_voter || peer.voted_pending;
+    if (peer.agree_flag) agree_groups.insert(peer.group);
+  }
+  if (topology_phase_ == TopologyPhase::kVoting && !topology_voter) topology_phase_ = TopologyPhase::kIdle;
+  if (pending_round_ && !pending_voter) pending_round_.reset();
+  // A failed agree round stays until the next update topology, so that the peers of
+  // that step who vote later still get its failure (one outcome per round).
+  for (auto it = agree_rounds_.begin(); it != agree_rounds_.end();) {
+    it = agree_groups.count(it->first) == 0 && !it->second.failed ? agree_rounds_.erase(it) : std::next(it);
+  }
+}
+
+// A collective still being voted on in a group where a peer is in the update-topology
+// vote can never start: that peer may not initiate it, and the voters may not join the
+// topology vote before their collectives end. It fails at once for its voters.
+bool Coordinator::fail_collectives_blocked_by_topology(Outbox& out) {
+  std::set<std::uint32_t> groups;
+  for (const auto& [id, peer] : peers_) {
+    if (peer.phase == Phase::kAccepted && peer.state == PeerState::kVoteAcceptNewPeers) groups.insert(peer.group);
+  }
+  bool changed = false;
+  for (const auto group : groups) {
+    auto g = collectives_.find(group);
+    if (g == collectives_.end()) continue;
+    std::vector<std::pair<std::uint64_t, std::vector<PeerId>>> doomed;
+    for (const auto& [tag, c] : g->second) {
+      if (c.phase != Collective::Phase::kVoting) continue;
+      std::vector<PeerId> voters;
+      for (const auto& [id, d] : c.votes) voters.push_back(id);
+      doomed.emplace_back(tag, std::move(voters));
+    }
+    for (const auto& [tag, voters] : doomed) {
+      changed = true;
+      finish_collective(group, tag, voters, LOCKSTEP_STATUS_OPERATION_MISMATCH,
+                        "a peer of the group is in update topology; every peer must await its collectives first",
+                        out);
+    }
+  }
+  return changed;
+}
+
 void Coordinator::advance(TimeMs now_ms, Outbox& out) {
+  close_abandoned_votes();
   for (int guard = 0; guard < 64; ++guard) {
     bool changed = false;
     changed |= try_complete_establish(out);
     changed |= try_complete_topology_vote(now_ms, out);
     changed |= try_complete_pending(out);
     changed |= try_complete_agree(out);
+    changed |= fail_collectives_blocked_by_topology(out);
     changed |= try_start_collectives(out);
     if (!changed) break;
   }
@@ -648,6 +710,7 @@ bool Coordinator::try_complete_establish(Outbox& out) {
   }
   topology_phase_ = TopologyPhase::kIdle;
   topology_dirty_ = false;
+  agree_rounds_.clear();  // every peer was in the update: no agree round has a voter
   rings_ = proposed_rings_;
   for (const auto& id : newcomers_) peers_.at(id).phase = Phase::kAccepted;
   // Peers that registered during the establishment are not participants: they wait.
@@ -819,9 +882,14 @@ std::optional<std::string> Coordinator::check_invariants() const {
     if (p.phase == Phase::kRegistered && (p.voted_pending || p.agree_flag || p.state == PeerState::kVoteAcceptNewPeers)) {
       return "registered peer " + id.to_string() + " is in a vote";
     }
-    if ((p.state == PeerState::kEstablishingP2P) != (topology_phase_ == TopologyPhase::kEstablishing)) {
-      return "peer " + id.to_string() + " state " + to_string(p.state) + " disagrees with topology phase " +
-             to_string(topology_phase_);
+    // Every accepted peer takes part in an establishment; a peer that registered
+    // during one waits, idle, for the next.
+    if (p.state == PeerState::kEstablishingP2P && topology_phase_ != TopologyPhase::kEstablishing) {
+      return "peer " + id.to_string() + " establishes p2p connections outside an establishment";
+    }
+    if (p.phase == Phase::kAccepted && topology_phase_ == TopologyPhase::kEstablishing &&
+        p.state != PeerState::kEstablishingP2P) {
+      return "accepted peer " + id.to_string() + " is not part of the establishment";
     }
     if (p.state == PeerState::kVoteAcceptNewPeers && topology_phase_ != TopologyPhase::kVoting) {
       return "peer " + id.to_string() + " votes for a topology update that is not open";

@@ -166,6 +166,9 @@ class Coordinator {
                    bool straggler, Outbox& out);
   // Runs every completion check until nothing changes.
   void advance(TimeMs now_ms, Outbox& out);
+  void close_abandoned_votes();
+  bool agree_has_voter(std::uint32_t group) const;
+  bool fail_collectives_blocked_by_topology(Outbox& out);
   bool try_complete_topology_vote(TimeMs now_ms, Outbox& out);
   bool try_complete_establish(Outbox& out);
   bool try_complete_pending(Outbox& out);

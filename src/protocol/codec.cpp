@@ -34,9 +34,11 @@ class Writer {
     u<std::uint16_t>(static_cast<std::uint16_t>(n));
     out_.insert(out_.end(), value.begin(), value.begin() + static_cast<std::ptrdiff_t>(n));
   }
+  // Byte strings (authentication proofs) are cut at the bound the decoder enforces.
   void bytes(const std::vector<std::uint8_t>& value) {
-    u<std::uint16_t>(static_cast<std::uint16_t>(value.size()));
-    out_.insert(out_.end(), value.begin(), value.end());
+    const std::size_t n = std::min<std::size_t>(value.size(), kAuthBytesMax);
+    u<std::uint16_t>(static_cast<std::uint16_t>(n));
+    out_.insert(out_.end(), value.begin(), value.begin() + static_cast<std::ptrdiff_t>(n));
   }
   void id(const PeerId& value) {
     u(value.hi);

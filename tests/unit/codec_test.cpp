@@ -645,12 +645,23 @@ TEST(CodecPayload, StringsAboveTheirBoundAreRejected) {
     const Bytes p = payload_copy(EstablishP2P{1, {member(1, std::string(256, 'm'))}});
     EXPECT_TRUE(payload_rejected(MsgType::kEstablishP2P, p, {"member.host", "longer than 255"}));
   }
-  // auth: 512 bytes at most
+  // auth: 512 bytes at most. The encoder cuts a longer proof (so it never writes a
+  // frame the decoder refuses); a hand-made 513-byte one is refused on decode.
   {
-    const Bytes p = payload_copy(hello_of("", std::vector<std::uint8_t>(513, 1)));
+    const Bytes cut = payload_copy(hello_of("", std::vector<std::uint8_t>(513, 1)));
+    Bytes p = payload_copy(hello_of("", std::vector<std::uint8_t>(512, 1)));
+    EXPECT_EQ(cut, p) << "the encoder must cut an authentication proof to 512 bytes";
+    // Length prefix of the auth field is the last u16 before its bytes: make it 513.
+    const std::size_t prefix = p.size() - 512 - 2;
+    p[prefix] = static_cast<std::uint8_t>(513 & 0xff);
+    p[prefix + 1] = static_cast<std::uint8_t>(513 >> 8);
+    p.push_back(1);
     EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"hello.auth", "longer than 512"}));
-    const Bytes q = payload_copy(P2PHello{kMagic, kProtocolVersion, Channel::kRing, {}, {}, 0, 0,
-                                          std::vector<std::uint8_t>(513, 1)});
+    Bytes q = payload_copy(P2PHello{kMagic, kProtocolVersion, Channel::kRing, {}, {}, 0, 0,
+                                    std::vector<std::uint8_t>(512, 1)});
+    q[q.size() - 512 - 2] = static_cast<std::uint8_t>(513 & 0xff);
+    q[q.size() - 512 - 1] = static_cast<std::uint8_t>(513 >> 8);
+    q.push_back(1);
     EXPECT_TRUE(payload_rejected(MsgType::kP2PHello, q, {"p2p_hello.auth", "longer than 512"}));
   }
   // reasons: kWireStringBytesMax, built by hand since the encoder cuts them

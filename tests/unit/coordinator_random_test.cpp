@@ -1,13 +1,17 @@
 // Seeded randomized runs of the coordinator. One Coordinator is driven by simulated
-// peers that connect (some with a bad Hello), join 2-3 groups, vote roughly as the
-// documented loop does, report p2p results (sometimes failures), send illegal and
-// forbidden messages, disconnect, fall silent, and let time pass. The peers know only
-// what the coordinator sent them. After every step the run is checked against the
-// product's guarantees (see the Checker comments).
+// peers that connect (some with a bad Hello, some never finishing the handshake), join
+// 2-3 groups, vote roughly as the documented loop does (update topology, are-peers-
+// pending, agree, collectives), report p2p results (sometimes naming an unreachable
+// ring member), send illegal and forbidden messages, disconnect, fall silent, and let
+// time pass; some runs have the vote timeout on. The simulated peers know only what
+// the coordinator sent them, so every message is checked against what its recipient
+// could legitimately receive (absorb()), and after every step the run is checked
+// against the product's guarantees (check_after_step(), check_deadlines()).
 //
 // Environment: LOCKSTEP_SIM_SEEDS=N runs N seeds (default 300), LOCKSTEP_SIM_STEPS=N
 // steps per seed (default 3000), LOCKSTEP_SIM_SEED=X runs only seed X (to replay a
-// failure), LOCKSTEP_SIM_VERBOSE=1 prints the whole event log of a failing seed.
+// failure), LOCKSTEP_SIM_VERBOSE=1 prints the whole event log of a failing seed
+// instead of its last 50 entries.
 #include "coordinator/coordinator.h"
 #include "protocol/codec.h"
 
@@ -119,6 +123,7 @@ struct SimPeer {
   bool agree_flag = false;
   TimeMs last_sent_ms = 0;
   TimeMs waiting_since_ms = 0;  // when it entered its current vote
+  TimeMs free_since_ms = 0;     // when it last left a vote (it may join another from then on)
   TimeMs connected_ms = 0;
   std::uint64_t view_epoch = 0;
   std::map<std::uint64_t, SimCollective> collectives;  // by tag
@@ -605,6 +610,11 @@ class Sim {
       for (const auto& [conn2, other] : peers_) {
         if (!other.open || !other.accepted || other.wait != Wait::kNone) continue;
         if (voter.wait == Wait::kAgree && other.group != voter.group) continue;
+        // a peer with collectives in flight may not join a topology vote: it is busy,
+        // not a straggler (its collectives end, then it may vote)
+        if (voter.wait == Wait::kTopologyVote && !other.collectives.empty()) continue;
+        // freed by this very event (its own vote just ended): the next tick decides
+        if (other.free_since_ms == now_) continue;
         fail(name(voter) + " has waited in its " + to_string(voter.wait) + " vote for " +
              std::to_string(now_ - voter.waiting_since_ms) + " ms, past the vote timeout, but straggler " + name(other) +
              " is still in the run");
@@ -675,6 +685,7 @@ class Sim {
     std::map<std::uint64_t, std::set<ConnId>> failed_results;  // epoch -> recipients of UPDATE_TOPOLOGY_FAILED
     bool welcomed = false;
     bool mismatch = false;
+    bool topology_updated = false;
     std::map<std::pair<std::uint32_t, std::uint64_t>, p::CollectiveGo> gos;              // (group, tag)
     std::map<std::pair<std::uint32_t, std::uint64_t>, p::CollectiveResult> coll_results;  // (group, tag)
 
@@ -742,6 +753,7 @@ class Sim {
           sp.view_epoch = result->epoch;
           dirty_ = false;
           ++stats_.topology_ok;
+          topology_updated = true;
         } else if (sp.wait == Wait::kTopologyVote) {
           require(result->status == LOCKSTEP_STATUS_OPERATION_MISMATCH,
                   std::string("a topology voter got ") + status_name(result->status) + " before any establishment");
@@ -757,6 +769,7 @@ class Sim {
           ++stats_.topology_failed;
         }
         sp.wait = Wait::kNone;
+        sp.free_since_ms = now_;
       } else if (const auto* pending = std::get_if<p::PeersPendingResult>(&m)) {
         require(sp.wait == Wait::kPending, "PeersPendingResult to " + name(sp) + " waiting for " + to_string(sp.wait));
         require(sp.accepted, "PeersPendingResult to a registered peer");
@@ -776,6 +789,7 @@ class Sim {
           on_mismatch(mismatch);
         }
         sp.wait = Wait::kNone;
+        sp.free_since_ms = now_;
       } else if (const auto* agree = std::get_if<p::AgreeResult>(&m)) {
         require(sp.wait == Wait::kAgree, "AgreeResult to " + name(sp) + " waiting for " + to_string(sp.wait));
         const auto value = std::make_pair(agree->status, agree->status == LOCKSTEP_OK ? agree->value : false);
@@ -799,6 +813,7 @@ class Sim {
           on_mismatch(mismatch);
         }
         sp.wait = Wait::kNone;
+        sp.free_since_ms = now_;
       } else if (const auto* refused = std::get_if<p::Refused>(&m)) {
         require(expect.legal_from != sp.conn,
                 "a request the peer's knowledge makes legal was refused: " + std::string(p::msg_type_name(refused->request)) +
@@ -874,6 +889,16 @@ class Sim {
 
     // ---- per-batch rules
     for (const auto& [group, value] : agree_results) agree_rounds_[group] = AgreeRound{};
+    // A successful update topology starts a new step for everyone: a failed agree round
+    // that nobody waits in any more ends with it.
+    if (topology_updated) {
+      for (auto& [group, round] : agree_rounds_) {
+        const bool waiting = std::any_of(peers_.begin(), peers_.end(), [&, g = group](const auto& entry) {
+          return entry.second.open && entry.second.group == g && entry.second.wait == Wait::kAgree;
+        });
+        if (!waiting) round = AgreeRound{};
+      }
+    }
     for (auto& [group, round] : agree_rounds_) {
       // a round whose group has no accepted member left ends without a result
       const bool members = std::any_of(peers_.begin(), peers_.end(), [&, g = group](const auto& entry) {
@@ -1001,7 +1026,6 @@ class Sim {
   bool live_in_batch(const SimPeer& sp) const { return sp.open || closed_in_batch_.count(sp.conn) != 0; }
 
   void check_straggler(const SimPeer& sp, const std::string& reason) {
-    if (std::getenv("TMP_TOLERATE2")) return;
     require(c_.config().vote_timeout_ms != 0, "removed by a vote timeout that is off");
     require(sp.accepted, "a registered peer removed as a vote straggler");
     require(sp.wait != Wait::kEstablish && sp.wait != Wait::kReported,
@@ -1075,9 +1099,7 @@ class Sim {
   // ------------------------------------------------------------ after every step
 
   void check_after_step() {
-    if (auto broken = c_.check_invariants()) {
-      if (!(std::getenv("TMP_TOLERATE") && broken->find("state IDLE disagrees") != std::string::npos)) fail("invariant broken: " + *broken);
-    }
+    if (auto broken = c_.check_invariants()) fail("invariant broken: " + *broken);
     // the model and the coordinator agree on who is there and in which phase
     std::size_t open_welcomed = 0;
     for (const auto& [conn, sp] : peers_) {
@@ -1240,8 +1262,9 @@ TEST(CoordinatorRandom, SeededRuns) {
     for (std::size_t i = 0; i < failed.size() && i < 30; ++i) list << (i ? ", " : "") << failed[i];
     ADD_FAILURE() << failed.size() << " of " << seeds.size() << " seeds failed; first ones: " << list.str();
   }
-  // the runs must exercise the interesting paths, or they prove little
-  if (seeds.size() >= 50) {
+  // the runs must exercise the interesting paths, or they prove little (judged only
+  // when every seed ran to the end)
+  if (seeds.size() >= 50 && failed.empty()) {
     EXPECT_GT(total.topology_ok, 0);
     EXPECT_GT(total.topology_failed, 0);
     EXPECT_GT(total.mismatches, 0);
