@@ -2,16 +2,17 @@
 # Installs dependencies, builds, and runs every test:
 #   1. the RelWithDebInfo build: unit, simulation, end-to-end, C API and test-bed tests;
 #   2. the AddressSanitizer + UndefinedBehaviorSanitizer build: the same tests but the
-#      test bed's (which measure rates), with timeouts scaled up so slow peers live.
-# Options: --quick (skip the sanitizer pass), --tsan (add a ThreadSanitizer pass).
+#      test bed's (which measure rates), with timeouts scaled up so slow peers live;
+#   3. the ThreadSanitizer build: the same tests again.
+# Options: --quick (skip both sanitizer passes), --no-tsan (skip the ThreadSanitizer pass).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 quick=0
-tsan=0
+tsan=1
 for arg in "$@"; do
   case "$arg" in
     --quick) quick=1 ;;
-    --tsan) tsan=1 ;;
+    --no-tsan) tsan=0 ;;
     *) echo "unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -37,7 +38,7 @@ if [ "$quick" = 0 ]; then
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan --output-on-failure -j"$jobs"
 fi
-if [ "$tsan" = 1 ]; then
+if [ "$quick" = 0 ] && [ "$tsan" = 1 ]; then
   stamp "TSan build"
   cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DLOCKSTEP_SANITIZE_THREAD=ON \
     -DLOCKSTEP_BUILD_TESTBED=OFF -DLOCKSTEP_TEST_TIME_SCALE=6 >/dev/null
