@@ -49,6 +49,56 @@ struct Inbound {
   transport::Fd fd;
 };
 
+// Messages from the master waiting for the call that expects them: each waiting call
+// takes only the message its predicate accepts (the "queued socket" idea). A failure
+// ends every wait, now and later, with its status. Bounded: a master that sends more
+// unanswered messages than allowed fails it.
+class Mailbox {
+ public:
+  bool push(proto::Message message) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (messages_.size() >= kMailboxMessagesMax) {
+        messages_.clear();
+        if (failure_.is_ok()) {
+          failure_ = Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master sent more unanswered messages than allowed");
+        }
+        return false;
+      }
+      messages_.push_back(std::move(message));
+    }
+    cv_.notify_all();
+    return true;
+  }
+  void fail(const Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (failure_.is_ok()) failure_ = status;
+    }
+    cv_.notify_all();
+  }
+  Result<proto::Message> wait(const std::function<bool(const proto::Message&)>& match) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      for (auto it = messages_.begin(); it != messages_.end(); ++it) {
+        if (match(*it)) {
+          proto::Message out = std::move(*it);
+          messages_.erase(it);
+          return out;
+        }
+      }
+      if (!failure_.is_ok()) return failure_;
+      cv_.wait(lock);
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<proto::Message> messages_;
+  Status failure_;
+};
+
 // The master's messages for one in-flight collective, and its abort signal: an
 // eventfd that the ring's poll() watches plus a flag checked between sub-chunks.
 class OpChannel {
@@ -65,39 +115,18 @@ class OpChannel {
   const std::atomic<bool>* abort_flag() const { return &aborted_; }
   bool aborted() const { return aborted_.load(); }
 
+  // A failure outcome also stops a ring in progress.
   void push(proto::Message message) {
     const auto* result = std::get_if<proto::CollectiveResult>(&message);
     const bool stop = result != nullptr && result->status != LOCKSTEP_OK;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      messages_.push_back(std::move(message));
-    }
-    if (stop) signal();
-    cv_.notify_all();
+    if (!messages_.push(std::move(message)) || stop) signal();
   }
   // The link failed: every waiting call ends with this status.
   void abort(const Status& status) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (fatal_.is_ok()) fatal_ = status;
-    }
+    messages_.fail(status);
     signal();
-    cv_.notify_all();
   }
-  Result<proto::Message> wait(const std::function<bool(const proto::Message&)>& match) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (;;) {
-      for (auto it = messages_.begin(); it != messages_.end(); ++it) {
-        if (match(*it)) {
-          proto::Message out = std::move(*it);
-          messages_.erase(it);
-          return out;
-        }
-      }
-      if (!fatal_.is_ok()) return fatal_;
-      cv_.wait(lock);
-    }
-  }
+  Result<proto::Message> wait(const std::function<bool(const proto::Message&)>& match) { return messages_.wait(match); }
 
  private:
   void signal() {
@@ -107,10 +136,7 @@ class OpChannel {
   }
   int event_fd_;
   std::atomic<bool> aborted_{false};
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<proto::Message> messages_;
-  Status fatal_;
+  Mailbox messages_;
 };
 
 class Link {
@@ -166,20 +192,7 @@ class Link {
 
   // Blocks until a message accepted by `match` arrives (it is removed from the
   // mailbox) or the link fails. Messages nobody waits for stay queued (bounded).
-  Result<proto::Message> wait(const std::function<bool(const proto::Message&)>& match) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (;;) {
-      for (auto it = mailbox_.begin(); it != mailbox_.end(); ++it) {
-        if (match(*it)) {
-          proto::Message out = std::move(*it);
-          mailbox_.erase(it);
-          return out;
-        }
-      }
-      if (!fatal_.is_ok()) return fatal_;
-      cv_.wait(lock);
-    }
-  }
+  Result<proto::Message> wait(const std::function<bool(const proto::Message&)>& match) { return mailbox_.wait(match); }
 
   Status fatal() const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -276,6 +289,7 @@ class Link {
         LOG_WARN(kLog, "connection to the master ended: " << fatal_.to_string());
       }
       for (auto& [tag, channel] : ops_) channel->abort(fatal_);
+      mailbox_.fail(fatal_);
     }
     cv_.notify_all();
     asio::error_code ec;
@@ -285,16 +299,9 @@ class Link {
 
   void deliver(proto::Message message) {
     if (route_to_op(message)) return;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (mailbox_.size() >= kMailboxMessagesMax) {
-        mailbox_.clear();
-        fatal_ = Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master sent more unanswered messages than allowed");
-      } else {
-        mailbox_.push_back(std::move(message));
-      }
+    if (!mailbox_.push(std::move(message))) {
+      set_fatal(Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master sent more unanswered messages than allowed"));
     }
-    cv_.notify_all();
   }
 
   // Messages about a collective go to its channel (or are dropped if it is gone).
@@ -488,11 +495,12 @@ class Link {
   std::vector<std::uint8_t> payload_;
   std::deque<std::vector<std::uint8_t>> writes_;
 
+  Mailbox mailbox_;  // replies to the owning thread's calls (locks itself)
+
   mutable std::mutex mutex_;  // guards everything below
   std::condition_variable cv_;
   Status fatal_;
   PeerId id_;
-  std::deque<proto::Message> mailbox_;
   std::deque<Inbound> inbound_;
   std::map<std::uint64_t, std::shared_ptr<OpChannel>> ops_;
   std::map<std::uint32_t, std::deque<std::uint64_t>> slots_;
