@@ -4,7 +4,8 @@
 // prints a JSON line whenever the membership view changes.
 //
 // Commands: connect | update | pending | agree 0|1 | view | reconnect | exit
-//           allreduce COUNT TAG FILL [oop]   (f32 sum of COUNT elements all equal to FILL)
+//           allreduce COUNT TAG FILL [oop|inplace] [minmax|zeropoint]
+//                     (f32 sum of COUNT elements all equal to FILL)
 #include <lockstep/lockstep.h>
 
 #include <CLI/CLI.hpp>
@@ -209,7 +210,8 @@ int main(int argc, char** argv) {
       std::uint64_t tag = 0;
       float fill = 0;
       std::string mode;
-      words >> count >> tag >> fill >> mode;
+      std::string quant;
+      words >> count >> tag >> fill >> mode >> quant;
       if (count == 0 || count > (std::uint64_t{1} << 30)) {
         peer.emit(op, LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
         continue;
@@ -225,7 +227,9 @@ int main(int argc, char** argv) {
       desc.count = count;
       desc.dtype = LOCKSTEP_F32;
       desc.op = LOCKSTEP_SUM;
-      desc.quantization = LOCKSTEP_QUANT_NONE;
+      desc.quantization = quant == "minmax"      ? LOCKSTEP_QUANT_MINMAX_U8
+                          : quant == "zeropoint" ? LOCKSTEP_QUANT_ZERO_POINT_U8
+                                                 : LOCKSTEP_QUANT_NONE;
       desc.tag = tag;
       lockstep_reduce_info_t info = {0, 0, 0};
       const auto start = std::chrono::steady_clock::now();
