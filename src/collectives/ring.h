@@ -41,7 +41,7 @@ struct RingPlan {
   lockstep_reduce_op_t op = LOCKSTEP_SUM;
   lockstep_quantization_t quantization = LOCKSTEP_QUANT_NONE;
   std::uint64_t attempt = 0;
-  std::size_t subchunk_bytes = 256 * 1024;
+  std::size_t subchunk_bytes = 1024 * 1024;
 };
 
 struct RingIo {
