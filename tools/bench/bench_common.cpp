@@ -543,7 +543,13 @@ int run_recovery(const Settings& s) {
     auto victim = workers.begin();
     std::advance(victim, static_cast<long>(random() % workers.size()));
     const std::int64_t killed_ns = now_ns();
-    victim->second.kill();
+    // A stopped peer is silent, not gone: the survivors wait for the heartbeat timeout.
+    tools::Subprocess stopped = std::move(victim->second);
+    if (s.stop_instead_of_kill) {
+      stopped.signal(SIGSTOP);
+    } else {
+      stopped.kill();
+    }
     workers.erase(victim);
     std::map<int, std::int64_t> after;
     const auto deadline = Clock::now() + std::chrono::milliseconds(s.heartbeat_timeout_ms + 30'000);
@@ -563,10 +569,12 @@ int run_recovery(const Settings& s) {
     std::int64_t latest = 0;
     for (const auto& [i, t] : after) latest = std::max(latest, t);
     recovery_ms.push_back(static_cast<double>(latest - killed_ns) / 1e6);
+    stopped.kill();
     spawn();  // a replacement joins; let the run settle
     drain(std::chrono::milliseconds(500), last_ok);
   }
   json out = {{"bench", "recovery"},
+              {"signal", s.stop_instead_of_kill ? "SIGSTOP" : "SIGKILL"},
               {"peers", s.peers},
               {"bytes", s.sizes.front()},
               {"trials", s.trials},

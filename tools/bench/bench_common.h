@@ -23,6 +23,7 @@ struct Settings {
   int iterations = 9;
   int warmup = 2;
   int trials = 20;
+  bool stop_instead_of_kill = false;  // recovery: SIGSTOP (a silent peer) instead of SIGKILL
   std::uint32_t heartbeat_timeout_ms = 5000;
   bool compare_gloo = false;
   std::string gloo_store;

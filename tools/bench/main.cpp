@@ -6,7 +6,7 @@
 //   lockstep-bench allreduce --peers 4 --size 1KiB,16MiB,256MiB [--dtype f32] [--op sum]
 //                  [--concurrency K] [--pool P] [--iterations N] [--warmup W] [--quant minmax]
 //                  [--compare gloo]
-//   lockstep-bench recovery --peers 4 --size 16MiB --trials 20
+//   lockstep-bench recovery --peers 4 --size 16MiB --trials 20 [--stop]
 #include "bench_common.h"
 
 #include <CLI/CLI.hpp>
@@ -41,6 +41,7 @@ int main(int argc, char** argv) {
   recovery->add_option("--size", sizes, "bytes per all-reduce");
   recovery->add_option("--trials", s.trials, "kills (at least 20 for a figure)")->check(CLI::Range(1, 1000));
   recovery->add_option("--heartbeat-timeout-ms", s.heartbeat_timeout_ms, "the master's heartbeat timeout");
+  recovery->add_flag("--stop", s.stop_instead_of_kill, "SIGSTOP the victim (a silent peer) instead of SIGKILL");
 
   auto* worker = app.add_subcommand("worker", "(internal) one peer of a benchmark");
   worker->group("");
