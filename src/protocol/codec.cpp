@@ -181,19 +181,27 @@ void encode_body(Writer&, const Heartbeat&) {}
 bool decode_body(Reader&, Heartbeat*) { return true; }
 void encode_body(Writer&, const VoteUpdateTopology&) {}
 bool decode_body(Reader&, VoteUpdateTopology*) { return true; }
-void encode_body(Writer& w, const P2PReport& m) {
-  w.u(m.epoch);
-  w.u(static_cast<std::uint32_t>(m.unreachable.size()));
-  for (const auto& id : m.unreachable) w.id(id);
+// A list of peer ids: a u32 count (bounded) and 16 bytes per id.
+void put_ids(Writer& w, const std::vector<PeerId>& ids) {
+  w.u(static_cast<std::uint32_t>(ids.size()));
+  for (const auto& id : ids) w.id(id);
 }
-bool decode_body(Reader& r, P2PReport* m) {
+bool get_ids(Reader& r, std::vector<PeerId>* ids, const char* field) {
   std::uint32_t n = 0;
-  if (!r.u(&m->epoch, "p2p_report.epoch") || !r.count(&n, limits::kMembersPerMessageMax, 16, "p2p_report.unreachable")) return false;
-  m->unreachable.resize(n);
-  for (auto& id : m->unreachable) {
-    if (!r.id(&id, "p2p_report.unreachable")) return false;
+  if (!r.count(&n, limits::kMembersPerMessageMax, 16, field)) return false;
+  ids->resize(n);
+  for (auto& id : *ids) {
+    if (!r.id(&id, field)) return false;
   }
   return true;
+}
+
+void encode_body(Writer& w, const P2PReport& m) {
+  w.u(m.epoch);
+  put_ids(w, m.unreachable);
+}
+bool decode_body(Reader& r, P2PReport* m) {
+  return r.u(&m->epoch, "p2p_report.epoch") && get_ids(r, &m->unreachable, "p2p_report.unreachable");
 }
 void encode_body(Writer&, const VotePeersPending&) {}
 bool decode_body(Reader&, VotePeersPending*) { return true; }
@@ -235,20 +243,11 @@ void encode_body(Writer& w, const CollectiveGo& m) {
   w.u(m.tag);
   w.u(m.attempt);
   w.u(m.slot);
-  w.u(static_cast<std::uint32_t>(m.ring.size()));
-  for (const auto& id : m.ring) w.id(id);
+  put_ids(w, m.ring);
 }
 bool decode_body(Reader& r, CollectiveGo* m) {
-  std::uint32_t n = 0;
-  if (!r.u(&m->tag, "go.tag") || !r.u(&m->attempt, "go.attempt") || !r.u(&m->slot, "go.slot") ||
-      !r.count(&n, limits::kMembersPerMessageMax, 16, "go.ring")) {
-    return false;
-  }
-  m->ring.resize(n);
-  for (auto& id : m->ring) {
-    if (!r.id(&id, "go.ring")) return false;
-  }
-  return true;
+  return r.u(&m->tag, "go.tag") && r.u(&m->attempt, "go.attempt") && r.u(&m->slot, "go.slot") &&
+         get_ids(r, &m->ring, "go.ring");
 }
 void encode_body(Writer& w, const CollectiveResult& m) {
   w.u(m.tag);
