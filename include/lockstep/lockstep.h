@@ -41,8 +41,11 @@ extern "C" {
  *    participant; retry it (with the survivors).
  *  - UPDATE_TOPOLOGY_FAILED / TOPOLOGY_OPTIMIZATION_FAILED: the phase failed on every
  *    participant; the only legal action is to call it again.
- *  - MASTER_CONNECTION_FAILED / MASTER_CONNECTION_LOST / KICKED / REJECTED: this
- *    communicator is finished; destroy it and create a new one (a new identity).
+ *  - NO_SHARED_STATE_AVAILABLE / HASH_MISMATCH: the sync failed on every peer of the
+ *    group; retry it (after restoring a checkpoint, for the first).
+ *  - MASTER_CONNECTION_FAILED / MASTER_CONNECTION_LOST / KICKED / REJECTED /
+ *    REVISION_VIOLATION / SHARED_STATE_MISMATCH: this communicator is finished; destroy
+ *    it and create a new one (a new identity).
  */
 typedef enum lockstep_status {
   LOCKSTEP_OK = 0,
@@ -65,7 +68,16 @@ typedef enum lockstep_status {
   LOCKSTEP_STATUS_PROTOCOL_ERROR = 17,
   LOCKSTEP_STATUS_TIMEOUT = 18,
   LOCKSTEP_STATUS_WRONG_THREAD = 19,
-  LOCKSTEP_STATUS_INTERRUPTED = 20
+  LOCKSTEP_STATUS_INTERRUPTED = 20,
+  /* Shared state: this peer presented a revision above the group's next one (it was
+   * removed from the run). */
+  LOCKSTEP_STATUS_REVISION_VIOLATION = 21,
+  /* Shared state: this peer's keys, dtypes or element counts differ from the elected
+   * content, or a send-only peer's content differs from it (it was removed). */
+  LOCKSTEP_STATUS_SHARED_STATE_MISMATCH = 22,
+  /* Shared state: a transferred tensor did not hash to the expected digest; the sync
+   * failed for every peer of the group; retry it. */
+  LOCKSTEP_STATUS_HASH_MISMATCH = 23
 } lockstep_status_t;
 
 /* A static, human-readable description of a status code (never NULL). */
@@ -298,6 +310,65 @@ LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry(l
                                                                                 const lockstep_reduce_desc_t* descs,
                                                                                 size_t count, size_t max_in_flight,
                                                                                 lockstep_reduce_info_t* out_infos);
+
+/* ---------------------------------------------------------- shared state */
+
+/* Where a tensor lives. Only CPU memory is supported now. */
+typedef enum lockstep_device {
+  LOCKSTEP_DEVICE_CPU = 0
+} lockstep_device_t;
+
+/* One named tensor of the shared state. The memory stays owned by the caller. */
+typedef struct lockstep_tensor {
+  const char* key;   /* unique within the shared state, 1..255 bytes */
+  void* data;
+  uint64_t count;    /* elements */
+  lockstep_dtype_t dtype;
+  lockstep_device_t device;
+  /* Non-zero: a difference on this tensor between peers that are up to date does not
+   * cause a transfer (e.g. per-peer statistics); an outdated peer still receives it. */
+  int allow_content_inequality;
+} lockstep_tensor_t;
+
+typedef struct lockstep_shared_state {
+  /* Advance it by exactly one before each sync (semantics rule 5); a peer that
+   * receives the state gets the group's revision written here. */
+  uint64_t revision;
+  const lockstep_tensor_t* tensors;
+  size_t count;
+} lockstep_shared_state_t;
+
+typedef enum lockstep_sync_strategy {
+  /* The most popular content wins and is distributed to the others. */
+  LOCKSTEP_SYNC_ENFORCE_POPULAR = 0,
+  /* Never elected, never sends: adopts the elected content (e.g. a newcomer). */
+  LOCKSTEP_SYNC_RECEIVE_ONLY = 1,
+  /* Never receives: this peer's content must equal the elected one, else it is
+   * removed from the run (SHARED_STATE_MISMATCH). */
+  LOCKSTEP_SYNC_SEND_ONLY = 2
+} lockstep_sync_strategy_t;
+
+typedef struct lockstep_sync_info {
+  uint64_t bytes_sent;      /* tensor bytes this peer served to others */
+  uint64_t bytes_received;  /* tensor bytes this peer received */
+} lockstep_sync_info_t;
+
+/* Synchronizes the shared state with every accepted peer of the group (a vote: all
+ * must call it). Every tensor is hashed; the master elects the content and outdated
+ * peers fetch exactly the differing tensors from up-to-date ones, spread over all of
+ * them, and verify each hash. On success every peer holds bit-identical tensors and
+ * the same revision. On failure (PEER_CONNECTION_LOST, HASH_MISMATCH,
+ * NO_SHARED_STATE_AVAILABLE; the same for every peer of the group) tensors that were
+ * being received may hold partial content: call it again. out_info may be NULL.
+ * Collectives must not be in flight (PENDING_ASYNC_OPERATIONS). */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_sync_shared_state(lockstep_comm_t* comm,
+                                                                   lockstep_shared_state_t* state,
+                                                                   lockstep_sync_strategy_t strategy,
+                                                                   lockstep_sync_info_t* out_info);
+
+/* The content digest the shared state uses for a buffer (32 lowercase hex digits and a
+ * NUL in out_hex). The same for any number of threads; see docs/protocol.md. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_hash(const void* data, size_t bytes, char out_hex[33]);
 
 /* Leaves the run, joins every internal thread and frees the communicator. NULL is allowed.
  * Collectives still in flight end with INTERRUPTED; their handles must still be awaited. */

@@ -5,6 +5,7 @@
 #include "common/log.h"
 #include "master/master_server.h"
 #include "peer/communicator.h"
+#include "state/hash.h"
 
 #include <cstring>
 #include <exception>
@@ -325,6 +326,42 @@ lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry(lockstep_comm_t* 
     lockstep::Status s = comm->comm->all_reduce_multiple_with_retry(list, max_in_flight, &infos);
     if (!s.is_ok()) return s.code();
     for (size_t i = 0; out_infos != nullptr && i < count; ++i) to_info(infos[i], &out_infos[i]);
+    return LOCKSTEP_OK;
+  });
+}
+
+lockstep_status_t lockstep_comm_sync_shared_state(lockstep_comm_t* comm, lockstep_shared_state_t* state,
+                                                  lockstep_sync_strategy_t strategy, lockstep_sync_info_t* out_info) {
+  if (comm == nullptr || state == nullptr || (state->count > 0 && state->tensors == nullptr)) {
+    return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  }
+  if (strategy < LOCKSTEP_SYNC_ENFORCE_POPULAR || strategy > LOCKSTEP_SYNC_SEND_ONLY) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] {
+    std::vector<lockstep::peer::SharedTensor> tensors;
+    for (size_t i = 0; i < state->count; ++i) {
+      const lockstep_tensor_t& t = state->tensors[i];
+      if (t.key == nullptr || t.device != LOCKSTEP_DEVICE_CPU) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+      if (t.dtype < LOCKSTEP_U8 || t.dtype > LOCKSTEP_F64) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+      tensors.push_back(lockstep::peer::SharedTensor{std::string(t.key, strnlen(t.key, 256)), t.data, t.count, t.dtype,
+                                                     t.allow_content_inequality != 0});
+    }
+    std::uint64_t revision = state->revision;
+    auto r = comm->comm->sync_shared_state(tensors, &revision, static_cast<lockstep::proto::SyncStrategy>(strategy));
+    if (!r.is_ok()) return r.status().code();
+    state->revision = revision;
+    if (out_info != nullptr) {
+      out_info->bytes_sent = r.value().bytes_sent;
+      out_info->bytes_received = r.value().bytes_received;
+    }
+    return LOCKSTEP_OK;
+  });
+}
+
+lockstep_status_t lockstep_hash(const void* data, size_t bytes, char out_hex[33]) {
+  if ((data == nullptr && bytes > 0) || out_hex == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] {
+    const std::string hex = lockstep::state::hash_bytes(data, bytes).to_hex();
+    std::memcpy(out_hex, hex.c_str(), hex.size() + 1);
     return LOCKSTEP_OK;
   });
 }

@@ -29,4 +29,14 @@ inline constexpr std::uint32_t kConnectTimeoutMsDefault = 10'000;
 inline constexpr std::uint32_t kP2PConnectTimeoutMsDefault = 5'000;
 inline constexpr std::uint32_t kP2PPoolSizeMax = 256;
 
+// Shared state: tensors per state, key length, and the pieces one sync plan may list
+// (together they keep every shared-state message under the control frame bound).
+inline constexpr std::uint32_t kSharedStateTensorsMax = 2048;
+inline constexpr std::uint32_t kSharedStateKeyBytesMax = 255;
+inline constexpr std::uint32_t kSyncFetchesMax = 16384;
+// A tensor is split into pieces fetched from different distributors only above this.
+inline constexpr std::uint64_t kSyncPieceBytesMin = 4u << 20;
+// A shared-state transfer that makes no progress for this long fails.
+inline constexpr std::uint32_t kStateTransferStallMsDefault = 60'000;
+
 }  // namespace lockstep::limits

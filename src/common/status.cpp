@@ -26,6 +26,9 @@ const char* status_name(StatusCode code) {
     case LOCKSTEP_STATUS_TIMEOUT: return "TIMEOUT";
     case LOCKSTEP_STATUS_WRONG_THREAD: return "WRONG_THREAD";
     case LOCKSTEP_STATUS_INTERRUPTED: return "INTERRUPTED";
+    case LOCKSTEP_STATUS_REVISION_VIOLATION: return "REVISION_VIOLATION";
+    case LOCKSTEP_STATUS_SHARED_STATE_MISMATCH: return "SHARED_STATE_MISMATCH";
+    case LOCKSTEP_STATUS_HASH_MISMATCH: return "HASH_MISMATCH";
   }
   return "UNKNOWN_STATUS";
 }
@@ -64,6 +67,9 @@ extern "C" const char* lockstep_status_string(lockstep_status_t status) {
     case LOCKSTEP_STATUS_TIMEOUT: return "timed out";
     case LOCKSTEP_STATUS_WRONG_THREAD: return "called from a thread that does not own the communicator";
     case LOCKSTEP_STATUS_INTERRUPTED: return "interrupted";
+    case LOCKSTEP_STATUS_REVISION_VIOLATION: return "shared-state revision violation: advance the revision by exactly one per sync";
+    case LOCKSTEP_STATUS_SHARED_STATE_MISMATCH: return "shared state differs from the elected one in keys, dtypes or sizes (or a send-only peer's content differs)";
+    case LOCKSTEP_STATUS_HASH_MISMATCH: return "a transferred shared-state tensor did not match its hash; retry the sync";
   }
   return "unknown status";
 }

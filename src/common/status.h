@@ -12,6 +12,8 @@
 namespace lockstep {
 
 using StatusCode = lockstep_status_t;
+// The largest status code defined (the wire decoder rejects larger ones).
+inline constexpr StatusCode kStatusCodeMax = LOCKSTEP_STATUS_HASH_MISMATCH;
 
 class [[nodiscard]] Status {
  public:

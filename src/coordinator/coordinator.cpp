@@ -19,6 +19,8 @@ const char* to_string(PeerState state) {
     case PeerState::kIdle: return "IDLE";
     case PeerState::kVoteAcceptNewPeers: return "VOTE_ACCEPT_NEW_PEERS";
     case PeerState::kEstablishingP2P: return "ESTABLISHING_P2P";
+    case PeerState::kVoteSync: return "VOTE_SYNC_SHARED_STATE";
+    case PeerState::kSyncing: return "SYNC_SHARED_STATE";
   }
   return "?";
 }
@@ -35,6 +37,7 @@ const char* to_string(MajorOp op) {
     case MajorOp::kNone: return "NONE";
     case MajorOp::kUpdateTopology: return "UPDATE_TOPOLOGY";
     case MajorOp::kCollective: return "COLLECTIVE";
+    case MajorOp::kSharedStateSync: return "SHARED_STATE_SYNC";
   }
   return "?";
 }
@@ -48,6 +51,12 @@ bool is_loopback(const std::string& host) {
 }  // namespace
 
 Coordinator::Coordinator(Config config) : config_(config) {}
+
+std::optional<std::uint64_t> Coordinator::revision(std::uint32_t group) const {
+  auto it = revisions_.find(group);
+  if (it == revisions_.end()) return std::nullopt;
+  return it->second;
+}
 
 const Peer* Coordinator::find_peer(PeerId id) const {
   auto it = peers_.find(id);
@@ -70,6 +79,9 @@ MajorOp Coordinator::major_op(std::uint32_t group) const {
     if (peer.group == group && peer.state == PeerState::kEstablishingP2P) return MajorOp::kUpdateTopology;
   }
   if (auto it = collectives_.find(group); it != collectives_.end() && !it->second.empty()) return MajorOp::kCollective;
+  if (auto it = syncs_.find(group); it != syncs_.end() && it->second.phase == SharedStateSync::Phase::kTransferring) {
+    return MajorOp::kSharedStateSync;
+  }
   return MajorOp::kNone;
 }
 
@@ -119,7 +131,8 @@ void Coordinator::refuse(const Peer& peer, MsgType request, StatusCode status, s
 }
 
 bool Coordinator::in_control_vote(const Peer& peer) const {
-  return peer.state == PeerState::kVoteAcceptNewPeers || peer.voted_pending || peer.agree_flag.has_value();
+  return peer.state == PeerState::kVoteAcceptNewPeers || peer.state == PeerState::kVoteSync || peer.voted_pending ||
+         peer.agree_flag.has_value();
 }
 
 // ---------------------------------------------------------------- events
@@ -240,6 +253,10 @@ void Coordinator::kick_stragglers(TimeMs now_ms, Outbox& out) {
                                                         expired(a->second.started_ms) && !peer.agree_flag &&
                                                         agree_has_voter(peer.group)) {
       stragglers.emplace_back(id, "agree");
+    } else if (auto sy = syncs_.find(peer.group); sy != syncs_.end() &&
+                                                  sy->second.phase == SharedStateSync::Phase::kVoting &&
+                                                  expired(sy->second.started_ms) && !has_collective_in_flight(peer)) {
+      stragglers.emplace_back(id, "shared-state sync");
     } else if (auto g = collectives_.find(peer.group); g != collectives_.end()) {
       for (const auto& [tag, c] : g->second) {
         if (c.phase == Collective::Phase::kVoting && expired(c.started_ms) && c.votes.count(id) == 0) {
@@ -355,6 +372,10 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
       return handle_collective_init(peer, std::get<proto::CollectiveInit>(message), out);
     case MsgType::kCollectiveDone:
       return handle_collective_done(peer, std::get<proto::CollectiveDone>(message), out);
+    case MsgType::kSyncVote:
+      return handle_sync_vote(peer, std::get<proto::SyncVote>(message), out);
+    case MsgType::kSyncDone:
+      return handle_sync_done(peer, std::get<proto::SyncDone>(message), out);
     default:
       break;
   }
@@ -536,6 +557,17 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
       finish_collective(peer.group, tag, others, LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
                         "peer " + id.to_string() + " was lost during the collective (" + reason + ")", out);
     }
+    // Its shared-state sync: a vote loses a voter; a transfer fails for everyone (rule 7).
+    if (auto sy = syncs_.find(peer.group); sy != syncs_.end()) {
+      if (sy->second.phase == SharedStateSync::Phase::kVoting) {
+        sy->second.votes.erase(id);
+        if (sy->second.votes.empty()) syncs_.erase(sy);
+      } else if (std::find(sy->second.participants.begin(), sy->second.participants.end(), id) !=
+                 sy->second.participants.end()) {
+        finish_sync(peer.group, LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
+                    "peer " + id.to_string() + " was lost during the shared-state sync (" + reason + ")", out);
+      }
+    }
   }
   if (topology_phase_ == TopologyPhase::kEstablishing && peer.state == PeerState::kEstablishingP2P) {
     fail_establish("peer " + id.to_string() + " was lost during p2p establishment (" + reason + ")", out);
@@ -572,12 +604,16 @@ void Coordinator::close_abandoned_votes() {
 }
 
 // A collective still being voted on in a group where a peer is in the update-topology
-// vote can never start: that peer may not initiate it, and the voters may not join the
-// topology vote before their collectives end. It fails at once for its voters.
-bool Coordinator::fail_collectives_blocked_by_topology(Outbox& out) {
+// or shared-state vote can never start: that peer may not initiate it, and the voters
+// may not join the other vote before their collectives end. It fails at once for its
+// voters.
+bool Coordinator::fail_collectives_blocked_by_major_vote(Outbox& out) {
   std::set<std::uint32_t> groups;
   for (const auto& [id, peer] : peers_) {
-    if (peer.phase == Phase::kAccepted && peer.state == PeerState::kVoteAcceptNewPeers) groups.insert(peer.group);
+    if (peer.phase == Phase::kAccepted &&
+        (peer.state == PeerState::kVoteAcceptNewPeers || peer.state == PeerState::kVoteSync)) {
+      groups.insert(peer.group);
+    }
   }
   bool changed = false;
   for (const auto group : groups) {
@@ -593,7 +629,8 @@ bool Coordinator::fail_collectives_blocked_by_topology(Outbox& out) {
     for (const auto& [tag, voters] : doomed) {
       changed = true;
       finish_collective(group, tag, voters, LOCKSTEP_STATUS_OPERATION_MISMATCH,
-                        "a peer of the group is in update topology; every peer must await its collectives first",
+                        "a peer of the group is in an update-topology or shared-state vote; every peer must await "
+                        "its collectives first",
                         out);
     }
   }
@@ -608,8 +645,9 @@ void Coordinator::advance(TimeMs now_ms, Outbox& out) {
     changed |= try_complete_topology_vote(now_ms, out);
     changed |= try_complete_pending(out);
     changed |= try_complete_agree(out);
-    changed |= fail_collectives_blocked_by_topology(out);
+    changed |= fail_collectives_blocked_by_major_vote(out);
     changed |= try_start_collectives(out);
+    changed |= try_complete_syncs(out);
     if (!changed) break;
   }
   detect_vote_mismatch(out);
@@ -802,12 +840,19 @@ void Coordinator::detect_vote_mismatch(Outbox& out) {
   }
   if (accepted == 0) return;
   const std::string reason = "accepted peers are waiting in different votes (update topology, are-peers-pending, "
-                             "agree); the application must call the same operation on every peer";
+                             "agree, shared-state sync); the application must call the same operation on every peer";
   out.push_back(Event{"vote mismatch: " + reason});
   if (topology_phase_ == TopologyPhase::kVoting) topology_phase_ = TopologyPhase::kIdle;
   pending_round_.reset();
   agree_rounds_.clear();
+  for (auto it = syncs_.begin(); it != syncs_.end();) {
+    it = it->second.phase == SharedStateSync::Phase::kVoting ? syncs_.erase(it) : std::next(it);
+  }
   for (auto& [id, peer] : peers_) {
+    if (peer.state == PeerState::kVoteSync) {
+      peer.state = PeerState::kIdle;
+      send(peer, proto::SyncResult{0, LOCKSTEP_STATUS_OPERATION_MISMATCH, 0, reason}, out);
+    }
     if (peer.state == PeerState::kVoteAcceptNewPeers) {
       peer.state = PeerState::kIdle;
       send(peer, proto::TopologyResult{epoch_, LOCKSTEP_STATUS_OPERATION_MISMATCH, reason, {}, {}}, out);
@@ -857,7 +902,14 @@ std::string Coordinator::digest() const {
         << c.votes.size() << ":" << c.attempt << ":" << c.done.size() << " ";
     }
   }
-  s << "] next_attempt=" << next_attempt_;
+  s << "] next_attempt=" << next_attempt_ << " syncs=[";
+  for (const auto& [g, sy] : syncs_) {
+    s << g << ":" << (sy.phase == SharedStateSync::Phase::kVoting ? "voting" : "transferring") << ":" << sy.votes.size()
+      << ":" << sy.attempt << ":" << sy.done.size() << " ";
+  }
+  s << "] revisions=[";
+  for (const auto& [g, r] : revisions_) s << g << ":" << r << " ";
+  s << "]";
   return s.str();
 }
 
@@ -924,6 +976,38 @@ std::optional<std::string> Coordinator::check_invariants() const {
     }
   }
   if (pending_round_ && accepted == 0) return "are-peers-pending round open without accepted peers";
+  // Shared-state syncs: voters are exactly the peers in VOTE_SYNC of the group; a
+  // transfer's participants are in SYNC and nothing else runs in their group.
+  for (const auto& [id, p] : peers_) {
+    const auto sy = syncs_.find(p.group);
+    if (p.state == PeerState::kVoteSync &&
+        (sy == syncs_.end() || sy->second.phase != SharedStateSync::Phase::kVoting || sy->second.votes.count(id) == 0)) {
+      return "peer " + id.to_string() + " is in VOTE_SYNC without a vote";
+    }
+    if (p.state == PeerState::kSyncing &&
+        (sy == syncs_.end() || sy->second.phase != SharedStateSync::Phase::kTransferring ||
+         std::find(sy->second.participants.begin(), sy->second.participants.end(), id) == sy->second.participants.end())) {
+      return "peer " + id.to_string() + " is in SYNC without taking part in a transfer";
+    }
+  }
+  for (const auto& [group, sy] : syncs_) {
+    if (sy.phase == SharedStateSync::Phase::kVoting) {
+      if (sy.votes.empty()) return "shared-state vote without voters in group " + std::to_string(group);
+      for (const auto& [id, v] : sy.votes) {
+        const Peer* p = find_peer(id);
+        if (p == nullptr || p->group != group || p->state != PeerState::kVoteSync) return "stale shared-state vote";
+      }
+    } else {
+      if (collectives_.count(group) != 0) return "group " + std::to_string(group) + " runs collectives during a sync";
+      for (const auto& id : sy.participants) {
+        const Peer* p = find_peer(id);
+        if (p == nullptr || p->state != PeerState::kSyncing) return "sync participant is gone or not syncing";
+      }
+      if (revisions_.count(group) != 0 && sy.revision != revisions_.at(group) + 1) {
+        return "group " + std::to_string(group) + " elected a revision that breaks the revision rule";
+      }
+    }
+  }
   return std::nullopt;
 }
 

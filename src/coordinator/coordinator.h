@@ -16,6 +16,10 @@
 //    numbered attempt over the group's ring, vote to complete, one outcome for all;
 //  - votes as barriers, the optional vote timeout, and detection of peers blocked in
 //    different votes (which can never complete) as OPERATION_MISMATCH;
+//  - shared-state sync per group: a vote carrying each peer's revision and tensor
+//    digests, the revision rule and the election (semantics rules 5-6), a plan of
+//    which pieces each outdated peer fetches from which up-to-date peer (spread over
+//    all of them), and one outcome for all (rule 7);
 //  - failure detection: closed connections and heartbeat timeouts;
 //  - the ring order (join order) and the membership view per group.
 #pragma once
@@ -52,10 +56,10 @@ struct Config {
 };
 
 enum class Phase { kRegistered, kAccepted };
-enum class PeerState { kIdle, kVoteAcceptNewPeers, kEstablishingP2P };
+enum class PeerState { kIdle, kVoteAcceptNewPeers, kEstablishingP2P, kVoteSync, kSyncing };
 enum class TopologyPhase { kIdle, kVoting, kEstablishing };
 // The major operation a group is in; at most one at a time (the golden rule).
-enum class MajorOp { kNone, kUpdateTopology, kCollective };
+enum class MajorOp { kNone, kUpdateTopology, kCollective, kSharedStateSync };
 
 const char* to_string(Phase phase);
 const char* to_string(PeerState state);
@@ -89,14 +93,27 @@ struct Collective {
   std::set<PeerId> done;
 };
 
+// One shared-state sync of a group, from its first vote to its outcome.
+struct SharedStateSync {
+  enum class Phase { kVoting, kTransferring };
+  Phase phase = Phase::kVoting;
+  TimeMs started_ms = 0;
+  std::map<PeerId, proto::SyncVote> votes;
+  std::uint64_t attempt = 0;
+  std::uint64_t revision = 0;        // the elected revision
+  std::vector<PeerId> participants;  // ring order
+  std::set<PeerId> done;
+  std::uint64_t bytes_planned = 0;   // tensor bytes the plan moves
+};
+
 // Commands for the IO shell.
 struct Send {
-  ConnId conn;
+  ConnId conn = 0;
   proto::Message message;
 };
 // Close the connection after flushing what was queued for it.
 struct Close {
-  ConnId conn;
+  ConnId conn = 0;
   std::string reason;
 };
 // A transition worth logging, with its reason.
@@ -140,6 +157,9 @@ class Coordinator {
   // can check that a refused request changed nothing.
   std::string digest() const;
   const std::map<std::uint32_t, std::map<std::uint64_t, Collective>>& collectives() const { return collectives_; }
+  const std::map<std::uint32_t, SharedStateSync>& syncs() const { return syncs_; }
+  // The revision of the group's last successful sync, if it ever had one.
+  std::optional<std::uint64_t> revision(std::uint32_t group) const;
   // True if the peer voted for, or takes part in, a collective that is not finished.
   bool has_collective_in_flight(const Peer& peer) const;
   // Checks the structural invariants; returns a description of the first violation.
@@ -168,7 +188,7 @@ class Coordinator {
   void advance(TimeMs now_ms, Outbox& out);
   void close_abandoned_votes();
   bool agree_has_voter(std::uint32_t group) const;
-  bool fail_collectives_blocked_by_topology(Outbox& out);
+  bool fail_collectives_blocked_by_major_vote(Outbox& out);
   bool try_complete_topology_vote(TimeMs now_ms, Outbox& out);
   bool try_complete_establish(Outbox& out);
   bool try_complete_pending(Outbox& out);
@@ -182,6 +202,16 @@ class Coordinator {
   void handle_collective_init(Peer& peer, const proto::CollectiveInit& init, Outbox& out);
   void handle_collective_done(Peer& peer, const proto::CollectiveDone& done, Outbox& out);
   bool try_start_collectives(Outbox& out);
+  void handle_sync_vote(Peer& peer, const proto::SyncVote& vote, Outbox& out);
+  void handle_sync_done(Peer& peer, const proto::SyncDone& done, Outbox& out);
+  bool try_complete_syncs(Outbox& out);
+  // The election of a group whose every peer voted: removes peers that break the
+  // revision rule or do not match the elected content (the election then runs again
+  // without them), or sends every participant its plan.
+  void decide_sync(std::uint32_t group, Outbox& out);
+  void start_transfers(std::uint32_t group, std::uint64_t revision, PeerId representative, Outbox& out);
+  // Ends a group's sync with one outcome for everyone in it; erases it.
+  void finish_sync(std::uint32_t group, StatusCode status, const std::string& reason, Outbox& out);
   // Ends a collective with one outcome sent to `recipients`; erases it.
   void finish_collective(std::uint32_t group, std::uint64_t tag, std::vector<PeerId> recipients,
                          StatusCode status, const std::string& reason, Outbox& out);
@@ -208,6 +238,11 @@ class Coordinator {
 
   std::map<std::uint32_t, std::map<std::uint64_t, Collective>> collectives_;
   std::uint64_t next_attempt_ = 1;
+
+  std::map<std::uint32_t, SharedStateSync> syncs_;
+  // Revision of each group's last successful sync; kept when every peer is gone, so
+  // that a peer restoring a checkpoint must present exactly the next one.
+  std::map<std::uint32_t, std::uint64_t> revisions_;
 };
 
 }  // namespace lockstep::coord

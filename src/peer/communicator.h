@@ -59,6 +59,20 @@ struct ReduceInfo {
   std::uint64_t bytes_received = 0;
 };
 
+// One tensor of the shared state; the memory stays the caller's.
+struct SharedTensor {
+  std::string key;
+  void* data = nullptr;
+  std::uint64_t count = 0;
+  lockstep_dtype_t dtype = LOCKSTEP_F32;
+  bool allow_content_inequality = false;
+};
+
+struct SyncInfo {
+  std::uint64_t bytes_sent = 0;      // tensor bytes served to other peers
+  std::uint64_t bytes_received = 0;  // tensor bytes received
+};
+
 // An all-reduce in flight on its own thread. Awaited on the thread that launched it.
 class AsyncReduce {
  public:
@@ -97,6 +111,11 @@ class Communicator {
   // succeeded, or with the first error that is not a lost peer.
   Status all_reduce_multiple_with_retry(const std::vector<ReduceDescriptor>& descriptors, std::size_t max_in_flight,
                                         std::vector<ReduceInfo>* infos);
+
+  // Shared state (semantics rules 5-7): a vote with every tensor's digest, then the
+  // transfers the master plans. On success *revision is the group's revision.
+  Result<SyncInfo> sync_shared_state(const std::vector<SharedTensor>& tensors, std::uint64_t* revision,
+                                     proto::SyncStrategy strategy);
 
   Result<proto::Attributes> attributes() const;
   Result<std::vector<proto::MemberInfo>> membership() const;

@@ -73,7 +73,7 @@ class Reader {
   bool status(StatusCode* value, const char* field) {
     std::uint32_t raw = 0;
     if (!u(&raw, field)) return false;
-    if (raw > static_cast<std::uint32_t>(LOCKSTEP_STATUS_INTERRUPTED)) return fail(std::string(field) + ": unknown status code");
+    if (raw > static_cast<std::uint32_t>(kStatusCodeMax)) return fail(std::string(field) + ": unknown status code");
     *value = static_cast<StatusCode>(raw);
     return true;
   }
@@ -358,6 +358,133 @@ bool decode_body(Reader& r, P2PHello* m) {
 void encode_body(Writer& w, const P2PHelloAck& m) { w.status(m.status); }
 bool decode_body(Reader& r, P2PHelloAck* m) { return r.status(&m->status, "p2p_hello_ack.status"); }
 
+// ---- shared state
+void put(Writer& w, const state::Digest& d) {
+  w.u(d.hi);
+  w.u(d.lo);
+}
+bool get(Reader& r, state::Digest* d, const char* field) { return r.u(&d->hi, field) && r.u(&d->lo, field); }
+
+void encode_body(Writer& w, const SyncVote& m) {
+  w.u(static_cast<std::uint8_t>(m.strategy));
+  w.u(m.revision);
+  w.u(static_cast<std::uint32_t>(m.tensors.size()));
+  for (const auto& t : m.tensors) {
+    w.str(t.key);
+    w.u(t.dtype);
+    w.u(t.count);
+    put(w, t.hash);
+    w.boolean(t.allow_content_inequality);
+  }
+}
+bool decode_body(Reader& r, SyncVote* m) {
+  std::uint8_t strategy = 0;
+  if (!r.u(&strategy, "sync_vote.strategy")) return false;
+  if (strategy > static_cast<std::uint8_t>(SyncStrategy::kSendOnly)) return r.fail("sync_vote.strategy: unknown strategy");
+  m->strategy = static_cast<SyncStrategy>(strategy);
+  std::uint32_t n = 0;
+  constexpr std::size_t kEntryBytesMin = 2 + 1 + 8 + 16 + 1;
+  if (!r.u(&m->revision, "sync_vote.revision") ||
+      !r.count(&n, limits::kSharedStateTensorsMax, kEntryBytesMin, "sync_vote.tensors")) {
+    return false;
+  }
+  m->tensors.resize(n);
+  for (auto& t : m->tensors) {
+    if (!r.str(&t.key, limits::kSharedStateKeyBytesMax, "sync_vote.key") || !r.u(&t.dtype, "sync_vote.dtype") ||
+        !r.u(&t.count, "sync_vote.count") || !get(r, &t.hash, "sync_vote.hash") ||
+        !r.boolean(&t.allow_content_inequality, "sync_vote.allow_content_inequality")) {
+      return false;
+    }
+    if (t.key.empty()) return r.fail("sync_vote.key: empty");
+    if (t.dtype > LOCKSTEP_F64) return r.fail("sync_vote.dtype: unknown dtype");
+  }
+  return true;
+}
+void encode_body(Writer& w, const SyncDone& m) {
+  w.u(m.attempt);
+  w.status(m.status);
+  w.str(m.reason);
+}
+bool decode_body(Reader& r, SyncDone* m) {
+  return r.u(&m->attempt, "sync_done.attempt") && r.status(&m->status, "sync_done.status") &&
+         r.str(&m->reason, limits::kWireStringBytesMax, "sync_done.reason");
+}
+void encode_body(Writer& w, const SyncPlan& m) {
+  w.u(m.attempt);
+  w.u(m.revision);
+  put_members(w, m.sources);
+  w.u(static_cast<std::uint32_t>(m.fetches.size()));
+  for (const auto& f : m.fetches) {
+    w.u(f.tensor);
+    w.u(f.offset);
+    w.u(f.bytes);
+    w.u(f.source);
+  }
+  w.u(static_cast<std::uint32_t>(m.expect.size()));
+  for (const auto& e : m.expect) {
+    w.u(e.tensor);
+    put(w, e.hash);
+  }
+}
+bool decode_body(Reader& r, SyncPlan* m) {
+  if (!r.u(&m->attempt, "sync_plan.attempt") || !r.u(&m->revision, "sync_plan.revision") ||
+      !get_members(r, &m->sources)) {
+    return false;
+  }
+  std::uint32_t n = 0;
+  if (!r.count(&n, limits::kSyncFetchesMax, 4 + 8 + 8 + 4, "sync_plan.fetches")) return false;
+  m->fetches.resize(n);
+  for (auto& f : m->fetches) {
+    if (!r.u(&f.tensor, "sync_plan.fetch.tensor") || !r.u(&f.offset, "sync_plan.fetch.offset") ||
+        !r.u(&f.bytes, "sync_plan.fetch.bytes") || !r.u(&f.source, "sync_plan.fetch.source")) {
+      return false;
+    }
+    if (f.source >= m->sources.size()) return r.fail("sync_plan.fetch.source: no such source");
+  }
+  if (!r.count(&n, limits::kSharedStateTensorsMax, 4 + 16, "sync_plan.expect")) return false;
+  m->expect.resize(n);
+  for (auto& e : m->expect) {
+    if (!r.u(&e.tensor, "sync_plan.expect.tensor") || !get(r, &e.hash, "sync_plan.expect.hash")) return false;
+  }
+  return true;
+}
+void encode_body(Writer& w, const SyncResult& m) {
+  w.u(m.attempt);
+  w.status(m.status);
+  w.u(m.revision);
+  w.str(m.reason);
+}
+bool decode_body(Reader& r, SyncResult* m) {
+  return r.u(&m->attempt, "sync_result.attempt") && r.status(&m->status, "sync_result.status") &&
+         r.u(&m->revision, "sync_result.revision") && r.str(&m->reason, limits::kWireStringBytesMax, "sync_result.reason");
+}
+void encode_body(Writer& w, const StateRequest& m) {
+  w.u(m.attempt);
+  w.str(m.key);
+  w.u(m.offset);
+  w.u(m.bytes);
+  put(w, m.hash);
+}
+bool decode_body(Reader& r, StateRequest* m) {
+  if (!r.u(&m->attempt, "state_request.attempt") ||
+      !r.str(&m->key, limits::kSharedStateKeyBytesMax, "state_request.key") ||
+      !r.u(&m->offset, "state_request.offset") || !r.u(&m->bytes, "state_request.bytes") ||
+      !get(r, &m->hash, "state_request.hash")) {
+    return false;
+  }
+  if (m->key.empty()) return r.fail("state_request.key: empty");
+  return true;
+}
+void encode_body(Writer& w, const StateResponse& m) {
+  w.status(m.status);
+  w.u(m.bytes);
+  w.str(m.reason);
+}
+bool decode_body(Reader& r, StateResponse* m) {
+  return r.status(&m->status, "state_response.status") && r.u(&m->bytes, "state_response.bytes") &&
+         r.str(&m->reason, limits::kWireStringBytesMax, "state_response.reason");
+}
+
 template <typename T>
 Result<Message> decode_as(std::span<const std::uint8_t> payload) {
   Reader r(payload);
@@ -369,6 +496,15 @@ Result<Message> decode_as(std::span<const std::uint8_t> payload) {
 }
 
 }  // namespace
+
+const char* to_string(SyncStrategy strategy) {
+  switch (strategy) {
+    case SyncStrategy::kEnforcePopular: return "enforce-popular";
+    case SyncStrategy::kReceiveOnly: return "receive-only";
+    case SyncStrategy::kSendOnly: return "send-only";
+  }
+  return "?";
+}
 
 const char* msg_type_name(MsgType type) {
   switch (type) {
@@ -392,6 +528,12 @@ const char* msg_type_name(MsgType type) {
     case MsgType::kGoodbye: return "Goodbye";
     case MsgType::kP2PHello: return "P2PHello";
     case MsgType::kP2PHelloAck: return "P2PHelloAck";
+    case MsgType::kSyncVote: return "SyncVote";
+    case MsgType::kSyncDone: return "SyncDone";
+    case MsgType::kSyncPlan: return "SyncPlan";
+    case MsgType::kSyncResult: return "SyncResult";
+    case MsgType::kStateRequest: return "StateRequest";
+    case MsgType::kStateResponse: return "StateResponse";
   }
   return "Unknown";
 }
@@ -415,11 +557,17 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kCollectiveInit:
     case MsgType::kCollectiveDone:
     case MsgType::kCollectiveResult:
+    case MsgType::kSyncDone:
+    case MsgType::kSyncResult:
+    case MsgType::kStateRequest:
+    case MsgType::kStateResponse:
       return kSmallPayloadBytesMax;
     case MsgType::kCollectiveGo:
     case MsgType::kP2PReport:
     case MsgType::kEstablishP2P:
     case MsgType::kTopologyResult:
+    case MsgType::kSyncVote:
+    case MsgType::kSyncPlan:
       return limits::kControlFramePayloadBytesMax;
   }
   return 0;
@@ -463,6 +611,12 @@ Result<Message> decode_payload(MsgType type, std::span<const std::uint8_t> paylo
     case MsgType::kGoodbye: return decode_as<Goodbye>(payload);
     case MsgType::kP2PHello: return decode_as<P2PHello>(payload);
     case MsgType::kP2PHelloAck: return decode_as<P2PHelloAck>(payload);
+    case MsgType::kSyncVote: return decode_as<SyncVote>(payload);
+    case MsgType::kSyncDone: return decode_as<SyncDone>(payload);
+    case MsgType::kSyncPlan: return decode_as<SyncPlan>(payload);
+    case MsgType::kSyncResult: return decode_as<SyncResult>(payload);
+    case MsgType::kStateRequest: return decode_as<StateRequest>(payload);
+    case MsgType::kStateResponse: return decode_as<StateResponse>(payload);
   }
   return protocol_error("unknown message type " + std::to_string(static_cast<unsigned>(type)));
 }

@@ -6,6 +6,7 @@
 
 #include "common/ids.h"
 #include "common/status.h"
+#include "state/hash.h"
 
 #include <cstdint>
 #include <string>
@@ -27,6 +28,8 @@ enum class MsgType : std::uint16_t {
   kVoteAgree = 6,
   kCollectiveInit = 7,
   kCollectiveDone = 8,
+  kSyncVote = 9,
+  kSyncDone = 10,
   // master -> peer
   kWelcome = 64,
   kHeartbeatAck = 65,
@@ -38,9 +41,13 @@ enum class MsgType : std::uint16_t {
   kGoodbye = 71,
   kCollectiveGo = 72,
   kCollectiveResult = 73,
+  kSyncPlan = 74,
+  kSyncResult = 75,
   // peer -> peer (p2p, shared-state and benchmark sockets)
   kP2PHello = 128,
   kP2PHelloAck = 129,
+  kStateRequest = 130,
+  kStateResponse = 131,
 };
 
 const char* msg_type_name(MsgType type);
@@ -128,6 +135,36 @@ struct CollectiveDone {
   bool operator==(const CollectiveDone&) const = default;
 };
 
+// ---- shared state (semantics rules 5-7)
+enum class SyncStrategy : std::uint8_t { kEnforcePopular = 0, kReceiveOnly = 1, kSendOnly = 2 };
+const char* to_string(SyncStrategy strategy);
+
+// One tensor as a peer presents it to the election.
+struct TensorEntry {
+  std::string key;
+  std::uint8_t dtype = 0;
+  std::uint64_t count = 0;
+  state::Digest hash;
+  bool allow_content_inequality = false;
+  bool operator==(const TensorEntry&) const = default;
+};
+// Vote to synchronize the shared state: this peer's revision and tensors.
+struct SyncVote {
+  static constexpr MsgType kType = MsgType::kSyncVote;
+  SyncStrategy strategy = SyncStrategy::kEnforcePopular;
+  std::uint64_t revision = 0;
+  std::vector<TensorEntry> tensors;
+  bool operator==(const SyncVote&) const = default;
+};
+// This peer's transfers of an attempt are over (ok: every received tensor verified).
+struct SyncDone {
+  static constexpr MsgType kType = MsgType::kSyncDone;
+  std::uint64_t attempt = 0;
+  StatusCode status = LOCKSTEP_OK;
+  std::string reason;
+  bool operator==(const SyncDone&) const = default;
+};
+
 // ---- master -> peer
 struct Welcome {
   static constexpr MsgType kType = MsgType::kWelcome;
@@ -209,6 +246,44 @@ struct CollectiveResult {
   bool operator==(const CollectiveResult&) const = default;
 };
 
+// A piece of a tensor to fetch: bytes [offset, offset + bytes) of the receiver's
+// tensor number `tensor` (its position in the receiver's SyncVote) from distributor
+// number `source` of the plan.
+struct SyncFetch {
+  std::uint32_t tensor = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+  std::uint32_t source = 0;
+  bool operator==(const SyncFetch&) const = default;
+};
+// A tensor this peer receives and the digest it must have afterwards.
+struct SyncExpect {
+  std::uint32_t tensor = 0;
+  state::Digest hash;
+  bool operator==(const SyncExpect&) const = default;
+};
+// The election's outcome for one peer: what it must fetch from whom. Every
+// participant gets one (most fetch nothing) and serves requests until the result.
+struct SyncPlan {
+  static constexpr MsgType kType = MsgType::kSyncPlan;
+  std::uint64_t attempt = 0;
+  std::uint64_t revision = 0;  // the elected revision: every peer's revision afterwards
+  std::vector<MemberInfo> sources;
+  std::vector<SyncFetch> fetches;
+  std::vector<SyncExpect> expect;
+  bool operator==(const SyncPlan&) const = default;
+};
+// The outcome of a sync, the same for every participant. attempt 0: it ended before
+// any transfer (no shared state available, a vote mismatch).
+struct SyncResult {
+  static constexpr MsgType kType = MsgType::kSyncResult;
+  std::uint64_t attempt = 0;
+  StatusCode status = LOCKSTEP_OK;
+  std::uint64_t revision = 0;
+  std::string reason;
+  bool operator==(const SyncResult&) const = default;
+};
+
 // ---- peer -> peer
 struct P2PHello {
   static constexpr MsgType kType = MsgType::kP2PHello;
@@ -227,11 +302,31 @@ struct P2PHelloAck {
   StatusCode status = LOCKSTEP_OK;
   bool operator==(const P2PHelloAck&) const = default;
 };
+// On a shared-state connection: send bytes [offset, offset + bytes) of tensor `key`,
+// which must have digest `hash` (the elected content of sync attempt `attempt`).
+struct StateRequest {
+  static constexpr MsgType kType = MsgType::kStateRequest;
+  std::uint64_t attempt = 0;
+  std::string key;
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+  state::Digest hash;
+  bool operator==(const StateRequest&) const = default;
+};
+// The answer: on OK, exactly `bytes` raw bytes follow the frame.
+struct StateResponse {
+  static constexpr MsgType kType = MsgType::kStateResponse;
+  StatusCode status = LOCKSTEP_OK;
+  std::uint64_t bytes = 0;
+  std::string reason;
+  bool operator==(const StateResponse&) const = default;
+};
 
 using Message = std::variant<Hello, Heartbeat, VoteUpdateTopology, P2PReport, VotePeersPending,
                              VoteAgree, CollectiveInit, CollectiveDone, Welcome, HeartbeatAck,
                              EstablishP2P, TopologyResult, PeersPendingResult, AgreeResult, Refused,
-                             Goodbye, CollectiveGo, CollectiveResult, P2PHello, P2PHelloAck>;
+                             Goodbye, CollectiveGo, CollectiveResult, P2PHello, P2PHelloAck, SyncVote,
+                             SyncDone, SyncPlan, SyncResult, StateRequest, StateResponse>;
 
 MsgType type_of(const Message& message);
 

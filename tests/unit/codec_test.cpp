@@ -115,6 +115,20 @@ std::vector<Message> samples() {
   all.push_back(P2PHello{});
   all.push_back(P2PHelloAck{LOCKSTEP_STATUS_REJECTED});
   all.push_back(P2PHelloAck{});
+  all.push_back(SyncVote{SyncStrategy::kSendOnly, 42,
+                         {TensorEntry{"layer.0.weight", LOCKSTEP_BF16, 1ull << 40, state::Digest{1, 2}, false},
+                          TensorEntry{"stats", LOCKSTEP_U64, 3, state::Digest{~0ull, 0}, true}}});
+  all.push_back(SyncVote{});
+  all.push_back(SyncDone{7, LOCKSTEP_STATUS_HASH_MISMATCH, "tensor 'w' did not verify"});
+  all.push_back(SyncDone{});
+  all.push_back(SyncPlan{9, 43, {member(1, "10.0.0.1"), member(2, "10.0.0.2")},
+                         {SyncFetch{0, 0, 4096, 1}, SyncFetch{0, 4096, 100, 0}}, {SyncExpect{0, state::Digest{5, 6}}}});
+  all.push_back(SyncPlan{});
+  all.push_back(SyncResult{9, LOCKSTEP_OK, 43, ""});
+  all.push_back(SyncResult{0, LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE, 0, "every holder is gone"});
+  all.push_back(StateRequest{9, "layer.0.weight", 1ull << 30, 1ull << 20, state::Digest{3, 4}});
+  all.push_back(StateResponse{LOCKSTEP_OK, 1ull << 20, ""});
+  all.push_back(StateResponse{LOCKSTEP_STATUS_HASH_MISMATCH, 0, "content changed"});
   return all;
 }
 
@@ -124,7 +138,9 @@ const std::vector<MsgType>& all_types() {
       MsgType::kVotePeersPending, MsgType::kVoteAgree,        MsgType::kCollectiveInit,     MsgType::kCollectiveDone,
       MsgType::kWelcome,        MsgType::kHeartbeatAck,       MsgType::kEstablishP2P,       MsgType::kTopologyResult,
       MsgType::kPeersPendingResult, MsgType::kAgreeResult,    MsgType::kRefused,            MsgType::kGoodbye,
-      MsgType::kCollectiveGo,   MsgType::kCollectiveResult,   MsgType::kP2PHello,           MsgType::kP2PHelloAck};
+      MsgType::kCollectiveGo,   MsgType::kCollectiveResult,   MsgType::kP2PHello,           MsgType::kP2PHelloAck,
+      MsgType::kSyncVote,       MsgType::kSyncDone,           MsgType::kSyncPlan,           MsgType::kSyncResult,
+      MsgType::kStateRequest,   MsgType::kStateResponse};
   return types;
 }
 
@@ -361,7 +377,7 @@ TEST(CodecNames, EveryTypeHasANameAndABound) {
   }
   EXPECT_STREQ(msg_type_name(static_cast<MsgType>(999)), "Unknown");
   EXPECT_EQ(payload_bytes_max(0), 0u);
-  EXPECT_EQ(payload_bytes_max(9), 0u);
+  EXPECT_EQ(payload_bytes_max(11), 0u);
   EXPECT_EQ(payload_bytes_max(63), 0u);
   EXPECT_EQ(payload_bytes_max(0xffff), 0u);
   for (const Message& m : samples()) EXPECT_EQ(payload_of(encode_frame(m)).size() == 0, has_empty_payload(type_of(m)));
@@ -506,6 +522,20 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
        {"p2p_hello.magic", "p2p_hello.version", "p2p_hello.channel", "p2p_hello.from", "p2p_hello.to", "p2p_hello.epoch",
         "p2p_hello.pool_index", "p2p_hello.auth"}},
       {P2PHelloAck{LOCKSTEP_OK}, {"p2p_hello_ack.status"}},
+      // as for members: the count is checked against 28 bytes per entry first
+      {SyncVote{SyncStrategy::kReceiveOnly, 3, {TensorEntry{std::string(40, 'k'), 1, 2, state::Digest{3, 4}, true}}},
+       {"sync_vote.strategy", "sync_vote.revision", "sync_vote.tensors", "sync_vote.key", "sync_vote.dtype",
+        "sync_vote.count", "sync_vote.hash", "sync_vote.allow_content_inequality"}},
+      {SyncDone{1, LOCKSTEP_OK, "r"}, {"sync_done.attempt", "sync_done.status", "sync_done.reason"}},
+      {SyncPlan{1, 2, {member(1, std::string(40, 'h'))}, {SyncFetch{0, 1, 2, 0}}, {SyncExpect{0, state::Digest{1, 2}}}},
+       {"sync_plan.attempt", "sync_plan.revision", "members", "member.host", "member.p2p_port",
+        "member.shared_state_port", "member.benchmark_port", "sync_plan.fetches", "sync_plan.expect"}},
+      {SyncResult{1, LOCKSTEP_OK, 2, "r"},
+       {"sync_result.attempt", "sync_result.status", "sync_result.revision", "sync_result.reason"}},
+      {StateRequest{1, "k", 2, 3, state::Digest{4, 5}},
+       {"state_request.attempt", "state_request.key", "state_request.offset", "state_request.bytes",
+        "state_request.hash"}},
+      {StateResponse{LOCKSTEP_OK, 1, "r"}, {"state_response.status", "state_response.bytes", "state_response.reason"}},
   };
   std::set<MsgType> covered;
   for (const auto& c : cases) {
@@ -565,6 +595,8 @@ TEST(CodecPayload, ZeroAndOneBytePayloads) {
         EXPECT_TRUE(is_protocol_error(r1.status(), {"1 trailing bytes"}));
       } else if (t == MsgType::kVoteAgree) {
         EXPECT_TRUE(is_protocol_error(r1.status(), {"vote_agree.flag", "boolean out of range"}));
+      } else if (t == MsgType::kSyncVote && v > 2) {
+        EXPECT_TRUE(is_protocol_error(r1.status(), {"sync_vote.strategy", "unknown strategy"}));
       } else {
         EXPECT_TRUE(is_protocol_error(r1.status(), {msg_type_name(t), "truncated"}));
       }
@@ -622,12 +654,49 @@ TEST(CodecPayload, UnknownStatusCodesAreRejected) {
       return p;
     };
     // every known code decodes, the largest included
-    for (std::uint32_t code = 0; code <= static_cast<std::uint32_t>(LOCKSTEP_STATUS_INTERRUPTED); ++code) {
+    for (std::uint32_t code = 0; code <= static_cast<std::uint32_t>(kStatusCodeMax); ++code) {
       EXPECT_TRUE(decode_payload(type_of(c.ok), with_code(code)).is_ok()) << code;
     }
-    for (std::uint32_t code : {static_cast<std::uint32_t>(LOCKSTEP_STATUS_INTERRUPTED) + 1, 100u, 0x80000000u, 0xffffffffu}) {
+    for (std::uint32_t code : {static_cast<std::uint32_t>(kStatusCodeMax) + 1, 100u, 0x80000000u, 0xffffffffu}) {
       EXPECT_TRUE(payload_rejected(type_of(c.ok), with_code(code), {msg_type_name(type_of(c.ok)), c.field, "unknown status code"}));
     }
+  }
+}
+
+TEST(CodecPayload, SharedStateMessagesAreBounded) {
+  const TensorEntry ok{"w", LOCKSTEP_F32, 4, state::Digest{1, 2}, false};
+  {
+    TensorEntry long_key = ok;
+    long_key.key = std::string(256, 'k');
+    EXPECT_TRUE(payload_rejected(MsgType::kSyncVote, payload_copy(SyncVote{SyncStrategy::kEnforcePopular, 1, {long_key}}),
+                                 {"SyncVote", "sync_vote.key", "longer than 255"}));
+    TensorEntry empty_key = ok;
+    empty_key.key.clear();
+    EXPECT_TRUE(payload_rejected(MsgType::kSyncVote, payload_copy(SyncVote{SyncStrategy::kEnforcePopular, 1, {empty_key}}),
+                                 {"SyncVote", "sync_vote.key: empty"}));
+    TensorEntry bad_dtype = ok;
+    bad_dtype.dtype = LOCKSTEP_F64 + 1;
+    EXPECT_TRUE(payload_rejected(MsgType::kSyncVote, payload_copy(SyncVote{SyncStrategy::kEnforcePopular, 1, {bad_dtype}}),
+                                 {"SyncVote", "sync_vote.dtype", "unknown dtype"}));
+  }
+  {
+    Bytes p = payload_copy(SyncVote{SyncStrategy::kEnforcePopular, 1, {ok}});
+    p[0] = 3;  // the strategy comes first
+    EXPECT_TRUE(payload_rejected(MsgType::kSyncVote, p, {"SyncVote", "sync_vote.strategy", "unknown strategy"}));
+  }
+  {
+    // One tensor more than allowed, each entry as small as it can be.
+    std::vector<TensorEntry> many(limits::kSharedStateTensorsMax + 1, ok);
+    EXPECT_TRUE(payload_rejected(MsgType::kSyncVote, payload_copy(SyncVote{SyncStrategy::kEnforcePopular, 1, many}),
+                                 {"SyncVote", "sync_vote.tensors", "count above 2048"}));
+  }
+  {
+    const SyncPlan plan{1, 2, {member(1, "h")}, {SyncFetch{0, 0, 10, 1}}, {}};
+    EXPECT_TRUE(payload_rejected(MsgType::kSyncPlan, payload_copy(plan), {"SyncPlan", "sync_plan.fetch.source", "no such source"}));
+  }
+  {
+    StateRequest request{1, "", 0, 1, {}};
+    EXPECT_TRUE(payload_rejected(MsgType::kStateRequest, payload_copy(request), {"StateRequest", "state_request.key: empty"}));
   }
 }
 
@@ -869,7 +938,7 @@ TEST(CodecPayload, UnknownChannel) {
 }
 
 TEST(CodecPayload, RefusedOfUnknownRequestType) {
-  for (std::uint16_t raw : {std::uint16_t{0}, std::uint16_t{9}, std::uint16_t{63}, std::uint16_t{130}, std::uint16_t{0xffff}}) {
+  for (std::uint16_t raw : {std::uint16_t{0}, std::uint16_t{11}, std::uint16_t{63}, std::uint16_t{132}, std::uint16_t{0xffff}}) {
     Bytes p = payload_copy(Refused{});
     p[0] = static_cast<std::uint8_t>(raw);
     p[1] = static_cast<std::uint8_t>(raw >> 8);

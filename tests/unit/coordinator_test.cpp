@@ -2,12 +2,14 @@
 // state, failures at each point of update topology, the votes (are-peers-pending,
 // agree, mismatch, vote timeout), failure detection and the handshake rules. Every
 // step goes through a harness that checks the coordinator's structural invariants.
+#include "common/dtype.h"
 #include "coordinator/coordinator.h"
 #include "protocol/codec.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <cstdint>
 #include <exception>
 #include <optional>
@@ -1345,7 +1347,8 @@ TEST(CoordinatorProtocolError, MessagesAPeerMustNeverSendRemoveIt) {
   const std::vector<p::Message> forbidden = {
       p::Hello{},          p::Welcome{},       p::HeartbeatAck{}, p::EstablishP2P{}, p::TopologyResult{},
       p::PeersPendingResult{}, p::AgreeResult{}, p::Refused{},      p::Goodbye{},      p::P2PHello{},
-      p::P2PHelloAck{},    p::CollectiveGo{},  p::CollectiveResult{}};
+      p::P2PHelloAck{},    p::CollectiveGo{},  p::CollectiveResult{}, p::SyncPlan{}, p::SyncResult{},
+      p::StateRequest{},   p::StateResponse{}};
   for (const auto& m : forbidden) {
     for (bool accepted : {true, false}) {
       SCOPED_TRACE(describe(m) + (accepted ? " from an accepted peer" : " from a registered peer"));
@@ -1737,6 +1740,434 @@ TEST(CoordinatorJoinDuringUpdate, HelloDuringTheVoteJoinsThatUpdate) {
   ASSERT_TRUE(one_of<p::EstablishP2P>(out, n.conn).has_value());
   h.report_all({peers[0], peers[1], n});
   EXPECT_EQ(h.c.ring(2), std::vector<PeerId>{n.id});
+}
+
+
+// ---------------------------------------------------------------- shared state
+
+constexpr std::uint64_t kMiB = 1u << 20;
+
+// A tensor entry whose digest stands for its content (`content` 0 is "other bytes").
+p::TensorEntry tensor(const std::string& key, std::uint64_t content, std::uint64_t count = 1024,
+                      std::uint8_t dtype = LOCKSTEP_F32, bool allow_inequality = false) {
+  return p::TensorEntry{key, dtype, count, state::Digest{content, ~content}, allow_inequality};
+}
+// The shared state of a small model: three tensors, one of them large.
+std::vector<p::TensorEntry> model(std::uint64_t content) {
+  return {tensor("embedding", content), tensor("weights", content + 1, 16 * kMiB), tensor("step", content + 2, 1, LOCKSTEP_U64)};
+}
+p::SyncVote state_vote(std::uint64_t revision, std::vector<p::TensorEntry> tensors,
+                       p::SyncStrategy strategy = p::SyncStrategy::kEnforcePopular) {
+  return p::SyncVote{strategy, revision, std::move(tensors)};
+}
+
+// Every peer votes its state; returns the outbox of the last vote.
+Outbox vote_sync(Harness& h, const std::vector<FakePeer>& peers, const std::vector<p::SyncVote>& votes) {
+  Outbox out;
+  for (std::size_t i = 0; i < peers.size(); ++i) {
+    out = h.send(peers[i], votes[i]);
+    if (i + 1 < peers.size()) { EXPECT_EQ(send_count(out), 0u) << describe(out); }
+  }
+  return out;
+}
+
+// Checks a plan's shape against the receiver's own vote: every piece lies inside its
+// tensor, the pieces of each expected tensor cover it exactly once, and nothing else is
+// fetched. Returns the bytes it moves.
+std::uint64_t check_plan(const p::SyncPlan& plan, const p::SyncVote& vote) {
+  std::map<std::uint32_t, std::vector<std::pair<std::uint64_t, std::uint64_t>>> pieces;
+  std::uint64_t total = 0;
+  for (const auto& f : plan.fetches) {
+    EXPECT_LT(f.tensor, vote.tensors.size());
+    EXPECT_LT(f.source, plan.sources.size());
+    pieces[f.tensor].emplace_back(f.offset, f.bytes);
+    total += f.bytes;
+  }
+  std::set<std::uint32_t> expected;
+  for (const auto& e : plan.expect) expected.insert(e.tensor);
+  for (auto& [index, list] : pieces) {
+    EXPECT_EQ(expected.count(index), 1u) << "fetches tensor " << index << " without an expected digest";
+    std::sort(list.begin(), list.end());
+    std::uint64_t at = 0;
+    for (const auto& [offset, bytes] : list) {
+      EXPECT_EQ(offset, at);
+      EXPECT_GT(bytes, 0u);
+      at += bytes;
+    }
+    const auto& t = vote.tensors.at(index);
+    EXPECT_EQ(at, t.count * dtype_bytes(t.dtype)) << t.key;
+  }
+  for (const auto index : expected) EXPECT_EQ(pieces.count(index), 1u) << "tensor " << index << " expected but not fetched";
+  return total;
+}
+
+// Every peer reports a successful transfer; returns the outbox of the last report.
+Outbox sync_done(Harness& h, const std::vector<FakePeer>& peers, std::uint64_t attempt) {
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::SyncDone{attempt, LOCKSTEP_OK, {}});
+  return out;
+}
+
+void expect_sync_result(const Outbox& out, const std::vector<FakePeer>& peers, StatusCode status,
+                        std::uint64_t revision = 0) {
+  for (const auto& f : peers) {
+    const auto r = one_of<p::SyncResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value()) << describe(out);
+    EXPECT_EQ(r->status, status) << describe(out);
+    if (status == LOCKSTEP_OK) { EXPECT_EQ(r->revision, revision); }
+    if (status != LOCKSTEP_OK) { EXPECT_FALSE(r->reason.empty()); }
+  }
+}
+
+// A whole sync: votes, plans, reports, result. Returns each peer's plan.
+std::vector<p::SyncPlan> sync_round(Harness& h, const std::vector<FakePeer>& peers,
+                                    const std::vector<p::SyncVote>& votes, std::uint64_t elected_revision) {
+  Outbox out = vote_sync(h, peers, votes);
+  std::vector<p::SyncPlan> plans;
+  for (std::size_t i = 0; i < peers.size(); ++i) {
+    const auto plan = one_of<p::SyncPlan>(out, peers[i].conn);
+    if (!plan) return {};
+    EXPECT_EQ(plan->revision, elected_revision);
+    check_plan(*plan, votes[i]);
+    plans.push_back(*plan);
+  }
+  out = sync_done(h, peers, plans.front().attempt);
+  expect_sync_result(out, peers, LOCKSTEP_OK, elected_revision);
+  EXPECT_EQ(h.c.revision(peers.front().group), elected_revision);
+  for (const auto& f : peers) EXPECT_EQ(h.state(f), PeerState::kIdle);
+  return plans;
+}
+
+TEST(CoordinatorSync, PeersInAgreementTransferNothingAtEveryRevision) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  for (std::uint64_t revision = 1; revision <= 100; ++revision) {
+    const auto plans = sync_round(h, peers, {state_vote(revision, model(revision * 10)), state_vote(revision, model(revision * 10))},
+                                  revision);
+    ASSERT_EQ(plans.size(), 2u);
+    for (const auto& plan : plans) {
+      EXPECT_TRUE(plan.fetches.empty());
+      EXPECT_TRUE(plan.expect.empty());
+    }
+  }
+}
+
+TEST(CoordinatorSync, NewcomerReceivesEverythingSpreadOverTheHolders) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  const std::vector<p::SyncVote> votes = {state_vote(7, model(100)), state_vote(7, model(100)), state_vote(0, model(5))};
+  const auto plans = sync_round(h, peers, votes, 7);
+  ASSERT_EQ(plans.size(), 3u);
+  EXPECT_TRUE(plans[0].fetches.empty());
+  EXPECT_TRUE(plans[1].fetches.empty());
+  ASSERT_EQ(plans[2].expect.size(), 3u);
+  for (const auto& e : plans[2].expect) EXPECT_EQ(e.hash, votes[0].tensors[e.tensor].hash);
+  // The 64 MiB tensor comes from both holders in two halves.
+  std::map<PeerId, std::uint64_t> from;
+  for (const auto& f : plans[2].fetches) from[plans[2].sources[f.source].id] += f.bytes;
+  ASSERT_EQ(from.size(), 2u);
+  EXPECT_EQ(from[peers[0].id] + from[peers[1].id], 64 * kMiB + 4096 + 8);
+  EXPECT_LE(std::max(from[peers[0].id], from[peers[1].id]) - std::min(from[peers[0].id], from[peers[1].id]), 8192u);
+  for (const auto& source : plans[2].sources) EXPECT_NE(source.shared_state_port, 0);
+}
+
+// The seeds' async-DiLoCo case: more newcomers than old peers, syncing receive-only,
+// end with the old peers' content; with enforce-popular at a first sync the newcomers'
+// majority would win instead.
+TEST(CoordinatorSync, ReceiveOnlyNewcomersNeverOutvoteTheHolders) {
+  Harness h;
+  auto peers = h.run_of(2);
+  sync_round(h, peers, {state_vote(1, model(10)), state_vote(1, model(10))}, 1);
+  std::vector<FakePeer> newcomers = {h.join(1), h.join(1), h.join(1)};
+  h.update(peers, newcomers);
+  peers.insert(peers.end(), newcomers.begin(), newcomers.end());
+  std::vector<p::SyncVote> votes = {state_vote(2, model(20)), state_vote(2, model(20))};
+  for (int i = 0; i < 3; ++i) votes.push_back(state_vote(2, model(99), p::SyncStrategy::kReceiveOnly));
+  const auto plans = sync_round(h, peers, votes, 2);
+  ASSERT_EQ(plans.size(), 5u);
+  for (std::size_t i = 2; i < 5; ++i) {
+    ASSERT_EQ(plans[i].expect.size(), 3u);
+    for (const auto& e : plans[i].expect) EXPECT_EQ(e.hash, votes[0].tensors[e.tensor].hash);
+    for (const auto& source : plans[i].sources) EXPECT_TRUE(source.id == peers[0].id || source.id == peers[1].id);
+  }
+
+  Harness first_sync;
+  const auto fresh = first_sync.run_of(5);
+  std::vector<p::SyncVote> popular = {state_vote(2, model(20)), state_vote(2, model(20))};
+  for (int i = 0; i < 3; ++i) popular.push_back(state_vote(2, model(99)));
+  const auto outcome = sync_round(first_sync, fresh, popular, 2);
+  ASSERT_EQ(outcome.size(), 5u);
+  EXPECT_EQ(outcome[0].expect.size(), 3u);  // the majority's content won
+  EXPECT_TRUE(outcome[4].expect.empty());
+}
+
+TEST(CoordinatorSync, OneDifferingTensorIsExactlyWhatMoves) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  sync_round(h, peers, {state_vote(1, model(10)), state_vote(1, model(10)), state_vote(1, model(10))}, 1);
+  auto flipped = model(20);
+  flipped[1].hash.lo ^= 1;  // one bit of the large tensor differs on the last peer
+  const std::vector<p::SyncVote> votes = {state_vote(2, model(20)), state_vote(2, model(20)), state_vote(2, flipped)};
+  const auto plans = sync_round(h, peers, votes, 2);
+  ASSERT_EQ(plans.size(), 3u);
+  ASSERT_EQ(plans[2].expect.size(), 1u);
+  EXPECT_EQ(plans[2].expect[0].tensor, 1u);
+  EXPECT_EQ(check_plan(plans[2], votes[2]), 64 * kMiB);
+  EXPECT_TRUE(plans[0].fetches.empty());
+  EXPECT_TRUE(plans[1].fetches.empty());
+}
+
+TEST(CoordinatorSync, TieGoesToTheEarliestAcceptedPeer) {
+  // Whichever digest sorts first, the content of the earliest-accepted peer wins.
+  for (const auto& [early, late] : {std::pair<std::uint64_t, std::uint64_t>{10, 50}, {50, 10}}) {
+    Harness h;
+    const auto peers = h.run_of(2);
+    const std::vector<p::SyncVote> votes = {state_vote(1, model(early)), state_vote(1, model(late))};
+    const auto plans = sync_round(h, peers, votes, 1);
+    ASSERT_EQ(plans.size(), 2u);
+    EXPECT_TRUE(plans[0].expect.empty());
+    ASSERT_EQ(plans[1].expect.size(), 3u);
+    EXPECT_EQ(plans[1].expect[0].hash, votes[0].tensors[plans[1].expect[0].tensor].hash);
+  }
+}
+
+TEST(CoordinatorSync, EveryHolderGoneMeansNoSharedStateUntilTheExactRevisionReturns) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  sync_round(h, peers, {state_vote(4, model(1)), state_vote(4, model(1))}, 4);
+  h.disconnect(peers[0]);
+  h.disconnect(peers[1]);
+  EXPECT_EQ(h.c.revision(1), 4u);  // the master remembers the group's revision
+  const FakePeer fresh = h.first(1);
+  Outbox out = h.send(fresh, state_vote(0, model(2)));
+  expect_sync_result(out, {fresh}, LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE);
+  EXPECT_NE(one_of<p::SyncResult>(out, fresh.conn)->reason.find("revision 5"), std::string::npos);
+  EXPECT_EQ(h.state(fresh), PeerState::kIdle);
+  // A checkpoint of revision 4, advanced to 5 as the loop does: it becomes the holder.
+  const auto plans = sync_round(h, {fresh}, {state_vote(5, model(1))}, 5);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_TRUE(plans[0].expect.empty());
+}
+
+TEST(CoordinatorSync, EveryPeerReceiveOnlyMeansNoSharedState) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  Outbox out = vote_sync(h, peers, {state_vote(1, model(1), p::SyncStrategy::kReceiveOnly),
+                                    state_vote(1, model(1), p::SyncStrategy::kReceiveOnly)});
+  expect_sync_result(out, peers, LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE);
+  EXPECT_FALSE(h.c.revision(1).has_value());
+}
+
+TEST(CoordinatorSync, ContentInequalityIsToleratedBetweenUpToDatePeersOnly) {
+  Harness h;
+  auto peers = h.run_of(2);
+  const auto with_stats = [](std::uint64_t stats, std::uint64_t content = 10) {
+    auto t = model(content);
+    t.push_back(tensor("local_stats", stats, 64, LOCKSTEP_F32, /*allow_inequality=*/true));
+    return t;
+  };
+  const auto plans = sync_round(h, peers, {state_vote(1, with_stats(1)), state_vote(1, with_stats(2))}, 1);
+  ASSERT_EQ(plans.size(), 2u);
+  EXPECT_TRUE(plans[0].expect.empty());
+  EXPECT_TRUE(plans[1].expect.empty());
+  const FakePeer n = h.join(1);
+  h.update(peers, {n});
+  peers.push_back(n);
+  const std::vector<p::SyncVote> votes = {state_vote(2, with_stats(1)), state_vote(2, with_stats(2)),
+                                          state_vote(0, with_stats(3, 0))};
+  const auto next = sync_round(h, peers, votes, 2);
+  ASSERT_EQ(next.size(), 3u);
+  EXPECT_TRUE(next[0].expect.empty());
+  EXPECT_TRUE(next[1].expect.empty());
+  ASSERT_EQ(next[2].expect.size(), 4u);  // the newcomer receives the stats too, from their first holder
+  for (const auto& e : next[2].expect) EXPECT_EQ(e.hash, votes[0].tensors[e.tensor].hash);
+  for (const auto& f : next[2].fetches) {
+    if (f.tensor == 3) { EXPECT_EQ(next[2].sources[f.source].id, peers[0].id); }
+  }
+}
+
+TEST(CoordinatorSync, RevisionViolationRemovesOnlyThatPeer) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  sync_round(h, peers, {state_vote(1, model(1)), state_vote(1, model(1)), state_vote(1, model(1))}, 1);
+  Outbox out = vote_sync(h, peers, {state_vote(2, model(2)), state_vote(2, model(2)), state_vote(3, model(2))});
+  expect_goodbye(out, peers[2], LOCKSTEP_STATUS_REVISION_VIOLATION);
+  EXPECT_TRUE(h.gone(peers[2]));
+  const auto plan = one_of<p::SyncPlan>(out, peers[0].conn);
+  ASSERT_TRUE(plan.has_value());
+  out = sync_done(h, {peers[0], peers[1]}, plan->attempt);
+  expect_sync_result(out, {peers[0], peers[1]}, LOCKSTEP_OK, 2);
+}
+
+TEST(CoordinatorSync, PeersThatCannotHoldTheElectedStateAreRemoved) {
+  struct Case {
+    const char* name;
+    std::vector<p::TensorEntry> odd;
+    const char* reason;
+  };
+  auto extra = model(1);
+  extra.push_back(tensor("extra", 3));
+  auto missing = model(1);
+  missing.pop_back();
+  auto resized = model(1);
+  resized[0].count += 1;
+  auto retyped = model(1);
+  retyped[0].dtype = LOCKSTEP_F64;
+  const std::vector<Case> cases = {{"extra key", extra, "'extra' is not in the elected"},
+                                   {"missing key", missing, "'step' of the elected shared state is missing"},
+                                   {"other count", resized, "'embedding' has 1025 elements"},
+                                   {"other dtype", retyped, "'embedding' has 1024 elements of dtype 11"}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    Harness h;
+    const auto peers = h.run_of(3);
+    Outbox out = vote_sync(h, peers, {state_vote(1, model(1)), state_vote(1, model(1)), state_vote(1, c.odd)});
+    expect_goodbye(out, peers[2], LOCKSTEP_STATUS_SHARED_STATE_MISMATCH);
+    EXPECT_NE(one_of<p::Goodbye>(out, peers[2].conn)->reason.find(c.reason), std::string::npos) << describe(out);
+    const auto plan = one_of<p::SyncPlan>(out, peers[1].conn);
+    ASSERT_TRUE(plan.has_value());
+    expect_sync_result(sync_done(h, {peers[0], peers[1]}, plan->attempt), {peers[0], peers[1]}, LOCKSTEP_OK, 1);
+  }
+}
+
+TEST(CoordinatorSync, SendOnlyPeersMustHoldTheElectedContent) {
+  Harness h;
+  const auto peers = h.run_of(4);
+  const auto send_only = p::SyncStrategy::kSendOnly;
+  // A send-only peer that agrees distributes and never receives.
+  const std::vector<p::SyncVote> votes = {state_vote(1, model(1), send_only), state_vote(1, model(1)),
+                                          state_vote(1, model(1)), state_vote(0, model(0))};
+  const auto plans = sync_round(h, peers, votes, 1);
+  ASSERT_EQ(plans.size(), 4u);
+  EXPECT_TRUE(plans[0].expect.empty());
+  std::set<PeerId> sources;
+  for (const auto& s : plans[3].sources) sources.insert(s.id);
+  EXPECT_EQ(sources.count(peers[0].id), 1u);
+  // One that disagrees with the majority is removed; the others go on.
+  Outbox out = vote_sync(h, peers, {state_vote(2, model(2)), state_vote(2, model(2)), state_vote(2, model(9), send_only),
+                                    state_vote(2, model(2))});
+  expect_goodbye(out, peers[2], LOCKSTEP_STATUS_SHARED_STATE_MISMATCH);
+  const auto plan = one_of<p::SyncPlan>(out, peers[0].conn);
+  ASSERT_TRUE(plan.has_value());
+  expect_sync_result(sync_done(h, {peers[0], peers[1], peers[3]}, plan->attempt), {peers[0], peers[1], peers[3]},
+                     LOCKSTEP_OK, 2);
+}
+
+TEST(CoordinatorSync, DistributorLostMidTransferFailsForAllAndTheRetryAvoidsIt) {
+  Harness h;
+  auto peers = h.run_of(3);
+  sync_round(h, peers, {state_vote(1, model(1)), state_vote(1, model(1)), state_vote(1, model(1))}, 1);
+  const FakePeer n = h.join(1);
+  h.update(peers, {n});
+  const std::vector<FakePeer> all = {peers[0], peers[1], peers[2], n};
+  std::vector<p::SyncVote> votes = {state_vote(2, model(2)), state_vote(2, model(2)), state_vote(2, model(2)),
+                                    state_vote(0, model(0))};
+  Outbox out = vote_sync(h, all, votes);
+  const auto plan = one_of<p::SyncPlan>(out, n.conn);
+  ASSERT_TRUE(plan.has_value());
+  std::set<PeerId> used;
+  for (const auto& s : plan->sources) used.insert(s.id);
+  EXPECT_EQ(used.size(), 3u);  // the 64 MiB tensor is spread over all three holders
+  h.send(peers[0], p::SyncDone{plan->attempt, LOCKSTEP_OK, {}});
+  out = h.disconnect(peers[1]);
+  expect_sync_result(out, {peers[0], peers[2], n}, LOCKSTEP_STATUS_PEER_CONNECTION_LOST);
+  EXPECT_EQ(h.c.revision(1), 1u);
+  EXPECT_TRUE(h.c.syncs().empty());
+  // A late report of the failed attempt changes nothing.
+  EXPECT_EQ(send_count(h.send(n, p::SyncDone{plan->attempt, LOCKSTEP_OK, {}})), 0u);
+  // The retry (same revisions: nothing advanced) plans around the lost distributor.
+  const std::vector<FakePeer> survivors = {peers[0], peers[2], n};
+  const auto retry = sync_round(h, survivors, {votes[0], votes[2], votes[3]}, 2);
+  ASSERT_EQ(retry.size(), 3u);
+  for (const auto& s : retry[2].sources) EXPECT_NE(s.id, peers[1].id);
+  EXPECT_NE(retry[2].attempt, plan->attempt);
+}
+
+TEST(CoordinatorSync, FailedVerificationFailsTheSyncForEveryone) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  Outbox out = vote_sync(h, peers, {state_vote(1, model(1)), state_vote(1, model(1)), state_vote(0, model(0))});
+  const auto plan = one_of<p::SyncPlan>(out, peers[2].conn);
+  ASSERT_TRUE(plan.has_value());
+  h.send(peers[0], p::SyncDone{plan->attempt, LOCKSTEP_OK, {}});
+  out = h.send(peers[2], p::SyncDone{plan->attempt, LOCKSTEP_STATUS_HASH_MISMATCH, "tensor 'weights' did not verify"});
+  expect_sync_result(out, peers, LOCKSTEP_STATUS_HASH_MISMATCH);
+  EXPECT_NE(one_of<p::SyncResult>(out, peers[0].conn)->reason.find("did not verify"), std::string::npos);
+  EXPECT_FALSE(h.c.revision(1).has_value());
+}
+
+TEST(CoordinatorSync, ManyReceiversSpreadOverEveryHolder) {
+  Harness h;
+  auto peers = h.run_of(3);
+  sync_round(h, peers, {state_vote(1, model(1)), state_vote(1, model(1)), state_vote(1, model(1))}, 1);
+  std::vector<FakePeer> newcomers = {h.join(1), h.join(1), h.join(1), h.join(1), h.join(1), h.join(1)};
+  h.update(peers, newcomers);
+  std::vector<FakePeer> all = peers;
+  all.insert(all.end(), newcomers.begin(), newcomers.end());
+  std::vector<p::SyncVote> votes(3, state_vote(2, model(2)));
+  for (std::size_t i = 0; i < newcomers.size(); ++i) votes.push_back(state_vote(0, model(0), p::SyncStrategy::kReceiveOnly));
+  const auto plans = sync_round(h, all, votes, 2);
+  ASSERT_EQ(plans.size(), all.size());
+  std::map<PeerId, std::uint64_t> load;
+  for (std::size_t i = 3; i < plans.size(); ++i) {
+    for (const auto& f : plans[i].fetches) load[plans[i].sources[f.source].id] += f.bytes;
+  }
+  ASSERT_EQ(load.size(), 3u);
+  const auto [low, high] = std::minmax_element(load.begin(), load.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+  EXPECT_LE(high->second - low->second, 16 * kMiB) << "the load differs by more than one piece";
+}
+
+TEST(CoordinatorSync, IllegalSyncRequests) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  const FakePeer n = h.join(1);
+  auto refused = [&](const FakePeer& f, const p::Message& m, StatusCode status) {
+    const std::string before = h.c.digest();
+    Outbox out = h.send(f, m);
+    const auto r = one_of<p::Refused>(out, f.conn);
+    ASSERT_TRUE(r.has_value()) << describe(out);
+    EXPECT_EQ(r->status, status);
+    EXPECT_EQ(r->request, p::MsgType::kSyncVote);
+    EXPECT_EQ(h.c.digest(), before);
+  };
+  refused(n, state_vote(1, model(1)), LOCKSTEP_STATUS_NOT_INITIALIZED);
+  refused(peers[0], state_vote(1, {tensor("a", 1), tensor("a", 2)}), LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  refused(peers[0], state_vote(1, {tensor("huge", 1, std::uint64_t{1} << 62)}), LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  h.send(peers[0], p::CollectiveInit{3, kSum});
+  refused(peers[0], state_vote(1, model(1)), LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS);
+  // A sync vote while another peer waits in a collective vote: the collective can never
+  // start, so it fails for its voters; the sync then completes.
+  Outbox out = h.send(peers[1], state_vote(1, model(1)));
+  const auto r = one_of<p::CollectiveResult>(out, peers[0].conn);
+  ASSERT_TRUE(r.has_value()) << describe(out);
+  EXPECT_EQ(r->status, LOCKSTEP_STATUS_OPERATION_MISMATCH);
+  refused(peers[1], state_vote(1, model(1)), LOCKSTEP_STATUS_INVALID_USAGE);  // already voted
+  out = h.send(peers[0], state_vote(1, model(1)));
+  EXPECT_TRUE(one_of<p::SyncPlan>(out, peers[0].conn).has_value());
+}
+
+TEST(CoordinatorSync, SyncAgainstTopologyVoteIsAMismatchNotAHang) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  h.send(peers[0], state_vote(1, model(1)));
+  Outbox out = h.send(peers[1], p::VoteUpdateTopology{});
+  expect_sync_result(out, {peers[0]}, LOCKSTEP_STATUS_OPERATION_MISMATCH);
+  expect_topology_failed(out, peers[1], LOCKSTEP_STATUS_OPERATION_MISMATCH);
+  EXPECT_TRUE(h.c.syncs().empty());
+}
+
+TEST(CoordinatorSync, StragglerOfASyncVoteIsRemovedByTheVoteTimeout) {
+  Config config = test_config();
+  config.vote_timeout_ms = 1'000;
+  Harness h(config);
+  const auto peers = h.run_of(3);
+  h.send(peers[0], state_vote(1, model(1)));
+  h.send(peers[1], state_vote(1, model(1)));
+  h.now += 1'500;
+  h.heartbeat({peers[0], peers[1]});
+  Outbox out = h.tick();
+  expect_goodbye(out, peers[2], LOCKSTEP_STATUS_KICKED);
+  EXPECT_TRUE(one_of<p::SyncPlan>(out, peers[0].conn).has_value()) << describe(out);
 }
 
 }  // namespace

@@ -7,14 +7,18 @@
 //                  [--concurrency K] [--pool P] [--iterations N] [--warmup W] [--quant minmax]
 //                  [--compare gloo]
 //   lockstep-bench recovery --peers 4 --size 16MiB --trials 20 [--stop]
+//   lockstep-bench hash [--size 1GiB] [--threads 1,2,N] [--iterations 5]
+//       (the shared-state content hash in this process, against a single-thread
+//        memcpy; N = hardware threads; no master or workers)
 #include "bench_common.h"
+#include "hash_bench.h"
 
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
 
 int main(int argc, char** argv) {
-  CLI::App app{"lockstep-bench: all-reduce throughput and latency, recovery time"};
+  CLI::App app{"lockstep-bench: all-reduce throughput and latency, recovery time, content hash"};
   app.require_subcommand(1);
   lockstep::bench::Settings s;
   std::string sizes = "16MiB";
@@ -43,6 +47,15 @@ int main(int argc, char** argv) {
   recovery->add_option("--heartbeat-timeout-ms", s.heartbeat_timeout_ms, "the master's heartbeat timeout");
   recovery->add_flag("--stop", s.stop_instead_of_kill, "SIGSTOP the victim (a silent peer) instead of SIGKILL");
 
+  lockstep::bench::HashSettings hash_settings;
+  std::string hash_sizes = "1GiB";
+  std::string hash_threads = lockstep::bench::default_thread_counts();
+  auto* hash = app.add_subcommand("hash", "content hash throughput against memcpy, per thread count");
+  hash->add_option("--size", hash_sizes, "bytes hashed, comma-separated (suffixes KiB, MiB, GiB); one buffer");
+  hash->add_option("--threads", hash_threads, "thread counts, comma-separated");
+  hash->add_option("--iterations", hash_settings.iterations, "timed repetitions (median)")
+      ->check(CLI::Range(1, 100000));
+
   auto* worker = app.add_subcommand("worker", "(internal) one peer of a benchmark");
   worker->group("");
   worker->add_option("--mode", s.mode)->required();
@@ -59,6 +72,19 @@ int main(int argc, char** argv) {
   worker->add_option("--gloo-store", s.gloo_store);
   worker->add_option("--quant", quant);
   CLI11_PARSE(app, argc, argv);
+
+  if (*hash) {
+    auto hash_parsed = lockstep::bench::parse_sizes(hash_sizes);
+    auto threads_parsed = lockstep::bench::parse_thread_counts(hash_threads);
+    if (!hash_parsed || !threads_parsed) {
+      std::fprintf(stderr, "lockstep-bench: bad --size '%s' or --threads '%s' (e.g. --size 1GiB --threads 1,2,8)\n",
+                   hash_sizes.c_str(), hash_threads.c_str());
+      return 2;
+    }
+    hash_settings.sizes = *hash_parsed;
+    hash_settings.threads = *threads_parsed;
+    return lockstep::bench::run_hash(hash_settings);
+  }
 
   auto parsed = lockstep::bench::parse_sizes(sizes);
   if (!parsed) {

@@ -6,6 +6,12 @@
 // Commands: connect | update | pending | agree 0|1 | view | reconnect | exit
 //           allreduce COUNT TAG FILL [oop|inplace] [minmax|zeropoint]
 //                     (f32 sum of COUNT elements all equal to FILL)
+//   shared state (tensors of u8 or f32 elements, in definition order):
+//           tensor NAME COUNT [u8|f32] [allow]   define one (zeros; allow: content inequality)
+//           fill NAME SEED                       deterministic content from SEED
+//           flip NAME BYTE                       flip the lowest bit of one byte
+//           revision N | hashes                  set the revision | print every digest
+//           sync [popular|receive|send]          synchronize; prints revision, bytes, digests
 #include <lockstep/lockstep.h>
 
 #include <CLI/CLI.hpp>
@@ -87,6 +93,50 @@ struct Peer {
     std::fflush(stdout);
   }
 };
+
+// The shared state this process holds.
+struct Tensor {
+  std::string name;
+  lockstep_dtype_t dtype = LOCKSTEP_U8;
+  std::uint64_t count = 0;
+  std::vector<std::uint8_t> bytes;
+  bool allow = false;
+};
+struct State {
+  std::uint64_t revision = 0;
+  std::vector<Tensor> tensors;
+
+  Tensor* find(const std::string& name) {
+    for (auto& t : tensors) {
+      if (t.name == name) return &t;
+    }
+    return nullptr;
+  }
+  std::string json() const {
+    std::ostringstream s;
+    s << "\"revision\":" << revision << ",\"hashes\":{";
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      char hex[33] = {};
+      lockstep_hash(tensors[i].bytes.data(), tensors[i].bytes.size(), hex);
+      s << (i ? "," : "") << "\"" << escape(tensors[i].name) << "\":\"" << hex << "\"";
+    }
+    s << "}";
+    return s.str();
+  }
+};
+
+// splitmix64: the same SEED gives the same bytes in every process.
+void fill_bytes(std::vector<std::uint8_t>& bytes, std::uint64_t seed) {
+  std::uint64_t x = seed;
+  for (std::size_t i = 0; i < bytes.size(); i += 8) {
+    x += 0x9e3779b97f4a7c15ull;
+    std::uint64_t z = x;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    for (std::size_t k = 0; k < 8 && i + k < bytes.size(); ++k) bytes[i + k] = static_cast<std::uint8_t>(z >> (8 * k));
+  }
+}
 
 bool fatal(lockstep_status_t s) {
   return s == LOCKSTEP_STATUS_MASTER_CONNECTION_LOST || s == LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED ||
@@ -180,6 +230,7 @@ int main(int argc, char** argv) {
     return 1;
   }
 
+  State state;
   std::string line;
   while (std::getline(std::cin, line)) {
     std::istringstream words(line);
@@ -251,6 +302,63 @@ int main(int argc, char** argv) {
       peer.emit(op, s, s == LOCKSTEP_OK ? peer.view_json() : "");
     } else if (op == "view") {
       peer.emit(op, LOCKSTEP_OK, peer.view_json());
+    } else if (op == "tensor") {
+      std::string tensor_name;
+      std::uint64_t count = 0;
+      std::string type;
+      std::string flag;
+      words >> tensor_name >> count >> type >> flag;
+      const bool f32 = type == "f32";
+      const bool allow = type == "allow" || flag == "allow";
+      if (tensor_name.empty() || count > (std::uint64_t{1} << 31) || state.find(tensor_name) != nullptr) {
+        peer.emit(op, LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
+        continue;
+      }
+      state.tensors.push_back(Tensor{tensor_name, f32 ? LOCKSTEP_F32 : LOCKSTEP_U8, count,
+                                     std::vector<std::uint8_t>(count * (f32 ? 4 : 1)), allow});
+      peer.emit(op, LOCKSTEP_OK, state.json());
+    } else if (op == "fill" || op == "flip") {
+      std::string tensor_name;
+      std::uint64_t value = 0;
+      words >> tensor_name >> value;
+      Tensor* t = state.find(tensor_name);
+      if (t == nullptr || (op == "flip" && value >= t->bytes.size())) {
+        peer.emit(op, LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
+        continue;
+      }
+      if (op == "fill") {
+        fill_bytes(t->bytes, value);
+      } else {
+        t->bytes[value] ^= 1;
+      }
+      peer.emit(op, LOCKSTEP_OK, state.json());
+    } else if (op == "revision") {
+      words >> state.revision;
+      peer.emit(op, LOCKSTEP_OK, state.json());
+    } else if (op == "hashes") {
+      peer.emit(op, LOCKSTEP_OK, state.json());
+    } else if (op == "sync") {
+      std::string strategy;
+      words >> strategy;
+      std::vector<lockstep_tensor_t> tensors;
+      for (auto& t : state.tensors) {
+        tensors.push_back(lockstep_tensor_t{t.name.c_str(), t.bytes.data(), t.count, t.dtype, LOCKSTEP_DEVICE_CPU,
+                                            t.allow ? 1 : 0});
+      }
+      lockstep_shared_state_t shared{state.revision, tensors.data(), tensors.size()};
+      lockstep_sync_info_t info = {0, 0};
+      const auto start = std::chrono::steady_clock::now();
+      lockstep_status_t s = lockstep_comm_sync_shared_state(peer.comm, &shared,
+                                                            strategy == "receive" ? LOCKSTEP_SYNC_RECEIVE_ONLY
+                                                            : strategy == "send"  ? LOCKSTEP_SYNC_SEND_ONLY
+                                                                                  : LOCKSTEP_SYNC_ENFORCE_POPULAR,
+                                                            &info);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      state.revision = shared.revision;
+      std::ostringstream extra;
+      extra << "\"ms\":" << ms << ",\"bytes_sent\":" << info.bytes_sent << ",\"bytes_received\":" << info.bytes_received
+            << "," << state.json();
+      peer.emit(op, s, extra.str());
     } else {
       peer.emit(op, LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
     }

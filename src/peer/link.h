@@ -1,0 +1,542 @@
+// The IO shell of a peer: Link is one Asio thread that owns the master connection
+// (heartbeats, silence detection, routing replies into a bounded mailbox that the
+// owning thread waits on) and the listening sockets (handshakes with a deadline;
+// accepted ring and shared-state connections are handed over as plain file
+// descriptors). Internal to the peer layer: communicator.cpp and shared_state.cpp.
+#pragma once
+
+#include "common/ids.h"
+#include "common/limits.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "peer/communicator.h"
+#include "protocol/codec.h"
+#include "protocol/messages.h"
+#include "transport/socket.h"
+
+#include <asio.hpp>
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+#include <vector>
+
+namespace lockstep::peer {
+
+inline constexpr const char* kLog = "peer";
+// Replies the master may have queued for us before we read them.
+inline constexpr std::size_t kMailboxMessagesMax = 256;
+// Accepted p2p connections waiting to be claimed by an establishment.
+inline constexpr std::size_t kInboundMax = 1024;
+inline constexpr std::uint32_t kInboundHandshakeTimeoutMs = 5'000;
+// Incoming connections still in their handshake; more are closed at once.
+inline constexpr std::size_t kInboundHandshakesMax = 256;
+
+using Clock = std::chrono::steady_clock;
+
+
+struct Inbound {
+  PeerId from;
+  PeerId to;
+  std::uint64_t epoch = 0;
+  std::uint32_t pool_index = 0;
+  transport::Fd fd;
+};
+
+// Messages from the master waiting for the call that expects them: each waiting call
+// takes only the message its predicate accepts (the "queued socket" idea). A failure
+// ends every wait, now and later, with its status. Bounded: a master that sends more
+// unanswered messages than allowed fails it.
+class Mailbox {
+ public:
+  bool push(proto::Message message) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (messages_.size() >= kMailboxMessagesMax) {
+        messages_.clear();
+        if (failure_.is_ok()) {
+          failure_ = Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master sent more unanswered messages than allowed");
+        }
+        return false;
+      }
+      messages_.push_back(std::move(message));
+    }
+    cv_.notify_all();
+    return true;
+  }
+  void fail(const Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (failure_.is_ok()) failure_ = status;
+    }
+    cv_.notify_all();
+  }
+  Result<proto::Message> wait(const std::function<bool(const proto::Message&)>& match) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      for (auto it = messages_.begin(); it != messages_.end(); ++it) {
+        if (match(*it)) {
+          proto::Message out = std::move(*it);
+          messages_.erase(it);
+          return out;
+        }
+      }
+      if (!failure_.is_ok()) return failure_;
+      cv_.wait(lock);
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<proto::Message> messages_;
+  Status failure_;
+};
+
+// The master's messages for one in-flight collective, and its abort signal: an
+// eventfd that the ring's poll() watches plus a flag checked between sub-chunks.
+class OpChannel {
+ public:
+  OpChannel() : event_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
+  ~OpChannel() {
+    if (event_fd_ >= 0) ::close(event_fd_);
+  }
+  OpChannel(const OpChannel&) = delete;
+  OpChannel& operator=(const OpChannel&) = delete;
+
+  bool valid() const { return event_fd_ >= 0; }
+  int event_fd() const { return event_fd_; }
+  const std::atomic<bool>* abort_flag() const { return &aborted_; }
+  bool aborted() const { return aborted_.load(); }
+
+  // A failure outcome also stops a ring in progress.
+  void push(proto::Message message) {
+    const auto* result = std::get_if<proto::CollectiveResult>(&message);
+    const bool stop = result != nullptr && result->status != LOCKSTEP_OK;
+    if (!messages_.push(std::move(message)) || stop) signal();
+  }
+  // The link failed: every waiting call ends with this status.
+  void abort(const Status& status) {
+    messages_.fail(status);
+    signal();
+  }
+  Result<proto::Message> wait(const std::function<bool(const proto::Message&)>& match) { return messages_.wait(match); }
+
+ private:
+  void signal() {
+    aborted_ = true;
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const ssize_t n = ::write(event_fd_, &one, sizeof one);
+  }
+  int event_fd_;
+  std::atomic<bool> aborted_{false};
+  Mailbox messages_;
+};
+
+class Link {
+ public:
+  explicit Link(const Options& options) : options_(options), master_(io_), heartbeat_(io_) {}
+
+  ~Link() { stop(); }
+
+  Status open_listeners() {
+    int base = options_.base_port;
+    for (std::size_t i = 0; i < listeners_.size(); ++i) {
+      auto listener = transport::listen_tcp(options_.bind_host, base);
+      if (!listener.is_ok()) return listener.status();
+      ports_[i] = listener.value().port;
+      if (base != 0) base = ports_[i] + 1;  // bump allocation for the next socket
+      listeners_[i] = std::make_unique<asio::ip::tcp::acceptor>(io_);
+      asio::error_code ec;
+      listeners_[i]->assign(asio::ip::tcp::v4(), listener.value().fd.release(), ec);
+      if (ec) return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "acceptor: " + ec.message());
+    }
+    for (std::size_t i = 0; i < listeners_.size(); ++i) accept_on(i);
+    thread_ = std::thread([this] { io_.run(); });
+    return Status::ok();
+  }
+
+  std::uint16_t port(proto::Channel channel) const { return ports_[static_cast<std::size_t>(channel) - 1]; }
+
+  void set_identity(PeerId id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    id_ = id;
+  }
+
+  // Hands the connected, welcomed master socket to the loop.
+  void attach_master(transport::Fd fd, std::uint32_t heartbeat_timeout_ms) {
+    heartbeat_timeout_ms_ = heartbeat_timeout_ms;
+    asio::post(io_, [this, raw = fd.release()] {
+      asio::error_code ec;
+      master_.assign(asio::ip::tcp::v4(), raw, ec);
+      if (ec) return set_fatal(Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "assign master socket: " + ec.message()));
+      last_rx_ = Clock::now();
+      read_master();
+      heartbeat();
+    });
+  }
+
+  void send(const proto::Message& message) {
+    auto frame = std::make_shared<std::vector<std::uint8_t>>(proto::encode_frame(message));
+    asio::post(io_, [this, frame] {
+      writes_.push_back(std::move(*frame));
+      if (writes_.size() == 1) write_next();
+    });
+  }
+
+  // Blocks until a message accepted by `match` arrives (it is removed from the
+  // mailbox) or the link fails. Messages nobody waits for stay queued (bounded).
+  Result<proto::Message> wait(const std::function<bool(const proto::Message&)>& match) { return mailbox_.wait(match); }
+
+  Status fatal() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return fatal_;
+  }
+
+  // The newest ring connection from `from` for pool slot `slot` whose generation is
+  // above min_generation, waiting until the deadline; older ones from the same
+  // sender and slot are closed. Generations grow with every reconnect of the sender.
+  std::optional<Inbound> take_inbound(PeerId from, std::uint32_t slot, std::uint64_t min_generation,
+                                      Clock::time_point deadline) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      std::optional<Inbound> best;
+      for (auto it = inbound_.begin(); it != inbound_.end();) {
+        if (it->to != id_) {
+          it = inbound_.erase(it);  // meant for someone else
+        } else if (it->from == from && it->pool_index == slot) {
+          if (it->epoch > min_generation && (!best || it->epoch > best->epoch)) best = std::move(*it);
+          it = inbound_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (best || !fatal_.is_ok()) return best;
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) return std::nullopt;
+    }
+  }
+
+  // A shared-state connection opened for sync attempt `attempt` (its P2PHello's epoch);
+  // those of older attempts are closed. Waits until one arrives, `stop` is set (see
+  // wake()) or the link fails.
+  std::optional<Inbound> take_state_connection(std::uint64_t attempt, const std::atomic<bool>& stop) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      for (auto it = state_inbound_.begin(); it != state_inbound_.end();) {
+        if (it->epoch == attempt && it->to == id_) {
+          Inbound out = std::move(*it);
+          state_inbound_.erase(it);
+          return out;
+        }
+        it = it->epoch < attempt || it->to != id_ ? state_inbound_.erase(it) : std::next(it);
+      }
+      if (stop.load() || !fatal_.is_ok()) return std::nullopt;
+      cv_.wait(lock);
+    }
+  }
+  // Wakes every wait of this link so that it re-checks its stop condition.
+  void wake() {
+    { std::lock_guard<std::mutex> lock(mutex_); }
+    cv_.notify_all();
+  }
+
+  // Forgets buffered connections from peers that are not members any more.
+  void prune_inbound(const std::set<PeerId>& members) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = inbound_.begin(); it != inbound_.end();) {
+      it = members.count(it->from) == 0 ? inbound_.erase(it) : std::next(it);
+    }
+  }
+
+  // ---- collectives: each in-flight collective has a channel that receives the
+  // master's messages for its tag; a failure outcome also raises its abort signal.
+  void register_op(std::uint64_t tag, const std::shared_ptr<OpChannel>& channel) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ops_[tag] = channel;
+    if (!fatal_.is_ok()) channel->abort(fatal_);
+  }
+  void unregister_op(std::uint64_t tag) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ops_.erase(tag);
+  }
+
+  // Pool slots are used by one attempt at a time, in the order of the attempts'
+  // CollectiveGo messages, which every peer receives in the same order.
+  bool wait_slot_turn(std::uint32_t slot, std::uint64_t attempt, OpChannel& channel) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      auto& queue = slots_[slot];
+      if (!queue.empty() && queue.front() == attempt) return true;
+      if (channel.aborted() || std::find(queue.begin(), queue.end(), attempt) == queue.end()) return false;
+      cv_.wait(lock);
+    }
+  }
+  void release_slot(std::uint32_t slot, std::uint64_t attempt) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& queue = slots_[slot];
+      queue.erase(std::remove(queue.begin(), queue.end(), attempt), queue.end());
+    }
+    cv_.notify_all();
+  }
+
+  void stop() {
+    if (!thread_.joinable()) return;
+    asio::post(io_, [this] {
+      set_fatal(Status(LOCKSTEP_STATUS_INTERRUPTED, "the communicator is being destroyed"));
+      asio::error_code ec;
+      master_.close(ec);
+      heartbeat_.cancel();
+      for (auto& l : listeners_) {
+        if (l) l->close(ec);
+      }
+      io_.stop();
+    });
+    thread_.join();
+  }
+
+ private:
+  void set_fatal(Status status) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!fatal_.is_ok()) return;
+      fatal_ = std::move(status);
+      if (fatal_.code() == LOCKSTEP_STATUS_INTERRUPTED) {
+        LOG_DEBUG(kLog, "connection to the master closed: " << fatal_.to_string());
+      } else {
+        LOG_WARN(kLog, "connection to the master ended: " << fatal_.to_string());
+      }
+      for (auto& [tag, channel] : ops_) channel->abort(fatal_);
+      mailbox_.fail(fatal_);
+    }
+    cv_.notify_all();
+    asio::error_code ec;
+    master_.close(ec);
+    heartbeat_.cancel();
+  }
+
+  void deliver(proto::Message message) {
+    if (route_to_op(message)) return;
+    if (!mailbox_.push(std::move(message))) {
+      set_fatal(Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master sent more unanswered messages than allowed"));
+    }
+  }
+
+  // Messages about a collective go to its channel (or are dropped if it is gone).
+  bool route_to_op(proto::Message& message) {
+    std::uint64_t tag = 0;
+    if (const auto* go = std::get_if<proto::CollectiveGo>(&message)) {
+      tag = go->tag;
+    } else if (const auto* result = std::get_if<proto::CollectiveResult>(&message)) {
+      tag = result->tag;
+    } else if (const auto* refused = std::get_if<proto::Refused>(&message);
+               refused != nullptr && refused->request == proto::MsgType::kCollectiveInit) {
+      tag = refused->tag;
+    } else {
+      return false;
+    }
+    std::shared_ptr<OpChannel> channel;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (auto it = ops_.find(tag); it != ops_.end()) channel = it->second;
+      if (const auto* go = std::get_if<proto::CollectiveGo>(&message); go != nullptr && channel) {
+        slots_[go->slot].push_back(go->attempt);
+      }
+    }
+    if (channel) {
+      channel->push(std::move(message));
+    } else {
+      LOG_DEBUG(kLog, "dropping a collective message for tag " << tag << " that nobody waits for");
+    }
+    cv_.notify_all();
+    return true;
+  }
+
+  void read_master() {
+    asio::async_read(master_, asio::buffer(header_), [this](const asio::error_code& ec, std::size_t) {
+      if (ec) {
+        return set_fatal(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST,
+                                ec == asio::error::eof ? "the master closed the connection" : ec.message()));
+      }
+      auto header = proto::decode_header(header_);
+      if (!header.is_ok()) return set_fatal(Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "from master: " + header.status().message()));
+      payload_.resize(header.value().payload_bytes);
+      const auto type = header.value().type;
+      asio::async_read(master_, asio::buffer(payload_), [this, type](const asio::error_code& ec2, std::size_t) {
+        if (ec2) return set_fatal(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, ec2.message()));
+        auto message = proto::decode_payload(type, payload_);
+        if (!message.is_ok()) return set_fatal(Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "from master: " + message.status().message()));
+        last_rx_ = Clock::now();
+        if (const auto* bye = std::get_if<proto::Goodbye>(&message.value())) {
+          return set_fatal(Status(bye->status, "master: " + bye->reason));
+        }
+        if (!std::holds_alternative<proto::HeartbeatAck>(message.value())) deliver(std::move(message.value()));
+        read_master();
+      });
+    });
+  }
+
+  void write_next() {
+    asio::async_write(master_, asio::buffer(writes_.front()), [this](const asio::error_code& ec, std::size_t) {
+      if (ec) {
+        writes_.clear();
+        return set_fatal(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "write to master: " + ec.message()));
+      }
+      writes_.pop_front();
+      if (!writes_.empty()) write_next();
+    });
+  }
+
+  void heartbeat(std::chrono::milliseconds delay = std::chrono::milliseconds(0)) {
+    const auto interval = std::chrono::milliseconds(std::max<std::uint32_t>(heartbeat_timeout_ms_ / 4, 10));
+    heartbeat_.expires_after(delay.count() > 0 ? delay : interval);
+    heartbeat_.async_wait([this](const asio::error_code& ec) {
+      if (ec || !fatal().is_ok()) return;
+      const auto silent = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - last_rx_).count();
+      if (silent > static_cast<long long>(heartbeat_timeout_ms_)) {
+        // Look once more shortly: after this process was stopped, the timer and the
+        // bytes that arrived meanwhile (perhaps the master's reason for closing)
+        // become ready together, and the bytes must win.
+        if (!suspect_silence_) {
+          suspect_silence_ = true;
+          return heartbeat(std::chrono::milliseconds(20));
+        }
+        return set_fatal(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST,
+                                "no message from the master for " + std::to_string(silent) + " ms"));
+      }
+      suspect_silence_ = false;
+      auto frame = proto::encode_frame(proto::Heartbeat{});
+      writes_.push_back(std::move(frame));
+      if (writes_.size() == 1) write_next();
+      heartbeat();
+    });
+  }
+
+  // One incoming connection until its P2PHello is answered; counted while alive.
+  struct Handshake {
+    Handshake(asio::ip::tcp::socket s, std::size_t* counter)
+        : socket(std::move(s)), timer(socket.get_executor()), live(counter) {
+      ++*live;
+    }
+    ~Handshake() { --*live; }
+    Handshake(const Handshake&) = delete;
+    Handshake& operator=(const Handshake&) = delete;
+    asio::ip::tcp::socket socket;
+    asio::steady_timer timer;
+    std::size_t* live;
+    std::array<std::uint8_t, proto::kFrameHeaderBytes> header{};
+    std::vector<std::uint8_t> payload;
+    std::vector<std::uint8_t> reply;
+    proto::P2PHello hello;
+  };
+
+  void accept_on(std::size_t index) {
+    listeners_[index]->async_accept([this, index](const asio::error_code& ec, asio::ip::tcp::socket socket) {
+      if (ec == asio::error::operation_aborted) return;
+      if (!ec && handshakes_ >= kInboundHandshakesMax) {
+        LOG_WARN(kLog, "too many unfinished p2p handshakes; closing a new connection");
+        asio::error_code ignored;
+        socket.close(ignored);
+      } else if (!ec) {
+        handshake(std::make_shared<Handshake>(std::move(socket), &handshakes_), static_cast<proto::Channel>(index + 1));
+      }
+      accept_on(index);
+    });
+  }
+
+  // Reads one P2PHello within a deadline; anything else closes the connection.
+  void handshake(const std::shared_ptr<Handshake>& h, proto::Channel channel) {
+    asio::error_code ignored;
+    h->socket.set_option(asio::ip::tcp::no_delay(true), ignored);
+    h->timer.expires_after(std::chrono::milliseconds(kInboundHandshakeTimeoutMs));
+    h->timer.async_wait([h](const asio::error_code& ec) {
+      asio::error_code e;
+      if (!ec) h->socket.close(e);
+    });
+    asio::async_read(h->socket, asio::buffer(h->header), [this, h, channel](const asio::error_code& ec, std::size_t) {
+      if (ec) return;
+      auto header = proto::decode_header(h->header);
+      if (!header.is_ok() || header.value().type != proto::MsgType::kP2PHello) {
+        LOG_DEBUG(kLog, "p2p socket: dropping a connection that did not start with P2PHello");
+        return close(h);
+      }
+      h->payload.resize(header.value().payload_bytes);
+      asio::async_read(h->socket, asio::buffer(h->payload), [this, h, channel](const asio::error_code& ec2, std::size_t) {
+        if (ec2) return;
+        auto message = proto::decode_payload(proto::MsgType::kP2PHello, h->payload);
+        if (!message.is_ok()) return close(h);
+        h->hello = std::get<proto::P2PHello>(message.value());
+        StatusCode verdict = LOCKSTEP_OK;
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          // Before the Welcome is processed our identity is still unknown; such a
+          // connection is kept and its target checked when it is claimed.
+          if (h->hello.channel != channel || (!id_.is_nil() && h->hello.to != id_)) verdict = LOCKSTEP_STATUS_REJECTED;
+        }
+        if (verdict == LOCKSTEP_OK && channel == proto::Channel::kBenchmark) verdict = LOCKSTEP_STATUS_INVALID_USAGE;
+        h->reply = proto::encode_frame(proto::P2PHelloAck{verdict});
+        asio::async_write(h->socket, asio::buffer(h->reply), [this, h, verdict](const asio::error_code& ec3, std::size_t) {
+          h->timer.cancel();
+          if (ec3 || verdict != LOCKSTEP_OK) return close(h);
+          asio::error_code e;
+          h->socket.non_blocking(false, e);
+          Inbound in{h->hello.from, h->hello.to, h->hello.epoch, h->hello.pool_index, transport::Fd(h->socket.release())};
+          {
+            std::lock_guard<std::mutex> lock(mutex_);
+            auto& queue = h->hello.channel == proto::Channel::kRing ? inbound_ : state_inbound_;
+            if (queue.size() >= kInboundMax) queue.pop_front();
+            queue.push_back(std::move(in));
+          }
+          cv_.notify_all();
+        });
+      });
+    });
+  }
+
+  static void close(const std::shared_ptr<Handshake>& h) {
+    asio::error_code e;
+    h->timer.cancel();
+    h->socket.close(e);
+  }
+
+  Options options_;
+  asio::io_context io_;
+  asio::ip::tcp::socket master_;
+  asio::steady_timer heartbeat_;
+  std::array<std::unique_ptr<asio::ip::tcp::acceptor>, 3> listeners_;
+  std::array<std::uint16_t, 3> ports_{};
+  std::size_t handshakes_ = 0;  // io thread only
+  std::thread thread_;
+  std::uint32_t heartbeat_timeout_ms_ = limits::kHeartbeatTimeoutMsDefault;
+  Clock::time_point last_rx_;
+  bool suspect_silence_ = false;
+  std::array<std::uint8_t, proto::kFrameHeaderBytes> header_{};
+  std::vector<std::uint8_t> payload_;
+  std::deque<std::vector<std::uint8_t>> writes_;
+
+  Mailbox mailbox_;  // replies to the owning thread's calls (locks itself)
+
+  mutable std::mutex mutex_;  // guards everything below
+  std::condition_variable cv_;
+  Status fatal_;
+  PeerId id_;
+  std::deque<Inbound> inbound_;        // ring connections
+  std::deque<Inbound> state_inbound_;  // shared-state connections (epoch: sync attempt)
+  std::map<std::uint64_t, std::shared_ptr<OpChannel>> ops_;
+  std::map<std::uint32_t, std::deque<std::uint64_t>> slots_;
+};
+
+}  // namespace lockstep::peer

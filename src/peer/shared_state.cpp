@@ -1,0 +1,371 @@
+// The peer's side of a shared-state sync. The owning thread hashes every tensor, votes,
+// and waits for the master's plan; then, until the outcome arrives:
+//  - a server thread hands each shared-state connection of this attempt to a handler
+//    thread that answers requests for byte ranges of our tensors (only tensors whose
+//    digest is the one requested, only ranges inside them);
+//  - a fetch thread opens one connection per source named in the plan, keeps a few
+//    requests in flight on each, receives the pieces straight into the tensors, hashes
+//    every received tensor and reports to the master.
+// The outcome (one for the whole group) stops both; on failure open transfers are cut
+// by shutting their sockets down. Memory stays bounded: bytes move from the sender's
+// tensor into the receiver's tensor, and a receiver never accepts more bytes than its
+// own descriptor of the tensor holds.
+#include "common/dtype.h"
+#include "peer/communicator.h"
+#include "peer/link.h"
+#include "state/hash.h"
+#include "transport/framed.h"
+
+#include <sys/socket.h>
+
+#include <list>
+
+namespace lockstep::peer {
+namespace {
+
+// Requests in flight per connection: enough to hide the round trip for small
+// tensors, few enough that requests never fill a socket buffer (no deadlock).
+constexpr std::size_t kRequestsInFlight = 16;
+// Bytes per send/receive call of tensor data (each bounded by the stall timeout).
+constexpr std::size_t kTransferChunkBytes = std::size_t{4} << 20;
+// Connections one distributor serves at once; more are closed.
+constexpr std::size_t kServeConnectionsMax = 256;
+
+struct LocalTensor {
+  std::uint8_t* data = nullptr;
+  std::uint64_t bytes = 0;
+  state::Digest hash;
+};
+
+// Sockets in use by transfer threads, so that another thread can cut them.
+class SocketSet {
+ public:
+  bool add(int fd) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) return false;
+    fds_.insert(fd);
+    return true;
+  }
+  void remove(int fd) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fds_.erase(fd);
+  }
+  // Every socket in use, now and later, is shut down: blocked calls return at once.
+  void shutdown_all() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    closed_ = true;
+    for (const int fd : fds_) ::shutdown(fd, SHUT_RDWR);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::set<int> fds_;
+  bool closed_ = false;
+};
+
+Status send_bytes(int fd, const std::uint8_t* data, std::uint64_t bytes) {
+  for (std::uint64_t at = 0; at < bytes;) {
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kTransferChunkBytes, bytes - at));
+    Status s = transport::send_all(fd, std::span<const std::uint8_t>(data + at, n), limits::kStateTransferStallMsDefault);
+    if (!s.is_ok()) return s;
+    at += n;
+  }
+  return Status::ok();
+}
+
+Status recv_bytes(int fd, std::uint8_t* data, std::uint64_t bytes, std::atomic<std::uint64_t>& counter) {
+  for (std::uint64_t at = 0; at < bytes;) {
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kTransferChunkBytes, bytes - at));
+    Status s = transport::recv_exact(fd, std::span<std::uint8_t>(data + at, n), limits::kStateTransferStallMsDefault);
+    if (!s.is_ok()) return s;
+    at += n;
+    counter += n;
+  }
+  return Status::ok();
+}
+
+// Answers the requests of one sync attempt until stopped.
+class StateServer {
+ public:
+  StateServer(Link& link, std::uint64_t attempt, const std::map<std::string, LocalTensor>& tensors)
+      : link_(link), attempt_(attempt), tensors_(tensors) {
+    acceptor_ = std::thread([this] { accept_loop(); });
+  }
+  ~StateServer() { stop(); }
+  StateServer(const StateServer&) = delete;
+  StateServer& operator=(const StateServer&) = delete;
+
+  void stop() {
+    if (!acceptor_.joinable()) return;
+    stop_ = true;
+    link_.wake();
+    acceptor_.join();
+    sockets_.shutdown_all();
+    for (auto& t : handlers_) t.join();
+    handlers_.clear();
+  }
+  std::uint64_t bytes_sent() const { return bytes_sent_.load(); }
+
+ private:
+  void accept_loop() {
+    for (;;) {
+      auto connection = link_.take_state_connection(attempt_, stop_);
+      if (!connection) return;
+      if (handlers_.size() >= kServeConnectionsMax || !sockets_.add(connection->fd.get())) {
+        LOG_WARN(kLog, "shared-state server: too many connections; closing one from " << connection->from.to_string());
+        continue;
+      }
+      handlers_.emplace_back([this, fd = std::make_shared<transport::Fd>(std::move(connection->fd))] {
+        serve(fd->get());
+        sockets_.remove(fd->get());
+      });
+    }
+  }
+
+  void serve(int fd) {
+    transport::set_nodelay(fd);
+    for (;;) {
+      auto message = transport::recv_message(fd, limits::kStateTransferStallMsDefault);
+      if (!message.is_ok()) return;  // the receiver is done (or gone): it closes the connection
+      const auto* request = std::get_if<proto::StateRequest>(&message.value());
+      if (request == nullptr) return;
+      const LocalTensor* tensor = nullptr;
+      std::string refusal;
+      if (request->attempt != attempt_) {
+        refusal = "request for sync attempt " + std::to_string(request->attempt) + ", serving " + std::to_string(attempt_);
+      } else if (auto it = tensors_.find(request->key); it == tensors_.end()) {
+        refusal = "no tensor '" + request->key + "' here";
+      } else if (it->second.hash != request->hash) {
+        refusal = "tensor '" + request->key + "' here is not the requested content";
+      } else if (request->offset > it->second.bytes || request->bytes > it->second.bytes - request->offset) {
+        refusal = "range outside tensor '" + request->key + "'";
+      } else {
+        tensor = &it->second;
+      }
+      if (tensor == nullptr) {
+        LOG_WARN(kLog, "shared-state server: refusing a request: " << refusal);
+        [[maybe_unused]] Status s = transport::send_message(
+            fd, proto::StateResponse{LOCKSTEP_STATUS_INVALID_USAGE, 0, refusal}, limits::kStateTransferStallMsDefault);
+        return;
+      }
+      Status s = transport::send_message(fd, proto::StateResponse{LOCKSTEP_OK, request->bytes, {}},
+                                         limits::kStateTransferStallMsDefault);
+      if (s.is_ok()) s = send_bytes(fd, tensor->data + request->offset, request->bytes);
+      if (!s.is_ok()) return;
+      bytes_sent_ += request->bytes;
+    }
+  }
+
+  Link& link_;
+  const std::uint64_t attempt_;
+  const std::map<std::string, LocalTensor>& tensors_;
+  std::atomic<bool> stop_{false};
+  std::thread acceptor_;
+  std::list<std::thread> handlers_;  // acceptor thread only, then stop()
+  SocketSet sockets_;
+  std::atomic<std::uint64_t> bytes_sent_{0};
+};
+
+// Fetches the pieces of one plan from their sources, one connection and thread each.
+class Fetcher {
+ public:
+  Fetcher(PeerId self, std::uint32_t connect_timeout_ms, const proto::SyncPlan& plan,
+          const std::vector<SharedTensor>& tensors, const std::vector<LocalTensor>& local)
+      : self_(self), connect_timeout_ms_(connect_timeout_ms), plan_(plan), tensors_(tensors), local_(local) {}
+
+  // Runs every transfer, then checks every received tensor's digest.
+  Status run() {
+    std::vector<std::vector<const proto::SyncFetch*>> by_source(plan_.sources.size());
+    for (const auto& f : plan_.fetches) by_source[f.source].push_back(&f);
+    std::vector<Status> results(by_source.size());
+    std::vector<std::thread> threads;
+    for (std::size_t i = 0; i < by_source.size(); ++i) {
+      if (by_source[i].empty()) continue;
+      threads.emplace_back([this, i, &by_source, &results] { results[i] = fetch_from(plan_.sources[i], by_source[i]); });
+    }
+    for (auto& t : threads) t.join();
+    for (const auto& r : results) {
+      if (!r.is_ok()) return r;
+    }
+    for (const auto& e : plan_.expect) {
+      const LocalTensor& t = local_[e.tensor];
+      const state::Digest got = state::hash_bytes(t.data, t.bytes);
+      if (got != e.hash) {
+        return Status(LOCKSTEP_STATUS_HASH_MISMATCH, "tensor '" + tensors_[e.tensor].key + "' hashes to " + got.to_hex() +
+                                                         " after transfer, expected " + e.hash.to_hex());
+      }
+    }
+    return Status::ok();
+  }
+  void abort() { sockets_.shutdown_all(); }
+  std::uint64_t bytes_received() const { return bytes_received_.load(); }
+
+ private:
+  Status fetch_from(const proto::MemberInfo& source, const std::vector<const proto::SyncFetch*>& pieces) {
+    const std::string where = "shared-state source " + source.id.to_string() + " at " + source.host + ":" +
+                              std::to_string(source.shared_state_port);
+    auto fd = transport::connect_tcp(source.host, source.shared_state_port, connect_timeout_ms_);
+    if (!fd.is_ok()) return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, where + ": " + fd.status().message());
+    const int raw = fd.value().get();
+    if (!sockets_.add(raw)) return Status(LOCKSTEP_STATUS_INTERRUPTED, "the sync ended");
+    Status s = exchange(raw, source, pieces);
+    sockets_.remove(raw);
+    if (!s.is_ok()) return Status(s.code(), where + ": " + s.message());
+    return s;
+  }
+
+  Status exchange(int fd, const proto::MemberInfo& source, const std::vector<const proto::SyncFetch*>& pieces) {
+    proto::P2PHello hello;
+    hello.channel = proto::Channel::kSharedState;
+    hello.from = self_;
+    hello.to = source.id;
+    hello.epoch = plan_.attempt;
+    Status s = transport::send_message(fd, hello, connect_timeout_ms_);
+    if (!s.is_ok()) return lost(s);
+    auto ack = transport::recv_message(fd, connect_timeout_ms_);
+    if (!ack.is_ok()) return lost(ack.status());
+    if (const auto* a = std::get_if<proto::P2PHelloAck>(&ack.value()); a == nullptr || a->status != LOCKSTEP_OK) {
+      return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "it refused the shared-state handshake");
+    }
+    const auto request = [&](const proto::SyncFetch& f) {
+      const SharedTensor& t = tensors_[f.tensor];
+      const state::Digest* expected = nullptr;
+      for (const auto& e : plan_.expect) {
+        if (e.tensor == f.tensor) expected = &e.hash;
+      }
+      return transport::send_message(
+          fd, proto::StateRequest{plan_.attempt, t.key, f.offset, f.bytes, expected ? *expected : state::Digest{}},
+          limits::kStateTransferStallMsDefault);
+    };
+    std::size_t sent = 0;
+    for (std::size_t received = 0; received < pieces.size(); ++received) {
+      while (sent < pieces.size() && sent < received + kRequestsInFlight) {
+        if (Status r = request(*pieces[sent++]); !r.is_ok()) return lost(r);
+      }
+      const proto::SyncFetch& f = *pieces[received];
+      auto reply = transport::recv_message(fd, limits::kStateTransferStallMsDefault);
+      if (!reply.is_ok()) return lost(reply.status());
+      const auto* response = std::get_if<proto::StateResponse>(&reply.value());
+      if (response == nullptr) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it answered a request with something else");
+      if (response->status != LOCKSTEP_OK) {
+        return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "it refused a request: " + response->reason);
+      }
+      // The size comes from our own plan and descriptor, never from the wire alone.
+      if (response->bytes != f.bytes) {
+        return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it announced " + std::to_string(response->bytes) +
+                                                          " bytes for a piece of " + std::to_string(f.bytes));
+      }
+      if (Status r = recv_bytes(fd, local_[f.tensor].data + f.offset, f.bytes, bytes_received_); !r.is_ok()) return lost(r);
+    }
+    return Status::ok();
+  }
+
+  static Status lost(const Status& s) {
+    return s.code() == LOCKSTEP_STATUS_PROTOCOL_ERROR ? s : Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, s.message());
+  }
+
+  const PeerId self_;
+  const std::uint32_t connect_timeout_ms_;
+  const proto::SyncPlan& plan_;
+  const std::vector<SharedTensor>& tensors_;
+  const std::vector<LocalTensor>& local_;
+  SocketSet sockets_;
+  std::atomic<std::uint64_t> bytes_received_{0};
+};
+
+Status check_tensors(const std::vector<SharedTensor>& tensors) {
+  if (tensors.size() > limits::kSharedStateTensorsMax) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                  "a shared state holds at most " + std::to_string(limits::kSharedStateTensorsMax) + " tensors");
+  }
+  std::set<std::string> keys;
+  for (const auto& t : tensors) {
+    if (t.key.empty() || t.key.size() > limits::kSharedStateKeyBytesMax) {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                    "tensor keys are 1.." + std::to_string(limits::kSharedStateKeyBytesMax) + " bytes");
+    }
+    if (!keys.insert(t.key).second) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "tensor key '" + t.key + "' appears twice");
+    const std::uint64_t size = dtype_bytes(static_cast<std::uint32_t>(t.dtype));
+    if (size == 0) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "tensor '" + t.key + "' has an unknown dtype");
+    if (t.count > kTensorBytesMax / size) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "tensor '" + t.key + "' is too large");
+    if (t.data == nullptr && t.count != 0) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "tensor '" + t.key + "' has no data");
+  }
+  return Status::ok();
+}
+
+// The plan must fit our own tensors: a master (or anything posing as one) cannot make
+// us write outside them.
+Status check_plan(const proto::SyncPlan& plan, const std::vector<LocalTensor>& local) {
+  for (const auto& f : plan.fetches) {
+    if (f.tensor >= local.size() || f.offset > local[f.tensor].bytes || f.bytes > local[f.tensor].bytes - f.offset) {
+      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the sync plan names a range outside this peer's tensors");
+    }
+  }
+  for (const auto& e : plan.expect) {
+    if (e.tensor >= local.size()) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the sync plan names an unknown tensor");
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>& tensors, std::uint64_t* revision,
+                                                 proto::SyncStrategy strategy) {
+  if (Status s = check_call(true); !s.is_ok()) return remember(s);
+  if (revision == nullptr) return remember(Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "revision is null"));
+  if (Status s = check_tensors(tensors); !s.is_ok()) return remember(s);
+  {
+    std::lock_guard<std::mutex> lock(ops_mutex_);
+    if (!tags_in_flight_.empty()) {
+      return remember(Status(LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS,
+                             "await every collective in flight before syncing the shared state"));
+    }
+  }
+  proto::SyncVote vote{strategy, *revision, {}};
+  std::vector<LocalTensor> local;
+  std::map<std::string, LocalTensor> by_key;
+  for (const auto& t : tensors) {
+    LocalTensor l{static_cast<std::uint8_t*>(t.data), t.count * dtype_bytes(static_cast<std::uint32_t>(t.dtype)), {}};
+    l.hash = state::hash_bytes(l.data, l.bytes);
+    vote.tensors.push_back(proto::TensorEntry{t.key, static_cast<std::uint8_t>(t.dtype), t.count, l.hash,
+                                              t.allow_content_inequality});
+    local.push_back(l);
+    by_key[t.key] = l;
+  }
+  link_->send(vote);
+  auto reply = link_->wait([](const proto::Message& m) {
+    if (const auto* r = std::get_if<proto::Refused>(&m)) return r->request == proto::MsgType::kSyncVote;
+    return std::holds_alternative<proto::SyncPlan>(m) || std::holds_alternative<proto::SyncResult>(m);
+  });
+  if (!reply.is_ok()) return remember(reply.status());
+  if (const auto* r = std::get_if<proto::Refused>(&reply.value())) return remember(Status(r->status, "master: " + r->reason));
+  if (const auto* r = std::get_if<proto::SyncResult>(&reply.value())) return remember(Status(r->status, r->reason));
+  const auto plan = std::get<proto::SyncPlan>(std::move(reply.value()));
+  LOG_DEBUG(kLog, "sync attempt " << plan.attempt << ": revision " << plan.revision << ", " << plan.expect.size()
+                                  << " tensor(s) to receive in " << plan.fetches.size() << " piece(s)");
+
+  StateServer server(*link_, plan.attempt, by_key);
+  Fetcher fetcher(id_, options_.p2p_connect_timeout_ms, plan, tensors, local);
+  std::thread transfers([&] {
+    Status s = check_plan(plan, local);
+    if (s.is_ok() && !plan.expect.empty()) s = fetcher.run();
+    if (!s.is_ok()) LOG_WARN(kLog, "sync attempt " << plan.attempt << ": " << s.to_string());
+    link_->send(proto::SyncDone{plan.attempt, s.code(), s.message()});
+  });
+  auto outcome = link_->wait([&](const proto::Message& m) {
+    if (const auto* r = std::get_if<proto::SyncResult>(&m)) return r->attempt == plan.attempt;
+    if (const auto* r = std::get_if<proto::Refused>(&m)) return r->request == proto::MsgType::kSyncDone;
+    return false;
+  });
+  fetcher.abort();  // a success means every transfer is over already
+  transfers.join();
+  server.stop();
+  if (!outcome.is_ok()) return remember(outcome.status());
+  if (const auto* r = std::get_if<proto::Refused>(&outcome.value())) return remember(Status(r->status, "master: " + r->reason));
+  const auto& result = std::get<proto::SyncResult>(outcome.value());
+  if (result.status != LOCKSTEP_OK) return remember(Status(result.status, result.reason));
+  *revision = result.revision;
+  return SyncInfo{server.bytes_sent(), fetcher.bytes_received()};
+}
+
+}  // namespace lockstep::peer
