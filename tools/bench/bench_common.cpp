@@ -45,12 +45,16 @@ const std::map<std::string, lockstep_dtype_t>& dtypes() {
   return table;
 }
 
+}  // namespace
+
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   const auto index = static_cast<std::size_t>(p * static_cast<double>(v.size() - 1) + 0.5);
   return v[std::min(index, v.size() - 1)];
 }
+
+namespace {
 
 std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
@@ -63,6 +67,8 @@ std::string join_sizes(const std::vector<std::uint64_t>& sizes) {
 }
 
 // ------------------------------------------------------------------ worker
+
+}  // namespace
 
 // Joins the run and waits until the group has `world` members.
 bool join(peer::Communicator& comm, int world) {
@@ -81,6 +87,8 @@ bool join(peer::Communicator& comm, int world) {
     if (!s.is_ok() && s.code() != LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED) return false;
   }
 }
+
+namespace {
 
 // A plain TCP ring among the workers, in index order, for the transport bound.
 class RawRing {
@@ -308,6 +316,8 @@ int worker_recovery(const Settings& s) {
 
 // ------------------------------------------------------------------ orchestrator
 
+}  // namespace
+
 std::unique_ptr<master::MasterServer> start_master(std::uint32_t heartbeat_timeout_ms) {
   master::Options options;
   options.listen_host = "127.0.0.1";
@@ -342,6 +352,8 @@ std::optional<json> read_json(tools::Subprocess& p, std::chrono::seconds timeout
   if (j.is_discarded()) return std::nullopt;
   return j;
 }
+
+namespace {
 
 // Per iteration, the all-reduce took as long as its slowest peer.
 std::vector<double> slowest(const std::vector<json>& replies, const char* key) {
@@ -418,6 +430,7 @@ std::string self_path(const char* argv0) {
 
 int run_worker(const Settings& s) {
   log::set_level(log::Level::kWarn);
+  if (s.mode == "sync-holder" || s.mode == "sync-newcomer") return worker_sync(s);
   return s.mode == "recovery" ? worker_recovery(s) : worker_allreduce(s);
 }
 

@@ -4,15 +4,29 @@
 
 #include <lockstep/lockstep.h>
 
+#include <nlohmann/json.hpp>
+
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+namespace lockstep::master {
+class MasterServer;
+}
+namespace lockstep::peer {
+class Communicator;
+}
+namespace lockstep::tools {
+class Subprocess;
+}
+
 namespace lockstep::bench {
 
 struct Settings {
-  std::string mode;  // worker: "allreduce" or "recovery"
+  std::string mode;  // worker: "allreduce", "recovery", "sync-holder" or "sync-newcomer"
   int peers = 2;
   std::vector<std::uint64_t> sizes;
   lockstep_dtype_t dtype = LOCKSTEP_F32;
@@ -42,6 +56,17 @@ std::string self_path(const char* argv0);
 
 int run_allreduce(const Settings& s);
 int run_recovery(const Settings& s);
+int run_sync(const Settings& s);  // sync_bench.cpp
 int run_worker(const Settings& s);
+int worker_sync(const Settings& s);  // sync_bench.cpp
+
+// Shared by the benchmarks.
+double percentile(std::vector<double> v, double p);
+// An in-process master on an ephemeral loopback port, or null.
+std::unique_ptr<master::MasterServer> start_master(std::uint32_t heartbeat_timeout_ms);
+// The next JSON line of a worker, or nullopt on timeout or garbage.
+std::optional<nlohmann::json> read_json(tools::Subprocess& p, std::chrono::seconds timeout);
+// Joins the run and waits until the group has `world` members.
+bool join(peer::Communicator& comm, int world);
 
 }  // namespace lockstep::bench

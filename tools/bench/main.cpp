@@ -7,6 +7,8 @@
 //                  [--concurrency K] [--pool P] [--iterations N] [--warmup W] [--quant minmax]
 //                  [--compare gloo]
 //   lockstep-bench recovery --peers 4 --size 16MiB --trials 20 [--stop]
+//   lockstep-bench sync --holders 1 --size 256MiB,1GiB [--trials 3]
+//       (join-and-sync time of a newcomer receiving the shared state from the holders)
 //   lockstep-bench hash [--size 1GiB] [--threads 1,2,N] [--iterations 5]
 //       (the shared-state content hash in this process, against a single-thread
 //        memcpy; N = hardware threads; no master or workers)
@@ -18,7 +20,7 @@
 #include <cstdio>
 
 int main(int argc, char** argv) {
-  CLI::App app{"lockstep-bench: all-reduce throughput and latency, recovery time, content hash"};
+  CLI::App app{"lockstep-bench: all-reduce throughput and latency, recovery time, shared-state sync, content hash"};
   app.require_subcommand(1);
   lockstep::bench::Settings s;
   std::string sizes = "16MiB";
@@ -46,6 +48,12 @@ int main(int argc, char** argv) {
   recovery->add_option("--trials", s.trials, "kills (at least 20 for a figure)")->check(CLI::Range(1, 1000));
   recovery->add_option("--heartbeat-timeout-ms", s.heartbeat_timeout_ms, "the master's heartbeat timeout");
   recovery->add_flag("--stop", s.stop_instead_of_kill, "SIGSTOP the victim (a silent peer) instead of SIGKILL");
+
+  auto* sync = app.add_subcommand("sync", "join-and-sync time of a newcomer receiving the shared state");
+  sync->add_option("--holders", s.peers, "up-to-date peers the newcomer receives from")->check(CLI::Range(1, 64));
+  sync->add_option("--size", sizes, "shared-state bytes, comma-separated (one run each)");
+  int sync_trials = 3;
+  sync->add_option("--trials", sync_trials, "newcomers per size (median)")->check(CLI::Range(1, 1000));
 
   lockstep::bench::HashSettings hash_settings;
   std::string hash_sizes = "1GiB";
@@ -99,5 +107,9 @@ int main(int argc, char** argv) {
   s.self = lockstep::bench::self_path(argv[0]);
   if (*worker) return lockstep::bench::run_worker(s);
   if (*allreduce) return lockstep::bench::run_allreduce(s);
+  if (*sync) {
+    s.trials = sync_trials;
+    return lockstep::bench::run_sync(s);
+  }
   return lockstep::bench::run_recovery(s);
 }

@@ -1,0 +1,83 @@
+#!/usr/bin/python3
+"""Shared-state join-and-sync on the WAN test bed (needs root).
+
+A newcomer on host 0 receives SIZE bytes of shared state from K holders on hosts 1..K.
+The newcomer's inbound capacity is CAP: each holder->newcomer link is capped at CAP/K,
+so a newcomer fed by one holder at a time could never use more than CAP/K. Prints one
+JSON line per (holders, size): the sync time, the rate, and the rate over CAP.
+
+Usage: scripts/bench-wan-sync.py [--build build] [--cap-mbit 400] [--sizes 256MiB,1GiB]
+                                 [--holders 1,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
+
+from lockstep_peers import TestPeer, admit, start_master  # noqa: E402
+from testbed import Testbed  # noqa: E402
+
+
+def parse_size(text: str) -> int:
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    for suffix, factor in units.items():
+        if text.endswith(suffix):
+            return int(text[: -len(suffix)]) * factor
+    return int(text)
+
+
+def measure(bin_dir: str, holders: int, size: int, cap_mbit: float) -> dict:
+    with Testbed(holders + 1, command=os.path.join(bin_dir, "lockstep-testbed")) as bed:
+        for h in range(1, holders + 1):
+            bed.cap(h, 0, f"{int(cap_mbit * 1e6 / holders)}")
+        master = start_master(bed, bin_dir, 0)
+        address = f"{bed.addr(0)}:7000"
+        sources = [TestPeer(bed, bin_dir, h, address, f"h{h}") for h in range(1, holders + 1)]
+        newcomer = TestPeer(bed, bin_dir, 0, address, "n")
+        try:
+            for p in sources + [newcomer]:
+                p.call(f"tensor weights {size}")
+            for p in sources:
+                p.call("fill weights 7")
+                p.call("revision 1")
+            admit(sources[0], sources[1:] + [newcomer])
+            for p in sources:
+                p.send("sync popular")
+            newcomer.send("sync receive")
+            got = newcomer.reply(1800)
+            served = [p.reply(1800) for p in sources]
+            assert got["code"] == 0 and all(s["code"] == 0 for s in served), (got, served)
+            assert got["hashes"] == served[0]["hashes"] and got["bytes_received"] == size
+            mbit = size * 8 / (got["ms"] / 1e3) / 1e6
+            return {"bench": "wan_sync", "holders": holders, "bytes": size, "cap_mbit": cap_mbit,
+                    "sync_ms": round(got["ms"], 1), "mbit_s": round(mbit, 1),
+                    "cap_use": round(mbit / cap_mbit, 3), "bytes_per_holder": [s["bytes_sent"] for s in served]}
+        finally:
+            for p in sources + [newcomer]:
+                p.close()
+            master.kill()
+            master.wait(timeout=10)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--cap-mbit", type=float, default=400)
+    parser.add_argument("--sizes", default="256MiB,1GiB")
+    parser.add_argument("--holders", default="1,3")
+    args = parser.parse_args()
+    bin_dir = os.path.join(os.path.abspath(args.build), "bin")
+    for holders in (int(h) for h in args.holders.split(",")):
+        for size in (parse_size(s) for s in args.sizes.split(",")):
+            print(json.dumps(measure(bin_dir, holders, size, args.cap_mbit)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Real lockstep peers on the WAN test bed: lockstep-testpeer processes inside the bed's
+hosts, driven line by line (one JSON reply per command), and the admission loop. Used by
+tests/testbed/test_lockstep_wan.py and scripts/bench-wan-sync.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import time
+
+
+class TestPeer:
+    """A lockstep-testpeer in a host of the bed, driven line by line."""
+
+    __test__ = False
+
+    def __init__(self, bed, bin_dir: str, host: int, master: str, name: str):
+        self.name = name
+        self.proc = bed.popen(host, os.path.join(bin_dir, "lockstep-testpeer"), "--master", master,
+                              "--base-port", "0", "--name", name,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True, bufsize=1)
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self, timeout: float = 120) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, f"{self.name}: no reply within {timeout} s"
+        line = self.proc.stdout.readline()
+        assert line, f"{self.name}: exited"
+        return json.loads(line)
+
+    def call(self, line: str, timeout: float = 120) -> dict:
+        self.send(line)
+        r = self.reply(timeout)
+        assert r["code"] == 0, r
+        return r
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def start_master(bed, bin_dir: str, host: int) -> subprocess.Popen:
+    master = bed.popen(host, os.path.join(bin_dir, "lockstep-master"), "--listen", f"{bed.addr(host)}:7000",
+                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    ready, _, _ = select.select([master.stdout], [], [], 10)
+    assert ready and "listening" in master.stdout.readline()
+    return master
+
+
+def admit(first: TestPeer, others: list[TestPeer], timeout: float = 60) -> None:
+    """`first` joins an empty run; the others connect and are admitted by the members'
+    are-peers-pending and update-topology votes."""
+    first.call("connect")
+    for p in others:
+        p.send("connect")
+    members = [first]
+    waiting = list(others)
+    deadline = time.monotonic() + timeout
+    while waiting and time.monotonic() < deadline:
+        for p in members:
+            p.send("pending")
+        if not any(p.reply()["pending"] for p in members):
+            time.sleep(0.05)
+            continue
+        for p in members:
+            p.send("update")
+        world = [p.reply()["world"] for p in members][0]
+        while len(members) < world:
+            ready, _, _ = select.select([p.proc.stdout for p in waiting], [], [], 30)
+            assert ready, "an admitted peer did not answer"
+            joined = next(p for p in waiting if p.proc.stdout in ready)
+            assert joined.reply()["code"] == 0
+            members.append(joined)
+            waiting.remove(joined)
+    assert not waiting, "not every peer was admitted"
