@@ -241,9 +241,11 @@ typedef struct lockstep_member {
   uint8_t id[16];
   /* Position in the ring of the group, 0-based. */
   uint32_t rank;
-  /* Address and p2p port other peers use to reach it. */
+  /* Address and ports other peers use to reach it. */
   char host[64];
   uint16_t p2p_port;
+  uint16_t shared_state_port;
+  uint16_t benchmark_port;
 } lockstep_member_t;
 
 /* Copies the group's membership view (ordered by rank) as of the last completed

@@ -221,6 +221,8 @@ lockstep_status_t lockstep_comm_get_membership(const lockstep_comm_t* comm, lock
       out.rank = static_cast<uint32_t>(i);
       std::strncpy(out.host, m.host.c_str(), sizeof out.host - 1);
       out.p2p_port = m.p2p_port;
+      out.shared_state_port = m.shared_state_port;
+      out.benchmark_port = m.benchmark_port;
     }
     return LOCKSTEP_OK;
   });

@@ -1,5 +1,6 @@
 /* The public header compiled as strict C99, and the C API used from C: an embedded
- * master, one communicator that joins it, an agree, the attributes and the view. */
+ * master, one communicator that joins it, an agree, the attributes and the view, the
+ * content hash, and a shared-state sync of a lone peer. */
 #include <lockstep/lockstep.h>
 
 #include <stdio.h>
@@ -26,10 +27,18 @@ int main(void) {
   size_t count = 0;
   uint32_t rank = 99;
   int code;
+  float weights[1000];
+  uint8_t step[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  lockstep_tensor_t tensors[2];
+  lockstep_shared_state_t state;
+  lockstep_sync_info_t info;
+  char hex[33];
+  char hex_again[33];
+  int i;
 
   CHECK(lockstep_version() == LOCKSTEP_VERSION_HEX);
   CHECK(strlen(lockstep_version_string()) >= 5);
-  for (code = 0; code <= (int)LOCKSTEP_STATUS_INTERRUPTED; ++code) {
+  for (code = 0; code <= (int)LOCKSTEP_STATUS_HASH_MISMATCH; ++code) {
     CHECK(lockstep_status_string((lockstep_status_t)code) != NULL);
   }
   CHECK(lockstep_master_create(NULL, &master) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
@@ -57,6 +66,37 @@ int main(void) {
   CHECK(lockstep_comm_get_rank(comm, &rank) == LOCKSTEP_OK && rank == 0);
   CHECK(members[0].rank == 0 && strcmp(members[0].host, "127.0.0.1") == 0);
   CHECK(lockstep_comm_update_topology(comm) == LOCKSTEP_OK);
+
+  /* The content hash: 32 hex digits, the same for the same bytes, different otherwise. */
+  for (i = 0; i < 1000; ++i) weights[i] = (float)i * 0.5f;
+  CHECK(lockstep_hash(weights, sizeof weights, hex) == LOCKSTEP_OK && strlen(hex) == 32);
+  CHECK(lockstep_hash(weights, sizeof weights, hex_again) == LOCKSTEP_OK && strcmp(hex, hex_again) == 0);
+  CHECK(lockstep_hash(weights, sizeof weights - 1, hex_again) == LOCKSTEP_OK && strcmp(hex, hex_again) != 0);
+  CHECK(lockstep_hash(NULL, 0, hex_again) == LOCKSTEP_OK);
+  CHECK(lockstep_hash(NULL, 4, hex_again) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+
+  /* A lone peer's shared state: it is elected, moves nothing, keeps its revision. */
+  tensors[0].key = "weights";
+  tensors[0].data = weights;
+  tensors[0].count = 1000;
+  tensors[0].dtype = LOCKSTEP_F32;
+  tensors[0].device = LOCKSTEP_DEVICE_CPU;
+  tensors[0].allow_content_inequality = 0;
+  tensors[1] = tensors[0];
+  tensors[1].key = "step";
+  tensors[1].data = step;
+  tensors[1].count = 8;
+  tensors[1].dtype = LOCKSTEP_U8;
+  state.revision = 1;
+  state.tensors = tensors;
+  state.count = 2;
+  CHECK(lockstep_comm_sync_shared_state(comm, &state, LOCKSTEP_SYNC_ENFORCE_POPULAR, &info) == LOCKSTEP_OK);
+  CHECK(state.revision == 1 && info.bytes_sent == 0 && info.bytes_received == 0);
+  state.revision = 2;
+  CHECK(lockstep_comm_sync_shared_state(comm, &state, LOCKSTEP_SYNC_ENFORCE_POPULAR, NULL) == LOCKSTEP_OK);
+  CHECK(lockstep_comm_sync_shared_state(comm, &state, (lockstep_sync_strategy_t)7, NULL) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  tensors[1].key = "weights"; /* a duplicate key */
+  CHECK(lockstep_comm_sync_shared_state(comm, &state, LOCKSTEP_SYNC_ENFORCE_POPULAR, NULL) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
   CHECK(lockstep_comm_destroy(comm) == LOCKSTEP_OK);
 
   CHECK(lockstep_master_interrupt(master) == LOCKSTEP_OK);

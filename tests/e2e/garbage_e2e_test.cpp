@@ -1,7 +1,9 @@
 // Hostile input to the master's port while a run goes on: garbage bytes, truncated
 // frames, zero- and one-byte frames, unknown types, and a huge length prefix
 // followed by hundreds of MiB. Each connection must be closed, the run must keep
-// working, and the master's resident memory must stay flat.
+// working, and the master's resident memory must stay flat. The same for a peer's
+// p2p, shared-state and benchmark ports: strangers are dropped, and the members'
+// all-reduces and shared-state syncs stay correct.
 #include "e2e.h"
 
 #include "protocol/codec.h"
@@ -164,6 +166,128 @@ TEST_F(GarbageTest, EveryMalformedInputClosesItsConnectionAndTheRunContinues) {
   const long rss_after = rss_kib(master_->proc().pid());
   EXPECT_LT(rss_after - rss_before, 16 * 1024) << "master RSS grew from " << rss_before << " to " << rss_after << " KiB";
   EXPECT_EQ(master_->stop(), 0) << "the master did not shut down cleanly";
+}
+
+// What a peer's listening socket does with a stranger: the first reply frame it sends
+// (if any) and whether it closed the connection in time.
+struct Verdict {
+  std::optional<proto::Message> reply;
+  bool closed = false;
+};
+
+Verdict probe_peer(std::uint16_t port, const std::vector<std::uint8_t>& bytes, std::chrono::milliseconds timeout) {
+  Verdict v;
+  int fd = connect_to(port);
+  if (fd < 0) return v;
+  send_some(fd, bytes);
+  std::vector<std::uint8_t> got;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  char buf[4096];
+  while (std::chrono::steady_clock::now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 50) <= 0) continue;
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n > 0) {
+      got.insert(got.end(), buf, buf + n);
+      continue;
+    }
+    if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+      v.closed = true;
+      break;
+    }
+  }
+  ::close(fd);
+  if (got.size() >= proto::kFrameHeaderBytes) {
+    auto h = proto::decode_header(std::span<const std::uint8_t, proto::kFrameHeaderBytes>(got.data(), proto::kFrameHeaderBytes));
+    if (h.is_ok() && got.size() >= proto::kFrameHeaderBytes + h.value().payload_bytes) {
+      auto m = proto::decode_payload(h.value().type, std::span<const std::uint8_t>(got).subspan(proto::kFrameHeaderBytes,
+                                                                                              h.value().payload_bytes));
+      if (m.is_ok()) v.reply = m.value();
+    }
+  }
+  return v;
+}
+
+PeerId id_from_hex(const std::string& hex) {
+  PeerId id;
+  for (int i = 0; i < 16; ++i) id.hi = (id.hi << 4) | std::stoull(hex.substr(static_cast<std::size_t>(i), 1), nullptr, 16);
+  for (int i = 16; i < 32; ++i) id.lo = (id.lo << 4) | std::stoull(hex.substr(static_cast<std::size_t>(i), 1), nullptr, 16);
+  return id;
+}
+
+TEST_F(GarbageTest, StrangersOnAPeersPortsAreDroppedAndTheRunStaysCorrect) {
+  const json view = b_->call("view");
+  std::optional<json> target;
+  for (const auto& m : view["view"]) {
+    if (m["id"] == a_->id()) target = m;
+  }
+  ASSERT_TRUE(target.has_value()) << view.dump();
+  const PeerId a_id = id_from_hex(a_->id());
+  std::mt19937 random(7);
+  std::vector<std::uint8_t> noise(64 * 1024);
+  for (auto& byte : noise) byte = static_cast<std::uint8_t>(random());
+  const auto hello = [&](proto::Channel channel, PeerId to) {
+    proto::P2PHello h;
+    h.channel = channel;
+    h.from = PeerId{0xdead, 1};
+    h.to = to;
+    h.epoch = ~0ull;
+    return proto::encode_frame(h);
+  };
+  const std::vector<std::pair<const char*, proto::Channel>> ports = {
+      {"port", proto::Channel::kRing}, {"shared_state_port", proto::Channel::kSharedState},
+      {"benchmark_port", proto::Channel::kBenchmark}};
+  for (const auto& [field, channel] : ports) {
+    SCOPED_TRACE(field);
+    const auto port = (*target)[field].get<std::uint16_t>();
+    ASSERT_NE(port, 0);
+    EXPECT_TRUE(probe_peer(port, noise, scaled(5s)).closed) << "random bytes";
+    EXPECT_TRUE(probe_peer(port, header(16, 999), scaled(5s)).closed) << "unknown type";
+    EXPECT_TRUE(probe_peer(port, header(1u << 30, static_cast<std::uint16_t>(proto::MsgType::kP2PHello)), scaled(5s)).closed)
+        << "huge length";
+    EXPECT_TRUE(probe_peer(port, header(0, static_cast<std::uint16_t>(proto::MsgType::kHello)), scaled(5s)).closed)
+        << "a master's message";
+    // A well-formed hello for someone else: refused, then closed.
+    const Verdict wrong = probe_peer(port, hello(channel, PeerId{1, 2}), scaled(5s));
+    EXPECT_TRUE(wrong.closed);
+    ASSERT_TRUE(wrong.reply.has_value());
+    EXPECT_EQ(std::get<proto::P2PHelloAck>(*wrong.reply).status, LOCKSTEP_STATUS_REJECTED);
+    // The right target on the wrong socket: refused too.
+    const auto other = channel == proto::Channel::kRing ? proto::Channel::kSharedState : proto::Channel::kRing;
+    const Verdict misplaced = probe_peer(port, hello(other, a_id), scaled(5s));
+    EXPECT_TRUE(misplaced.closed);
+    ASSERT_TRUE(misplaced.reply.has_value());
+    EXPECT_NE(std::get<proto::P2PHelloAck>(*misplaced.reply).status, LOCKSTEP_OK);
+  }
+  // Silence: dropped by the handshake deadline (5 s), on all three sockets at once.
+  std::vector<int> silent;
+  for (const auto& [field, channel] : ports) silent.push_back(connect_to((*target)[field].get<std::uint16_t>()));
+  for (const int fd : silent) {
+    ASSERT_GE(fd, 0);
+    EXPECT_TRUE(closed_by_master(fd, 5s + scaled(5s))) << "a silent connection was kept";
+    ::close(fd);
+  }
+  // The members' data path is unaffected: an exact all-reduce and a sync.
+  a_->send("allreduce 262144 1 1 inplace");
+  b_->send("allreduce 262144 1 2 inplace");
+  for (auto* p : {a_.get(), b_.get()}) {
+    const json r = p->reply();
+    ASSERT_EQ(code(r), 0) << r.dump();
+    EXPECT_EQ(r["value"].get<double>(), 3.0);
+    EXPECT_TRUE(r["uniform"].get<bool>());
+  }
+  for (auto* p : {a_.get(), b_.get()}) {
+    ASSERT_EQ(code(p->call("tensor w 1048576")), 0);
+    ASSERT_EQ(code(p->call("revision 1")), 0);
+  }
+  ASSERT_EQ(code(a_->call("fill w 5")), 0);
+  const json expected = a_->call("hashes");
+  a_->send("sync popular");
+  b_->send("sync receive");
+  for (const auto& r : {a_->reply(), b_->reply()}) {
+    ASSERT_EQ(code(r), 0) << r.dump();
+    EXPECT_EQ(r["hashes"], expected["hashes"]);
+  }
 }
 
 TEST_F(GarbageTest, ManyStrangersThatNeverSpeakDoNotBlockMembers) {

@@ -59,7 +59,9 @@ struct Peer {
     s << "\"view\":[";
     for (size_t i = 0; i < count; ++i) {
       s << (i ? "," : "") << "{\"id\":\"" << hex_id(members[i].id) << "\",\"rank\":" << members[i].rank
-        << ",\"host\":\"" << escape(members[i].host) << "\",\"port\":" << members[i].p2p_port << "}";
+        << ",\"host\":\"" << escape(members[i].host) << "\",\"port\":" << members[i].p2p_port
+        << ",\"shared_state_port\":" << members[i].shared_state_port
+        << ",\"benchmark_port\":" << members[i].benchmark_port << "}";
     }
     s << "]";
     uint32_t rank = 0;
