@@ -21,6 +21,8 @@ const char* to_string(PeerState state) {
     case PeerState::kEstablishingP2P: return "ESTABLISHING_P2P";
     case PeerState::kVoteSync: return "VOTE_SYNC_SHARED_STATE";
     case PeerState::kSyncing: return "SYNC_SHARED_STATE";
+    case PeerState::kVoteOptimizeTopology: return "VOTE_OPTIMIZE_TOPOLOGY";
+    case PeerState::kMeasuringBandwidth: return "MEASURING_BANDWIDTH";
   }
   return "?";
 }
@@ -28,6 +30,7 @@ const char* to_string(TopologyPhase phase) {
   switch (phase) {
     case TopologyPhase::kIdle: return "IDLE";
     case TopologyPhase::kVoting: return "VOTING";
+    case TopologyPhase::kMeasuring: return "MEASURING";
     case TopologyPhase::kEstablishing: return "ESTABLISHING";
   }
   return "?";
@@ -76,7 +79,10 @@ std::vector<PeerId> Coordinator::ring(std::uint32_t group) const {
 
 MajorOp Coordinator::major_op(std::uint32_t group) const {
   for (const auto& [id, peer] : peers_) {
-    if (peer.group == group && peer.state == PeerState::kEstablishingP2P) return MajorOp::kUpdateTopology;
+    if (peer.group == group &&
+        (peer.state == PeerState::kEstablishingP2P || peer.state == PeerState::kMeasuringBandwidth)) {
+      return MajorOp::kUpdateTopology;
+    }
   }
   if (auto it = collectives_.find(group); it != collectives_.end() && !it->second.empty()) return MajorOp::kCollective;
   if (auto it = syncs_.find(group); it != syncs_.end() && it->second.phase == SharedStateSync::Phase::kTransferring) {
@@ -131,8 +137,8 @@ void Coordinator::refuse(const Peer& peer, MsgType request, StatusCode status, s
 }
 
 bool Coordinator::in_control_vote(const Peer& peer) const {
-  return peer.state == PeerState::kVoteAcceptNewPeers || peer.state == PeerState::kVoteSync || peer.voted_pending ||
-         peer.agree_flag.has_value();
+  return peer.state == PeerState::kVoteAcceptNewPeers || peer.state == PeerState::kVoteOptimizeTopology ||
+         peer.state == PeerState::kVoteSync || peer.voted_pending || peer.agree_flag.has_value();
 }
 
 // ---------------------------------------------------------------- events
@@ -216,6 +222,8 @@ void Coordinator::on_tick(TimeMs now_ms, Outbox& out) {
                 /*connection_open=*/true, /*straggler=*/false, out);
   }
   kick_stragglers(now_ms, out);
+  kick_silent_measurers(now_ms, out);
+  step_background_search();
   // Participants of a p2p establishment that never report.
   if (topology_phase_ == TopologyPhase::kEstablishing && now_ms - topology_started_ms_ >= config_.establish_timeout_ms) {
     std::vector<PeerId> late;
@@ -322,6 +330,7 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
       send(peer, proto::HeartbeatAck{}, out);
       return;
     case MsgType::kVoteUpdateTopology:
+    case MsgType::kVoteOptimizeTopology:
       if (!accepted) return refuse(peer, type, LOCKSTEP_STATUS_NOT_INITIALIZED, "peer is not accepted yet", out);
       if (peer.state != PeerState::kIdle || in_control_vote(peer)) {
         return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE,
@@ -336,7 +345,8 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
         // the vote timeout counts from the first vote
         topology_started_ms_ = peer.last_seen_ms;
       }
-      peer.state = PeerState::kVoteAcceptNewPeers;
+      peer.state = type == MsgType::kVoteUpdateTopology ? PeerState::kVoteAcceptNewPeers
+                                                        : PeerState::kVoteOptimizeTopology;
       return;
     case MsgType::kP2PReport: {
       const auto& report = std::get<proto::P2PReport>(message);
@@ -374,6 +384,8 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
       return handle_collective_done(peer, std::get<proto::CollectiveDone>(message), out);
     case MsgType::kSyncVote:
       return handle_sync_vote(peer, std::get<proto::SyncVote>(message), out);
+    case MsgType::kBandwidthReport:
+      return handle_bandwidth_report(peer, std::get<proto::BandwidthReport>(message), out);
     case MsgType::kSyncDone:
       return handle_sync_done(peer, std::get<proto::SyncDone>(message), out);
     default:
@@ -569,8 +581,14 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
       }
     }
   }
+  for (auto edge = bandwidth_.begin(); edge != bandwidth_.end();) {
+    edge = edge->first.first == id || edge->first.second == id ? bandwidth_.erase(edge) : std::next(edge);
+  }
   if (topology_phase_ == TopologyPhase::kEstablishing && peer.state == PeerState::kEstablishingP2P) {
     fail_establish("peer " + id.to_string() + " was lost during p2p establishment (" + reason + ")", out);
+  }
+  if (topology_phase_ == TopologyPhase::kMeasuring && peer.state == PeerState::kMeasuringBandwidth) {
+    fail_optimize("peer " + id.to_string() + " was lost during the bandwidth measurements (" + reason + ")", out);
   }
 }
 
@@ -590,7 +608,8 @@ void Coordinator::close_abandoned_votes() {
   bool pending_voter = false;
   std::set<std::uint32_t> agree_groups;
   for (const auto& [id, peer] : peers_) {
-    topology_voter = topology_voter || peer.state == PeerState::kVoteAcceptNewPeers;
+    topology_voter = topology_voter || peer.state == PeerState::kVoteAcceptNewPeers ||
+                     peer.state == PeerState::kVoteOptimizeTopology;
     pending_voter = pending_voter || peer.voted_pending;
     if (peer.agree_flag) agree_groups.insert(peer.group);
   }
@@ -611,7 +630,8 @@ bool Coordinator::fail_collectives_blocked_by_major_vote(Outbox& out) {
   std::set<std::uint32_t> groups;
   for (const auto& [id, peer] : peers_) {
     if (peer.phase == Phase::kAccepted &&
-        (peer.state == PeerState::kVoteAcceptNewPeers || peer.state == PeerState::kVoteSync)) {
+        (peer.state == PeerState::kVoteAcceptNewPeers || peer.state == PeerState::kVoteOptimizeTopology ||
+         peer.state == PeerState::kVoteSync)) {
       groups.insert(peer.group);
     }
   }
@@ -643,6 +663,8 @@ void Coordinator::advance(TimeMs now_ms, Outbox& out) {
     bool changed = false;
     changed |= try_complete_establish(out);
     changed |= try_complete_topology_vote(now_ms, out);
+    changed |= try_complete_optimize_vote(now_ms, out);
+    changed |= try_complete_round(now_ms, out);
     changed |= try_complete_pending(out);
     changed |= try_complete_agree(out);
     changed |= fail_collectives_blocked_by_major_vote(out);
@@ -654,7 +676,7 @@ void Coordinator::advance(TimeMs now_ms, Outbox& out) {
 }
 
 bool Coordinator::try_complete_topology_vote(TimeMs now_ms, Outbox& out) {
-  if (topology_phase_ == TopologyPhase::kEstablishing) return false;
+  if (topology_phase_ == TopologyPhase::kEstablishing || topology_phase_ == TopologyPhase::kMeasuring) return false;
   bool any_registered = false;
   for (const auto& [id, peer] : peers_) {
     if (peer.phase == Phase::kRegistered) any_registered = true;
@@ -668,6 +690,7 @@ bool Coordinator::try_complete_topology_vote(TimeMs now_ms, Outbox& out) {
     }
     return false;
   }
+  if (accepted_count() == 0) return false;  // abandoned votes are closed elsewhere
   for (const auto& [id, peer] : peers_) {
     if (peer.phase == Phase::kAccepted && peer.state != PeerState::kVoteAcceptNewPeers) return false;
   }
@@ -676,14 +699,17 @@ bool Coordinator::try_complete_topology_vote(TimeMs now_ms, Outbox& out) {
   return true;
 }
 
-void Coordinator::start_establish(TimeMs now_ms, Outbox& out) {
+void Coordinator::start_establish(TimeMs now_ms, Outbox& out,
+                                  const std::optional<std::map<std::uint32_t, std::vector<PeerId>>>& optimized) {
   ++epoch_;
   topology_phase_ = TopologyPhase::kEstablishing;
   topology_started_ms_ = now_ms;
+  optimizing_ = optimized.has_value();
   newcomers_.clear();
-  proposed_rings_ = rings_;
+  proposed_rings_ = optimized ? *optimized : rings_;
   for (auto& [id, peer] : peers_) {
     if (peer.phase == Phase::kRegistered) {
+      if (optimizing_) continue;  // an optimization admits nobody: they wait for the next update
       newcomers_.insert(id);
       proposed_rings_[peer.group].push_back(id);  // join order: PeerId counters increase
     }
@@ -692,6 +718,7 @@ void Coordinator::start_establish(TimeMs now_ms, Outbox& out) {
     peer.unreachable.clear();
   }
   for (const auto& [id, peer] : peers_) {
+    if (peer.state != PeerState::kEstablishingP2P) continue;
     send(peer, proto::EstablishP2P{epoch_, members(proposed_rings_.at(peer.group))}, out);
   }
   out.push_back(Event{"epoch " + std::to_string(epoch_) + ": establishing p2p connections with " +
@@ -700,12 +727,15 @@ void Coordinator::start_establish(TimeMs now_ms, Outbox& out) {
 
 void Coordinator::fail_establish(const std::string& reason, Outbox& out) {
   topology_phase_ = TopologyPhase::kIdle;
+  const StatusCode status =
+      optimizing_ ? LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED : LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED;
+  optimizing_ = false;
   for (auto& [id, peer] : peers_) {
     if (peer.state != PeerState::kEstablishingP2P) continue;
     peer.state = PeerState::kIdle;
     peer.p2p_reported = false;
     peer.unreachable.clear();
-    send(peer, proto::TopologyResult{epoch_, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED, reason, {}, {}}, out);
+    send(peer, proto::TopologyResult{epoch_, status, reason, {}, {}}, out);
   }
   newcomers_.clear();
   proposed_rings_.clear();
@@ -747,7 +777,10 @@ bool Coordinator::try_complete_establish(Outbox& out) {
     return true;
   }
   topology_phase_ = TopologyPhase::kIdle;
-  topology_dirty_ = false;
+  // After an optimization registered peers may still wait: the views stay current only
+  // for the accepted ones, so a departure since then still counts.
+  if (!optimizing_) topology_dirty_ = false;
+  optimizing_ = false;
   agree_rounds_.clear();  // every peer was in the update: no agree round has a voter
   rings_ = proposed_rings_;
   for (const auto& id : newcomers_) peers_.at(id).phase = Phase::kAccepted;
@@ -839,8 +872,9 @@ void Coordinator::detect_vote_mismatch(Outbox& out) {
     if (!in_control_vote(peer)) return;
   }
   if (accepted == 0) return;
-  const std::string reason = "accepted peers are waiting in different votes (update topology, are-peers-pending, "
-                             "agree, shared-state sync); the application must call the same operation on every peer";
+  const std::string reason = "accepted peers are waiting in different votes (update topology, optimize topology, "
+                             "are-peers-pending, agree, shared-state sync); the application must call the same operation "
+                             "on every peer";
   out.push_back(Event{"vote mismatch: " + reason});
   if (topology_phase_ == TopologyPhase::kVoting) topology_phase_ = TopologyPhase::kIdle;
   pending_round_.reset();
@@ -853,7 +887,7 @@ void Coordinator::detect_vote_mismatch(Outbox& out) {
       peer.state = PeerState::kIdle;
       send(peer, proto::SyncResult{0, LOCKSTEP_STATUS_OPERATION_MISMATCH, 0, reason}, out);
     }
-    if (peer.state == PeerState::kVoteAcceptNewPeers) {
+    if (peer.state == PeerState::kVoteAcceptNewPeers || peer.state == PeerState::kVoteOptimizeTopology) {
       peer.state = PeerState::kIdle;
       send(peer, proto::TopologyResult{epoch_, LOCKSTEP_STATUS_OPERATION_MISMATCH, reason, {}, {}}, out);
     }
@@ -907,7 +941,9 @@ std::string Coordinator::digest() const {
     s << g << ":" << (sy.phase == SharedStateSync::Phase::kVoting ? "voting" : "transferring") << ":" << sy.votes.size()
       << ":" << sy.attempt << ":" << sy.done.size() << " ";
   }
-  s << "] revisions=[";
+  s << "] optimizing=" << optimizing_ << " measurement="
+    << (measurement_ ? std::to_string(measurement_->test) + "/" + std::to_string(measurement_->round) : "-")
+    << " bandwidth=" << bandwidth_.size() << " revisions=[";
   for (const auto& [g, r] : revisions_) s << g << ":" << r << " ";
   s << "]";
   return s.str();
@@ -943,8 +979,13 @@ std::optional<std::string> Coordinator::check_invariants() const {
         p.state != PeerState::kEstablishingP2P) {
       return "accepted peer " + id.to_string() + " is not part of the establishment";
     }
-    if (p.state == PeerState::kVoteAcceptNewPeers && topology_phase_ != TopologyPhase::kVoting) {
+    if ((p.state == PeerState::kVoteAcceptNewPeers || p.state == PeerState::kVoteOptimizeTopology) &&
+        topology_phase_ != TopologyPhase::kVoting) {
       return "peer " + id.to_string() + " votes for a topology update that is not open";
+    }
+    if ((p.state == PeerState::kMeasuringBandwidth) != (topology_phase_ == TopologyPhase::kMeasuring &&
+                                                       p.phase == Phase::kAccepted)) {
+      return "peer " + id.to_string() + " and the measurement phase disagree";
     }
   }
   if (accepted != in_rings) return "accepted peers and ring members differ";
@@ -953,7 +994,9 @@ std::optional<std::string> Coordinator::check_invariants() const {
   std::map<std::uint32_t, std::set<MajorOp>> ops;
   for (const auto& [id, p] : peers_) {
     if (p.phase != Phase::kAccepted) continue;
-    ops[p.group].insert(p.state == PeerState::kEstablishingP2P ? MajorOp::kUpdateTopology : MajorOp::kNone);
+    ops[p.group].insert(p.state == PeerState::kEstablishingP2P || p.state == PeerState::kMeasuringBandwidth
+                            ? MajorOp::kUpdateTopology
+                            : MajorOp::kNone);
   }
   for (const auto& [group, set] : ops) {
     if (set.size() > 1) return "group " + std::to_string(group) + " runs more than one major operation";

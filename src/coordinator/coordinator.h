@@ -20,6 +20,9 @@
 //    digests, the revision rule and the election (semantics rules 5-6), a plan of
 //    which pieces each outdated peer fetches from which up-to-date peer (spread over
 //    all of them), and one outcome for all (rule 7);
+//  - optimize topology (run-wide): a vote, bandwidth tests of the missing edges in
+//    rounds of disjoint pairs, the ring solver per group, and a rewiring like update
+//    topology that admits nobody;
 //  - failure detection: closed connections and heartbeat timeouts;
 //  - the ring order (join order) and the membership view per group.
 #pragma once
@@ -27,6 +30,7 @@
 #include "common/ids.h"
 #include "common/limits.h"
 #include "protocol/messages.h"
+#include "topology/solver.h"
 
 #include <cstdint>
 #include <map>
@@ -51,13 +55,31 @@ struct Config {
   std::uint32_t pending_handshakes_max = limits::kPendingHandshakesMax;
   // Collectives (tags) in flight per group; more initiate votes are refused.
   std::uint32_t collectives_per_group_max = 4096;
+  // Optimize topology: length of one bandwidth test (both directions at once), the
+  // connections it uses (at most the pair's smaller pool), how long a round may take
+  // before its silent peers are blamed, and the solver's work budget per optimization
+  // and per tick of the background search (deterministic step counts, not time).
+  std::uint32_t bandwidth_test_ms = 1000;
+  std::uint32_t bandwidth_streams_max = 4;
+  std::uint32_t measure_round_timeout_ms = 30'000;
+  std::uint64_t solver_steps = 20'000'000;
+  std::uint64_t background_solver_steps_per_tick = 200'000;
   // Random bits from the shell: the high half of every PeerId this master gives out.
   std::uint64_t instance_nonce = 0;
 };
 
 enum class Phase { kRegistered, kAccepted };
-enum class PeerState { kIdle, kVoteAcceptNewPeers, kEstablishingP2P, kVoteSync, kSyncing };
-enum class TopologyPhase { kIdle, kVoting, kEstablishing };
+enum class PeerState {
+  kIdle,
+  kVoteAcceptNewPeers,
+  kEstablishingP2P,
+  kVoteSync,
+  kSyncing,
+  kVoteOptimizeTopology,
+  kMeasuringBandwidth
+};
+// kVoting: a run-wide topology vote (update or optimize) is open.
+enum class TopologyPhase { kIdle, kVoting, kMeasuring, kEstablishing };
 // The major operation a group is in; at most one at a time (the golden rule).
 enum class MajorOp { kNone, kUpdateTopology, kCollective, kSharedStateSync };
 
@@ -79,6 +101,7 @@ struct Peer {
   bool p2p_reported = false;
   std::vector<PeerId> unreachable;
   std::uint16_t pool_size = 1;
+  bool measured = false;  // reported the current bandwidth-test round
 };
 
 // One collective (a tag of a group) from its first initiate vote to its outcome.
@@ -158,6 +181,10 @@ class Coordinator {
   std::string digest() const;
   const std::map<std::uint32_t, std::map<std::uint64_t, Collective>>& collectives() const { return collectives_; }
   const std::map<std::uint32_t, SharedStateSync>& syncs() const { return syncs_; }
+  // Measured bandwidth in bytes/s, by (sender, receiver).
+  const std::map<std::pair<PeerId, PeerId>, std::uint64_t>& bandwidth() const { return bandwidth_; }
+  // The bandwidth matrix of a group's current ring order (unknown edges are 0).
+  topo::Matrix bandwidth_matrix(const std::vector<PeerId>& ids) const;
   // The revision of the group's last successful sync, if it ever had one.
   std::optional<std::uint64_t> revision(std::uint32_t group) const;
   // True if the peer voted for, or takes part in, a collective that is not finished.
@@ -194,7 +221,10 @@ class Coordinator {
   bool try_complete_pending(Outbox& out);
   bool try_complete_agree(Outbox& out);
   void detect_vote_mismatch(Outbox& out);
-  void start_establish(TimeMs now_ms, Outbox& out);
+  // Rewires every group: with newcomers appended (update topology), or in the given
+  // rings with the registered peers left waiting (optimize topology).
+  void start_establish(TimeMs now_ms, Outbox& out,
+                       const std::optional<std::map<std::uint32_t, std::vector<PeerId>>>& optimized = std::nullopt);
   void fail_establish(const std::string& reason, Outbox& out);
   std::vector<proto::MemberInfo> members(const std::vector<PeerId>& ids) const;
   bool in_control_vote(const Peer& peer) const;
@@ -202,6 +232,18 @@ class Coordinator {
   void handle_collective_init(Peer& peer, const proto::CollectiveInit& init, Outbox& out);
   void handle_collective_done(Peer& peer, const proto::CollectiveDone& done, Outbox& out);
   bool try_start_collectives(Outbox& out);
+  // ---- optimize topology (optimize.cpp)
+  bool try_complete_optimize_vote(TimeMs now_ms, Outbox& out);
+  void start_measurement(TimeMs now_ms, Outbox& out);
+  void start_round(TimeMs now_ms, Outbox& out);
+  void handle_bandwidth_report(Peer& peer, const proto::BandwidthReport& report, Outbox& out);
+  bool try_complete_round(TimeMs now_ms, Outbox& out);
+  void fail_optimize(const std::string& reason, Outbox& out);
+  void kick_silent_measurers(TimeMs now_ms, Outbox& out);
+  void step_background_search();
+  // The solver's ring for each group (background results adopted when better).
+  std::map<std::uint32_t, std::vector<PeerId>> solve_rings(Outbox& out);
+
   void handle_sync_vote(Peer& peer, const proto::SyncVote& vote, Outbox& out);
   void handle_sync_done(Peer& peer, const proto::SyncDone& done, Outbox& out);
   bool try_complete_syncs(Outbox& out);
@@ -238,6 +280,25 @@ class Coordinator {
 
   std::map<std::uint32_t, std::map<std::uint64_t, Collective>> collectives_;
   std::uint64_t next_attempt_ = 1;
+
+  // Optimize topology: the rounds of pairs still to measure, and the matrix.
+  struct Measurement {
+    std::uint64_t test = 0;
+    std::vector<std::vector<std::pair<PeerId, PeerId>>> rounds;  // (initiator, partner)
+    std::size_t round = 0;
+    TimeMs round_started_ms = 0;
+  };
+  std::optional<Measurement> measurement_;
+  bool optimizing_ = false;  // the establishment in progress rewires for an optimization
+  std::map<std::pair<PeerId, PeerId>, std::uint64_t> bandwidth_;
+  // A search that keeps improving a group's ring between optimizations (for groups the
+  // exact solver could not finish); its result is used if the group is unchanged.
+  struct Background {
+    std::vector<PeerId> members;
+    topo::Matrix matrix;
+    std::unique_ptr<topo::Improver> improver;
+  };
+  std::map<std::uint32_t, Background> background_;
 
   std::map<std::uint32_t, SharedStateSync> syncs_;
   // Revision of each group's last successful sync; kept when every peer is gone, so

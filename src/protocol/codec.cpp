@@ -485,6 +485,36 @@ bool decode_body(Reader& r, StateResponse* m) {
          r.str(&m->reason, limits::kWireStringBytesMax, "state_response.reason");
 }
 
+// ---- topology optimization
+void encode_body(Writer&, const VoteOptimizeTopology&) {}
+bool decode_body(Reader&, VoteOptimizeTopology*) { return true; }
+void encode_body(Writer& w, const BandwidthReport& m) {
+  w.u(m.test);
+  w.id(m.from);
+  w.u(m.bytes_per_s);
+}
+bool decode_body(Reader& r, BandwidthReport* m) {
+  return r.u(&m->test, "bandwidth_report.test") && r.id(&m->from, "bandwidth_report.from") &&
+         r.u(&m->bytes_per_s, "bandwidth_report.bytes_per_s");
+}
+void encode_body(Writer& w, const BandwidthTest& m) {
+  w.u(m.test);
+  put(w, m.partner);
+  w.boolean(m.initiator);
+  w.u(m.duration_ms);
+  w.u(m.streams);
+}
+bool decode_body(Reader& r, BandwidthTest* m) {
+  if (!r.u(&m->test, "bandwidth_test.test") || !get(r, &m->partner) ||
+      !r.boolean(&m->initiator, "bandwidth_test.initiator") || !r.u(&m->duration_ms, "bandwidth_test.duration_ms") ||
+      !r.u(&m->streams, "bandwidth_test.streams")) {
+    return false;
+  }
+  if (m->duration_ms == 0 || m->duration_ms > 60'000) return r.fail("bandwidth_test.duration_ms: out of range");
+  if (m->streams == 0 || m->streams > limits::kP2PPoolSizeMax) return r.fail("bandwidth_test.streams: out of range");
+  return true;
+}
+
 template <typename T>
 Result<Message> decode_as(std::span<const std::uint8_t> payload) {
   Reader r(payload);
@@ -534,6 +564,9 @@ const char* msg_type_name(MsgType type) {
     case MsgType::kSyncResult: return "SyncResult";
     case MsgType::kStateRequest: return "StateRequest";
     case MsgType::kStateResponse: return "StateResponse";
+    case MsgType::kVoteOptimizeTopology: return "VoteOptimizeTopology";
+    case MsgType::kBandwidthReport: return "BandwidthReport";
+    case MsgType::kBandwidthTest: return "BandwidthTest";
   }
   return "Unknown";
 }
@@ -544,6 +577,7 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kVoteUpdateTopology:
     case MsgType::kVotePeersPending:
     case MsgType::kHeartbeatAck:
+    case MsgType::kVoteOptimizeTopology:
       return kEmptyPayload;
     case MsgType::kVoteAgree: return 1;
     case MsgType::kP2PHelloAck: return 4;
@@ -561,6 +595,8 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kSyncResult:
     case MsgType::kStateRequest:
     case MsgType::kStateResponse:
+    case MsgType::kBandwidthReport:
+    case MsgType::kBandwidthTest:
       return kSmallPayloadBytesMax;
     case MsgType::kCollectiveGo:
     case MsgType::kP2PReport:
@@ -617,6 +653,9 @@ Result<Message> decode_payload(MsgType type, std::span<const std::uint8_t> paylo
     case MsgType::kSyncResult: return decode_as<SyncResult>(payload);
     case MsgType::kStateRequest: return decode_as<StateRequest>(payload);
     case MsgType::kStateResponse: return decode_as<StateResponse>(payload);
+    case MsgType::kVoteOptimizeTopology: return decode_as<VoteOptimizeTopology>(payload);
+    case MsgType::kBandwidthReport: return decode_as<BandwidthReport>(payload);
+    case MsgType::kBandwidthTest: return decode_as<BandwidthTest>(payload);
   }
   return protocol_error("unknown message type " + std::to_string(static_cast<unsigned>(type)));
 }

@@ -30,6 +30,8 @@ enum class MsgType : std::uint16_t {
   kCollectiveDone = 8,
   kSyncVote = 9,
   kSyncDone = 10,
+  kVoteOptimizeTopology = 11,
+  kBandwidthReport = 12,
   // master -> peer
   kWelcome = 64,
   kHeartbeatAck = 65,
@@ -43,6 +45,7 @@ enum class MsgType : std::uint16_t {
   kCollectiveResult = 73,
   kSyncPlan = 74,
   kSyncResult = 75,
+  kBandwidthTest = 76,
   // peer -> peer (p2p, shared-state and benchmark sockets)
   kP2PHello = 128,
   kP2PHelloAck = 129,
@@ -165,6 +168,21 @@ struct SyncDone {
   bool operator==(const SyncDone&) const = default;
 };
 
+// Vote to optimize the topology (run-wide): measure missing bandwidths, then rewire
+// every group's ring in the solver's order, admitting nobody.
+struct VoteOptimizeTopology {
+  static constexpr MsgType kType = MsgType::kVoteOptimizeTopology;
+  bool operator==(const VoteOptimizeTopology&) const = default;
+};
+// The rate at which this peer received from `from` during bandwidth test `test`.
+struct BandwidthReport {
+  static constexpr MsgType kType = MsgType::kBandwidthReport;
+  std::uint64_t test = 0;
+  PeerId from;
+  std::uint64_t bytes_per_s = 0;  // 0: could not measure (the edge counts as unusable)
+  bool operator==(const BandwidthReport&) const = default;
+};
+
 // ---- master -> peer
 struct Welcome {
   static constexpr MsgType kType = MsgType::kWelcome;
@@ -284,6 +302,19 @@ struct SyncResult {
   bool operator==(const SyncResult&) const = default;
 };
 
+// Measure the link with `partner` in both directions at once: the initiator opens
+// `streams` connections to the partner's benchmark socket; both send for duration_ms;
+// each reports the rate it received.
+struct BandwidthTest {
+  static constexpr MsgType kType = MsgType::kBandwidthTest;
+  std::uint64_t test = 0;
+  MemberInfo partner;
+  bool initiator = false;
+  std::uint32_t duration_ms = 0;
+  std::uint32_t streams = 1;
+  bool operator==(const BandwidthTest&) const = default;
+};
+
 // ---- peer -> peer
 struct P2PHello {
   static constexpr MsgType kType = MsgType::kP2PHello;
@@ -326,7 +357,8 @@ using Message = std::variant<Hello, Heartbeat, VoteUpdateTopology, P2PReport, Vo
                              VoteAgree, CollectiveInit, CollectiveDone, Welcome, HeartbeatAck,
                              EstablishP2P, TopologyResult, PeersPendingResult, AgreeResult, Refused,
                              Goodbye, CollectiveGo, CollectiveResult, P2PHello, P2PHelloAck, SyncVote,
-                             SyncDone, SyncPlan, SyncResult, StateRequest, StateResponse>;
+                             SyncDone, SyncPlan, SyncResult, StateRequest, StateResponse, VoteOptimizeTopology,
+                             BandwidthReport, BandwidthTest>;
 
 MsgType type_of(const Message& message);
 

@@ -129,6 +129,9 @@ std::vector<Message> samples() {
   all.push_back(StateRequest{9, "layer.0.weight", 1ull << 30, 1ull << 20, state::Digest{3, 4}});
   all.push_back(StateResponse{LOCKSTEP_OK, 1ull << 20, ""});
   all.push_back(StateResponse{LOCKSTEP_STATUS_HASH_MISMATCH, 0, "content changed"});
+  all.push_back(VoteOptimizeTopology{});
+  all.push_back(BandwidthReport{12, PeerId{3, 4}, 125'000'000});
+  all.push_back(BandwidthTest{12, member(5, "10.0.0.5"), true, 1000, 4});
   return all;
 }
 
@@ -140,13 +143,14 @@ const std::vector<MsgType>& all_types() {
       MsgType::kPeersPendingResult, MsgType::kAgreeResult,    MsgType::kRefused,            MsgType::kGoodbye,
       MsgType::kCollectiveGo,   MsgType::kCollectiveResult,   MsgType::kP2PHello,           MsgType::kP2PHelloAck,
       MsgType::kSyncVote,       MsgType::kSyncDone,           MsgType::kSyncPlan,           MsgType::kSyncResult,
-      MsgType::kStateRequest,   MsgType::kStateResponse};
+      MsgType::kStateRequest,   MsgType::kStateResponse,      MsgType::kVoteOptimizeTopology,
+      MsgType::kBandwidthReport, MsgType::kBandwidthTest};
   return types;
 }
 
 bool has_empty_payload(MsgType t) {
   return t == MsgType::kHeartbeat || t == MsgType::kVoteUpdateTopology || t == MsgType::kVotePeersPending ||
-         t == MsgType::kHeartbeatAck;
+         t == MsgType::kHeartbeatAck || t == MsgType::kVoteOptimizeTopology;
 }
 
 std::array<std::uint8_t, kFrameHeaderBytes> header_bytes(std::uint32_t length, std::uint16_t type,
@@ -377,7 +381,7 @@ TEST(CodecNames, EveryTypeHasANameAndABound) {
   }
   EXPECT_STREQ(msg_type_name(static_cast<MsgType>(999)), "Unknown");
   EXPECT_EQ(payload_bytes_max(0), 0u);
-  EXPECT_EQ(payload_bytes_max(11), 0u);
+  EXPECT_EQ(payload_bytes_max(13), 0u);
   EXPECT_EQ(payload_bytes_max(63), 0u);
   EXPECT_EQ(payload_bytes_max(0xffff), 0u);
   for (const Message& m : samples()) EXPECT_EQ(payload_of(encode_frame(m)).size() == 0, has_empty_payload(type_of(m)));
@@ -536,6 +540,10 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
        {"state_request.attempt", "state_request.key", "state_request.offset", "state_request.bytes",
         "state_request.hash"}},
       {StateResponse{LOCKSTEP_OK, 1, "r"}, {"state_response.status", "state_response.bytes", "state_response.reason"}},
+      {BandwidthReport{1, PeerId{2, 3}, 4}, {"bandwidth_report.test", "bandwidth_report.from", "bandwidth_report.bytes_per_s"}},
+      {BandwidthTest{1, member(2, "h"), true, 5, 6},
+       {"bandwidth_test.test", "member.id", "member.host", "member.p2p_port", "member.shared_state_port",
+        "member.benchmark_port", "bandwidth_test.initiator", "bandwidth_test.duration_ms", "bandwidth_test.streams"}},
   };
   std::set<MsgType> covered;
   for (const auto& c : cases) {
@@ -938,7 +946,7 @@ TEST(CodecPayload, UnknownChannel) {
 }
 
 TEST(CodecPayload, RefusedOfUnknownRequestType) {
-  for (std::uint16_t raw : {std::uint16_t{0}, std::uint16_t{11}, std::uint16_t{63}, std::uint16_t{132}, std::uint16_t{0xffff}}) {
+  for (std::uint16_t raw : {std::uint16_t{0}, std::uint16_t{13}, std::uint16_t{63}, std::uint16_t{132}, std::uint16_t{0xffff}}) {
     Bytes p = payload_copy(Refused{});
     p[0] = static_cast<std::uint8_t>(raw);
     p[1] = static_cast<std::uint8_t>(raw >> 8);

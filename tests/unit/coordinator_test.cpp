@@ -12,6 +12,7 @@
 #include <map>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <optional>
 #include <ostream>
 #include <set>
@@ -1348,7 +1349,7 @@ TEST(CoordinatorProtocolError, MessagesAPeerMustNeverSendRemoveIt) {
       p::Hello{},          p::Welcome{},       p::HeartbeatAck{}, p::EstablishP2P{}, p::TopologyResult{},
       p::PeersPendingResult{}, p::AgreeResult{}, p::Refused{},      p::Goodbye{},      p::P2PHello{},
       p::P2PHelloAck{},    p::CollectiveGo{},  p::CollectiveResult{}, p::SyncPlan{}, p::SyncResult{},
-      p::StateRequest{},   p::StateResponse{}};
+      p::StateRequest{},   p::StateResponse{},     p::BandwidthTest{}};
   for (const auto& m : forbidden) {
     for (bool accepted : {true, false}) {
       SCOPED_TRACE(describe(m) + (accepted ? " from an accepted peer" : " from a registered peer"));
@@ -2168,6 +2169,207 @@ TEST(CoordinatorSync, StragglerOfASyncVoteIsRemovedByTheVoteTimeout) {
   Outbox out = h.tick();
   expect_goodbye(out, peers[2], LOCKSTEP_STATUS_KICKED);
   EXPECT_TRUE(one_of<p::SyncPlan>(out, peers[0].conn).has_value()) << describe(out);
+}
+
+// ---------------------------------------------------------------- optimize topology
+
+// Answers bandwidth tests until the measurements end: each tested peer reports the rate
+// `rate(sender, receiver)` from its partner. Returns the outbox that ended them (with
+// the EstablishP2P or the failure) and the rounds seen.
+struct Measured {
+  Outbox out;
+  std::vector<std::vector<std::pair<PeerId, PeerId>>> rounds;  // (receiver, sender)
+};
+Measured answer_tests(Harness& h, const std::vector<FakePeer>& peers, Outbox out,
+                      const std::function<std::uint64_t(PeerId, PeerId)>& rate) {
+  Measured m;
+  for (int guard = 0; guard < 64; ++guard) {
+    std::vector<std::pair<const FakePeer*, p::BandwidthTest>> tests;
+    for (const auto& f : peers) {
+      for (const auto& t : all_of<p::BandwidthTest>(out, f.conn)) tests.emplace_back(&f, t);
+    }
+    if (tests.empty()) break;
+    std::vector<std::pair<PeerId, PeerId>> round;
+    for (const auto& [f, t] : tests) round.emplace_back(f->id, t.partner.id);
+    m.rounds.push_back(round);
+    Outbox last;
+    for (const auto& [f, t] : tests) {
+      Outbox o = h.send(*f, p::BandwidthReport{t.test, t.partner.id, rate(t.partner.id, f->id)});
+      last.insert(last.end(), o.begin(), o.end());
+    }
+    out = last;
+  }
+  m.out = out;
+  return m;
+}
+
+// Four peers whose join order 0-1-2-3 has slow edges; the only ring with every edge
+// fast is 0->2->1->3->0 (100 MB/s); everything else is 10 MB/s.
+std::uint64_t planted_rate(const std::vector<FakePeer>& peers, PeerId from, PeerId to) {
+  const auto index = [&](PeerId id) {
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      if (peers[i].id == id) return static_cast<int>(i);
+    }
+    return -1;
+  };
+  const int a = index(from);
+  const int b = index(to);
+  const bool fast = (a == 0 && b == 2) || (a == 2 && b == 1) || (a == 1 && b == 3) || (a == 3 && b == 0);
+  return fast ? 100'000'000 : 10'000'000;
+}
+
+TEST(CoordinatorOptimize, MeasuresEveryPairInRoundsThenRewiresInTheSolversOrder) {
+  Harness h;
+  const auto peers = h.run_of(4);
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
+  const auto rate = [&](PeerId from, PeerId to) { return planted_rate(peers, from, to); };
+  const Measured m = answer_tests(h, peers, out, rate);
+  // Circle method: 3 rounds for 4 peers, every peer in each round, each pair once.
+  ASSERT_EQ(m.rounds.size(), 3u);
+  std::set<std::pair<PeerId, PeerId>> seen;
+  for (const auto& round : m.rounds) {
+    std::set<PeerId> busy;
+    for (const auto& [receiver, sender] : round) {
+      EXPECT_TRUE(busy.insert(receiver).second) << "a peer tested twice in one round";
+      EXPECT_TRUE(seen.insert({sender, receiver}).second);
+    }
+  }
+  EXPECT_EQ(seen.size(), 12u);
+  EXPECT_EQ(h.c.bandwidth().size(), 12u);
+  const std::vector<PeerId> best = {peers[0].id, peers[2].id, peers[1].id, peers[3].id};
+  for (const auto& f : peers) {
+    const auto e = one_of<p::EstablishP2P>(m.out, f.conn);
+    ASSERT_TRUE(e.has_value()) << describe(m.out);
+    EXPECT_EQ(ids_of(e->ring), best);
+  }
+  out = h.report_all(peers);
+  for (const auto& f : peers) {
+    const auto r = one_of<p::TopologyResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value());
+    EXPECT_EQ(r->status, LOCKSTEP_OK);
+    EXPECT_EQ(ids_of(r->ring), best);
+  }
+  EXPECT_EQ(h.c.ring(1), best);
+  // A second optimization with the same peers measures nothing and keeps the ring.
+  for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
+  for (const auto& f : peers) {
+    EXPECT_TRUE(all_of<p::BandwidthTest>(out, f.conn).empty());
+    const auto e = one_of<p::EstablishP2P>(out, f.conn);
+    ASSERT_TRUE(e.has_value()) << describe(out);
+    EXPECT_EQ(ids_of(e->ring), best);
+  }
+  h.report_all(peers);
+  EXPECT_EQ(h.c.ring(1), best);
+}
+
+TEST(CoordinatorOptimize, PeerLostDuringMeasurementsFailsForAllAndTheRetryMeasuresWhatIsMissing) {
+  Harness h;
+  const auto peers = h.run_of(4);
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
+  // Answer the first round only.
+  std::vector<std::pair<const FakePeer*, p::BandwidthTest>> first;
+  for (const auto& f : peers) {
+    for (const auto& t : all_of<p::BandwidthTest>(out, f.conn)) first.emplace_back(&f, t);
+  }
+  ASSERT_EQ(first.size(), 4u);
+  for (const auto& [f, t] : first) h.send(*f, p::BandwidthReport{t.test, t.partner.id, 50'000'000});
+  EXPECT_EQ(h.c.bandwidth().size(), 4u);
+  out = h.disconnect(peers[3]);
+  const std::vector<FakePeer> survivors = {peers[0], peers[1], peers[2]};
+  for (const auto& f : survivors) {
+    const auto r = one_of<p::TopologyResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value()) << describe(out);
+    EXPECT_EQ(r->status, LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED);
+    EXPECT_NE(r->reason.find("lost during the bandwidth measurements"), std::string::npos);
+    EXPECT_EQ(h.state(f), PeerState::kIdle);
+  }
+  for (const auto& [edge, rate] : h.c.bandwidth()) {
+    EXPECT_NE(edge.first, peers[3].id);
+    EXPECT_NE(edge.second, peers[3].id);
+  }
+  const std::size_t kept = h.c.bandwidth().size();
+  EXPECT_EQ(kept, 2u);  // the first round's pair among the survivors
+  for (const auto& f : survivors) out = h.send(f, p::VoteOptimizeTopology{});
+  const Measured m = answer_tests(h, survivors, out, [](PeerId, PeerId) { return std::uint64_t{70'000'000}; });
+  std::size_t tests = 0;
+  for (const auto& round : m.rounds) tests += round.size();
+  EXPECT_EQ(tests, 4u);  // two pairs left, both directions
+  for (const auto& f : survivors) EXPECT_TRUE(one_of<p::EstablishP2P>(m.out, f.conn).has_value()) << describe(m.out);
+  out = h.report_all(survivors);
+  for (const auto& f : survivors) EXPECT_EQ(one_of<p::TopologyResult>(out, f.conn)->status, LOCKSTEP_OK);
+  EXPECT_EQ(h.c.bandwidth().size(), 6u);
+}
+
+TEST(CoordinatorOptimize, RegisteredPeersWaitForTheNextUpdate) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  const FakePeer n = h.join(1);
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
+  EXPECT_TRUE(sent_to(out, n.conn).empty()) << describe(out);
+  const Measured m = answer_tests(h, peers, out, [](PeerId, PeerId) { return std::uint64_t{1'000'000}; });
+  EXPECT_TRUE(sent_to(m.out, n.conn).empty());
+  out = h.report_all(peers);
+  for (const auto& f : peers) EXPECT_EQ(one_of<p::TopologyResult>(out, f.conn)->ring.size(), 3u);
+  EXPECT_EQ(h.phase(n), Phase::kRegistered);
+  for (const auto& f : peers) out = h.send(f, p::VotePeersPending{});
+  for (const auto& f : peers) EXPECT_TRUE(one_of<p::PeersPendingResult>(out, f.conn)->pending);
+  h.update(peers, {n});
+  EXPECT_EQ(h.c.ring(1).size(), 4u);
+}
+
+TEST(CoordinatorOptimize, IllegalAndMismatchedVotes) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  // A collective in flight: refused.
+  h.send(peers[0], p::CollectiveInit{1, kSum});
+  Outbox out = h.send(peers[0], p::VoteOptimizeTopology{});
+  ASSERT_TRUE(one_of<p::Refused>(out, peers[0].conn).has_value());
+  EXPECT_EQ(one_of<p::Refused>(out, peers[0].conn)->status, LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS);
+  const auto go = one_of<p::CollectiveGo>(h.send(peers[1], p::CollectiveInit{1, kSum}), peers[1].conn);
+  ASSERT_TRUE(go.has_value());
+  for (const auto& f : peers) h.send(f, p::CollectiveDone{1, go->attempt, true, {}});
+  EXPECT_TRUE(h.c.collectives().empty());
+  // One peer votes optimize, the other update: a mismatch, not a hang.
+  h.send(peers[0], p::VoteOptimizeTopology{});
+  out = h.send(peers[1], p::VoteUpdateTopology{});
+  for (const auto& f : peers) expect_topology_failed(out, f, LOCKSTEP_STATUS_OPERATION_MISMATCH);
+  // Reports out of turn are refused and change nothing.
+  const std::string before = h.c.digest();
+  out = h.send(peers[0], p::BandwidthReport{1, peers[1].id, 5});
+  ASSERT_TRUE(one_of<p::Refused>(out, peers[0].conn).has_value());
+  EXPECT_EQ(h.c.digest(), before);
+}
+
+TEST(CoordinatorOptimize, SilentMeasurerIsRemovedAfterTheRoundTimeout) {
+  Config config = test_config();
+  config.measure_round_timeout_ms = 2'000;
+  Harness h(config);
+  const auto peers = h.run_of(3);
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
+  // The first tested peer answers; its partner stays silent.
+  std::optional<PeerId> silent;
+  for (const auto& f : peers) {
+    for (const auto& t : all_of<p::BandwidthTest>(out, f.conn)) {
+      if (!silent) {
+        h.send(f, p::BandwidthReport{t.test, t.partner.id, 1});
+        silent = t.partner.id;
+      }
+    }
+  }
+  ASSERT_TRUE(silent.has_value());
+  h.now += 2'500;
+  h.heartbeat(peers);
+  out = h.tick();
+  const FakePeer& victim = peers[1].id == *silent ? peers[1] : peers[2];
+  expect_goodbye(out, victim, LOCKSTEP_STATUS_KICKED);
+  for (const auto& f : peers) {
+    if (f.id == victim.id) continue;
+    EXPECT_EQ(one_of<p::TopologyResult>(out, f.conn)->status, LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED);
+  }
 }
 
 }  // namespace
