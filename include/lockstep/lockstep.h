@@ -213,6 +213,14 @@ LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_connect(lockstep_comm_t* comm);
 /* Votes to accept pending peers and rewires the ring. Every accepted peer of the
  * run must call it; it is a barrier. UPDATE_TOPOLOGY_FAILED: call it again. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_update_topology(lockstep_comm_t* comm);
+/* Optimizes the ring of every group (a run-wide vote like update topology, which every
+ * accepted peer must call): the bandwidth of every pair of a group not measured yet is
+ * measured (disjoint pairs at once, both directions, about one second per round), the
+ * master orders each ring for the best bottleneck (exact up to 16 peers), and every peer
+ * rewires; nobody is admitted. The membership view (ranks) then follows the new ring.
+ * TOPOLOGY_OPTIMIZATION_FAILED (a peer was lost, or could not connect): call it again,
+ * only the edges still missing are measured. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_optimize_topology(lockstep_comm_t* comm);
 /* Votes whether registered peers wait to join; every accepted peer gets the same
  * answer. May overlap collectives running on another thread. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_are_peers_pending(lockstep_comm_t* comm,

@@ -166,6 +166,11 @@ lockstep_status_t lockstep_comm_update_topology(lockstep_comm_t* comm) {
   return guarded([&] { return comm->comm->update_topology().code(); });
 }
 
+lockstep_status_t lockstep_comm_optimize_topology(lockstep_comm_t* comm) {
+  if (comm == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] { return comm->comm->optimize_topology().code(); });
+}
+
 lockstep_status_t lockstep_comm_are_peers_pending(lockstep_comm_t* comm, int* out_pending) {
   if (comm == nullptr || out_pending == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   return guarded([&] {

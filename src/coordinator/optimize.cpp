@@ -119,10 +119,10 @@ void Coordinator::handle_bandwidth_report(Peer& peer, const proto::BandwidthRepo
   const auto refuse_report = [&](const std::string& why) {
     refuse(peer, proto::MsgType::kBandwidthReport, LOCKSTEP_STATUS_INVALID_USAGE, why, out);
   };
-  if (!measurement_ || peer.state != PeerState::kMeasuringBandwidth || report.test != measurement_->test ||
-      measurement_->round >= measurement_->rounds.size()) {
-    return refuse_report("no bandwidth test is waiting for this report");
-  }
+  // A report of a test that already ended (the phase failed while it ran) crossed the
+  // outcome on the wire: it changes nothing and needs no answer.
+  if (!measurement_ || peer.state != PeerState::kMeasuringBandwidth || report.test != measurement_->test) return;
+  if (measurement_->round >= measurement_->rounds.size()) return refuse_report("no bandwidth test is waiting");
   const auto& round = measurement_->rounds[measurement_->round];
   const auto pair = std::find_if(round.begin(), round.end(), [&](const auto& p) {
     return (p.first == peer.id && p.second == report.from) || (p.second == peer.id && p.first == report.from);

@@ -151,7 +151,10 @@ Result<proto::TopologyResult> Communicator::run_establishment(bool newcomer) {
   if (!plan.is_ok()) return plan.status();
   if (const auto* r = std::get_if<proto::Refused>(&plan.value())) return Status(r->status, "master: " + r->reason);
   if (const auto* t = std::get_if<proto::TopologyResult>(&plan.value())) return *t;
-  const auto& establish = std::get<proto::EstablishP2P>(plan.value());
+  return finish_establishment(std::get<proto::EstablishP2P>(plan.value()));
+}
+
+Result<proto::TopologyResult> Communicator::finish_establishment(const proto::EstablishP2P& establish) {
   const std::uint64_t epoch = establish.epoch;
   const std::vector<PeerId> unreachable = this->establish(establish);
   link_->send(proto::P2PReport{epoch, unreachable});
@@ -275,6 +278,40 @@ void Communicator::prune_connections(const std::vector<proto::MemberInfo>& membe
   std::lock_guard<std::mutex> lock(connections_mutex_);
   for (auto it = tx_.begin(); it != tx_.end();) it = ids.count(it->first.peer) == 0 ? tx_.erase(it) : std::next(it);
   for (auto it = rx_.begin(); it != rx_.end();) it = ids.count(it->first.peer) == 0 ? rx_.erase(it) : std::next(it);
+}
+
+Status Communicator::optimize_topology() {
+  if (Status s = check_call(true); !s.is_ok()) return remember(s);
+  {
+    std::lock_guard<std::mutex> lock(ops_mutex_);
+    if (!tags_in_flight_.empty()) {
+      return remember(Status(LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS,
+                             "await every collective in flight before optimizing the topology"));
+    }
+  }
+  link_->send(proto::VoteOptimizeTopology{});
+  // Bandwidth tests as the master asks for them, then the rewiring.
+  for (;;) {
+    auto next = link_->wait([](const proto::Message& m) {
+      if (const auto* r = std::get_if<proto::Refused>(&m)) {
+        return r->request == proto::MsgType::kVoteOptimizeTopology || r->request == proto::MsgType::kBandwidthReport;
+      }
+      return std::holds_alternative<proto::BandwidthTest>(m) || std::holds_alternative<proto::EstablishP2P>(m) ||
+             std::holds_alternative<proto::TopologyResult>(m);
+    });
+    if (!next.is_ok()) return remember(next.status());
+    if (const auto* r = std::get_if<proto::Refused>(&next.value())) return remember(Status(r->status, "master: " + r->reason));
+    if (const auto* t = std::get_if<proto::TopologyResult>(&next.value())) return remember(Status(t->status, t->reason));
+    if (const auto* test = std::get_if<proto::BandwidthTest>(&next.value())) {
+      const std::uint64_t rate = measure_bandwidth(*test);
+      link_->send(proto::BandwidthReport{test->test, test->partner.id, rate});
+      continue;
+    }
+    auto result = finish_establishment(std::get<proto::EstablishP2P>(next.value()));
+    if (!result.is_ok()) return remember(result.status());
+    if (result.value().status != LOCKSTEP_OK) return remember(Status(result.value().status, result.value().reason));
+    return Status::ok();
+  }
 }
 
 Result<bool> Communicator::are_peers_pending() {

@@ -99,6 +99,9 @@ class Communicator {
 
   Status connect();
   Status update_topology();
+  // Measures the bandwidth of the missing edges (as the master schedules them) and
+  // rewires every group's ring in the order the master's solver chose; admits nobody.
+  Status optimize_topology();
   Result<bool> are_peers_pending();
   Result<bool> agree(bool flag);
 
@@ -131,6 +134,10 @@ class Communicator {
   // Waits for the master's EstablishP2P, wires the ring, reports, and waits for the
   // outcome. Returns the TopologyResult (its status may be a failure) or a fatal status.
   Result<proto::TopologyResult> run_establishment(bool newcomer);
+  Result<proto::TopologyResult> finish_establishment(const proto::EstablishP2P& establish);
+  // One bandwidth test (peer/bandwidth.cpp): the rate received from the partner, in
+  // bytes per second, or 0 if it could not be measured.
+  std::uint64_t measure_bandwidth(const proto::BandwidthTest& test);
   std::vector<PeerId> establish(const proto::EstablishP2P& plan);
   Status check_collective_call(const ReduceDescriptor& d);
   Result<std::shared_ptr<AsyncReduce>> start_collective(const ReduceDescriptor& d, bool on_own_thread);

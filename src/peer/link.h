@@ -1,8 +1,8 @@
 // The IO shell of a peer: Link is one Asio thread that owns the master connection
 // (heartbeats, silence detection, routing replies into a bounded mailbox that the
 // owning thread waits on) and the listening sockets (handshakes with a deadline;
-// accepted ring and shared-state connections are handed over as plain file
-// descriptors). Internal to the peer layer: communicator.cpp and shared_state.cpp.
+// accepted ring, shared-state and benchmark connections are handed over as plain file
+// descriptors). Internal to the peer layer.
 #pragma once
 
 #include "common/ids.h"
@@ -229,22 +229,25 @@ class Link {
     }
   }
 
-  // A shared-state connection opened for sync attempt `attempt` (its P2PHello's epoch);
-  // those of older attempts are closed. Waits until one arrives, `stop` is set (see
-  // wake()) or the link fails.
-  std::optional<Inbound> take_state_connection(std::uint64_t attempt, const std::atomic<bool>& stop) {
+  // A shared-state or benchmark connection opened for operation `operation` (its
+  // P2PHello's epoch: the sync attempt or the bandwidth test), from `from` if given;
+  // those of older operations are closed. Waits until one arrives, `stop` is set (see
+  // wake()), the deadline passes or the link fails.
+  std::optional<Inbound> take_connection(proto::Channel channel, std::uint64_t operation, std::optional<PeerId> from,
+                                         const std::atomic<bool>* stop, Clock::time_point deadline) {
     std::unique_lock<std::mutex> lock(mutex_);
+    auto& queue = channel == proto::Channel::kSharedState ? state_inbound_ : bench_inbound_;
     for (;;) {
-      for (auto it = state_inbound_.begin(); it != state_inbound_.end();) {
-        if (it->epoch == attempt && it->to == id_) {
+      for (auto it = queue.begin(); it != queue.end();) {
+        if (it->epoch == operation && it->to == id_ && (!from || it->from == *from)) {
           Inbound out = std::move(*it);
-          state_inbound_.erase(it);
+          queue.erase(it);
           return out;
         }
-        it = it->epoch < attempt || it->to != id_ ? state_inbound_.erase(it) : std::next(it);
+        it = it->epoch < operation || it->to != id_ ? queue.erase(it) : std::next(it);
       }
-      if (stop.load() || !fatal_.is_ok()) return std::nullopt;
-      cv_.wait(lock);
+      if ((stop != nullptr && stop->load()) || !fatal_.is_ok()) return std::nullopt;
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) return std::nullopt;
     }
   }
   // Wakes every wait of this link so that it re-checks its stop condition.
@@ -486,7 +489,6 @@ class Link {
           // connection is kept and its target checked when it is claimed.
           if (h->hello.channel != channel || (!id_.is_nil() && h->hello.to != id_)) verdict = LOCKSTEP_STATUS_REJECTED;
         }
-        if (verdict == LOCKSTEP_OK && channel == proto::Channel::kBenchmark) verdict = LOCKSTEP_STATUS_INVALID_USAGE;
         h->reply = proto::encode_frame(proto::P2PHelloAck{verdict});
         asio::async_write(h->socket, asio::buffer(h->reply), [this, h, verdict](const asio::error_code& ec3, std::size_t) {
           h->timer.cancel();
@@ -496,7 +498,9 @@ class Link {
           Inbound in{h->hello.from, h->hello.to, h->hello.epoch, h->hello.pool_index, transport::Fd(h->socket.release())};
           {
             std::lock_guard<std::mutex> lock(mutex_);
-            auto& queue = h->hello.channel == proto::Channel::kRing ? inbound_ : state_inbound_;
+            auto& queue = h->hello.channel == proto::Channel::kRing          ? inbound_
+                          : h->hello.channel == proto::Channel::kSharedState ? state_inbound_
+                                                                             : bench_inbound_;
             if (queue.size() >= kInboundMax) queue.pop_front();
             queue.push_back(std::move(in));
           }
@@ -535,6 +539,7 @@ class Link {
   PeerId id_;
   std::deque<Inbound> inbound_;        // ring connections
   std::deque<Inbound> state_inbound_;  // shared-state connections (epoch: sync attempt)
+  std::deque<Inbound> bench_inbound_;  // benchmark connections (epoch: bandwidth test)
   std::map<std::uint64_t, std::shared_ptr<OpChannel>> ops_;
   std::map<std::uint32_t, std::deque<std::uint64_t>> slots_;
 };

@@ -108,9 +108,10 @@ class StateServer {
 
  private:
   void accept_loop() {
-    for (;;) {
-      auto connection = link_.take_state_connection(attempt_, stop_);
-      if (!connection) return;
+    while (!stop_.load() && link_.fatal().is_ok()) {
+      auto connection = link_.take_connection(proto::Channel::kSharedState, attempt_, std::nullopt, &stop_,
+                                              Clock::now() + std::chrono::seconds(1));
+      if (!connection) continue;
       if (handlers_.size() >= kServeConnectionsMax || !sockets_.add(connection->fd.get())) {
         LOG_WARN(kLog, "shared-state server: too many connections; closing one from " << connection->from.to_string());
         continue;

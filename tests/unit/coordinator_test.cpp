@@ -2336,10 +2336,10 @@ TEST(CoordinatorOptimize, IllegalAndMismatchedVotes) {
   h.send(peers[0], p::VoteOptimizeTopology{});
   out = h.send(peers[1], p::VoteUpdateTopology{});
   for (const auto& f : peers) expect_topology_failed(out, f, LOCKSTEP_STATUS_OPERATION_MISMATCH);
-  // Reports out of turn are refused and change nothing.
+  // A report of no current test (one that crossed a failure on the wire) changes nothing.
   const std::string before = h.c.digest();
   out = h.send(peers[0], p::BandwidthReport{1, peers[1].id, 5});
-  ASSERT_TRUE(one_of<p::Refused>(out, peers[0].conn).has_value());
+  EXPECT_EQ(send_count(out), 0u) << describe(out);
   EXPECT_EQ(h.c.digest(), before);
 }
 

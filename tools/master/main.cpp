@@ -15,6 +15,8 @@ int main(int argc, char** argv) {
   std::uint32_t heartbeat_timeout_ms = lockstep::limits::kHeartbeatTimeoutMsDefault;
   std::uint32_t vote_timeout_ms = 0;
   std::uint32_t peers_max = lockstep::limits::kPeersMaxDefault;
+  std::uint32_t bandwidth_test_ms = 1000;
+  std::uint32_t bandwidth_streams = 4;
   std::string log_level;
   app.add_option("--listen", listen, "HOST:PORT to listen on (port 0: ephemeral, printed at start)")
       ->capture_default_str();
@@ -23,6 +25,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--vote-timeout-ms", vote_timeout_ms,
                  "remove accepted peers that do not join an open vote within this time (0: off)")
+      ->capture_default_str();
+  app.add_option("--bandwidth-test-ms", bandwidth_test_ms,
+                 "optimize topology: length of one bandwidth test (the first third is not counted)")
+      ->check(CLI::Range(50u, 60'000u))
+      ->capture_default_str();
+  app.add_option("--bandwidth-streams", bandwidth_streams,
+                 "optimize topology: connections per bandwidth test (at most the peers' pool size)")
+      ->check(CLI::Range(1u, 64u))
       ->capture_default_str();
   app.add_option("--peers-max", peers_max, "maximum number of peers")->check(CLI::Range(1u, 1u << 20))->capture_default_str();
   app.add_option("--log-level", log_level, "error, warn, info, debug or trace (default: $LOCKSTEP_LOG_LEVEL or info)")
@@ -54,6 +64,8 @@ int main(int argc, char** argv) {
   options.coordinator.heartbeat_timeout_ms = heartbeat_timeout_ms;
   options.coordinator.vote_timeout_ms = vote_timeout_ms;
   options.coordinator.peers_max = peers_max;
+  options.coordinator.bandwidth_test_ms = bandwidth_test_ms;
+  options.coordinator.bandwidth_streams_max = bandwidth_streams;
   std::random_device random;
   options.coordinator.instance_nonce = (static_cast<std::uint64_t>(random()) << 32) | random();
 

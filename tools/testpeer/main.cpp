@@ -3,7 +3,7 @@
 // JSON line on stdout; --loop runs the documented membership loop on its own and
 // prints a JSON line whenever the membership view changes.
 //
-// Commands: connect | update | pending | agree 0|1 | view | reconnect | exit
+// Commands: connect | update | optimize | pending | agree 0|1 | view | reconnect | exit
 //           allreduce COUNT TAG FILL [oop|inplace] [minmax|zeropoint]
 //                     (f32 sum of COUNT elements all equal to FILL)
 //   shared state (tensors of u8 or f32 elements, in definition order):
@@ -243,9 +243,12 @@ int main(int argc, char** argv) {
     if (op == "connect") {
       lockstep_status_t s = lockstep_comm_connect(peer.comm);
       peer.emit(op, s, s == LOCKSTEP_OK ? peer.view_json() : "");
-    } else if (op == "update") {
-      lockstep_status_t s = lockstep_comm_update_topology(peer.comm);
-      peer.emit(op, s, s == LOCKSTEP_OK ? peer.view_json() : "");
+    } else if (op == "update" || op == "optimize") {
+      const auto start = std::chrono::steady_clock::now();
+      lockstep_status_t s =
+          op == "update" ? lockstep_comm_update_topology(peer.comm) : lockstep_comm_optimize_topology(peer.comm);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      peer.emit(op, s, "\"ms\":" + std::to_string(ms) + (s == LOCKSTEP_OK ? "," + peer.view_json() : ""));
     } else if (op == "pending") {
       int pending = 0;
       lockstep_status_t s = lockstep_comm_are_peers_pending(peer.comm, &pending);
