@@ -46,7 +46,7 @@ def measure(bin_dir: str, holders: int, size: int, cap_mbit: float) -> dict:
             for p in sources:
                 p.call("fill weights 7")
                 p.call("revision 1")
-            admit(sources[0], sources[1:] + [newcomer])
+            admit([], sources + [newcomer])
             for p in sources:
                 p.send("sync popular")
             newcomer.send("sync receive")

@@ -54,24 +54,31 @@ def start_master(bed, bin_dir: str, host: int) -> subprocess.Popen:
     return master
 
 
-def admit(first: TestPeer, others: list[TestPeer], timeout: float = 60) -> None:
-    """`first` joins an empty run; the others connect and are admitted by the members'
-    are-peers-pending and update-topology votes."""
-    first.call("connect")
-    for p in others:
+def admit(members: list[TestPeer], newcomers: list[TestPeer], timeout: float = 60) -> None:
+    """The newcomers connect and are admitted by the members' are-peers-pending and
+    update-topology votes (into an empty run, the first newcomer joins alone first).
+    `members` grows by those admitted, in ring (join) order."""
+    waiting = list(newcomers)
+    if not members:
+        first = waiting.pop(0)
+        first.call("connect")
+        members.append(first)
+    for p in waiting:
         p.send("connect")
-    members = [first]
-    waiting = list(others)
     deadline = time.monotonic() + timeout
     while waiting and time.monotonic() < deadline:
         for p in members:
             p.send("pending")
-        if not any(p.reply()["pending"] for p in members):
+        answers = [p.reply() for p in members]
+        assert all(a.get("code") == 0 and "pending" in a for a in answers), answers
+        if not any(a["pending"] for a in answers):
             time.sleep(0.05)
             continue
         for p in members:
             p.send("update")
-        world = [p.reply()["world"] for p in members][0]
+        updates = [p.reply() for p in members]
+        assert all(u.get("code") == 0 for u in updates), updates
+        world = updates[0]["world"]
         while len(members) < world:
             ready, _, _ = select.select([p.proc.stdout for p in waiting], [], [], 30)
             assert ready, "an admitted peer did not answer"

@@ -35,7 +35,7 @@ def test_sync_spreads_over_every_holder(testbed_factory):
             p.call(f"tensor weights {size}")
         for p in holders:
             p.call("fill weights 7")
-        admit(holders[0], holders[1:] + [newcomer])
+        admit([], holders + [newcomer])
         for p in holders:
             p.call("revision 1")
         for p in holders:
@@ -43,7 +43,7 @@ def test_sync_spreads_over_every_holder(testbed_factory):
         newcomer.send("sync receive")
         got = newcomer.reply(120)
         served = [p.reply(120) for p in holders]
-        assert got["code"] == 0, got
+        assert got["code"] == 0 and "hashes" in got, got
         assert all(s["code"] == 0 for s in served), served
         assert got["hashes"] == served[0]["hashes"]
         assert got["bytes_received"] == size
@@ -54,6 +54,60 @@ def test_sync_spreads_over_every_holder(testbed_factory):
         assert all(s > size // 6 for s in sent), sent
         # Three links of 100 Mbit/s: TCP payload reaches about 95% of each cap.
         assert 0.6 * 3 * cap_mbit <= mbit <= 1.05 * 3 * cap_mbit, mbit
+    finally:
+        for p in peers:
+            p.close()
+        master.kill()
+        master.wait(timeout=10)
+
+
+def allreduce_ms(peers: list[TestPeer], count: int, tag: int) -> float:
+    """One f32 sum all-reduce of `count` elements on every peer; the slowest peer's time."""
+    for i, p in enumerate(peers):
+        p.send(f"allreduce {count} {tag} {i + 1} inplace")
+    replies = [p.reply(300) for p in peers]
+    assert all(r["code"] == 0 for r in replies), replies
+    assert all(r["value"] == sum(range(1, len(peers) + 1)) for r in replies), replies
+    return max(r["ms"] for r in replies)
+
+
+def test_optimize_finds_the_fast_ring(testbed_factory):
+    """Four hosts where the join-order ring 0-1-2-3 crosses 50 Mbit/s links and only the
+    ring 0->2->1->3->0 is 200 Mbit/s everywhere: after optimize every peer uses that ring,
+    and the all-reduce is faster by at least 70% of the predicted factor of 4."""
+    assert BIN, "set LOCKSTEP_BIN_DIR"
+    bed = testbed_factory(4)
+    fast = {(0, 2), (2, 1), (1, 3), (3, 0)}
+    for a in range(4):
+        for b in range(4):
+            if a != b:
+                bed.cap(a, b, "200mbit" if (a, b) in fast else "50mbit")
+    master = start_master(bed, BIN, 0)
+    peers: list[TestPeer] = []
+    try:
+        address = f"{bed.addr(0)}:7000"
+        peers = [TestPeer(bed, BIN, h, address, f"p{h}") for h in range(4)]
+        members: list[TestPeer] = []
+        for p in peers:  # one at a time: the join order is the host order
+            admit(members, [p])
+        views = [p.call("view") for p in peers]
+        ids = [v["id"] for v in views]
+        assert [m["id"] for m in views[0]["view"]] == ids, "join order is the ring before optimizing"
+        count = 2 << 20  # f32: 8 MiB
+        before = allreduce_ms(peers, count, 1)
+        for p in peers:
+            p.send("optimize")
+        optimized = [p.reply(120) for p in peers]
+        assert all(r["code"] == 0 for r in optimized), optimized
+        ring = [m["id"] for m in optimized[0]["view"]]
+        assert all([m["id"] for m in r["view"]] == ring for r in optimized)
+        assert ring == [ids[0], ids[2], ids[1], ids[3]], ring
+        after = allreduce_ms(peers, count, 2)
+        speedup = before / after
+        print(f"\n  optimize took {optimized[0]['ms']:.0f} ms; 8 MiB all-reduce {before:.0f} ms in join order, "
+              f"{after:.0f} ms after: {speedup:.2f}x (predicted 4x)")
+        assert optimized[0]["ms"] < 10_000
+        assert speedup >= 0.7 * 4, speedup
     finally:
         for p in peers:
             p.close()
