@@ -42,6 +42,9 @@ struct Settings {
   bool compare_gloo = false;
   std::string gloo_store;
   std::uint16_t master_port = 0;
+  std::string master_host = "127.0.0.1";
+  std::string advertised_host;
+  bool optimize = false;  // joined mode: optimize the topology between two measurements
   int index = 0;
   std::string self;
 };
@@ -57,6 +60,7 @@ std::string self_path(const char* argv0);
 int run_allreduce(const Settings& s);
 int run_recovery(const Settings& s);
 int run_sync(const Settings& s);  // sync_bench.cpp
+int run_joined(const Settings& s);  // joined_bench.cpp: one peer of a run on several hosts
 int run_worker(const Settings& s);
 int worker_sync(const Settings& s);  // sync_bench.cpp
 

@@ -6,6 +6,8 @@
 //   lockstep-bench allreduce --peers 4 --size 1KiB,16MiB,256MiB [--dtype f32] [--op sum]
 //                  [--concurrency K] [--pool P] [--iterations N] [--warmup W] [--quant minmax]
 //                  [--compare gloo]
+//   lockstep-bench allreduce --master HOST:PORT --peers N [--optimize] ...   (one peer of a run
+//       on several hosts: each host runs it against the same master; see scripts/bench-wan-topology.py)
 //   lockstep-bench recovery --peers 4 --size 16MiB --trials 20 [--stop]
 //   lockstep-bench sync --holders 1 --size 256MiB,1GiB [--trials 3]
 //       (join-and-sync time of a newcomer receiving the shared state from the holders)
@@ -41,6 +43,13 @@ int main(int argc, char** argv) {
   allreduce->add_option("--quant", quant, "8-bit quantization on the wire")
       ->check(CLI::IsMember({"none", "minmax", "zeropoint"}));
   allreduce->add_option("--compare", compare, "also measure this library (gloo)")->check(CLI::IsMember({"gloo"}));
+  std::string join_master;
+  allreduce->add_option("--master", join_master,
+                        "HOST:PORT of a running master: be ONE peer of a run started on several hosts (each host "
+                        "runs this command; --peers is the group size to wait for) and print this peer's figures");
+  allreduce->add_option("--advertised-host", s.advertised_host, "with --master: the address other peers use");
+  allreduce->add_flag("--optimize", s.optimize,
+                      "with --master: measure in join order, optimize the topology, measure again");
 
   auto* recovery = app.add_subcommand("recovery", "time from a peer's SIGKILL to the survivors' next all-reduce");
   recovery->add_option("--peers", s.peers, "number of peer processes")->check(CLI::Range(3, 64));
@@ -106,6 +115,16 @@ int main(int argc, char** argv) {
   s.compare_gloo = compare == "gloo";
   s.self = lockstep::bench::self_path(argv[0]);
   if (*worker) return lockstep::bench::run_worker(s);
+  if (*allreduce && !join_master.empty()) {
+    const auto colon = join_master.rfind(':');
+    if (colon == std::string::npos) {
+      std::fprintf(stderr, "lockstep-bench: --master must be HOST:PORT\n");
+      return 2;
+    }
+    s.master_host = join_master.substr(0, colon);
+    s.master_port = static_cast<std::uint16_t>(std::stoi(join_master.substr(colon + 1)));
+    return lockstep::bench::run_joined(s);
+  }
   if (*allreduce) return lockstep::bench::run_allreduce(s);
   if (*sync) {
     s.trials = sync_trials;
