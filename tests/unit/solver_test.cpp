@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -198,6 +200,63 @@ TEST(SolverTest, MatchesBruteForceOnSmallGroups) {
       expect_matches_brute_force(tied_matrix(n, seed, 0), "tied " + tag);
       expect_matches_brute_force(tied_matrix(n, seed, 25), "tied with unknown edges " + tag);
     }
+  }
+}
+
+TEST(SolverTest, MatchesBruteForceOnHundredsOfInstancesUpToNinePeers) {
+  int instances = 0;
+  for (int n = 3; n <= 9; ++n) {
+    const std::uint64_t seeds = n == 9 ? 20 : 40;
+    for (std::uint64_t seed = 100; seed < 100 + seeds; ++seed, ++instances) {
+      expect_matches_brute_force(random_matrix(n, seed, 1.0, 1000.0), "n=" + std::to_string(n) + " seed=" + std::to_string(seed));
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
+  EXPECT_EQ(instances, 260);
+}
+
+// The heuristic (a budget far below what the exact search needs, so that only nearest
+// neighbour and the local search run): on random instances of 7 to 10 peers it finds
+// the optimal bottleneck in at least 90% of them and is never below half of it.
+TEST(SolverTest, HeuristicIsWithinItsStatedBound) {
+  int heuristic = 0;
+  int optimal = 0;
+  double worst = 1.0;
+  for (int n = 7; n <= 10; ++n) {
+    for (std::uint64_t seed = 500; seed < 525; ++seed) {
+      const Matrix bw = random_matrix(n, seed, 1.0, 1000.0);
+      const Solution sol = solve_ring(bw, Budget{2000});
+      ASSERT_TRUE(is_valid_ring(sol.ring, n));
+      EXPECT_LE(sol.steps, 2000u);
+      if (sol.optimal) continue;  // proven optimal by the heuristic's own bound
+      ++heuristic;
+      const double ratio = sol.bottleneck / brute_force(bw).bottleneck;
+      worst = std::min(worst, ratio);
+      if (same_bottleneck(ratio, 1.0)) ++optimal;
+    }
+  }
+  std::printf("heuristic: optimal bottleneck in %d of %d instances, worst ratio %.3f\n", optimal, heuristic, worst);
+  EXPECT_GE(heuristic, 50);
+  EXPECT_GE(optimal * 10, heuristic * 9);
+  EXPECT_GE(worst, 0.5);
+}
+
+// Large groups: the solver stays within its step budget (the coordinator's default) and
+// returns within a generous wall-clock bound.
+TEST(SolverTest, StopsWithinItsBudgetFor64And256Peers) {
+  for (const int n : {64, 256}) {
+    const Matrix bw = random_matrix(n, 7, 1.0, 1000.0);
+    const Budget budget{20'000'000};
+    const auto start = std::chrono::steady_clock::now();
+    const Solution sol = solve_ring(bw, budget);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("n=%d: %llu steps, %.3f s, bottleneck %.1f (nearest neighbour %.1f)\n", n,
+                static_cast<unsigned long long>(sol.steps), seconds, sol.bottleneck,
+                ring_bottleneck(bw, nearest_neighbour_ring(bw, 0)));
+    ASSERT_TRUE(is_valid_ring(sol.ring, n));
+    EXPECT_LE(sol.steps, budget.steps_max);
+    EXPECT_GE(sol.bottleneck, ring_bottleneck(bw, nearest_neighbour_ring(bw, 0)));
+    EXPECT_LT(seconds, 60.0);
   }
 }
 
