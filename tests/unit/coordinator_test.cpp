@@ -15,6 +15,7 @@
 #include <functional>
 #include <optional>
 #include <ostream>
+#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -2370,6 +2371,62 @@ TEST(CoordinatorOptimize, SilentMeasurerIsRemovedAfterTheRoundTimeout) {
     if (f.id == victim.id) continue;
     EXPECT_EQ(one_of<p::TopologyResult>(out, f.conn)->status, LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED);
   }
+}
+
+TEST(CoordinatorOptimize, PeerLostDuringTheRewiringFailsTheOptimization) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
+  const Measured m = answer_tests(h, peers, out, [](PeerId, PeerId) { return std::uint64_t{1'000'000}; });
+  for (const auto& f : peers) ASSERT_TRUE(one_of<p::EstablishP2P>(m.out, f.conn).has_value());
+  h.send(peers[0], p::P2PReport{h.c.epoch(), {}});
+  out = h.disconnect(peers[2]);
+  for (const auto& f : {peers[0], peers[1]}) {
+    expect_topology_failed(out, f, LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED);
+  }
+  // The retry measures nothing new (the lost peer's edges are forgotten) and succeeds.
+  for (const auto& f : {peers[0], peers[1]}) out = h.send(f, p::VoteOptimizeTopology{});
+  for (const auto& f : {peers[0], peers[1]}) EXPECT_TRUE(one_of<p::EstablishP2P>(out, f.conn).has_value());
+  out = h.report_all({peers[0], peers[1]});
+  for (const auto& f : {peers[0], peers[1]}) EXPECT_EQ(one_of<p::TopologyResult>(out, f.conn)->status, LOCKSTEP_OK);
+}
+
+// Above the exact solver's size the ring is a heuristic one; the background search keeps
+// improving it between optimizations, and the next optimization of the same group never
+// adopts a worse ring.
+TEST(CoordinatorOptimize, BackgroundSearchNeverMakesTheRingWorse) {
+  Config config = test_config();
+  config.solver_steps = 20'000;  // small: the first ring is the heuristic's
+  Harness h(config);
+  const auto peers = h.run_of(18);
+  std::mt19937_64 rng(3);
+  std::map<std::pair<PeerId, PeerId>, std::uint64_t> rates;
+  for (const auto& a : peers) {
+    for (const auto& b : peers) rates[{a.id, b.id}] = 1'000'000 + rng() % 100'000'000;
+  }
+  const auto rate = [&](PeerId from, PeerId to) { return rates.at({from, to}); };
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
+  answer_tests(h, peers, out, rate);
+  h.report_all(peers);
+  const auto first = h.c.ring(1);
+  const double first_bottleneck = topo::ring_bottleneck(h.c.bandwidth_matrix(first), [&] {
+    std::vector<int> order(first.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+    return order;
+  }());
+  for (int i = 0; i < 50; ++i) {
+    h.heartbeat(peers);
+    h.advance(10);
+  }
+  for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
+  for (const auto& f : peers) EXPECT_TRUE(all_of<p::BandwidthTest>(out, f.conn).empty());
+  h.report_all(peers);
+  const auto second = h.c.ring(1);
+  std::vector<int> order(second.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  EXPECT_GE(topo::ring_bottleneck(h.c.bandwidth_matrix(second), order), first_bottleneck);
 }
 
 }  // namespace
