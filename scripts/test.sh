@@ -3,8 +3,9 @@
 #   1. the RelWithDebInfo build: unit, simulation, end-to-end, C API and test-bed tests;
 #   2. the AddressSanitizer + UndefinedBehaviorSanitizer build: the same tests but the
 #      test bed's (which measure rates), with timeouts scaled up so slow peers live;
-#   3. the ThreadSanitizer build: the same tests again.
-# Options: --quick (skip both sanitizer passes), --no-tsan (skip the ThreadSanitizer pass).
+#   3. the fuzz build (Clang, libFuzzer + ASan + UBSan): each fuzzer for 20 s;
+#   4. the ThreadSanitizer build: the same tests again.
+# Options: --quick (skip the sanitizer and fuzz passes), --no-tsan (skip the ThreadSanitizer pass).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 quick=0
@@ -37,6 +38,18 @@ if [ "$quick" = 0 ]; then
   stamp "ASan+UBSan tests"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --test-dir build-asan --output-on-failure -j"$jobs"
+fi
+if [ "$quick" = 0 ]; then
+  # The libFuzzer targets (docs/fuzzing.md), built with Clang + ASan + UBSan in a build
+  # directory of their own; each runs LOCKSTEP_FUZZ_SECONDS (default 20) over its corpus.
+  stamp "fuzz build (Clang, libFuzzer + ASan + UBSan)"
+  cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOCKSTEP_BUILD_FUZZERS=ON -DLOCKSTEP_SANITIZE_ADDRESS=ON \
+    -DLOCKSTEP_SANITIZE_UNDEFINED=ON -DLOCKSTEP_BUILD_TESTS=OFF -DLOCKSTEP_BUILD_TOOLS=OFF \
+    -DLOCKSTEP_BUILD_TESTBED=OFF -DLOCKSTEP_BUILD_BENCH=OFF >/dev/null
+  cmake --build build-fuzz -j"$jobs" --target lockstep_fuzzers
+  stamp "fuzz tests"
+  ctest --test-dir build-fuzz --output-on-failure -j"$jobs" -L fuzz
 fi
 if [ "$quick" = 0 ] && [ "$tsan" = 1 ]; then
   stamp "TSan build"

@@ -1,0 +1,137 @@
+#!/usr/bin/python3
+"""The showcase: a master and four peers training async DiLoCo on the digits over
+loopback. One peer is killed mid-run and a new one joins; every step prints the loss,
+the world size and each peer's shared-state hash (they must all be equal), and the run
+ends with the test accuracy. Exit status 0 if every step's hashes agreed and the
+accuracy is at least 90%.
+
+    /usr/bin/python3 examples/python/showcase.py [--steps 40] [--example async_diloco]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("LOCKSTEP_LOG_LEVEL", "warn")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+import lockstep  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--example", default="async_diloco", choices=["async_diloco", "diloco", "ddp"])
+    parser.add_argument("--kill-at", type=int, default=10, help="step at which a peer is killed (0: never)")
+    parser.add_argument("--join-at", type=int, default=12, help="step at which a new peer is started (0: never)")
+    parser.add_argument("--step-delay", type=float, default=0.25, help="seconds of pretend compute per step")
+    parser.add_argument("--newcomers", type=int, default=1, help="peers that join at --join-at")
+    parser.add_argument("--min-accuracy", type=float, default=0.9)
+    args = parser.parse_args()
+
+    with lockstep.Master(listen="127.0.0.1:0") as master:
+        peers: dict[str, subprocess.Popen] = {}
+        selector = selectors.DefaultSelector()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
+
+        def spawn(name: str, initial: bool) -> None:
+            p = subprocess.Popen([sys.executable, os.path.join(HERE, f"{args.example}.py"), "--master", master.address,
+                                  "--name", name, "--steps", str(args.steps), "--step-delay", str(args.step_delay),
+                                  "--min-peers", str(args.peers if initial else 2)],
+                                 stdout=subprocess.PIPE, text=True, env=env)
+            peers[name] = p
+            selector.register(p.stdout, selectors.EVENT_READ, name)
+
+        print(f"master at {master.address}; {args.peers} peers train {args.example} on the digits "
+              f"for {args.steps} steps", flush=True)
+        for i in range(args.peers):
+            spawn(f"p{i}", initial=True)
+        by_step: dict[int, dict[str, dict]] = {}
+        done: dict[str, dict] = {}
+        killed: set[str] = set()
+        printed = 0
+        mismatches = 0
+        next_name = args.peers
+        deadline = time.monotonic() + 600
+        while len(done) + len(killed) < len(peers) and time.monotonic() < deadline:
+            # Once every peer that trained has finished, one that never got in cannot.
+            trained = {n for r in by_step.values() for n in r}
+            if done and trained <= set(done) | killed:
+                break
+            for key, _ in selector.select(timeout=1):
+                name = key.data
+                line = key.fileobj.readline()
+                if not line:
+                    selector.unregister(key.fileobj)
+                    if name not in done and name not in killed:
+                        print(f"  {name} exited ({peers[name].wait()})", flush=True)
+                        killed.add(name)
+                    continue
+                event = json.loads(line)
+                if event["event"] == "step":
+                    by_step.setdefault(event["step"], {})[name] = event
+                elif event["event"] == "done":
+                    done[name] = event
+                elif event["event"] == "joined":
+                    print(f"  {name} joined at step {event['step']} (world {event['world']})", flush=True)
+            # A step is printed once every live peer that trains has reported it (or more).
+            latest = {n: max((k for k, r in by_step.items() if n in r), default=0) for n in peers}
+            training = [n for n in peers if n not in killed and n not in done and latest[n] > 0]
+            ready = min((latest[n] for n in training), default=max(by_step, default=0))
+            while printed < ready:
+                printed += 1
+                reports = by_step.get(printed, {})
+                if not reports:
+                    continue
+                hashes = {n: r["hash"] for n, r in sorted(reports.items())}
+                same = len(set(hashes.values())) == 1
+                mismatches += 0 if same else 1
+                first = next(iter(reports.values()))
+                print(f"step {printed:3d}  world {first['world']}  loss {first['loss']:.3f}  test accuracy "
+                      f"{first['accuracy']:.3f}  shared state " + " ".join(f"{n}={h[:12]}" for n, h in hashes.items())
+                      + ("  (all equal)" if same else "  (DIFFERENT)"), flush=True)
+                live = [n for n in peers if n not in killed and n not in done]
+                if printed == args.kill_at and len(live) > 2:
+                    victim = live[1]
+                    peers[victim].send_signal(signal.SIGKILL)
+                    killed.add(victim)
+                    print(f"  killed {victim} (SIGKILL)", flush=True)
+                if printed == args.join_at:
+                    for _ in range(args.newcomers):
+                        name = f"p{next_name}"
+                        next_name += 1
+                        spawn(name, initial=False)
+                        print(f"  started {name}", flush=True)
+        for p in peers.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        finals = {n: e for n, e in done.items()}
+        if not finals:
+            print("no peer finished", flush=True)
+            return 1
+        hashes = {e["hash"] for e in finals.values()}
+        accuracy = min(e["accuracy"] for e in finals.values())
+        first = by_step[min(by_step)] if by_step else {}
+        first_loss = max((r["test_loss"] for r in first.values()), default=float("nan"))
+        final_loss = max(e["test_loss"] for e in finals.values())
+        print(f"done: {len(finals)} peers finished at step {max(e['step'] for e in finals.values())}; "
+              f"final shared state {'identical on every peer' if len(hashes) == 1 else 'DIFFERENT'}; "
+              f"test loss {first_loss:.3f} -> {final_loss:.3f}; test accuracy {accuracy:.3f}", flush=True)
+        ok = len(hashes) == 1 and mismatches == 0 and accuracy >= args.min_accuracy and final_loss < first_loss
+        print(json.dumps({"summary": True, "ok": ok, "finished": sorted(finals), "killed": sorted(killed),
+                          "hashes_equal": len(hashes) == 1 and mismatches == 0, "first_test_loss": first_loss,
+                          "final_test_loss": final_loss, "accuracy": accuracy}), flush=True)
+        return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""Type stubs of the lockstep package (fault-tolerant collective communication).
+
+Arrays are ``numpy.ndarray`` or CPU ``torch.Tensor`` objects, used in place through
+their memory (never copied): C-contiguous, of a supported dtype, not requiring grad
+(pass ``t.detach()``), writeable where lockstep writes. Anything else raises
+:class:`InvalidArgumentError`. Every blocking call releases the GIL.
+"""
+
+import enum
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
+
+__version__: str
+DEFAULT_MASTER_PORT: int
+
+#: numpy.ndarray or torch.Tensor (CPU, contiguous)
+_ArrayLike = Any
+#: (src, dst_or_None, op, tag) or (src, dst_or_None, op, tag, quantization), or a dict
+#: with keys src, dst, op, tag, quantization
+_ReduceSpec = Union[Tuple[Any, ...], Mapping[str, Any]]
+_OpLike = Union[str, int, "ReduceOp"]
+_QuantizationLike = Union[None, str, int, "Quantization"]
+_StrategyLike = Union[str, int, "SyncStrategy"]
+
+# ---------------------------------------------------------------- enums
+
+class Status(enum.IntEnum):
+    """The C API's status codes (lockstep_status_t), 0..23."""
+
+    OK = 0
+    NOT_INITIALIZED = 1
+    INTERNAL_ERROR = 2
+    INVALID_ARGUMENT = 3
+    INVALID_USAGE = 4
+    TOO_FEW_PEERS = 5
+    MASTER_CONNECTION_FAILED = 6
+    MASTER_CONNECTION_LOST = 7
+    PEER_CONNECTION_FAILED = 8
+    PEER_CONNECTION_LOST = 9
+    NO_SHARED_STATE_AVAILABLE = 10
+    PENDING_ASYNC_OPERATIONS = 11
+    UPDATE_TOPOLOGY_FAILED = 12
+    TOPOLOGY_OPTIMIZATION_FAILED = 13
+    KICKED = 14
+    REJECTED = 15
+    OPERATION_MISMATCH = 16
+    PROTOCOL_ERROR = 17
+    TIMEOUT = 18
+    WRONG_THREAD = 19
+    INTERRUPTED = 20
+    REVISION_VIOLATION = 21
+    SHARED_STATE_MISMATCH = 22
+    HASH_MISMATCH = 23
+
+class DType(enum.IntEnum):
+    """Element types. NumPy: uint8, int8, uint16, int16, uint32, int32, uint64, int64,
+    float16, float32, float64. PyTorch: uint8, int8, int16, int32, int64, float16,
+    bfloat16, float32, float64 (and uint16/32/64 where the installed torch has them)."""
+
+    U8 = 0
+    I8 = 1
+    U16 = 2
+    I16 = 3
+    U32 = 4
+    I32 = 5
+    U64 = 6
+    I64 = 7
+    F16 = 8
+    BF16 = 9
+    F32 = 10
+    F64 = 11
+
+class ReduceOp(enum.IntEnum):
+    """Reductions; also accepted as "sum", "avg", "prod", "max", "min". Integer sum and
+    prod wrap around; integer avg is the wrapped sum divided by the world size, truncated
+    toward zero; max and min propagate NaN; float16/bfloat16 compute in float32."""
+
+    SUM = 0
+    AVG = 1
+    PROD = 2
+    MAX = 3
+    MIN = 4
+
+class Quantization(enum.IntEnum):
+    """8-bit quantization on the wire (floating-point dtypes only); also accepted as
+    None / "none", "minmax", "zeropoint"."""
+
+    NONE = 0
+    MINMAX = 1
+    ZEROPOINT = 2
+
+class SyncStrategy(enum.IntEnum):
+    """Shared-state strategies; also accepted as "enforce_popular", "receive_only", "send_only"."""
+
+    ENFORCE_POPULAR = 0
+    RECEIVE_ONLY = 1
+    SEND_ONLY = 2
+
+class LogLevel(enum.IntEnum):
+    ERROR = 0
+    WARN = 1
+    INFO = 2
+    DEBUG = 3
+    TRACE = 4
+
+# ----------------------------------------------------------- exceptions
+
+class Error(Exception):
+    """A lockstep call failed. ``str(e)`` is the message (for communicator calls the
+    library's ``lockstep_comm_last_error``, "NAME: detail")."""
+
+    default_status: int
+    status: int
+    status_name: str
+    message: str
+    def __init__(self, message: str = ..., status: Optional[int] = ...) -> None: ...
+
+class RetryableError(Error):
+    """The operation failed on every participant: call the same operation again
+    (PeerConnectionLost, UpdateTopologyFailed, TopologyOptimizationFailed,
+    OperationMismatch, HashMismatch, NoSharedStateAvailable)."""
+
+class FatalError(Error):
+    """The communicator is finished: close it, create a new one (MasterConnectionFailed,
+    MasterConnectionLost, Kicked, Rejected, RevisionViolation, SharedStateMismatch,
+    ProtocolError)."""
+
+class NotInitializedError(Error):
+    """1: not connected (and accepted) yet: call connect() first."""
+
+class InternalError(Error):
+    """2: a system call failed unexpectedly, or out of memory."""
+
+class InvalidArgumentError(Error, ValueError):
+    """3: a bad argument, including the package's checks of arrays and tensors."""
+
+class InvalidUsageError(Error):
+    """4: not legal in the current state (closed communicator, tag in flight, ...)."""
+
+class TooFewPeersError(Error):
+    """5: fewer peers than the operation needs."""
+
+class MasterConnectionFailedError(FatalError):
+    """6: the master could not be reached within connect_timeout_ms."""
+
+class MasterConnectionLostError(FatalError):
+    """7: the master closed the connection, died, or was silent."""
+
+class PeerConnectionFailedError(Error):
+    """8: a p2p connection could not be made."""
+
+class PeerConnectionLostError(RetryableError):
+    """9: a participant was lost; every survivor got it; retry with the survivors."""
+
+class NoSharedStateAvailableError(RetryableError):
+    """10: no peer may be elected (every holder of revision R+1 is gone, or all synced receive-only)."""
+
+class PendingAsyncOperationsError(Error):
+    """11: collectives of this peer are still in flight; await them first."""
+
+class UpdateTopologyFailedError(RetryableError):
+    """12: call update_topology() again."""
+
+class TopologyOptimizationFailedError(RetryableError):
+    """13: call optimize_topology() again."""
+
+class KickedError(FatalError):
+    """14: the master removed this peer."""
+
+class RejectedError(FatalError):
+    """15: the master refused this peer (the message says why)."""
+
+class OperationMismatchError(RetryableError):
+    """16: peers were in different votes, or started a tag differently."""
+
+class ProtocolError(FatalError):
+    """17: malformed or unexpected bytes from the other side."""
+
+class LockstepTimeoutError(Error):
+    """18: a bounded wait expired."""
+
+class WrongThreadError(Error):
+    """19: used from a thread that does not own the communicator / did not launch the handle."""
+
+class LockstepInterruptedError(Error):
+    """20: interrupted (shutdown, or the communicator was closed before the handle was awaited)."""
+
+class RevisionViolationError(FatalError):
+    """21: presented a revision above the group's next one; removed."""
+
+class SharedStateMismatchError(FatalError):
+    """22: keys/dtypes/sizes differ from the elected state (or send-only content differs); removed."""
+
+class HashMismatchError(RetryableError):
+    """23: a received tensor did not verify; every peer retries the sync."""
+
+#: status code -> exception class
+ERROR_CLASSES: Mapping[int, Type[Error]]
+
+def error_for_status(status: int, message: str = ...) -> Error:
+    """The exception instance of a status code (a plain Error for an unknown code)."""
+
+# ------------------------------------------------------------- results
+
+class ReduceInfo:
+    """Frozen dataclass: the result of one all-reduce."""
+
+    world_size: int  # peers that took part in the successful attempt
+    bytes_sent: int  # bytes this peer put on the wire (headers included)
+    bytes_received: int
+    def __init__(self, world_size: int, bytes_sent: int, bytes_received: int) -> None: ...
+
+class SyncInfo:
+    """Frozen dataclass: the result of a shared-state sync."""
+
+    bytes_sent: int  # tensor bytes this peer served to others
+    bytes_received: int  # tensor bytes this peer received
+    def __init__(self, bytes_sent: int, bytes_received: int) -> None: ...
+
+class Member:
+    """Frozen dataclass: one entry of the membership view (ordered by rank)."""
+
+    id: str  # 32 lowercase hex digits
+    rank: int
+    host: str
+    p2p_port: int
+    shared_state_port: int
+    benchmark_port: int
+    def __init__(self, id: str, rank: int, host: str, p2p_port: int, shared_state_port: int,
+                 benchmark_port: int) -> None: ...
+
+# --------------------------------------------------------------- master
+
+class Master:
+    """An in-process master. Context manager: listens on __enter__ (unless running),
+    stops on __exit__."""
+
+    def __init__(self, listen: str = "127.0.0.1:0", heartbeat_timeout_ms: int = 0, vote_timeout_ms: int = 0,
+                 peers_max: int = 0) -> None:
+        """listen: "host:port" (port 0: ephemeral; empty host: all interfaces).
+        heartbeat_timeout_ms: 0 means 5000 (range 100..3600000). vote_timeout_ms: 0 means
+        off. peers_max: 0 means 1024."""
+    def run(self) -> None:
+        """Starts listening and serving on background threads; MasterConnectionFailedError
+        if it cannot bind."""
+    @property
+    def running(self) -> bool: ...
+    @property
+    def port(self) -> int:
+        """The listening port (InvalidUsageError before run())."""
+    @property
+    def address(self) -> str:
+        """"host:port" to connect to (127.0.0.1 when listening on all interfaces)."""
+    def interrupt(self) -> None:
+        """Asks the master to stop (thread-safe, returns at once)."""
+    def wait(self) -> None:
+        """Blocks until the master stops (interrupt() from another thread, or Ctrl-C)."""
+    def close(self) -> None:
+        """Stops and frees the master (idempotent)."""
+    def __enter__(self) -> "Master": ...
+    def __exit__(self, *exc: Any) -> None: ...
+
+# --------------------------------------------------------- shared state
+
+class TensorInfo:
+    """One named tensor of a SharedState."""
+
+    key: str
+    data: _ArrayLike
+    allow_content_inequality: bool
+    def __init__(self, key: str, data: _ArrayLike, allow_content_inequality: bool = False) -> None:
+        """key: 1..255 bytes of UTF-8, unique. data: used in place. allow_content_inequality:
+        differences between up-to-date peers cause no transfer (outdated peers still receive it)."""
+
+class SharedState:
+    """Named tensors kept bit-identical across the group, and a revision."""
+
+    tensors: List[TensorInfo]
+    def __init__(self, tensors: Union[Mapping[str, _ArrayLike], Sequence[TensorInfo]], revision: int = 0) -> None: ...
+    @property
+    def revision(self) -> int:
+        """Advance by exactly one before each sync; a sync writes the group's revision here."""
+    @revision.setter
+    def revision(self, value: int) -> None: ...
+    def __getitem__(self, key: str) -> _ArrayLike: ...
+
+# ----------------------------------------------------------- collectives
+
+class AsyncHandle:
+    """An all-reduce in flight. Its arrays stay referenced until it is awaited (or its
+    communicator is closed: wait() then raises LockstepInterruptedError)."""
+
+    tag: int
+    def done(self) -> bool:
+        """Non-blocking: whether the operation ended (successfully or not). Any thread."""
+    def wait(self) -> ReduceInfo:
+        """Blocks (GIL released) until it ended; returns its ReduceInfo or raises its error.
+        On the launching thread only (WrongThreadError otherwise; the handle stays valid)."""
+    @property
+    def result(self) -> _ArrayLike:
+        """The destination array/tensor."""
+
+class Communicator:
+    """A peer of a run. Belongs to the thread that created it. Context manager:
+    connect() is not implicit; close() on exit."""
+
+    master: str
+    def __init__(self, master: str = "127.0.0.1:48148", group: int = 0, pool_size: int = 1, base_port: int = -1,
+                 connect_timeout_ms: int = 0, advertised_host: Optional[str] = None,
+                 bind_host: Optional[str] = None) -> None:
+        """master: "host:port" (port 48148 if omitted). group: the peer group. pool_size: p2p
+        connections per neighbour and direction. base_port: -1 first free ports above
+        48148, 0 ephemeral, else the first port tried. connect_timeout_ms: 0 means 10000.
+        advertised_host: the address others use to reach this peer. bind_host: the
+        address the p2p sockets bind to."""
+    def connect(self) -> None:
+        """Connects and blocks until accepted (the accepted peers' update_topology admits it)."""
+    def update_topology(self) -> None:
+        """Votes to accept pending peers and rewires the ring (every accepted peer; a barrier)."""
+    def optimize_topology(self) -> None:
+        """Measures missing bandwidths and reorders every group's ring (every accepted peer)."""
+    def are_peers_pending(self) -> bool:
+        """Votes whether registered peers wait to join; the same answer for all."""
+    def agree(self, flag: bool) -> bool:
+        """True for all only if every accepted peer of the group said True."""
+    @property
+    def rank(self) -> int: ...
+    @property
+    def id(self) -> str:
+        """32 lowercase hex digits."""
+    def membership(self) -> List[Member]: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def group_world_size(self) -> int: ...
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def largest_group_size(self) -> int: ...
+    @property
+    def last_error(self) -> str: ...
+    def all_reduce(self, src: _ArrayLike, dst: Optional[_ArrayLike] = None, *, op: _OpLike = "sum",
+                   quantization: _QuantizationLike = None, tag: int = 0) -> ReduceInfo:
+        """All-reduces src into dst (None: in place). Same dtype and element count; dst
+        writeable. On PeerConnectionLostError dst holds what it held before."""
+    def all_reduce_async(self, src: _ArrayLike, dst: Optional[_ArrayLike] = None, *, op: _OpLike = "sum",
+                         quantization: _QuantizationLike = None, tag: int = 0) -> AsyncHandle:
+        """Starts an all-reduce; distinct tags for operations in flight at once."""
+    def all_reduce_multiple_with_retry(self, ops: Iterable[_ReduceSpec], max_in_flight: int = 4) -> List[ReduceInfo]:
+        """Runs the operations, at most max_in_flight at once, retrying those that failed
+        because a peer was lost; raises the first other error."""
+    def sync_shared_state(self, state: SharedState, strategy: _StrategyLike = "enforce_popular") -> SyncInfo:
+        """Synchronizes the shared state with the group (every accepted peer calls it)."""
+    def close(self) -> None:
+        """Leaves the run and frees the communicator (idempotent); from the owning thread."""
+    @property
+    def closed(self) -> bool: ...
+    def __enter__(self) -> "Communicator": ...
+    def __exit__(self, *exc: Any) -> None: ...
+
+def hash(data: Any) -> str:
+    """lockstep_hash of the bytes of a contiguous array, CPU tensor or bytes-like object:
+    32 lowercase hex digits (the shared state's content digest)."""
+
+def set_log_level(level: Union[str, int, LogLevel]) -> None:
+    """Process-wide log level: "error", "warn", "info", "debug", "trace"."""
+
+def status_string(status: int) -> str:
+    """The C library's description of a status code."""

@@ -1,0 +1,650 @@
+// lockstep._lockstep: a thin pybind11 layer over the public C API.
+//
+// The pure-Python package (python/lockstep) validates arrays and tensors and passes
+// raw addresses, element counts and dtypes here; this layer calls the C API with the
+// GIL released around every call that may block, and turns a failing status into the
+// package's exception classes (a factory registered by lockstep/_errors.py).
+//
+// Lifetime rules kept here:
+//  * A communicator is destroyed only when no call on it is running on another thread
+//    (close() refuses with INVALID_USAGE otherwise); the checks run with the GIL held.
+//  * Buffers of an async all-reduce are kept alive (a Python reference) until the
+//    handle is awaited or the communicator is closed, whichever comes first: the
+//    communicator owns the unawaited handles, so dropping a handle never frees memory
+//    an operation still writes into.
+//  * lockstep_async_wait dereferences the communicator the handle came from, so a
+//    handle still unawaited when its communicator is closed is never passed to it
+//    afterwards: it reports INTERRUPTED and its small C allocation is left behind.
+#include <lockstep/lockstep.h>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// A failed call: translated into lockstep.Error (or a subclass) by the registered factory.
+struct StatusError {
+  int status;
+  std::string message;
+};
+
+py::object& error_factory() {
+  static py::object* factory = new py::object();  // leaked on purpose: outlives interpreter teardown order
+  return *factory;
+}
+
+const char* status_name(int status) {
+  switch (status) {
+    case LOCKSTEP_OK: return "OK";
+    case LOCKSTEP_STATUS_NOT_INITIALIZED: return "NOT_INITIALIZED";
+    case LOCKSTEP_STATUS_INTERNAL_ERROR: return "INTERNAL_ERROR";
+    case LOCKSTEP_STATUS_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case LOCKSTEP_STATUS_INVALID_USAGE: return "INVALID_USAGE";
+    case LOCKSTEP_STATUS_TOO_FEW_PEERS: return "TOO_FEW_PEERS";
+    case LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED: return "MASTER_CONNECTION_FAILED";
+    case LOCKSTEP_STATUS_MASTER_CONNECTION_LOST: return "MASTER_CONNECTION_LOST";
+    case LOCKSTEP_STATUS_PEER_CONNECTION_FAILED: return "PEER_CONNECTION_FAILED";
+    case LOCKSTEP_STATUS_PEER_CONNECTION_LOST: return "PEER_CONNECTION_LOST";
+    case LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE: return "NO_SHARED_STATE_AVAILABLE";
+    case LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS: return "PENDING_ASYNC_OPERATIONS";
+    case LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED: return "UPDATE_TOPOLOGY_FAILED";
+    case LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED: return "TOPOLOGY_OPTIMIZATION_FAILED";
+    case LOCKSTEP_STATUS_KICKED: return "KICKED";
+    case LOCKSTEP_STATUS_REJECTED: return "REJECTED";
+    case LOCKSTEP_STATUS_OPERATION_MISMATCH: return "OPERATION_MISMATCH";
+    case LOCKSTEP_STATUS_PROTOCOL_ERROR: return "PROTOCOL_ERROR";
+    case LOCKSTEP_STATUS_TIMEOUT: return "TIMEOUT";
+    case LOCKSTEP_STATUS_WRONG_THREAD: return "WRONG_THREAD";
+    case LOCKSTEP_STATUS_INTERRUPTED: return "INTERRUPTED";
+    case LOCKSTEP_STATUS_REVISION_VIOLATION: return "REVISION_VIOLATION";
+    case LOCKSTEP_STATUS_SHARED_STATE_MISMATCH: return "SHARED_STATE_MISMATCH";
+    case LOCKSTEP_STATUS_HASH_MISMATCH: return "HASH_MISMATCH";
+    default: return "UNKNOWN_STATUS";
+  }
+}
+
+// "NAME: description" for a status without a communicator message.
+std::string plain_message(int status) {
+  return std::string(status_name(status)) + ": " + lockstep_status_string(static_cast<lockstep_status_t>(status));
+}
+
+// The communicator's last error message, if it belongs to this status. The C API keeps
+// the message of the last failure that carried one, so a failure detected before the
+// library records a message (e.g. a null argument) would otherwise show a stale text:
+// the message is used only when it starts with the name of the returned status.
+std::string message_for(const lockstep_comm_t* comm, int status) {
+  const std::string name = status_name(status);
+  if (comm != nullptr) {
+    std::string last = lockstep_comm_last_error(comm);
+    if (last.size() >= name.size() && last.compare(0, name.size(), name) == 0 &&
+        (last.size() == name.size() || last[name.size()] == ':')) {
+      if (last.size() == name.size()) return plain_message(status);
+      return last;
+    }
+  }
+  return plain_message(status);
+}
+
+[[noreturn]] void fail(int status, std::string message) { throw StatusError{status, std::move(message)}; }
+
+void check(int status, const lockstep_comm_t* comm) {
+  if (status != LOCKSTEP_OK) fail(status, message_for(comm, status));
+}
+
+template <typename T>
+T* as_ptr(std::uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+using InfoTuple = std::tuple<std::uint32_t, std::uint64_t, std::uint64_t>;
+
+InfoTuple to_tuple(const lockstep_reduce_info_t& info) {
+  return InfoTuple{info.world_size, info.bytes_sent, info.bytes_received};
+}
+
+lockstep_reduce_desc_t make_desc(std::uintptr_t src, std::uintptr_t dst, std::uint64_t count, int dtype, int op,
+                                 int quantization, std::uint64_t tag) {
+  lockstep_reduce_desc_t d;
+  std::memset(&d, 0, sizeof d);
+  d.src = as_ptr<const void>(src);
+  d.dst = as_ptr<void>(dst);
+  d.count = count;
+  d.dtype = static_cast<lockstep_dtype_t>(dtype);
+  d.op = static_cast<lockstep_reduce_op_t>(op);
+  d.quantization = static_cast<lockstep_quantization_t>(quantization);
+  d.tag = tag;
+  return d;
+}
+
+// ------------------------------------------------------------------- master
+
+class PyMaster {
+ public:
+  PyMaster(const std::string& host, std::uint16_t port, std::uint32_t heartbeat_timeout_ms,
+           std::uint32_t vote_timeout_ms, std::uint32_t peers_max) {
+    lockstep_master_config_t config;
+    check(lockstep_master_config_init(&config), nullptr);
+    config.listen_host = host.c_str();
+    config.listen_port = port;
+    config.heartbeat_timeout_ms = heartbeat_timeout_ms;
+    config.vote_timeout_ms = vote_timeout_ms;
+    config.peers_max = peers_max;
+    lockstep_master_t* master = nullptr;
+    const int s = lockstep_master_create(&config, &master);
+    if (s != LOCKSTEP_OK) {
+      fail(s, s == LOCKSTEP_STATUS_INVALID_ARGUMENT
+                  ? plain_message(s) + " (heartbeat_timeout_ms out of range, or a bad listen address)"
+                  : plain_message(s));
+    }
+    master_ = master;
+  }
+  PyMaster(const PyMaster&) = delete;
+  PyMaster& operator=(const PyMaster&) = delete;
+  ~PyMaster() {
+    // Joins the master's threads, which never take the GIL.
+    lockstep_master_destroy(master_);
+  }
+
+  void run() {
+    lockstep_master_t* m = live();
+    int s = LOCKSTEP_OK;
+    {
+      py::gil_scoped_release release;
+      s = lockstep_master_run(m);
+    }
+    if (s != LOCKSTEP_OK) {
+      fail(s, s == LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED ? plain_message(s) + " (cannot listen on the address)"
+                                                              : plain_message(s));
+    }
+  }
+
+  std::uint16_t port() {
+    std::uint16_t port = 0;
+    const int s = lockstep_master_port(live(), &port);
+    if (s == LOCKSTEP_STATUS_INVALID_USAGE) fail(s, plain_message(s) + " (the master is not running: call run() first)");
+    check(s, nullptr);
+    return port;
+  }
+
+  void interrupt() {
+    if (master_ != nullptr) lockstep_master_interrupt(master_);
+  }
+
+  void wait() {
+    lockstep_master_t* m = live();
+    ++busy_;
+    {
+      py::gil_scoped_release release;
+      lockstep_master_await(m);
+    }
+    --busy_;
+  }
+
+  void close() {
+    if (master_ == nullptr) return;
+    lockstep_master_t* m = master_;
+    if (busy_ > 0) {
+      // Other threads wait in wait(): stop the master and let them return (they need the
+      // GIL to leave the call) before it is freed.
+      lockstep_master_interrupt(m);
+      while (busy_ > 0) {
+        py::gil_scoped_release release;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    master_ = nullptr;
+    py::gil_scoped_release release;
+    lockstep_master_destroy(m);
+  }
+
+  bool closed() const { return master_ == nullptr; }
+
+ private:
+  lockstep_master_t* live() {
+    if (master_ == nullptr) fail(LOCKSTEP_STATUS_INVALID_USAGE, "INVALID_USAGE: the master is closed");
+    return master_;
+  }
+
+  lockstep_master_t* master_ = nullptr;
+  int busy_ = 0;  // calls in progress on other threads (guarded by the GIL)
+};
+
+// ------------------------------------------------------------- communicator
+
+struct AsyncState {
+  lockstep_async_t* handle = nullptr;  // null once awaited or orphaned
+  bool finished = false;
+  int status = LOCKSTEP_OK;
+  std::string message;
+  lockstep_reduce_info_t info{};
+  py::object keepalive;  // the buffers, until the operation has ended
+};
+
+struct CommState {
+  lockstep_comm_t* comm = nullptr;
+  int busy = 0;  // calls in progress with the GIL released (guarded by the GIL)
+  std::vector<std::shared_ptr<AsyncState>> outstanding;
+
+  void forget(const std::shared_ptr<AsyncState>& op) {
+    outstanding.erase(std::remove(outstanding.begin(), outstanding.end(), op), outstanding.end());
+  }
+};
+
+// Marks a communicator busy for the duration of a call (constructed with the GIL held,
+// destroyed after the GIL is taken back).
+class Busy {
+ public:
+  explicit Busy(CommState& state) : state_(state) {
+    if (state_.comm == nullptr) fail(LOCKSTEP_STATUS_INVALID_USAGE, "INVALID_USAGE: the communicator is closed");
+    ++state_.busy;
+  }
+  Busy(const Busy&) = delete;
+  Busy& operator=(const Busy&) = delete;
+  ~Busy() { --state_.busy; }
+  lockstep_comm_t* comm() const { return state_.comm; }
+
+ private:
+  CommState& state_;
+};
+
+// Runs a C call with the GIL released; returns its status and, on failure, the message
+// read on the same thread right after it.
+template <typename F>
+std::pair<int, std::string> call_released(lockstep_comm_t* comm, F&& body) {
+  py::gil_scoped_release release;
+  const int s = body();
+  if (s == LOCKSTEP_OK) return {s, std::string()};
+  return {s, message_for(comm, s)};
+}
+
+class PyAsync {
+ public:
+  PyAsync(std::shared_ptr<CommState> comm, std::shared_ptr<AsyncState> op) : comm_(std::move(comm)), op_(std::move(op)) {}
+
+  bool done() const {
+    if (op_->finished || op_->handle == nullptr) return true;
+    int d = 0;
+    lockstep_async_poll(op_->handle, &d);  // touches only the operation, never the communicator
+    return d != 0;
+  }
+
+  InfoTuple wait() {
+    if (!op_->finished) {
+      Busy busy(*comm_);  // comm_->comm is live: the handle is still owned by it
+      lockstep_reduce_info_t info{};
+      auto [s, message] = call_released(busy.comm(), [&] { return lockstep_async_wait(op_->handle, &info); });
+      if (s == LOCKSTEP_STATUS_WRONG_THREAD) fail(s, message);  // the C API keeps the handle: await it on its thread
+      op_->handle = nullptr;
+      op_->finished = true;
+      op_->status = s;
+      op_->message = std::move(message);
+      op_->info = info;
+      op_->keepalive = py::object();
+      comm_->forget(op_);
+    }
+    if (op_->status != LOCKSTEP_OK) fail(op_->status, op_->message);
+    return to_tuple(op_->info);
+  }
+
+ private:
+  std::shared_ptr<CommState> comm_;
+  std::shared_ptr<AsyncState> op_;
+};
+
+class PyComm {
+ public:
+  PyComm(const std::string& master_host, std::uint16_t master_port, std::uint32_t group, std::uint32_t pool_size,
+         std::int32_t base_port, std::uint32_t connect_timeout_ms, const std::string& advertised_host,
+         const std::string& bind_host)
+      : state_(std::make_shared<CommState>()) {
+    lockstep_comm_config_t config;
+    check(lockstep_comm_config_init(&config), nullptr);
+    config.master_host = master_host.c_str();
+    config.master_port = master_port;
+    config.peer_group = group;
+    config.p2p_pool_size = pool_size;
+    config.base_port = base_port;
+    config.connect_timeout_ms = connect_timeout_ms;
+    config.advertised_host = advertised_host.c_str();
+    config.bind_host = bind_host.c_str();
+    lockstep_comm_t* comm = nullptr;
+    int s = LOCKSTEP_OK;
+    {
+      py::gil_scoped_release release;
+      s = lockstep_comm_create(&config, &comm);
+    }
+    if (s != LOCKSTEP_OK) {
+      std::string hint;
+      if (s == LOCKSTEP_STATUS_INVALID_ARGUMENT) hint = " (a bad pool_size, base_port or host)";
+      if (s == LOCKSTEP_STATUS_INTERNAL_ERROR) hint = " (the p2p sockets could not be bound: ports in use?)";
+      fail(s, plain_message(s) + hint);
+    }
+    state_->comm = comm;
+  }
+  PyComm(const PyComm&) = delete;
+  PyComm& operator=(const PyComm&) = delete;
+  ~PyComm() {
+    // Deallocation: nothing can be running on this object (every call holds a reference).
+    try {
+      close_locked(/*release_gil=*/false);
+    } catch (...) {
+    }
+  }
+
+  void connect() { simple([](lockstep_comm_t* c) { return lockstep_comm_connect(c); }); }
+  void update_topology() { simple([](lockstep_comm_t* c) { return lockstep_comm_update_topology(c); }); }
+  void optimize_topology() { simple([](lockstep_comm_t* c) { return lockstep_comm_optimize_topology(c); }); }
+
+  bool are_peers_pending() {
+    int pending = 0;
+    simple([&](lockstep_comm_t* c) { return lockstep_comm_are_peers_pending(c, &pending); });
+    return pending != 0;
+  }
+
+  bool agree(bool flag) {
+    int result = 0;
+    simple([&](lockstep_comm_t* c) { return lockstep_comm_agree(c, flag ? 1 : 0, &result); });
+    return result != 0;
+  }
+
+  std::int64_t attribute(int attribute) {
+    Busy busy(*state_);
+    std::int64_t value = 0;
+    check(lockstep_comm_get_attribute(busy.comm(), static_cast<lockstep_attribute_t>(attribute), &value), busy.comm());
+    return value;
+  }
+
+  std::uint32_t rank() {
+    Busy busy(*state_);
+    std::uint32_t rank = 0;
+    check(lockstep_comm_get_rank(busy.comm(), &rank), busy.comm());
+    return rank;
+  }
+
+  py::bytes id() {
+    Busy busy(*state_);
+    std::uint8_t id[16];
+    check(lockstep_comm_get_id(busy.comm(), id), busy.comm());
+    return py::bytes(reinterpret_cast<const char*>(id), sizeof id);
+  }
+
+  std::vector<std::tuple<py::bytes, std::uint32_t, std::string, std::uint16_t, std::uint16_t, std::uint16_t>>
+  membership() {
+    Busy busy(*state_);
+    std::vector<lockstep_member_t> members;
+    size_t count = 0;
+    int s = LOCKSTEP_OK;
+    // The view may grow between the two calls (a topology update on another thread is
+    // not legal, but be robust): retry with the reported size.
+    for (int attempt = 0; attempt < 8; ++attempt) {
+      s = lockstep_comm_get_membership(busy.comm(), members.data(), members.size(), &count);
+      if (s == LOCKSTEP_OK) break;
+      if (s != LOCKSTEP_STATUS_INVALID_ARGUMENT || count <= members.size()) break;
+      members.resize(count);
+    }
+    check(s, busy.comm());
+    std::vector<std::tuple<py::bytes, std::uint32_t, std::string, std::uint16_t, std::uint16_t, std::uint16_t>> out;
+    for (size_t i = 0; i < count && i < members.size(); ++i) {
+      const lockstep_member_t& m = members[i];
+      out.emplace_back(py::bytes(reinterpret_cast<const char*>(m.id), sizeof m.id), m.rank,
+                       std::string(m.host, strnlen(m.host, sizeof m.host)), m.p2p_port, m.shared_state_port,
+                       m.benchmark_port);
+    }
+    return out;
+  }
+
+  std::string last_error() {
+    if (state_->comm == nullptr) return std::string();
+    return lockstep_comm_last_error(state_->comm);
+  }
+
+  InfoTuple all_reduce(std::uintptr_t src, std::uintptr_t dst, std::uint64_t count, int dtype, int op, int quantization,
+                       std::uint64_t tag) {
+    Busy busy(*state_);
+    const lockstep_reduce_desc_t d = make_desc(src, dst, count, dtype, op, quantization, tag);
+    lockstep_reduce_info_t info{};
+    auto [s, message] = call_released(busy.comm(), [&] { return lockstep_comm_all_reduce(busy.comm(), &d, &info); });
+    if (s != LOCKSTEP_OK) fail(s, message);
+    return to_tuple(info);
+  }
+
+  PyAsync all_reduce_async(std::uintptr_t src, std::uintptr_t dst, std::uint64_t count, int dtype, int op,
+                           int quantization, std::uint64_t tag, py::object keepalive) {
+    Busy busy(*state_);
+    const lockstep_reduce_desc_t d = make_desc(src, dst, count, dtype, op, quantization, tag);
+    lockstep_async_t* handle = nullptr;
+    auto [s, message] =
+        call_released(busy.comm(), [&] { return lockstep_comm_all_reduce_async(busy.comm(), &d, &handle); });
+    if (s != LOCKSTEP_OK) fail(s, message);
+    auto op_state = std::make_shared<AsyncState>();
+    op_state->handle = handle;
+    op_state->keepalive = std::move(keepalive);
+    state_->outstanding.push_back(op_state);
+    return PyAsync(state_, op_state);
+  }
+
+  std::vector<InfoTuple> all_reduce_multiple_with_retry(
+      const std::vector<std::tuple<std::uintptr_t, std::uintptr_t, std::uint64_t, int, int, int, std::uint64_t>>& ops,
+      std::size_t max_in_flight) {
+    Busy busy(*state_);
+    std::vector<lockstep_reduce_desc_t> descs;
+    descs.reserve(ops.size());
+    for (const auto& [src, dst, count, dtype, op, quantization, tag] : ops) {
+      descs.push_back(make_desc(src, dst, count, dtype, op, quantization, tag));
+    }
+    std::vector<lockstep_reduce_info_t> infos(descs.size());
+    auto [s, message] = call_released(busy.comm(), [&] {
+      return lockstep_comm_all_reduce_multiple_with_retry(busy.comm(), descs.data(), descs.size(), max_in_flight,
+                                                          infos.data());
+    });
+    if (s != LOCKSTEP_OK) fail(s, message);
+    std::vector<InfoTuple> out;
+    out.reserve(infos.size());
+    for (const auto& info : infos) out.push_back(to_tuple(info));
+    return out;
+  }
+
+  // tensors: (key, address, count, dtype, allow_content_inequality). Returns
+  // (revision, bytes_sent, bytes_received).
+  std::tuple<std::uint64_t, std::uint64_t, std::uint64_t> sync_shared_state(
+      const std::vector<std::tuple<std::string, std::uintptr_t, std::uint64_t, int, bool>>& tensors,
+      std::uint64_t revision, int strategy) {
+    Busy busy(*state_);
+    std::vector<lockstep_tensor_t> list;
+    list.reserve(tensors.size());
+    for (const auto& [key, address, count, dtype, allow] : tensors) {
+      lockstep_tensor_t t;
+      std::memset(&t, 0, sizeof t);
+      t.key = key.c_str();  // the strings live in `tensors` for the whole call
+      t.data = as_ptr<void>(address);
+      t.count = count;
+      t.dtype = static_cast<lockstep_dtype_t>(dtype);
+      t.device = LOCKSTEP_DEVICE_CPU;
+      t.allow_content_inequality = allow ? 1 : 0;
+      list.push_back(t);
+    }
+    lockstep_shared_state_t state;
+    state.revision = revision;
+    state.tensors = list.data();
+    state.count = list.size();
+    lockstep_sync_info_t info{};
+    auto [s, message] = call_released(busy.comm(), [&] {
+      return lockstep_comm_sync_shared_state(busy.comm(), &state, static_cast<lockstep_sync_strategy_t>(strategy),
+                                             &info);
+    });
+    if (s != LOCKSTEP_OK) fail(s, message);
+    return {state.revision, info.bytes_sent, info.bytes_received};
+  }
+
+  void close() { close_locked(/*release_gil=*/true); }
+  bool closed() const { return state_->comm == nullptr; }
+  std::size_t outstanding() const { return state_->outstanding.size(); }
+
+ private:
+  template <typename F>
+  void simple(F&& body) {
+    Busy busy(*state_);
+    auto [s, message] = call_released(busy.comm(), [&] { return body(busy.comm()); });
+    if (s != LOCKSTEP_OK) fail(s, message);
+  }
+
+  void close_locked(bool release_gil) {
+    CommState& st = *state_;
+    if (st.comm == nullptr) return;
+    if (st.busy > 0) {
+      fail(LOCKSTEP_STATUS_INVALID_USAGE,
+           "INVALID_USAGE: a call on this communicator is still running on another thread; close it from the owning "
+           "thread once that call returned");
+    }
+    lockstep_comm_t* comm = st.comm;
+    // Handles that already ended and were launched on this thread: collect their results.
+    for (auto& op : st.outstanding) {
+      int d = 0;
+      lockstep_async_poll(op->handle, &d);
+      if (d == 0) continue;
+      lockstep_reduce_info_t info{};
+      const int s = lockstep_async_wait(op->handle, &info);
+      if (s == LOCKSTEP_STATUS_WRONG_THREAD) continue;  // launched on another thread: still ours
+      op->status = s;
+      op->message = s == LOCKSTEP_OK ? std::string() : message_for(comm, s);
+      op->info = info;
+      op->handle = nullptr;
+      op->finished = true;
+      op->keepalive = py::object();
+    }
+    st.comm = nullptr;  // from here on, every call sees a closed communicator
+    if (release_gil) {
+      py::gil_scoped_release release;
+      lockstep_comm_destroy(comm);  // joins the threads of operations still running
+    } else {
+      lockstep_comm_destroy(comm);
+    }
+    for (auto& op : st.outstanding) {
+      if (op->finished) continue;
+      // Never passed to lockstep_async_wait again (it would use the freed communicator).
+      op->handle = nullptr;
+      op->finished = true;
+      op->status = LOCKSTEP_STATUS_INTERRUPTED;
+      op->message = "INTERRUPTED: the communicator was closed before this operation was awaited";
+      op->keepalive = py::object();
+    }
+    st.outstanding.clear();
+  }
+
+  std::shared_ptr<CommState> state_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_lockstep, m) {
+  m.doc() = "Low-level binding of the lockstep C API; use the `lockstep` package instead.";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      py::object& factory = error_factory();
+      if (factory && !factory.is_none()) {
+        py::object exc = factory(e.status, e.message);
+        PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+      } else {
+        PyErr_SetString(PyExc_RuntimeError, e.message.c_str());
+      }
+    }
+  });
+
+  m.def(
+      "_set_error_factory", [](py::object factory) { error_factory() = std::move(factory); },
+      "Registers callable(status: int, message: str) -> BaseException used for failed calls.");
+  m.def("version_string", [] { return std::string(lockstep_version_string()); });
+  m.def("version", [] { return lockstep_version(); });
+  m.def("status_string", [](int status) { return std::string(lockstep_status_string(static_cast<lockstep_status_t>(status))); });
+  m.def("status_name", [](int status) { return std::string(status_name(status)); });
+  m.def("set_log_level", [](int level) {
+    const int s = lockstep_set_log_level(static_cast<lockstep_log_level_t>(level));
+    if (s != LOCKSTEP_OK) fail(s, plain_message(s) + " (log level must be 0..4)");
+  });
+  m.def(
+      "hash_address",
+      [](std::uintptr_t address, std::size_t bytes) {
+        char hex[33];
+        int s = LOCKSTEP_OK;
+        {
+          py::gil_scoped_release release;
+          s = lockstep_hash(as_ptr<const void>(address), bytes, hex);
+        }
+        check(s, nullptr);
+        return std::string(hex, 32);
+      },
+      py::arg("address"), py::arg("nbytes"));
+  m.def(
+      "hash_buffer",
+      [](py::buffer buffer) {
+        // A contiguous read-only view; raises BufferError for a non-contiguous one.
+        Py_buffer view;
+        if (PyObject_GetBuffer(buffer.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+        char hex[33];
+        int s = LOCKSTEP_OK;
+        {
+          py::gil_scoped_release release;
+          s = lockstep_hash(view.len > 0 ? view.buf : nullptr, static_cast<std::size_t>(view.len), hex);
+        }
+        PyBuffer_Release(&view);
+        check(s, nullptr);
+        return std::string(hex, 32);
+      },
+      py::arg("buffer"));
+
+  py::class_<PyMaster>(m, "Master")
+      .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::uint32_t>(),
+           py::arg("host"), py::arg("port"), py::arg("heartbeat_timeout_ms"), py::arg("vote_timeout_ms"),
+           py::arg("peers_max"))
+      .def("run", &PyMaster::run)
+      .def("port", &PyMaster::port)
+      .def("interrupt", &PyMaster::interrupt)
+      .def("wait", &PyMaster::wait)
+      .def("close", &PyMaster::close)
+      .def_property_readonly("closed", &PyMaster::closed);
+
+  py::class_<PyAsync>(m, "Async").def("done", &PyAsync::done).def("wait", &PyAsync::wait);
+
+  py::class_<PyComm>(m, "Comm")
+      .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::int32_t, std::uint32_t,
+                    const std::string&, const std::string&>(),
+           py::arg("master_host"), py::arg("master_port"), py::arg("group"), py::arg("pool_size"), py::arg("base_port"),
+           py::arg("connect_timeout_ms"), py::arg("advertised_host"), py::arg("bind_host"))
+      .def("connect", &PyComm::connect)
+      .def("update_topology", &PyComm::update_topology)
+      .def("optimize_topology", &PyComm::optimize_topology)
+      .def("are_peers_pending", &PyComm::are_peers_pending)
+      .def("agree", &PyComm::agree, py::arg("flag"))
+      .def("attribute", &PyComm::attribute, py::arg("attribute"))
+      .def("rank", &PyComm::rank)
+      .def("id", &PyComm::id)
+      .def("membership", &PyComm::membership)
+      .def("last_error", &PyComm::last_error)
+      .def("all_reduce", &PyComm::all_reduce, py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"),
+           py::arg("op"), py::arg("quantization"), py::arg("tag"))
+      .def("all_reduce_async", &PyComm::all_reduce_async, py::arg("src"), py::arg("dst"), py::arg("count"),
+           py::arg("dtype"), py::arg("op"), py::arg("quantization"), py::arg("tag"), py::arg("keepalive"))
+      .def("all_reduce_multiple_with_retry", &PyComm::all_reduce_multiple_with_retry, py::arg("ops"),
+           py::arg("max_in_flight"))
+      .def("sync_shared_state", &PyComm::sync_shared_state, py::arg("tensors"), py::arg("revision"),
+           py::arg("strategy"))
+      .def("close", &PyComm::close)
+      .def_property_readonly("closed", &PyComm::closed)
+      .def_property_readonly("outstanding", &PyComm::outstanding);
+}

@@ -1,0 +1,329 @@
+"""The exception hierarchy, argument checks of arrays and tensors, and calls made in the
+wrong state (before connect, after close, from another thread, without a master)."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+import lockstep
+from lockstep import Status
+
+torch = pytest.importorskip("torch")
+
+RETRYABLE = {
+    Status.PEER_CONNECTION_LOST, Status.UPDATE_TOPOLOGY_FAILED, Status.TOPOLOGY_OPTIMIZATION_FAILED,
+    Status.OPERATION_MISMATCH, Status.HASH_MISMATCH, Status.NO_SHARED_STATE_AVAILABLE,
+}
+FATAL = {
+    Status.MASTER_CONNECTION_LOST, Status.MASTER_CONNECTION_FAILED, Status.KICKED, Status.REJECTED,
+    Status.REVISION_VIOLATION, Status.SHARED_STATE_MISMATCH, Status.PROTOCOL_ERROR,
+}
+EXPECTED_NAMES = {
+    1: "NotInitializedError", 2: "InternalError", 3: "InvalidArgumentError", 4: "InvalidUsageError",
+    5: "TooFewPeersError", 6: "MasterConnectionFailedError", 7: "MasterConnectionLostError",
+    8: "PeerConnectionFailedError", 9: "PeerConnectionLostError", 10: "NoSharedStateAvailableError",
+    11: "PendingAsyncOperationsError", 12: "UpdateTopologyFailedError", 13: "TopologyOptimizationFailedError",
+    14: "KickedError", 15: "RejectedError", 16: "OperationMismatchError", 17: "ProtocolError",
+    18: "LockstepTimeoutError", 19: "WrongThreadError", 20: "LockstepInterruptedError",
+    21: "RevisionViolationError", 22: "SharedStateMismatchError", 23: "HashMismatchError",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def offline():
+    """A communicator that is never connected (nothing listens at its master address)."""
+    comm = lockstep.Communicator(f"127.0.0.1:{free_port()}", base_port=0, connect_timeout_ms=500)
+    yield comm
+    comm.close()
+
+
+# ------------------------------------------------------------------ hierarchy
+
+
+def test_one_class_per_status_with_status_values():
+    assert sorted(lockstep.ERROR_CLASSES) == list(range(1, 24))
+    for code, name in EXPECTED_NAMES.items():
+        cls = getattr(lockstep, name)
+        assert lockstep.ERROR_CLASSES[code] is cls
+        assert issubclass(cls, lockstep.Error) and issubclass(cls, Exception)
+        exc = lockstep.error_for_status(code, "the message")
+        assert type(exc) is cls
+        assert exc.status == code and isinstance(exc.status, int)
+        assert exc.status_name == Status(code).name
+        assert str(exc) == "the message" and exc.message == "the message"
+        assert cls().status == code  # the default status of the class
+
+
+def test_group_bases_tell_peer_failures_from_misuse():
+    for code, cls in lockstep.ERROR_CLASSES.items():
+        assert issubclass(cls, lockstep.RetryableError) == (code in RETRYABLE), cls
+        assert issubclass(cls, lockstep.FatalError) == (code in FATAL), cls
+    assert issubclass(lockstep.InvalidArgumentError, ValueError)
+    for cls in (lockstep.NotInitializedError, lockstep.InvalidUsageError, lockstep.WrongThreadError):
+        assert not issubclass(cls, (lockstep.RetryableError, lockstep.FatalError))
+    # Not the builtins of the same name.
+    assert not issubclass(lockstep.LockstepTimeoutError, TimeoutError)
+    assert not issubclass(lockstep.LockstepInterruptedError, InterruptedError)
+
+
+def test_errors_pickle_and_unknown_codes():
+    exc = lockstep.PeerConnectionLostError("peer p2 lost")
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is lockstep.PeerConnectionLostError and back.status == 9 and str(back) == "peer p2 lost"
+    unknown = lockstep.error_for_status(99, "?")
+    assert type(unknown) is lockstep.Error and unknown.status == 99 and unknown.status_name == "UNKNOWN_STATUS"
+    assert lockstep.status_string(9).startswith("a participating peer was lost")
+    assert isinstance(lockstep.__version__, str) and lockstep.__version__.count(".") == 2
+
+
+# ------------------------------------------------------------- wrong state
+
+
+def test_calls_before_connect_raise_not_initialized(offline):
+    a = np.zeros(4, dtype=np.float32)
+    state = lockstep.SharedState({"w": a})
+    calls = {
+        "update_topology": offline.update_topology,
+        "optimize_topology": offline.optimize_topology,
+        "are_peers_pending": offline.are_peers_pending,
+        "agree": lambda: offline.agree(True),
+        "rank": lambda: offline.rank,
+        "id": lambda: offline.id,
+        "membership": offline.membership,
+        "world_size": lambda: offline.world_size,
+        "group_world_size": lambda: offline.group_world_size,
+        "num_groups": lambda: offline.num_groups,
+        "largest_group_size": lambda: offline.largest_group_size,
+        "all_reduce": lambda: offline.all_reduce(a),
+        "all_reduce_async": lambda: offline.all_reduce_async(a),
+        "multiple": lambda: offline.all_reduce_multiple_with_retry([(a, None, "sum", 0)], 1),
+        "sync_shared_state": lambda: offline.sync_shared_state(state),
+    }
+    for name, call in calls.items():
+        with pytest.raises(lockstep.NotInitializedError) as info:
+            call()
+        assert info.value.status == Status.NOT_INITIALIZED == 1, name
+        assert info.value.status_name == "NOT_INITIALIZED"
+        assert str(info.value).startswith("NOT_INITIALIZED"), str(info.value)
+
+
+def test_connect_without_master_fails_fast(offline):
+    with pytest.raises(lockstep.MasterConnectionFailedError) as info:
+        offline.connect()
+    assert isinstance(info.value, lockstep.FatalError)
+    assert info.value.status == 6
+    assert "unreachable" in str(info.value)
+    assert "unreachable" in offline.last_error
+
+
+def test_closed_communicator_raises_invalid_usage():
+    comm = lockstep.Communicator(f"127.0.0.1:{free_port()}", base_port=0)
+    with comm:
+        assert not comm.closed
+    assert comm.closed
+    comm.close()  # idempotent
+    for call in (comm.connect, comm.are_peers_pending, lambda: comm.rank,
+                 lambda: comm.all_reduce(np.zeros(2, dtype=np.int32))):
+        with pytest.raises(lockstep.InvalidUsageError, match="closed"):
+            call()
+
+
+def test_communicator_from_another_thread_raises_wrong_thread(offline):
+    caught = []
+
+    def other():
+        try:
+            offline.agree(True)
+        except lockstep.Error as e:
+            caught.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(10)
+    assert len(caught) == 1 and isinstance(caught[0], lockstep.WrongThreadError)
+    assert caught[0].status == 19 and "thread" in str(caught[0])
+
+
+def test_master_lifecycle_and_errors():
+    master = lockstep.Master("127.0.0.1:0")
+    assert not master.running
+    with pytest.raises(lockstep.InvalidUsageError, match="run"):
+        _ = master.port
+    with master:
+        assert master.running and master.port > 0
+        assert master.address == f"127.0.0.1:{master.port}"
+        # A second master on the same port cannot bind.
+        with pytest.raises(lockstep.MasterConnectionFailedError):
+            lockstep.Master(master.address).run()
+    assert not master.running
+    master.close()  # idempotent
+    with pytest.raises(lockstep.InvalidArgumentError):
+        lockstep.Master("127.0.0.1:notaport")
+    with pytest.raises(lockstep.InvalidArgumentError):
+        lockstep.Master("127.0.0.1:0", heartbeat_timeout_ms=1)
+    with pytest.raises(lockstep.InvalidArgumentError):
+        lockstep.Master("127.0.0.1:0", peers_max=-1)
+
+
+def test_master_wait_returns_after_interrupt():
+    master = lockstep.Master("127.0.0.1:0")
+    master.run()
+    timer = threading.Timer(0.2, master.interrupt)
+    timer.start()
+    master.wait()  # releases the GIL: the timer thread runs
+    master.close()
+
+
+def test_master_close_while_another_thread_waits():
+    master = lockstep.Master("127.0.0.1:0")
+    master.run()
+    waiter = threading.Thread(target=master.wait)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()
+    master.close()  # interrupts the master; the waiting thread returns
+    waiter.join(10)
+    assert not waiter.is_alive() and not master.running
+
+
+def test_communicator_argument_checks():
+    for kwargs in ({"base_port": 70000}, {"base_port": -2}, {"group": -1}, {"pool_size": 1 << 40},
+                   {"master": "127.0.0.1:notaport"}, {"master": ":48148"}, {"advertised_host": 5}):
+        with pytest.raises(lockstep.InvalidArgumentError):
+            lockstep.Communicator(**kwargs)
+    with pytest.raises(lockstep.InvalidArgumentError):
+        lockstep.Communicator("127.0.0.1:1", pool_size=100000, base_port=0)  # rejected by the C library
+
+
+# ------------------------------------------------------------- array checks
+
+# A call whose arguments pass the package's checks reaches the C library, which says
+# NOT_INITIALIZED: that tells "accepted" from "rejected" without any peer.
+
+
+def accepted(call) -> None:
+    with pytest.raises(lockstep.NotInitializedError):
+        call()
+
+
+def rejected(call, match: str) -> None:
+    with pytest.raises(lockstep.InvalidArgumentError, match=match) as info:
+        call()
+    assert info.value.status == Status.INVALID_ARGUMENT
+    assert isinstance(info.value, ValueError)
+
+
+def test_unsupported_dtypes_and_types(offline):
+    for bad in (np.zeros(4, dtype=np.bool_), np.zeros(4, dtype=np.complex64), np.zeros(4, dtype=object),
+                np.zeros(4, dtype="datetime64[s]")):
+        rejected(lambda: offline.all_reduce(bad), "unsupported dtype")
+    for bad in (torch.zeros(4, dtype=torch.bool), torch.zeros(4, dtype=torch.complex64)):
+        rejected(lambda: offline.all_reduce(bad), "unsupported dtype")
+    for bad in ([1.0, 2.0], b"abcd", 3.0, None):
+        rejected(lambda: offline.all_reduce(bad), "numpy.ndarray or a CPU torch.Tensor")
+    rejected(lambda: offline.all_reduce(np.zeros(4, dtype=">f4")), "byte order")
+    rejected(lambda: offline.all_reduce(np.zeros(0, dtype=np.float32)), "empty")
+    rejected(lambda: offline.all_reduce(torch.zeros(0)), "empty")
+
+
+def test_non_contiguous_is_rejected(offline):
+    a = np.zeros((4, 6), dtype=np.float32)
+    rejected(lambda: offline.all_reduce(a[:, ::2]), "not C-contiguous")
+    rejected(lambda: offline.all_reduce(a.T), "not C-contiguous")
+    rejected(lambda: offline.all_reduce(np.zeros(4, np.float32), a[::2, :2]), "not C-contiguous")  # as dst
+    t = torch.zeros(4, 6)
+    rejected(lambda: offline.all_reduce(t[:, ::2]), "not contiguous")
+    rejected(lambda: offline.all_reduce(t.t()), "not contiguous")
+    accepted(lambda: offline.all_reduce(a[1:3]))  # a contiguous slice is fine (no copy)
+    accepted(lambda: offline.all_reduce(t[1]))
+
+
+def test_src_dst_mismatch_and_read_only(offline):
+    rejected(lambda: offline.all_reduce(np.zeros(4, np.float32), np.zeros(5, np.float32)), "size")
+    rejected(lambda: offline.all_reduce(np.zeros(4, np.float32), np.zeros(4, np.float64)), "dtype")
+    rejected(lambda: offline.all_reduce(torch.zeros(4), torch.zeros(4, dtype=torch.float64)), "dtype")
+    rejected(lambda: offline.all_reduce(np.zeros(4, np.float32), torch.zeros(5)), "size")
+    ro = np.zeros(4, np.float32)
+    ro.setflags(write=False)
+    rejected(lambda: offline.all_reduce(np.zeros(4, np.float32), ro), "read-only")
+    rejected(lambda: offline.all_reduce(ro), "read-only")  # in place
+    accepted(lambda: offline.all_reduce(ro, np.zeros(4, np.float32)))  # a read-only source is fine
+    accepted(lambda: offline.all_reduce(np.zeros((2, 3), np.int64), np.zeros(6, np.int64)))  # shapes may differ
+    accepted(lambda: offline.all_reduce(np.zeros(4, np.float32), torch.zeros(4)))  # numpy into torch
+
+
+def test_tensors_requiring_grad_are_rejected_with_advice(offline):
+    p = torch.zeros(4, requires_grad=True)
+    rejected(lambda: offline.all_reduce(p), r"requires grad.*detach\(\)")
+    rejected(lambda: offline.all_reduce(torch.zeros(4), p), "requires grad")
+    accepted(lambda: offline.all_reduce(p.detach()))
+    rejected(lambda: lockstep.SharedState({"p": p}), "requires grad")
+
+
+def test_op_quantization_tag_checks(offline):
+    a = np.zeros(4, np.float32)
+    rejected(lambda: offline.all_reduce(a, op="mean"), "unknown reduce op")
+    rejected(lambda: offline.all_reduce(a, op=7), "unknown reduce op")
+    rejected(lambda: offline.all_reduce(a, quantization="int4"), "unknown quantization")
+    rejected(lambda: offline.all_reduce(a, tag=-1), "tag")
+    rejected(lambda: offline.all_reduce(a, tag=1 << 64), "tag")
+    for op in ("sum", "AVG", "prod", "max", "min", lockstep.ReduceOp.MAX, 4):
+        accepted(lambda: offline.all_reduce(a, op=op, tag=(1 << 64) - 1))
+    for q in (None, "none", "minmax", "zeropoint", lockstep.Quantization.ZEROPOINT):
+        accepted(lambda: offline.all_reduce(a, quantization=q))
+    # Quantization of an integer dtype: refused by the C library itself.
+    rejected(lambda: offline.all_reduce(np.zeros(4, np.int32), quantization="minmax"), "floating-point")
+
+
+def test_multiple_with_retry_checks(offline):
+    a = np.zeros(4, np.float32)
+    rejected(lambda: offline.all_reduce_multiple_with_retry([(a, None)], 1), "expected")
+    rejected(lambda: offline.all_reduce_multiple_with_retry([{"dst": a}], 1), "needs 'src'")
+    rejected(lambda: offline.all_reduce_multiple_with_retry([{"src": a, "bogus": 1}], 1), "unknown")
+    rejected(lambda: offline.all_reduce_multiple_with_retry([(a, None, "sum", 0)], 0), "max_in_flight")
+    rejected(lambda: offline.all_reduce_multiple_with_retry([(np.zeros(2, np.bool_), None, "sum", 0)], 1), "dtype")
+    accepted(lambda: offline.all_reduce_multiple_with_retry(
+        [(a, None, "sum", 0), {"src": np.ones(2), "op": "max", "tag": 1}], 2))
+
+
+def test_shared_state_checks(offline):
+    a = np.zeros(4, np.float32)
+    rejected(lambda: lockstep.SharedState({"": a}), "1..255 bytes")
+    rejected(lambda: lockstep.SharedState({"k" * 256: a}), "1..255 bytes")
+    rejected(lambda: lockstep.SharedState({1: a}), "key must be a str")
+    rejected(lambda: lockstep.SharedState([lockstep.TensorInfo("a", a), lockstep.TensorInfo("a", a)]), "duplicate")
+    rejected(lambda: lockstep.SharedState(["a"]), "TensorInfo")
+    rejected(lambda: lockstep.TensorInfo("a", [1, 2]), "numpy.ndarray")
+    rejected(lambda: lockstep.TensorInfo("a", a[::2]), "contiguous")
+    rejected(lambda: lockstep.SharedState({"a": a}, revision=-1), "revision")
+    state = lockstep.SharedState({"a": a})
+    with pytest.raises(lockstep.InvalidArgumentError):
+        state.revision = 1 << 64
+    rejected(lambda: offline.sync_shared_state({"a": a}), "SharedState")
+    rejected(lambda: offline.sync_shared_state(state, "popular"), "strategy")
+    ro = np.zeros(4, np.float32)
+    ro.setflags(write=False)
+    ro_state = lockstep.SharedState({"ro": ro})
+    rejected(lambda: offline.sync_shared_state(ro_state, "receive_only"), "read-only")
+    accepted(lambda: offline.sync_shared_state(ro_state, "send_only"))  # never written
+    accepted(lambda: offline.sync_shared_state(state, lockstep.SyncStrategy.RECEIVE_ONLY))
+    assert state["a"] is a
+
+
+def test_results_are_hashable_values():
+    info = lockstep.ReduceInfo(2, 10, 20)
+    assert info == lockstep.ReduceInfo(2, 10, 20) and len({info, lockstep.ReduceInfo(2, 10, 20)}) == 1
+    with pytest.raises(Exception):
+        info.world_size = 3  # frozen
+    assert lockstep.SyncInfo(1, 2).bytes_received == 2
