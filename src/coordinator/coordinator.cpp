@@ -350,13 +350,13 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
       return;
     case MsgType::kP2PReport: {
       const auto& report = std::get<proto::P2PReport>(message);
-      if (peer.state != PeerState::kEstablishingP2P || peer.p2p_reported) {
-        return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE, "no p2p establishment is waiting for this peer", out);
-      }
-      if (report.epoch != epoch_) {
-        return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE,
-                      "report for epoch " + std::to_string(report.epoch) + " but the current is " + std::to_string(epoch_),
-                      out);
+      // A report of an establishment that already ended (it failed while this peer was
+      // still connecting) crossed the outcome on the wire: it changes nothing and gets
+      // no answer, so no stale refusal waits for the peer's next call.
+      if (peer.state != PeerState::kEstablishingP2P || report.epoch != epoch_) return;
+      if (peer.p2p_reported) {
+        return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE, "this peer already reported epoch " +
+                                                                     std::to_string(epoch_), out);
       }
       peer.p2p_reported = true;
       peer.unreachable = report.unreachable;

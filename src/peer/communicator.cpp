@@ -245,14 +245,15 @@ Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32
   return raw;
 }
 
-Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::time_point deadline) {
+Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::time_point deadline,
+                                        const std::atomic<bool>* abort) {
   std::uint64_t have = 0;
   {
     std::lock_guard<std::mutex> lock(connections_mutex_);
     if (auto it = rx_.find(SlotKey{from, slot}); it != rx_.end()) have = it->second.generation;
   }
   // A newer connection from the same sender replaces the cached one (it reconnected).
-  auto fresh = link_->take_inbound(from, slot, have, have != 0 ? Clock::now() : deadline);
+  auto fresh = link_->take_inbound(from, slot, have, have != 0 ? Clock::now() : deadline, abort);
   std::lock_guard<std::mutex> lock(connections_mutex_);
   if (fresh) {
     transport::set_nonblocking(fresh->fd.get());
@@ -546,8 +547,13 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
       if (to.id.is_nil()) {
         local = Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring peer " + next.to_string() + " is not in the membership view");
       } else {
+        // A connection that cannot be made fails the attempt at once; waiting for the
+        // previous peer's stops as soon as the master ends the attempt (it died).
         auto tx = tx_connection(to, go.slot);
-        auto rx = rx_connection(prev, go.slot, Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms));
+        auto rx = tx.is_ok() ? rx_connection(prev, go.slot,
+                                             Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms),
+                                             channel.abort_flag())
+                             : Result<int>(tx.status());
         if (!tx.is_ok()) local = tx.status();
         else if (!rx.is_ok()) local = rx.status();
         else {

@@ -145,7 +145,8 @@ class Communicator {
   Status run_collective(const ReduceDescriptor& d, OpChannel& channel, ReduceInfo* info);
   // Ring connections, made on first use and cached per (peer, pool slot).
   Result<int> tx_connection(const proto::MemberInfo& to, std::uint32_t slot);
-  Result<int> rx_connection(PeerId from, std::uint32_t slot, std::chrono::steady_clock::time_point deadline);
+  Result<int> rx_connection(PeerId from, std::uint32_t slot, std::chrono::steady_clock::time_point deadline,
+                            const std::atomic<bool>* abort = nullptr);
   void drop_connections(PeerId next, PeerId prev, std::uint32_t slot);
   void prune_connections(const std::vector<proto::MemberInfo>& members);
 

@@ -209,8 +209,9 @@ class Link {
   // The newest ring connection from `from` for pool slot `slot` whose generation is
   // above min_generation, waiting until the deadline; older ones from the same
   // sender and slot are closed. Generations grow with every reconnect of the sender.
+  // With `abort`, the wait also ends (empty) soon after it is set.
   std::optional<Inbound> take_inbound(PeerId from, std::uint32_t slot, std::uint64_t min_generation,
-                                      Clock::time_point deadline) {
+                                      Clock::time_point deadline, const std::atomic<bool>* abort = nullptr) {
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
       std::optional<Inbound> best;
@@ -224,8 +225,10 @@ class Link {
           ++it;
         }
       }
-      if (best || !fatal_.is_ok()) return best;
-      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) return std::nullopt;
+      if (best || !fatal_.is_ok() || (abort != nullptr && abort->load())) return best;
+      // The abort flag is set by another thread without this mutex: look again soon.
+      const auto until = abort != nullptr ? std::min(deadline, Clock::now() + std::chrono::milliseconds(10)) : deadline;
+      if (cv_.wait_until(lock, until) == std::cv_status::timeout && Clock::now() >= deadline) return std::nullopt;
     }
   }
 
