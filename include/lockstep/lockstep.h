@@ -381,7 +381,8 @@ LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_sync_shared_state(lockstep_comm_
 LOCKSTEP_EXPORT lockstep_status_t lockstep_hash(const void* data, size_t bytes, char out_hex[33]);
 
 /* Leaves the run, joins every internal thread and frees the communicator. NULL is allowed.
- * Collectives still in flight end with INTERRUPTED; their handles must still be awaited. */
+ * Collectives still in flight end; their handles must still be awaited (lockstep_async_wait
+ * then frees them and returns INTERRUPTED). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_destroy(lockstep_comm_t* comm);
 
 #ifdef __cplusplus

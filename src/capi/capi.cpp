@@ -20,12 +20,16 @@ struct lockstep_master {
 
 struct lockstep_comm {
   std::unique_ptr<lockstep::peer::Communicator> comm;
+  // Cleared when the communicator is destroyed; async handles share it.
+  std::shared_ptr<bool> alive = std::make_shared<bool>(true);
 };
 
 struct lockstep_async {
-  // The communicator may be destroyed first: the handle keeps the operation alive.
+  // The communicator may be destroyed first: the handle keeps the operation alive and
+  // knows from `alive` not to touch the communicator any more.
   lockstep::peer::Communicator* comm = nullptr;
   std::shared_ptr<lockstep::peer::AsyncReduce> op;
+  std::shared_ptr<bool> alive;
 };
 
 namespace {
@@ -41,6 +45,16 @@ lockstep_status_t guarded(F&& body) {
     LOG_ERROR("capi", "unexpected exception: " << e.what());
     return LOCKSTEP_STATUS_INTERNAL_ERROR;
   }
+}
+
+// The value a C caller stored in an enum parameter or field, read as an int: C allows
+// any int there, but loading an out-of-range value as a C++ enum is undefined.
+template <typename E>
+int raw(const E& value) {
+  static_assert(sizeof(E) == sizeof(int));
+  int out = 0;
+  std::memcpy(&out, &value, sizeof out);
+  return out;
 }
 
 }  // namespace
@@ -196,7 +210,7 @@ lockstep_status_t lockstep_comm_get_attribute(const lockstep_comm_t* comm, locks
   if (comm == nullptr || out_value == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   auto a = comm->comm->attributes();
   if (!a.is_ok()) return a.status().code();
-  switch (attribute) {
+  switch (raw(attribute)) {
     case LOCKSTEP_ATTR_GLOBAL_WORLD_SIZE: *out_value = a.value().global_world_size; return LOCKSTEP_OK;
     case LOCKSTEP_ATTR_PEER_GROUP_WORLD_SIZE: *out_value = a.value().group_world_size; return LOCKSTEP_OK;
     case LOCKSTEP_ATTR_NUM_DISTINCT_PEER_GROUPS: *out_value = a.value().num_groups; return LOCKSTEP_OK;
@@ -261,6 +275,12 @@ const char* lockstep_comm_last_error(const lockstep_comm_t* comm) {
 
 namespace {
 
+bool valid_descriptor(const lockstep_reduce_desc_t& d) {
+  return raw(d.dtype) >= LOCKSTEP_U8 && raw(d.dtype) <= LOCKSTEP_F64 && raw(d.op) >= LOCKSTEP_SUM &&
+         raw(d.op) <= LOCKSTEP_MIN && raw(d.quantization) >= LOCKSTEP_QUANT_NONE &&
+         raw(d.quantization) <= LOCKSTEP_QUANT_ZERO_POINT_U8;
+}
+
 lockstep::peer::ReduceDescriptor to_descriptor(const lockstep_reduce_desc_t& d) {
   lockstep::peer::ReduceDescriptor out;
   out.src = d.src;
@@ -286,6 +306,7 @@ lockstep_status_t lockstep_comm_all_reduce(lockstep_comm_t* comm, const lockstep
                                            lockstep_reduce_info_t* out_info) {
   if (comm == nullptr || desc == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   return guarded([&] {
+    if (!valid_descriptor(*desc)) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
     auto r = comm->comm->all_reduce(to_descriptor(*desc));
     if (!r.is_ok()) return r.status().code();
     to_info(r.value(), out_info);
@@ -297,9 +318,10 @@ lockstep_status_t lockstep_comm_all_reduce_async(lockstep_comm_t* comm, const lo
                                                  lockstep_async_t** out_handle) {
   if (comm == nullptr || desc == nullptr || out_handle == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   return guarded([&] {
+    if (!valid_descriptor(*desc)) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
     auto r = comm->comm->all_reduce_async(to_descriptor(*desc));
     if (!r.is_ok()) return r.status().code();
-    *out_handle = new lockstep_async{comm->comm.get(), r.value()};
+    *out_handle = new lockstep_async{comm->comm.get(), r.value(), comm->alive};
     return LOCKSTEP_OK;
   });
 }
@@ -312,6 +334,11 @@ lockstep_status_t lockstep_async_poll(const lockstep_async_t* handle, int* out_d
 
 lockstep_status_t lockstep_async_wait(lockstep_async_t* handle, lockstep_reduce_info_t* out_info) {
   if (handle == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  if (!*handle->alive) {
+    // The communicator is gone; its destruction ended and joined the operation.
+    delete handle;
+    return LOCKSTEP_STATUS_INTERRUPTED;
+  }
   return guarded([&] {
     auto r = handle->comm->await(handle->op);
     if (!r.is_ok() && r.status().code() == LOCKSTEP_STATUS_WRONG_THREAD) return r.status().code();  // handle kept
@@ -328,7 +355,10 @@ lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry(lockstep_comm_t* 
   if (comm == nullptr || (count > 0 && descs == nullptr)) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   return guarded([&] {
     std::vector<lockstep::peer::ReduceDescriptor> list;
-    for (size_t i = 0; i < count; ++i) list.push_back(to_descriptor(descs[i]));
+    for (size_t i = 0; i < count; ++i) {
+      if (!valid_descriptor(descs[i])) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+      list.push_back(to_descriptor(descs[i]));
+    }
     std::vector<lockstep::peer::ReduceInfo> infos;
     lockstep::Status s = comm->comm->all_reduce_multiple_with_retry(list, max_in_flight, &infos);
     if (!s.is_ok()) return s.code();
@@ -342,13 +372,17 @@ lockstep_status_t lockstep_comm_sync_shared_state(lockstep_comm_t* comm, lockste
   if (comm == nullptr || state == nullptr || (state->count > 0 && state->tensors == nullptr)) {
     return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   }
-  if (strategy < LOCKSTEP_SYNC_ENFORCE_POPULAR || strategy > LOCKSTEP_SYNC_SEND_ONLY) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  if (raw(strategy) < LOCKSTEP_SYNC_ENFORCE_POPULAR || raw(strategy) > LOCKSTEP_SYNC_SEND_ONLY) {
+    return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  }
   return guarded([&] {
     std::vector<lockstep::peer::SharedTensor> tensors;
     for (size_t i = 0; i < state->count; ++i) {
       const lockstep_tensor_t& t = state->tensors[i];
-      if (t.key == nullptr || t.device != LOCKSTEP_DEVICE_CPU) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
-      if (t.dtype < LOCKSTEP_U8 || t.dtype > LOCKSTEP_F64) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+      if (t.key == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+      if (raw(t.dtype) < LOCKSTEP_U8 || raw(t.dtype) > LOCKSTEP_F64 || raw(t.device) != LOCKSTEP_DEVICE_CPU) {
+        return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+      }
       tensors.push_back(lockstep::peer::SharedTensor{std::string(t.key, strnlen(t.key, 256)), t.data, t.count, t.dtype,
                                                      t.allow_content_inequality != 0});
     }
@@ -374,6 +408,7 @@ lockstep_status_t lockstep_hash(const void* data, size_t bytes, char out_hex[33]
 }
 
 lockstep_status_t lockstep_comm_destroy(lockstep_comm_t* comm) {
+  if (comm != nullptr) *comm->alive = false;
   delete comm;
   return LOCKSTEP_OK;
 }

@@ -1,6 +1,8 @@
 // Logger implementation: the level is read once from the environment, then atomic.
 #include "common/log.h"
 
+#include <cstring>
+
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -74,7 +76,11 @@ void write(Level value, std::string_view component, std::string_view text) {
 }  // namespace lockstep::log
 
 extern "C" lockstep_status_t lockstep_set_log_level(lockstep_log_level_t value) {
-  if (static_cast<int>(value) < 0 || static_cast<int>(value) > 4) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
-  lockstep::log::set_level(static_cast<lockstep::log::Level>(value));
+  // Read as an int: C may pass any int, and loading an out-of-range C++ enum is undefined.
+  int raw = 0;
+  static_assert(sizeof raw == sizeof value);
+  std::memcpy(&raw, &value, sizeof raw);
+  if (raw < 0 || raw > 4) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  lockstep::log::set_level(static_cast<lockstep::log::Level>(raw));
   return LOCKSTEP_OK;
 }

@@ -35,6 +35,8 @@ int main(void) {
   char hex[33];
   char hex_again[33];
   int i;
+  lockstep_reduce_desc_t desc;
+  lockstep_async_t* handle = NULL;
 
   CHECK(lockstep_version() == LOCKSTEP_VERSION_HEX);
   CHECK(strlen(lockstep_version_string()) >= 5);
@@ -97,7 +99,18 @@ int main(void) {
   CHECK(lockstep_comm_sync_shared_state(comm, &state, (lockstep_sync_strategy_t)7, NULL) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
   tensors[1].key = "weights"; /* a duplicate key */
   CHECK(lockstep_comm_sync_shared_state(comm, &state, LOCKSTEP_SYNC_ENFORCE_POPULAR, NULL) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+
+  /* A handle outlives its communicator: awaiting it afterwards is safe. */
+  desc.src = weights;
+  desc.dst = weights;
+  desc.count = 1000;
+  desc.dtype = LOCKSTEP_F32;
+  desc.op = LOCKSTEP_SUM;
+  desc.quantization = LOCKSTEP_QUANT_NONE;
+  desc.tag = 9;
+  CHECK(lockstep_comm_all_reduce_async(comm, &desc, &handle) == LOCKSTEP_OK);
   CHECK(lockstep_comm_destroy(comm) == LOCKSTEP_OK);
+  CHECK(lockstep_async_wait(handle, NULL) == LOCKSTEP_STATUS_INTERRUPTED);
 
   CHECK(lockstep_master_interrupt(master) == LOCKSTEP_OK);
   CHECK(lockstep_master_await(master) == LOCKSTEP_OK);
