@@ -27,7 +27,7 @@ import time
 import torch
 
 import lockstep
-from common import (arguments, batches, digits, flat_parameters, load_flat, loss_and_accuracy, model, report,
+from common import (arguments, ready_to_connect, batches, digits, flat_parameters, load_flat, loss_and_accuracy, model, report,
                     shard, state_hash, sync, update_topology)
 
 OUTER_LR = 0.5
@@ -101,6 +101,7 @@ class Peer:
         return loss
 
     def run(self) -> None:
+        ready_to_connect(self.args)
         self.comm.connect()
         if self.comm.group_world_size > 1:  # admitted into a running group: the double sync
             self.sync("receive_only")

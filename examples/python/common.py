@@ -75,6 +75,13 @@ def loss_and_accuracy(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) ->
     return loss, accuracy
 
 
+def ready_to_connect(args) -> None:
+    """With --connect-on-stdin, the process is started early (imports take seconds) and
+    joins the run when its driver says so."""
+    if args.connect_on_stdin:
+        sys.stdin.readline()
+
+
 def update_topology(comm: lockstep.Communicator) -> None:
     """Update topology, retried until it succeeds (its only legal answer to a failure)."""
     while True:
@@ -147,9 +154,11 @@ def arguments(argv: list[str] | None = None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-peers", type=int, default=2, help="peers to wait for before the first step")
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds of pretend compute per step")
+    parser.add_argument("--connect-on-stdin", action="store_true",
+                        help="load everything, then wait for a line on stdin before connecting")
     return parser.parse_args(argv if argv is not None else sys.argv[1:])
 
 
 __all__ = ["digits", "model", "flat_parameters", "load_flat", "flat_gradients", "shard", "batches",
-           "loss_and_accuracy", "update_topology", "admit_pending", "membership_step", "sync", "report", "wait_for_peers", "state_hash",
+           "loss_and_accuracy", "ready_to_connect", "update_topology", "admit_pending", "membership_step", "sync", "report", "wait_for_peers", "state_hash",
            "arguments", "np"]

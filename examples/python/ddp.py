@@ -17,7 +17,7 @@ import time
 import torch
 
 import lockstep
-from common import (arguments, batches, digits, flat_gradients, flat_parameters, load_flat,
+from common import (arguments, ready_to_connect, batches, digits, flat_gradients, flat_parameters, load_flat,
                     loss_and_accuracy, model, report, shard, state_hash, membership_step, sync)
 
 LR = 0.1
@@ -33,6 +33,7 @@ def main() -> None:
     step = torch.zeros(1, dtype=torch.int64)
     state = lockstep.SharedState({"params": params, "velocity": velocity, "step": step})
     with lockstep.Communicator(master=args.master) as comm:
+        ready_to_connect(args)
         comm.connect()
         # A newcomer goes straight to its first sync, as the peers that admitted it do.
         strategy = "receive_only" if comm.group_world_size > 1 else "enforce_popular"

@@ -42,24 +42,32 @@ def main() -> int:
         selector = selectors.DefaultSelector()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
 
+        waiting: list[str] = []  # started early, connect when told (imports take seconds)
+
         def spawn(name: str, initial: bool) -> None:
             p = subprocess.Popen([sys.executable, os.path.join(HERE, f"{args.example}.py"), "--master", master.address,
                                   "--name", name, "--steps", str(args.steps), "--step-delay", str(args.step_delay),
-                                  "--min-peers", str(args.peers if initial else 2)],
-                                 stdout=subprocess.PIPE, text=True, env=env)
+                                  "--min-peers", str(args.peers if initial else 2)]
+                                 + ([] if initial else ["--connect-on-stdin"]),
+                                 stdin=subprocess.DEVNULL if initial else subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, env=env)
             peers[name] = p
             selector.register(p.stdout, selectors.EVENT_READ, name)
+            if not initial:
+                waiting.append(name)
 
         print(f"master at {master.address}; {args.peers} peers train {args.example} on the digits "
               f"for {args.steps} steps", flush=True)
         for i in range(args.peers):
             spawn(f"p{i}", initial=True)
+        if args.join_at:
+            for i in range(args.newcomers):
+                spawn(f"p{args.peers + i}", initial=False)
         by_step: dict[int, dict[str, dict]] = {}
         done: dict[str, dict] = {}
         killed: set[str] = set()
         printed = 0
         mismatches = 0
-        next_name = args.peers
         deadline = time.monotonic() + 600
         while len(done) + len(killed) < len(peers) and time.monotonic() < deadline:
             # Once every peer that trained has finished, one that never got in cannot.
@@ -105,11 +113,11 @@ def main() -> int:
                     killed.add(victim)
                     print(f"  killed {victim} (SIGKILL)", flush=True)
                 if printed == args.join_at:
-                    for _ in range(args.newcomers):
-                        name = f"p{next_name}"
-                        next_name += 1
-                        spawn(name, initial=False)
+                    for name in waiting:
+                        peers[name].stdin.write("connect\n")
+                        peers[name].stdin.flush()
                         print(f"  started {name}", flush=True)
+                    waiting.clear()
         for p in peers.values():
             if p.poll() is None:
                 p.kill()

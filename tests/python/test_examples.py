@@ -38,7 +38,7 @@ def test_example_survives_a_kill_and_a_join(example, steps):
 
 
 def test_async_newcomers_outnumber_the_peers_that_hold_the_state():
-    s = showcase("--example", "async_diloco", "--peers", "2", "--newcomers", "3", "--steps", "16", "--kill-at", "0",
+    s = showcase("--example", "async_diloco", "--peers", "2", "--newcomers", "3", "--steps", "24", "--kill-at", "0",
                  "--join-at", "2", "--step-delay", "0.4", "--min-accuracy", "0")
     assert s["ok"], s
     assert {"p2", "p3", "p4"} <= set(s["finished"]), s

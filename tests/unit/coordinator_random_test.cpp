@@ -1,17 +1,32 @@
 // Seeded randomized runs of the coordinator. One Coordinator is driven by simulated
 // peers that connect (some with a bad Hello, some never finishing the handshake), join
 // 2-3 groups, vote roughly as the documented loop does (update topology, are-peers-
-// pending, agree, collectives), report p2p results (sometimes naming an unreachable
-// ring member), send illegal and forbidden messages, disconnect, fall silent, and let
-// time pass; some runs have the vote timeout on. The simulated peers know only what
-// the coordinator sent them, so every message is checked against what its recipient
-// could legitimately receive (absorb()), and after every step the run is checked
-// against the product's guarantees (check_after_step(), check_deadlines()).
+// pending, agree, collectives, shared-state syncs), report p2p results (sometimes naming
+// an unreachable ring member), send illegal and forbidden messages, disconnect, fall
+// silent, and let time pass; some runs have the vote timeout on. The simulated peers know
+// only what the coordinator sent them, so every message is checked against what its
+// recipient could legitimately receive (absorb()), and after every step the run is
+// checked against the product's guarantees (check_after_step(), check_deadlines()).
+//
+// Shared state: every peer holds a revision and the tensors of its group (fixed keys,
+// dtype and counts per group; a tensor's content is a small number standing for its
+// digest). Before a sync it advances its revision by one and "trains" its content
+// deterministically, so that peers in step present the same content; sometimes one
+// tensor diverges, a newcomer presents revision 0 with other content, a peer syncs
+// receive-only or send-only, restores the group's last revision from a "checkpoint", and
+// rarely it presents a revision above R+1 or another key set, dtype or count. A peer
+// that gets a SyncPlan reports SyncDone (mostly OK, sometimes a hash mismatch or another
+// failure; sometimes it dies or falls silent instead) and adopts the elected revision
+// and content on an OK result. Every sync decision (removals, plans, "no shared state")
+// is compared with an independent election over the votes (rules 5-6), every plan's
+// fetches are checked piece by piece, and after every successful sync the participants'
+// tensors must be identical (guarantee 4).
 //
 // Environment: LOCKSTEP_SIM_SEEDS=N runs N seeds (default 300), LOCKSTEP_SIM_STEPS=N
 // steps per seed (default 3000), LOCKSTEP_SIM_SEED=X runs only seed X (to replay a
 // failure), LOCKSTEP_SIM_VERBOSE=1 prints the whole event log of a failing seed
 // instead of its last 50 entries.
+#include "common/dtype.h"
 #include "coordinator/coordinator.h"
 #include "protocol/codec.h"
 
@@ -66,6 +81,21 @@ std::string describe(const p::Message& m) {
         if constexpr (requires { v.tag; }) s << " tag=" << v.tag;
         if constexpr (requires { v.attempt; }) s << " attempt=" << v.attempt;
         if constexpr (std::is_same_v<T, p::CollectiveDone>) s << " ok=" << v.ok;
+        if constexpr (std::is_same_v<T, p::SyncVote>) {
+          s << " " << p::to_string(v.strategy) << " rev=" << v.revision << " [";
+          for (std::size_t i = 0; i < v.tensors.size(); ++i) {
+            const auto& t = v.tensors[i];
+            s << (i ? " " : "") << t.key << ":" << int{t.dtype} << "x" << t.count << "=" << t.hash.lo
+              << (t.allow_content_inequality ? "~" : "");
+          }
+          s << "]";
+        }
+        if constexpr (std::is_same_v<T, p::SyncPlan>) {
+          s << " rev=" << v.revision << " expect=[";
+          for (std::size_t i = 0; i < v.expect.size(); ++i) s << (i ? " " : "") << v.expect[i].tensor << ":" << v.expect[i].hash.lo;
+          s << "] fetches=" << v.fetches.size() << " sources=" << v.sources.size();
+        }
+        if constexpr (std::is_same_v<T, p::SyncResult>) s << " rev=" << v.revision;
         if constexpr (requires { v.reason; }) {
           if (!v.reason.empty()) s << " \"" << v.reason << "\"";
         }
@@ -75,7 +105,7 @@ std::string describe(const p::Message& m) {
 }
 
 // What a simulated peer is waiting for, from what it sent and what it was sent.
-enum class Wait { kNone, kTopologyVote, kEstablish, kReported, kPending, kAgree };
+enum class Wait { kNone, kTopologyVote, kEstablish, kReported, kPending, kAgree, kSyncVote, kSyncing };
 
 const char* to_string(Wait w) {
   switch (w) {
@@ -85,6 +115,8 @@ const char* to_string(Wait w) {
     case Wait::kReported: return "reported";
     case Wait::kPending: return "pending";
     case Wait::kAgree: return "agree";
+    case Wait::kSyncVote: return "sync-vote";
+    case Wait::kSyncing: return "sync-transfer";
   }
   return "?";
 }
@@ -127,6 +159,16 @@ struct SimPeer {
   TimeMs connected_ms = 0;
   std::uint64_t view_epoch = 0;
   std::map<std::uint64_t, SimCollective> collectives;  // by tag
+  std::uint64_t accepted_epoch = 0;  // the epoch that accepted it (earliest accepted wins election ties)
+  std::size_t view_size = 0;         // peers in its group's membership view
+  // shared state
+  bool has_state = false;
+  bool synced = false;  // holds an elected state (adopted, or restored from a checkpoint)
+  std::uint64_t held_revision = 0;
+  std::vector<p::TensorEntry> held;
+  p::SyncVote sync_vote;  // its vote, from SyncVote to SyncResult
+  p::SyncPlan plan;       // its plan, from SyncPlan to SyncResult
+  bool sync_done_sent = false;
 };
 
 struct Failure {
@@ -140,6 +182,24 @@ class Sim {
     const std::size_t n = 2 + rng_() % 2;
     groups_.assign(group_ids, group_ids + n);
     max_open_ = 4 + static_cast<std::size_t>(rng_() % 9);
+    // the shared state of each group: 1-3 tensors, one dtype, fixed counts (sometimes a
+    // tensor of several MiB, so that plans split it over distributors), and sometimes a
+    // last tensor that allows content inequality
+    static const std::uint8_t dtypes[] = {LOCKSTEP_F32, LOCKSTEP_BF16, LOCKSTEP_U8, LOCKSTEP_F64};
+    for (const std::uint32_t group : groups_) {
+      const std::size_t tensors = 1 + rng_() % 3;
+      const std::uint8_t dtype = dtypes[rng_() % 4];
+      std::vector<p::TensorEntry>& shape = shapes_[group];
+      for (std::size_t i = 0; i < tensors; ++i) {
+        p::TensorEntry t;
+        t.key = "w" + std::to_string(i);
+        t.dtype = dtype;
+        t.count = 1 + rng_() % 5000;
+        if (i == 0 && chance(50)) t.count = (2 + rng_() % 5) << 21;
+        t.allow_content_inequality = tensors >= 2 && i + 1 == tensors && chance(30);
+        shape.push_back(t);
+      }
+    }
   }
 
   // Returns the failure description, or an empty string.
@@ -160,6 +220,14 @@ class Sim {
         pending_yes = 0, pending_no = 0, refused = 0, kicked = 0, rejected = 0, protocol_errors = 0,
         heartbeat_kicks = 0, straggler_kicks = 0, establish_timeouts = 0, blamed = 0, collectives_ok = 0,
         collectives_failed = 0;
+    // shared-state syncs: attempts that succeeded / failed (of which by a hash mismatch),
+    // votes answered "no shared state available" or OPERATION_MISMATCH (per recipient),
+    // peers removed for a revision violation / a shared-state mismatch / as stragglers of a
+    // sync vote, decisions that removed someone, plans that receive tensors / that fetch
+    // one tensor from several distributors
+    int syncs_ok = 0, syncs_failed = 0, syncs_hash_mismatch = 0, sync_unavailable = 0, sync_mismatches = 0,
+        revision_violations = 0, state_mismatches = 0, sync_stragglers = 0, sync_decisions_with_removals = 0,
+        sync_receivers = 0, sync_split_fetches = 0;
   };
   const Stats& stats() const { return stats_; }
 
@@ -175,6 +243,31 @@ class Sim {
     config.instance_nonce = rng();
     return config;
   }
+
+  // One sync attempt, from its plans to its outcome.
+  struct SyncAttempt {
+    std::uint32_t group = 0;
+    std::uint64_t revision = 0;  // the elected revision
+    std::set<PeerId> participants;
+    std::vector<p::TensorEntry> elected;  // the representative's tensors (the targets)
+    std::set<PeerId> ok;                  // reported its transfers as OK
+    std::optional<StatusCode> failure;    // the outcome a failed report must give
+  };
+  // What one batch of commands decided about a group's sync vote.
+  struct SyncBatch {
+    std::set<ConnId> violators, misfits;  // Goodbye REVISION_VIOLATION / SHARED_STATE_MISMATCH
+    std::set<ConnId> unavailable;         // SyncResult attempt 0 NO_SHARED_STATE_AVAILABLE
+    std::map<ConnId, p::SyncPlan> plans;
+  };
+  // What the election over a group's complete sync vote must give (rules 5-6).
+  struct Election {
+    std::set<ConnId> violators, misfits, unavailable, participants;
+    std::uint64_t revision = 0;
+    PeerId representative;
+    std::vector<p::TensorEntry> elected;
+    std::map<ConnId, std::vector<p::SyncExpect>> expect;
+    std::map<std::string, std::set<PeerId>> distributors;  // by key: who may send the target
+  };
 
   [[noreturn]] void fail(const std::string& what) { throw Failure{what}; }
   void require(bool ok, const std::string& what) {
@@ -281,7 +374,10 @@ class Sim {
       c_.on_protocol_error(sp.conn, "garbage", now_, out);
       expect.goodbye = {sp.conn, LOCKSTEP_STATUS_PROTOCOL_ERROR};
     } else if (kind < 8) {
-      const p::Message m = chance(50) ? p::Message(p::VoteUpdateTopology{}) : p::Message(p::P2PHello{});
+      const auto which = rng_() % 3;
+      const p::Message m = which == 0   ? p::Message(p::VoteUpdateTopology{})
+                           : which == 1 ? p::Message(p::P2PHello{})
+                                        : p::Message(p::SyncVote{});
       note("t=" + std::to_string(now_) + " " + name(sp) + " sends " + describe(m) + " instead of Hello\n");
       c_.on_message(sp.conn, m, now_, out);
       expect.goodbye = {sp.conn, LOCKSTEP_STATUS_PROTOCOL_ERROR};
@@ -337,7 +433,7 @@ class Sim {
     }
     if (r < 40) return act_forbidden(sp);
     if (r < 140) return act_illegal(sp);
-    if (r < 145) return act_stale_done(sp);
+    if (r < 150) return act_stale_report(sp);
     if (r < 200) return send_heartbeat(sp);
     // the documented loop
     if (sp.wait == Wait::kEstablish && sp.never_reports) return send_heartbeat(sp);
@@ -354,10 +450,17 @@ class Sim {
       }
       return request(sp, report, /*legal=*/true, Wait::kReported);
     }
+    if (sp.wait == Wait::kSyncing) return act_sync_transfer(sp);
+    // the application calls the same operation on every peer of a group: once one of them
+    // waits in a sync vote, the others mostly follow (after awaiting their collectives)
+    const bool free = sp.accepted && sp.wait == Wait::kNone && sp.collectives.empty();
+    if (free && group_votes_sync(sp.group) && chance(85)) return act_sync_vote(sp);
     const bool may_collect = sp.accepted && sp.wait != Wait::kTopologyVote && sp.wait != Wait::kEstablish &&
-                             sp.wait != Wait::kReported;
+                             sp.wait != Wait::kReported && sp.wait != Wait::kSyncVote;
     if (may_collect && chance(35)) return act_collective(sp);
     if (!sp.accepted || sp.wait != Wait::kNone) return send_heartbeat(sp);
+    // (syncing is what the loop does after its group changed: more often with company)
+    if (free && chance(sp.view_size > 1 ? 25 : 8)) return act_sync_vote(sp);
     const auto v = rng_() % 100;
     if (v < 30 && sp.collectives.empty()) return request(sp, p::VoteUpdateTopology{}, true, Wait::kTopologyVote);
     if (v < 30) return send_heartbeat(sp);
@@ -389,10 +492,159 @@ class Sim {
     request(sp, p::CollectiveInit{tag, d}, true);
   }
 
-  // A CollectiveDone for an attempt that is not running (it crossed the outcome on the
-  // wire) is ignored: no answer, no change.
-  void act_stale_done(SimPeer& sp) {
-    const p::CollectiveDone done{1 + rng_() % 3, (std::uint64_t{1} << 60) + rng_() % 1000, chance(50), {}};
+  // ------------------------------------------------------------ shared state
+
+  // Content stands for a digest: the tensor's key in the high half, a small number in
+  // the low half.
+  static state::Digest digest_of(const std::string& key, std::uint64_t value) {
+    std::uint64_t h = 1469598103934665603ull;
+    for (const char ch : key) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
+    return state::Digest{h, value};
+  }
+
+  bool group_votes_sync(std::uint32_t group) const {
+    return std::any_of(peers_.begin(), peers_.end(), [&](const auto& entry) {
+      return entry.second.open && entry.second.group == group && entry.second.wait == Wait::kSyncVote;
+    });
+  }
+
+  std::optional<std::uint64_t> known_revision(std::uint32_t group) const {
+    const auto it = revisions_.find(group);
+    if (it == revisions_.end()) return std::nullopt;
+    return it->second;
+  }
+
+  // A peer's first shared state: its group's tensors at revision 0, mostly initialized
+  // like the others' (same "init seed"), sometimes with other content.
+  void init_state(SimPeer& sp) {
+    sp.has_state = true;
+    sp.synced = false;
+    sp.held_revision = 0;
+    sp.held = shapes_.at(sp.group);
+    const bool other = chance(40);
+    const std::uint64_t base = 2000 + rng_() % 20 * 10;
+    for (std::size_t i = 0; i < sp.held.size(); ++i) {
+      sp.held[i].hash = digest_of(sp.held[i].key, other ? base + i : 500 + i);
+    }
+  }
+
+  // The content after the training steps that lead to `revision`: deterministic in the
+  // held content, so that peers in step present the same; a tensor that allows
+  // inequality also depends on the peer (local statistics).
+  std::vector<p::TensorEntry> trained(const SimPeer& sp, std::uint64_t revision) const {
+    std::vector<p::TensorEntry> tensors = sp.held;
+    for (auto& t : tensors) {
+      std::uint64_t value = (t.hash.lo * 31 + revision * 7 + 3) % 997;
+      if (t.allow_content_inequality) value = (value + sp.conn * 13) % 997;
+      t.hash = digest_of(t.key, value);
+    }
+    return tensors;
+  }
+
+  // The documented sync: advance the revision by one and present the state.
+  void act_sync_vote(SimPeer& sp) {
+    if (!sp.has_state) init_state(sp);
+    const std::optional<std::uint64_t> last = known_revision(sp.group);
+    if (last && sp.held_revision < *last && group_state_.count(sp.group) != 0 && chance(15)) {
+      // restores the group's last revision from a checkpoint (the way back after every
+      // holder left)
+      sp.held = group_state_.at(sp.group);
+      sp.held_revision = *last;
+      sp.synced = true;
+      note("t=" + std::to_string(now_) + " " + name(sp) + " restores revision " + std::to_string(*last) + "\n");
+    }
+    p::SyncVote vote;
+    vote.revision = sp.held_revision + 1;
+    if (!sp.synced && chance(50)) vote.revision = sp.held_revision;  // a newcomer presenting its revision as is
+    vote.tensors = vote.revision == sp.held_revision ? sp.held : trained(sp, vote.revision);
+    const auto strategy = rng_() % 100;
+    if (strategy < (sp.synced ? 8u : 40u)) {
+      vote.strategy = p::SyncStrategy::kReceiveOnly;
+    } else if (strategy >= 95) {
+      vote.strategy = p::SyncStrategy::kSendOnly;
+    }
+    if (chance(5)) {
+      // one tensor diverges (nondeterminism, a bug)
+      auto& t = vote.tensors[rng_() % vote.tensors.size()];
+      t.hash = digest_of(t.key, 1000 + rng_() % 50);
+    }
+    if (last && chance(2)) vote.revision = std::max(sp.held_revision + 1, *last + 1) + 1 + rng_() % 3;
+    if (chance(2)) {
+      // another model definition: a key more or less, another count or dtype
+      switch (rng_() % 4) {
+        case 0: {
+          std::string key = "extra";
+          while (find_tensor(vote.tensors, key) != nullptr) key += "+";
+          vote.tensors.push_back(p::TensorEntry{key, LOCKSTEP_F32, 16, digest_of(key, 1), false});
+          break;
+        }
+        case 1:
+          if (vote.tensors.size() > 1) {
+            vote.tensors.erase(vote.tensors.begin() + static_cast<std::ptrdiff_t>(rng_() % vote.tensors.size()));
+          } else {
+            vote.tensors[0].key += "'";
+          }
+          break;
+        case 2: vote.tensors[rng_() % vote.tensors.size()].count += 1; break;
+        default: {
+          auto& t = vote.tensors[rng_() % vote.tensors.size()];
+          t.dtype = t.dtype == LOCKSTEP_F32 ? LOCKSTEP_F64 : LOCKSTEP_F32;
+          break;
+        }
+      }
+    }
+    if (chance(30)) std::shuffle(vote.tensors.begin(), vote.tensors.end(), rng_);  // the order is the peer's
+    sp.sync_vote = vote;
+    request(sp, vote, /*legal=*/true, Wait::kSyncVote);
+  }
+
+  // A participant of a transfer: reports, mostly OK; or dies or falls silent instead.
+  void act_sync_transfer(SimPeer& sp) {
+    if (sp.sync_done_sent) return send_heartbeat(sp);
+    const auto r = rng_() % 100;
+    if (r < 2) return act_disconnect(sp);
+    if (r < 3) {
+      note("t=" + std::to_string(now_) + " " + name(sp) + " falls silent during its transfers\n");
+      sp.silent = true;
+      return;
+    }
+    p::SyncDone done{sp.plan.attempt, LOCKSTEP_OK, {}};
+    if (r < 8) {
+      done.status = LOCKSTEP_STATUS_HASH_MISMATCH;
+      done.reason = "a received tensor did not verify";
+    } else if (r < 10) {
+      done.status = LOCKSTEP_STATUS_PEER_CONNECTION_FAILED;
+      done.reason = "a source could not be reached";
+    }
+    sp.sync_done_sent = true;
+    SyncAttempt& attempt = sync_attempts_.at(sp.plan.attempt);
+    if (done.status == LOCKSTEP_OK) {
+      attempt.ok.insert(sp.id);
+    } else {
+      attempt.failure = done.status == LOCKSTEP_STATUS_HASH_MISMATCH ? LOCKSTEP_STATUS_HASH_MISMATCH
+                                                                     : LOCKSTEP_STATUS_PEER_CONNECTION_LOST;
+    }
+    request(sp, done, /*legal=*/true);
+  }
+
+  // A report of something that is not running (it crossed the outcome on the wire) is
+  // ignored: no answer, no change. A CollectiveDone or SyncDone of an attempt that is not
+  // running, or a P2PReport of no current establishment (another epoch, or none).
+  void act_stale_report(SimPeer& sp) {
+    std::uint64_t attempt = (std::uint64_t{1} << 60) + rng_() % 1000;
+    const auto kind = rng_() % 3;
+    // a report of the peer's previous sync attempt, which has ended
+    if (kind == 1 && sp.wait != Wait::kSyncing && sp.plan.attempt != 0 && chance(50)) attempt = sp.plan.attempt;
+    std::uint64_t epoch = c_.epoch() + 1 + rng_() % 3;
+    if (sp.wait != Wait::kEstablish && sp.wait != Wait::kReported) {
+      if (chance(50)) epoch = chance(50) ? c_.epoch() : rng_() % 5;
+    } else if (sp.establish_epoch > 0 && chance(50)) {
+      epoch = sp.establish_epoch - 1;
+    }
+    const p::Message done =
+        kind == 0   ? p::Message(p::CollectiveDone{1 + rng_() % 3, attempt, chance(50), {}})
+        : kind == 1 ? p::Message(p::SyncDone{attempt, chance(50) ? LOCKSTEP_OK : LOCKSTEP_STATUS_HASH_MISMATCH, {}})
+                    : p::Message(p::P2PReport{epoch, chance(50) ? std::vector<PeerId>{} : std::vector<PeerId>{sp.id}});
     const std::string before = c_.digest();
     sp.last_sent_ms = now_;
     note("t=" + std::to_string(now_) + " " + name(sp) + " sends stale " + describe(done) + "\n");
@@ -401,9 +653,9 @@ class Sim {
     note(describe_out(out));
     for (const auto& cmd : out) {
       require(!std::holds_alternative<Send>(cmd) && !std::holds_alternative<Close>(cmd),
-              "a CollectiveDone for an attempt that is not running was answered");
+              "a report of something that is not running was answered");
     }
-    require(c_.digest() == before, "a CollectiveDone for an attempt that is not running changed the state");
+    require(c_.digest() == before, "a report of something that is not running changed the state");
     check_after_step();
   }
 
@@ -420,18 +672,36 @@ class Sim {
     } else if (!sp.collectives.empty()) {
       options.emplace_back(p::VoteUpdateTopology{}, LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS);
     }
-    if (sp.wait == Wait::kEstablish) {
-      options.emplace_back(p::P2PReport{sp.establish_epoch + 1 + rng_() % 3, {}}, usage);
-      if (sp.establish_epoch > 0) options.emplace_back(p::P2PReport{sp.establish_epoch - 1, {}}, usage);
-    } else {
-      options.emplace_back(p::P2PReport{c_.epoch(), {}}, usage);
-      options.emplace_back(p::P2PReport{rng_() % 5, {sp.id}}, usage);
-    }
+    // a second report of the current establishment (reports of no current establishment
+    // are ignored: act_stale_report())
+    if (sp.wait == Wait::kReported) options.emplace_back(p::P2PReport{sp.establish_epoch, {}}, usage);
     // collectives: not accepted, in a topology vote or establishment, or a tag in flight
     if (!sp.accepted) {
       options.emplace_back(p::CollectiveInit{1 + rng_() % 3, kDescriptor}, not_accepted);
-    } else if (sp.wait == Wait::kTopologyVote || sp.wait == Wait::kEstablish || sp.wait == Wait::kReported) {
+    } else if (sp.wait == Wait::kTopologyVote || sp.wait == Wait::kEstablish || sp.wait == Wait::kReported ||
+               sp.wait == Wait::kSyncVote || sp.wait == Wait::kSyncing) {
       options.emplace_back(p::CollectiveInit{1 + rng_() % 3, kDescriptor}, usage);
+    }
+    // shared-state sync: not accepted, in another vote or transfer, collectives in
+    // flight, or a malformed vote; a second report of its transfers
+    const p::SyncVote vote{p::SyncStrategy::kEnforcePopular, 1, shapes_.at(sp.group)};
+    if (!sp.accepted) {
+      options.emplace_back(vote, not_accepted);
+    } else if (sp.wait != Wait::kNone) {
+      options.emplace_back(vote, usage);
+    } else if (!sp.collectives.empty()) {
+      options.emplace_back(vote, LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS);
+    } else {
+      p::SyncVote bad = vote;
+      switch (rng_() % 3) {
+        case 0: bad.tensors.push_back(bad.tensors.front()); break;  // a key twice
+        case 1: bad.tensors.front().dtype = 200; break;              // no such dtype
+        default: bad.tensors.front().count = std::uint64_t{1} << 62; break;  // too large
+      }
+      options.emplace_back(bad, LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    }
+    if (sp.wait == Wait::kSyncing && sp.sync_done_sent) {
+      options.emplace_back(p::SyncDone{sp.plan.attempt, LOCKSTEP_OK, {}}, usage);
     }
     for (const auto& [tag, c] : sp.collectives) {
       if (sp.accepted && sp.wait != Wait::kTopologyVote) options.emplace_back(p::CollectiveInit{tag, kDescriptor}, usage);
@@ -441,12 +711,32 @@ class Sim {
     request(sp, m, /*legal=*/false, std::nullopt, status);
   }
 
+  // Messages a peer never sends the master. (A switch, not a braced list of conversions
+  // to the variant: GCC 12 runs out of memory on such a list.)
+  static p::Message forbidden_message(std::uint64_t which) {
+    switch (which) {
+      case 0: return p::Hello{};
+      case 1: return p::Welcome{};
+      case 2: return p::HeartbeatAck{};
+      case 3: return p::EstablishP2P{};
+      case 4: return p::TopologyResult{};
+      case 5: return p::PeersPendingResult{};
+      case 6: return p::AgreeResult{};
+      case 7: return p::Refused{};
+      case 8: return p::Goodbye{};
+      case 9: return p::P2PHello{};
+      case 10: return p::P2PHelloAck{};
+      case 11: return p::CollectiveGo{};
+      case 12: return p::CollectiveResult{};
+      case 13: return p::SyncPlan{};
+      case 14: return p::SyncResult{};
+      case 15: return p::StateRequest{};
+      default: return p::StateResponse{};
+    }
+  }
+
   void act_forbidden(SimPeer& sp) {
-    static const std::vector<p::Message> forbidden = {
-        p::Hello{}, p::Welcome{}, p::HeartbeatAck{}, p::EstablishP2P{}, p::TopologyResult{}, p::PeersPendingResult{},
-        p::AgreeResult{}, p::Refused{}, p::Goodbye{}, p::P2PHello{}, p::P2PHelloAck{}, p::CollectiveGo{},
-        p::CollectiveResult{}};
-    const p::Message& m = pick(forbidden);
+    const p::Message m = forbidden_message(rng_() % 17);
     sp.last_sent_ms = now_;
     note("t=" + std::to_string(now_) + " " + name(sp) + " sends forbidden " + describe(m) + "\n");
     Outbox out;
@@ -605,14 +895,17 @@ class Sim {
     // a vote in which a live peer has waited for the whole timeout has no free stragglers left
     for (const auto& [conn, voter] : peers_) {
       if (!voter.open || !voter.accepted) continue;
-      if (voter.wait != Wait::kTopologyVote && voter.wait != Wait::kPending && voter.wait != Wait::kAgree) continue;
+      if (voter.wait != Wait::kTopologyVote && voter.wait != Wait::kPending && voter.wait != Wait::kAgree &&
+          voter.wait != Wait::kSyncVote) {
+        continue;
+      }
       if (now_ - voter.waiting_since_ms < config.vote_timeout_ms) continue;
       for (const auto& [conn2, other] : peers_) {
         if (!other.open || !other.accepted || other.wait != Wait::kNone) continue;
-        if (voter.wait == Wait::kAgree && other.group != voter.group) continue;
-        // a peer with collectives in flight may not join a topology vote: it is busy,
-        // not a straggler (its collectives end, then it may vote)
-        if (voter.wait == Wait::kTopologyVote && !other.collectives.empty()) continue;
+        if ((voter.wait == Wait::kAgree || voter.wait == Wait::kSyncVote) && other.group != voter.group) continue;
+        // a peer with collectives in flight may not join a topology or sync vote: it is
+        // busy, not a straggler (its collectives end, then it may vote)
+        if ((voter.wait == Wait::kTopologyVote || voter.wait == Wait::kSyncVote) && !other.collectives.empty()) continue;
         // freed by this very event (its own vote just ended): the next tick decides
         if (other.free_since_ms == now_) continue;
         fail(name(voter) + " has waited in its " + to_string(voter.wait) + " vote for " +
@@ -688,6 +981,20 @@ class Sim {
     bool topology_updated = false;
     std::map<std::pair<std::uint32_t, std::uint64_t>, p::CollectiveGo> gos;              // (group, tag)
     std::map<std::pair<std::uint32_t, std::uint64_t>, p::CollectiveResult> coll_results;  // (group, tag)
+    // Shared state: the decisions of this batch per group (checked against the election
+    // over the votes as they stood before it), and the outcomes per attempt.
+    std::map<std::uint32_t, SyncBatch> sync_batches;
+    std::map<std::uint64_t, std::pair<StatusCode, std::uint64_t>> sync_outcomes;  // attempt -> status, revision
+    const std::uint64_t attempt_floor = max_attempt_;
+    std::map<std::uint32_t, std::map<PeerId, SimPeer*>> voters_before;  // open accepted peers in a sync vote
+    std::map<std::uint32_t, std::set<ConnId>> members_before;           // open accepted peers
+    if (std::any_of(out.begin(), out.end(), is_sync_decision)) {
+      for (auto& [conn, sp] : peers_) {
+        if (!sp.open || !sp.accepted) continue;
+        members_before[sp.group].insert(conn);
+        if (sp.wait == Wait::kSyncVote) voters_before[sp.group][sp.id] = &sp;
+      }
+    }
 
     for (const auto& cmd : out) {
       if (const auto* close = std::get_if<Close>(&cmd)) {
@@ -748,9 +1055,13 @@ class Sim {
           require(inserted || (g->second.epoch == result->epoch && g->second.ring == result->ring &&
                                g->second.attributes == result->attributes),
                   "members of group " + std::to_string(sp.group) + " got different membership views");
-          if (!sp.accepted) ++stats_.accepted;
+          if (!sp.accepted) {
+            ++stats_.accepted;
+            sp.accepted_epoch = result->epoch;
+          }
           sp.accepted = true;
           sp.view_epoch = result->epoch;
+          sp.view_size = result->ring.size();
           dirty_ = false;
           ++stats_.topology_ok;
           topology_updated = true;
@@ -830,6 +1141,7 @@ class Sim {
         c->second.performing = true;
         c->second.attempt = go->attempt;
         c->second.ring = go->ring;
+        max_attempt_ = std::max(max_attempt_, go->attempt);
       } else if (const auto* outcome = std::get_if<p::CollectiveResult>(&m)) {
         auto c = sp.collectives.find(outcome->tag);
         require(c != sp.collectives.end(),
@@ -857,6 +1169,31 @@ class Sim {
         }
         ++(outcome->status == LOCKSTEP_OK ? stats_.collectives_ok : stats_.collectives_failed);
         sp.collectives.erase(c);
+      } else if (const auto* plan = std::get_if<p::SyncPlan>(&m)) {
+        require(sp.accepted && sp.wait == Wait::kSyncVote,
+                "SyncPlan to " + name(sp) + " waiting for " + to_string(sp.wait) + " (it did not vote to sync)");
+        require(plan->attempt > attempt_floor, "a SyncPlan reuses attempt number " + std::to_string(plan->attempt));
+        SyncBatch& b = sync_batches[sp.group];
+        if (!b.plans.empty()) {
+          const p::SyncPlan& first = b.plans.begin()->second;
+          require(first.attempt == plan->attempt && first.revision == plan->revision,
+                  "the participants of one sync got plans with different attempts or revisions");
+        }
+        for (const auto& [other_group, other] : sync_batches) {
+          require(other_group == sp.group || other.plans.empty() || other.plans.begin()->second.attempt != plan->attempt,
+                  "two groups' syncs got the same attempt number");
+        }
+        b.plans[sp.conn] = *plan;
+        SyncAttempt& a = sync_attempts_[plan->attempt];
+        a.group = sp.group;
+        a.revision = plan->revision;
+        a.participants.insert(sp.id);
+        max_attempt_ = std::max(max_attempt_, plan->attempt);
+        sp.plan = *plan;
+        sp.sync_done_sent = false;
+        sp.wait = Wait::kSyncing;
+      } else if (const auto* sync_result = std::get_if<p::SyncResult>(&m)) {
+        absorb_sync_result(sp, *sync_result, sync_batches, sync_outcomes, mismatch);
       } else if (const auto* goodbye = std::get_if<p::Goodbye>(&m)) {
         require(goodbye_here.insert(sp.conn).second, "two Goodbyes to one connection");
         require(!goodbye->reason.empty(), "a Goodbye without a reason");
@@ -880,6 +1217,17 @@ class Sim {
           case LOCKSTEP_STATUS_KICKED: ++stats_.kicked; break;
           case LOCKSTEP_STATUS_REJECTED: ++stats_.rejected; break;
           case LOCKSTEP_STATUS_PROTOCOL_ERROR: ++stats_.protocol_errors; break;
+          case LOCKSTEP_STATUS_REVISION_VIOLATION:
+          case LOCKSTEP_STATUS_SHARED_STATE_MISMATCH: {
+            const bool violation = goodbye->status == LOCKSTEP_STATUS_REVISION_VIOLATION;
+            require(sp.accepted && sp.wait == Wait::kSyncVote,
+                    std::string("Goodbye ") + status_name(goodbye->status) + " to " + name(sp) + " waiting for " +
+                        to_string(sp.wait) + " (it did not vote to sync)");
+            SyncBatch& b = sync_batches[sp.group];
+            (violation ? b.violators : b.misfits).insert(sp.conn);
+            ++(violation ? stats_.revision_violations : stats_.state_mismatches);
+            break;
+          }
           default: fail(std::string("Goodbye with status ") + status_name(goodbye->status));
         }
       } else {
@@ -888,6 +1236,10 @@ class Sim {
     }
 
     // ---- per-batch rules
+    for (const auto& [group, b] : sync_batches) {
+      check_sync_decision(group, b, voters_before[group], members_before[group], closed_here);
+    }
+    for (const auto& [attempt, outcome] : sync_outcomes) check_sync_outcome(attempt, outcome.first, outcome.second);
     for (const auto& [group, value] : agree_results) agree_rounds_[group] = AgreeRound{};
     // A successful update topology starts a new step for everyone: a failed agree round
     // that nobody waits in any more ends with it.
@@ -910,7 +1262,7 @@ class Sim {
       // every vote failed: nobody may still be waiting in one
       agree_rounds_.clear();
       for (const auto& [conn, sp] : peers_) {
-        require(!(sp.open && (sp.wait == Wait::kTopologyVote || sp.wait == Wait::kPending || sp.wait == Wait::kAgree)),
+        require(!(sp.open && in_vote(sp.wait)),
                 "after a vote mismatch " + name(sp) + " still waits in its " + to_string(sp.wait) + " vote");
       }
     }
@@ -1050,20 +1402,29 @@ class Sim {
       Wait kind = Wait::kAgree;
       if (reason.find("update-topology") != std::string::npos) kind = Wait::kTopologyVote;
       if (reason.find("are-peers-pending") != std::string::npos) kind = Wait::kPending;
-      if (kind == Wait::kTopologyVote) {
+      if (reason.find("shared-state sync") != std::string::npos) {
+        kind = Wait::kSyncVote;
+        ++stats_.sync_stragglers;
+      }
+      if (kind == Wait::kTopologyVote || kind == Wait::kSyncVote) {
         require(sp.collectives.empty(),
-                "a peer with a collective in flight (which may not vote to update the topology) was removed as a "
-                "straggler of the topology vote instead of the votes failing with OPERATION_MISMATCH: " + reason);
+                "a peer with a collective in flight (which may not vote to update the topology or sync) was removed "
+                "as a straggler of that vote instead of waiting for its collectives: " + reason);
       }
       for (const auto& [conn, other] : peers_) {
         if (!live_in_batch(other) || !other.accepted || other.wait != kind) continue;
-        if (kind == Wait::kAgree && other.group != sp.group) continue;
+        if ((kind == Wait::kAgree || kind == Wait::kSyncVote) && other.group != sp.group) continue;
         longest = std::max(longest, now_ - other.waiting_since_ms);
       }
     }
     // (the deadline counts from the vote's first voter, who may be gone since: only
     // the existence of a live voter is checked, not how long it waited)
     require(longest >= 0, "removed as a straggler of a vote in which no live peer waits: " + reason);
+  }
+
+  // Blocked in a control vote (a barrier) rather than free or in a transfer.
+  static bool in_vote(Wait w) {
+    return w == Wait::kTopologyVote || w == Wait::kPending || w == Wait::kAgree || w == Wait::kSyncVote;
   }
 
   // The first OPERATION_MISMATCH of a batch: the votes could never have completed,
@@ -1076,7 +1437,7 @@ class Sim {
     std::set<Wait> kinds;
     for (const auto& [conn, sp] : peers_) {
       if (!sp.open || !sp.accepted) continue;
-      require(sp.wait == Wait::kTopologyVote || sp.wait == Wait::kPending || sp.wait == Wait::kAgree,
+      require(in_vote(sp.wait),
               "OPERATION_MISMATCH while " + name(sp) + " was still free to join a vote (" + to_string(sp.wait) + ")");
       kinds.insert(sp.wait);
     }
@@ -1094,6 +1455,362 @@ class Sim {
       if (sp.welcomed && sp.id == id) return &sp;
     }
     return nullptr;
+  }
+
+  // ------------------------------------------------------------ shared-state checks
+
+  static bool is_sync_decision(const Command& cmd) {
+    const auto* send = std::get_if<Send>(&cmd);
+    if (send == nullptr) return false;
+    if (std::holds_alternative<p::SyncPlan>(send->message)) return true;
+    if (const auto* r = std::get_if<p::SyncResult>(&send->message)) {
+      return r->attempt == 0 && r->status == LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE;
+    }
+    if (const auto* g = std::get_if<p::Goodbye>(&send->message)) {
+      return g->status == LOCKSTEP_STATUS_REVISION_VIOLATION || g->status == LOCKSTEP_STATUS_SHARED_STATE_MISMATCH;
+    }
+    return false;
+  }
+
+  static const p::TensorEntry* find_tensor(const std::vector<p::TensorEntry>& tensors, const std::string& key) {
+    for (const auto& t : tensors) {
+      if (t.key == key) return &t;
+    }
+    return nullptr;
+  }
+
+  // What the election compares: the revision and every tensor's key, dtype, count and
+  // digest (without the digest for a tensor that allows inequality), whatever the order.
+  static std::string content_key(const p::SyncVote& vote) {
+    std::vector<std::string> parts;
+    for (const auto& t : vote.tensors) {
+      std::ostringstream part;
+      part << t.key << ':' << int{t.dtype} << ':' << t.count << ':';
+      if (t.allow_content_inequality) {
+        part << '*';
+      } else {
+        part << t.hash.hi << '/' << t.hash.lo;
+      }
+      parts.push_back(part.str());
+    }
+    std::sort(parts.begin(), parts.end());
+    std::string key = std::to_string(vote.revision);
+    for (const auto& part : parts) key += "|" + part;
+    return key;
+  }
+
+  // Same keys, and each with the same dtype and count.
+  static bool same_shape(const std::vector<p::TensorEntry>& a, const std::vector<p::TensorEntry>& b) {
+    if (a.size() != b.size()) return false;
+    for (const auto& t : a) {
+      const p::TensorEntry* u = find_tensor(b, t.key);
+      if (u == nullptr || u->dtype != t.dtype || u->count != t.count) return false;
+    }
+    return true;
+  }
+
+  p::MemberInfo member_info(const SimPeer& sp) const {
+    return p::MemberInfo{sp.id, sp.member_host, sp.port, static_cast<std::uint16_t>(sp.port + 1),
+                         static_cast<std::uint16_t>(sp.port + 2)};
+  }
+
+  // The election, written from the rules: voters above R+1 leave (and the election runs
+  // again without them); candidates are the non-receive-only voters at R+1 (at the first
+  // sync: all of them); the content held by most candidates wins, a tie goes to the
+  // earliest-accepted holder; voters that cannot hold it, and send-only voters that do
+  // not hold it, leave (and it runs again); then every voter is a participant.
+  Election elect(std::uint32_t group, std::map<PeerId, SimPeer*> voters) const {
+    Election e;
+    const std::optional<std::uint64_t> last = known_revision(group);
+    while (!voters.empty()) {
+      std::vector<PeerId> leaving;
+      for (const auto& [id, sp] : voters) {
+        if (last && sp->sync_vote.revision > *last + 1) leaving.push_back(id);
+      }
+      if (!leaving.empty()) {
+        for (const auto& id : leaving) {
+          e.violators.insert(voters.at(id)->conn);
+          voters.erase(id);
+        }
+        continue;
+      }
+      struct Holders {
+        std::size_t count = 0;
+        std::pair<std::uint64_t, PeerId> earliest;  // (accepting epoch, id)
+        const SimPeer* first = nullptr;
+      };
+      std::map<std::string, Holders> popularity;
+      for (const auto& [id, sp] : voters) {
+        const p::SyncVote& v = sp->sync_vote;
+        if (v.strategy == p::SyncStrategy::kReceiveOnly || (last && v.revision != *last + 1)) continue;
+        Holders& h = popularity[content_key(v)];
+        const auto rank = std::make_pair(sp->accepted_epoch, id);
+        if (h.count == 0 || rank < h.earliest) {
+          h.earliest = rank;
+          h.first = sp;
+        }
+        ++h.count;
+      }
+      if (popularity.empty()) {
+        for (const auto& [id, sp] : voters) e.unavailable.insert(sp->conn);
+        break;
+      }
+      const Holders* winner = nullptr;
+      std::string winning;
+      for (const auto& [key, h] : popularity) {
+        if (winner == nullptr || h.count > winner->count || (h.count == winner->count && h.earliest < winner->earliest)) {
+          winner = &h;
+          winning = key;
+        }
+      }
+      const p::SyncVote& reference = winner->first->sync_vote;
+      for (const auto& [id, sp] : voters) {
+        const p::SyncVote& v = sp->sync_vote;
+        if (!same_shape(v.tensors, reference.tensors) ||
+            (v.strategy == p::SyncStrategy::kSendOnly && content_key(v) != winning)) {
+          leaving.push_back(id);
+        }
+      }
+      if (!leaving.empty()) {
+        for (const auto& id : leaving) {
+          e.misfits.insert(voters.at(id)->conn);
+          voters.erase(id);
+        }
+        continue;
+      }
+      e.revision = reference.revision;
+      e.representative = winner->first->id;
+      e.elected = reference.tensors;
+      for (const auto& [id, sp] : voters) {
+        const p::SyncVote& v = sp->sync_vote;
+        e.participants.insert(sp->conn);
+        std::vector<p::SyncExpect>& expect = e.expect[sp->conn];
+        const bool up_to_date = v.revision == e.revision;
+        for (std::uint32_t i = 0; i < v.tensors.size(); ++i) {
+          const p::TensorEntry& t = v.tensors[i];
+          const p::TensorEntry& target = *find_tensor(reference.tensors, t.key);
+          if (t.hash == target.hash) {
+            if (up_to_date && v.strategy != p::SyncStrategy::kReceiveOnly) e.distributors[t.key].insert(id);
+            continue;
+          }
+          if (t.allow_content_inequality && up_to_date) continue;
+          expect.push_back(p::SyncExpect{i, target.hash});
+        }
+      }
+      break;
+    }
+    return e;
+  }
+
+  // A batch decided a group's sync vote: it was complete (every accepted peer of the
+  // group voted), and its removals, plans or "no shared state" are the election's.
+  void check_sync_decision(std::uint32_t group, const SyncBatch& b, const std::map<PeerId, SimPeer*>& voters_before,
+                           const std::set<ConnId>& members_before, const std::set<ConnId>& closed_here) {
+    const std::string g = "group " + std::to_string(group);
+    // peers removed by this batch for other reasons (before the decision) were not voters
+    const auto counts = [&](ConnId conn) {
+      return closed_here.count(conn) == 0 || b.violators.count(conn) != 0 || b.misfits.count(conn) != 0;
+    };
+    std::map<PeerId, SimPeer*> voters;
+    std::set<ConnId> voting, members;
+    for (const auto& [id, sp] : voters_before) {
+      if (!counts(sp->conn)) continue;
+      voters.emplace(id, sp);
+      voting.insert(sp->conn);
+    }
+    for (const ConnId conn : members_before) {
+      if (counts(conn)) members.insert(conn);
+    }
+    require(voting == members, g + "'s sync vote was decided before every accepted peer of the group voted");
+    const Election e = elect(group, voters);
+    const auto list = [&](const std::set<ConnId>& conns) {
+      std::string s;
+      for (const ConnId conn : conns) s += " " + name(peers_.at(conn));
+      return "[" + s + " ]";
+    };
+    require(b.violators == e.violators, g + ": removed for revision violations " + list(b.violators) +
+                                            ", the revision rule removes " + list(e.violators));
+    require(b.misfits == e.misfits, g + ": removed for shared-state mismatches " + list(b.misfits) +
+                                        ", the election removes " + list(e.misfits));
+    require(b.unavailable == e.unavailable, g + ": told no shared state is available " + list(b.unavailable) +
+                                                ", the election says so to " + list(e.unavailable));
+    std::set<ConnId> planned;
+    for (const auto& [conn, plan] : b.plans) planned.insert(conn);
+    require(planned == e.participants, g + ": plans sent to " + list(planned) + ", participants are " + list(e.participants));
+    if (!b.violators.empty() || !b.misfits.empty()) ++stats_.sync_decisions_with_removals;
+    stats_.sync_unavailable += static_cast<int>(!b.unavailable.empty());
+    if (b.plans.empty()) return;
+
+    const std::optional<std::uint64_t> last = known_revision(group);
+    std::map<std::string, state::Digest> targets;  // one elected content: the same digest per key for all
+    for (const auto& [conn, plan] : b.plans) {
+      const SimPeer& sp = peers_.at(conn);
+      const std::string who = name(sp);
+      require(!last || plan.revision == *last + 1, g + " elected revision " + std::to_string(plan.revision) +
+                                                       " after revision " + std::to_string(*last));
+      require(plan.revision == e.revision, "the plan for " + who + " names revision " + std::to_string(plan.revision) +
+                                               ", the election gives " + std::to_string(e.revision));
+      for (const auto& x : plan.expect) {
+        require(x.tensor < sp.sync_vote.tensors.size(), "the plan for " + who + " expects a tensor it does not have");
+        const p::TensorEntry& t = sp.sync_vote.tensors[x.tensor];
+        require(t.hash != x.hash, "the plan for " + who + " makes it receive tensor '" + t.key + "' that it holds");
+        const auto [it, fresh] = targets.emplace(t.key, x.hash);
+        require(fresh || it->second == x.hash, g + ": plans expect different digests of tensor '" + t.key + "'");
+      }
+      const std::vector<p::SyncExpect>& want = e.expect.at(conn);
+      if (plan.expect != want) {
+        std::ostringstream s;
+        s << "the plan for " << who << " expects [";
+        for (const auto& x : plan.expect) s << " " << x.tensor << ":" << x.hash.lo;
+        s << " ], the election (content of " << e.representative.to_string() << ") gives [";
+        for (const auto& x : want) s << " " << x.tensor << ":" << x.hash.lo;
+        s << " ]";
+        fail(s.str());
+      }
+      check_fetches(sp, plan, e);
+      stats_.sync_receivers += static_cast<int>(!plan.expect.empty());
+    }
+    SyncAttempt& a = sync_attempts_.at(b.plans.begin()->second.attempt);
+    a.elected = e.elected;
+  }
+
+  // Every piece lies inside its tensor, the pieces of each expected tensor cover it
+  // exactly once, nothing else is fetched, and every source is another participant that
+  // presented the elected revision with the target digest and is not receive-only.
+  void check_fetches(const SimPeer& sp, const p::SyncPlan& plan, const Election& e) {
+    const std::string who = "the plan for " + name(sp);
+    std::set<std::uint32_t> expected;
+    for (const auto& x : plan.expect) {
+      require(expected.insert(x.tensor).second, who + " expects tensor " + std::to_string(x.tensor) + " twice");
+    }
+    std::set<PeerId> listed;
+    for (const auto& source : plan.sources) {
+      require(listed.insert(source.id).second, who + " lists source " + source.id.to_string() + " twice");
+    }
+    std::map<std::uint32_t, std::vector<std::pair<std::uint64_t, std::uint64_t>>> pieces;
+    std::map<std::uint32_t, std::set<PeerId>> sources_of;
+    for (const auto& f : plan.fetches) {
+      require(expected.count(f.tensor) != 0, who + " fetches tensor " + std::to_string(f.tensor) + " it does not expect");
+      const p::TensorEntry& t = sp.sync_vote.tensors[f.tensor];
+      const std::uint64_t size = t.count * dtype_bytes(t.dtype);
+      require(f.bytes > 0 && f.offset < size && f.bytes <= size - f.offset,
+              who + " fetches bytes [" + std::to_string(f.offset) + ", +" + std::to_string(f.bytes) + ") of tensor '" +
+                  t.key + "' of " + std::to_string(size) + " bytes");
+      require(f.source < plan.sources.size(), who + " names a source it does not list");
+      const p::MemberInfo& source = plan.sources[f.source];
+      require(source.id != sp.id, who + " fetches from itself");
+      const auto d = e.distributors.find(t.key);
+      require(d != e.distributors.end() && d->second.count(source.id) != 0,
+              who + " fetches tensor '" + t.key + "' from " + source.id.to_string() +
+                  ", which is not a participant holding its target at the elected revision (or is receive-only)");
+      const SimPeer* owner = by_id(source.id);
+      require(owner != nullptr && source == member_info(*owner), who + " carries a wrong address for " + source.id.to_string());
+      pieces[f.tensor].emplace_back(f.offset, f.bytes);
+      sources_of[f.tensor].insert(source.id);
+    }
+    for (const std::uint32_t index : expected) {
+      const p::TensorEntry& t = sp.sync_vote.tensors[index];
+      auto& list = pieces[index];
+      std::sort(list.begin(), list.end());
+      std::uint64_t at = 0;
+      for (const auto& [offset, bytes] : list) {
+        require(offset == at, who + ": the pieces of tensor '" + t.key + "' overlap or leave a gap at byte " + std::to_string(at));
+        at += bytes;
+      }
+      require(at == t.count * dtype_bytes(t.dtype), who + ": the pieces of tensor '" + t.key + "' do not cover it");
+      stats_.sync_split_fetches += static_cast<int>(sources_of[index].size() > 1);
+    }
+  }
+
+  void absorb_sync_result(SimPeer& sp, const p::SyncResult& r, std::map<std::uint32_t, SyncBatch>& batches,
+                          std::map<std::uint64_t, std::pair<StatusCode, std::uint64_t>>& outcomes, bool& mismatch) {
+    const std::string what = std::string("SyncResult ") + status_name(r.status) + " attempt " + std::to_string(r.attempt);
+    if (r.attempt == 0) {
+      // decided before any transfer: no shared state available, or a vote mismatch
+      require(sp.accepted && sp.wait == Wait::kSyncVote, what + " to " + name(sp) + " waiting for " + to_string(sp.wait));
+      if (r.status == LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE) {
+        batches[sp.group].unavailable.insert(sp.conn);
+      } else {
+        require(r.status == LOCKSTEP_STATUS_OPERATION_MISMATCH, what + ": a sync vote cannot end that way");
+        ++stats_.sync_mismatches;
+        on_mismatch(mismatch);
+      }
+    } else {
+      require(sp.wait == Wait::kSyncing && sp.plan.attempt == r.attempt,
+              what + " to " + name(sp) + " waiting for " + to_string(sp.wait) + " (plan attempt " +
+                  std::to_string(sp.plan.attempt) + ")");
+      SyncAttempt& a = sync_attempts_.at(r.attempt);
+      const auto [o, first] = outcomes.emplace(r.attempt, std::make_pair(r.status, r.revision));
+      require(first || o->second == std::make_pair(r.status, r.revision),
+              "the participants of sync attempt " + std::to_string(r.attempt) + " got different outcomes");
+      if (r.status == LOCKSTEP_OK) {
+        require(r.revision == a.revision, what + " names revision " + std::to_string(r.revision) +
+                                              ", the plans named " + std::to_string(a.revision));
+        for (const PeerId& id : a.participants) {
+          require(a.ok.count(id) != 0, what + " before participant " + id.to_string() + " reported OK");
+        }
+        // the peer adopts the elected revision and the expected digests
+        sp.held = sp.sync_vote.tensors;
+        for (const auto& x : sp.plan.expect) sp.held[x.tensor].hash = x.hash;
+        sp.held_revision = r.revision;
+        sp.synced = true;
+      } else if (first) {
+        if (a.failure) {
+          require(r.status == *a.failure, what + " after a report that must give " + status_name(*a.failure));
+        } else {
+          require(r.status == LOCKSTEP_STATUS_PEER_CONNECTION_LOST, what + ": a transfer cannot fail that way");
+          bool lost = false;
+          for (const PeerId& id : a.participants) {
+            const SimPeer* participant = by_id(id);
+            lost |= participant == nullptr || !participant->open;
+          }
+          require(lost, what + " although every participant is there and none reported a failure");
+        }
+      }
+    }
+    sp.wait = Wait::kNone;
+    sp.free_since_ms = now_;
+  }
+
+  // An attempt ended: every participant still there got its outcome; after success R is
+  // the elected revision (R+1 of the previous one) and every participant holds the same
+  // tensors, the elected ones (apart from tensors that allow inequality).
+  void check_sync_outcome(std::uint64_t attempt, StatusCode status, std::uint64_t revision) {
+    const SyncAttempt a = sync_attempts_.at(attempt);
+    sync_attempts_.erase(attempt);
+    const std::string what = "sync attempt " + std::to_string(attempt) + " of group " + std::to_string(a.group);
+    std::vector<const SimPeer*> holders;
+    for (const PeerId& id : a.participants) {
+      const SimPeer* sp = by_id(id);
+      if (sp == nullptr || !sp->open) continue;
+      require(!(sp->wait == Wait::kSyncing && sp->plan.attempt == attempt), what + ": " + name(*sp) + " got no outcome");
+      holders.push_back(sp);
+    }
+    if (status != LOCKSTEP_OK) {
+      ++stats_.syncs_failed;
+      stats_.syncs_hash_mismatch += static_cast<int>(status == LOCKSTEP_STATUS_HASH_MISMATCH);
+      return;
+    }
+    ++stats_.syncs_ok;
+    require(holders.size() == a.participants.size(), what + " succeeded without all of its participants");
+    const std::optional<std::uint64_t> last = known_revision(a.group);
+    require(!last || revision == *last + 1, what + " moved the group from revision " + std::to_string(*last) + " to " +
+                                                std::to_string(revision));
+    const auto canonical = [](std::vector<p::TensorEntry> tensors) {
+      for (auto& t : tensors) {
+        if (t.allow_content_inequality) t.hash = {};
+      }
+      std::sort(tensors.begin(), tensors.end(), [](const auto& x, const auto& y) { return x.key < y.key; });
+      return tensors;
+    };
+    const auto elected = canonical(a.elected);
+    for (const SimPeer* sp : holders) {
+      require(sp->held_revision == revision, what + ": " + name(*sp) + " is not at the elected revision");
+      require(canonical(sp->held) == elected, what + ": " + name(*sp) + " does not hold the elected tensors afterwards");
+    }
+    revisions_[a.group] = revision;
+    group_state_[a.group] = a.elected;
+    shapes_[a.group] = a.elected;  // the model definition the group now has (for newcomers)
   }
 
   // ------------------------------------------------------------ after every step
@@ -1157,9 +1874,7 @@ class Sim {
 
     // Progress: votes that every live accepted peer has joined are decided at once.
     if (!accepted.empty()) {
-      const bool all_voting = std::all_of(accepted.begin(), accepted.end(), [](const SimPeer* sp) {
-        return sp->wait == Wait::kTopologyVote || sp->wait == Wait::kPending || sp->wait == Wait::kAgree;
-      });
+      const bool all_voting = std::all_of(accepted.begin(), accepted.end(), [](const SimPeer* sp) { return in_vote(sp->wait); });
       require(!all_voting, "every accepted peer waits in a vote and nothing was decided");
       std::map<std::uint32_t, bool> group_all_agree;
       for (const SimPeer* sp : accepted) {
@@ -1169,6 +1884,56 @@ class Sim {
       for (const auto& [group, all] : group_all_agree) {
         require(!all, "every accepted peer of group " + std::to_string(group) + " voted agree and nothing was decided");
       }
+    }
+    // Shared-state syncs, per group: the accepted peers are all in one transfer or none
+    // is; a transfer that lost a participant has failed; one whose participants all
+    // reported is decided; a vote that every accepted peer joined is decided at once; the
+    // coordinator's revision is the one the peers were told.
+    std::map<std::uint32_t, std::vector<const SimPeer*>> members_of;
+    for (const SimPeer* sp : accepted) members_of[sp->group].push_back(sp);
+    for (const auto& [group, members] : members_of) {
+      std::size_t syncing = 0, voting = 0, reported = 0;
+      for (const SimPeer* sp : members) {
+        syncing += sp->wait == Wait::kSyncing;
+        voting += sp->wait == Wait::kSyncVote;
+        reported += sp->wait == Wait::kSyncing && sp->sync_done_sent;
+      }
+      const std::string g = std::to_string(group);
+      require(syncing == 0 || syncing == members.size(), "group " + g + " is half in a shared-state transfer");
+      require((c_.major_op(group) == MajorOp::kSharedStateSync) == (syncing != 0),
+              "major_op disagrees with the shared-state transfer of group " + g);
+      require(voting < members.size(), "every accepted peer of group " + g + " voted to sync and nothing was decided");
+      // a collective vote can never start while a peer of the group is in a sync or
+      // update-topology vote (that peer may not join it): it has failed at once
+      const bool major_vote = std::any_of(members.begin(), members.end(), [](const SimPeer* sp) {
+        return sp->wait == Wait::kSyncVote || sp->wait == Wait::kTopologyVote;
+      });
+      for (const SimPeer* sp : members) {
+        for (const auto& [tag, c] : sp->collectives) {
+          require(!major_vote || c.performing, "tag " + std::to_string(tag) + " of " + name(*sp) +
+                                                   " is still voted on while a peer of its group waits in a sync or "
+                                                   "topology vote");
+        }
+      }
+      if (syncing == 0) continue;
+      const std::uint64_t attempt = members.front()->plan.attempt;
+      const auto a = sync_attempts_.find(attempt);
+      require(a != sync_attempts_.end(), "group " + g + " transfers in an attempt that was never planned");
+      for (const SimPeer* sp : members) {
+        require(sp->plan.attempt == attempt, "group " + g + " runs two sync attempts at once");
+        require(a->second.participants.count(sp->id) != 0, name(*sp) + " transfers without being a participant");
+      }
+      for (const PeerId& id : a->second.participants) {
+        const SimPeer* participant = by_id(id);
+        require(participant != nullptr && participant->open,
+                "sync attempt " + std::to_string(attempt) + " lost participant " + id.to_string() + " and still runs");
+      }
+      require(reported < members.size(), "every participant of sync attempt " + std::to_string(attempt) +
+                                              " reported OK and the sync was not decided");
+    }
+    for (const std::uint32_t group : groups_) {
+      require(c_.revision(group) == known_revision(group),
+              "coordinator.revision(" + std::to_string(group) + ") differs from the revision the peers were told");
     }
     // Progress: an establishment whose participants all reported is decided at once.
     bool any_participant = false;
@@ -1204,6 +1969,12 @@ class Sim {
     bool lost = false;  // an accepted member of the group was lost meanwhile
   };
   std::map<std::uint32_t, AgreeRound> agree_rounds_;
+  // shared state
+  std::map<std::uint32_t, std::vector<p::TensorEntry>> shapes_;       // each group's tensors (for newcomers)
+  std::map<std::uint32_t, std::uint64_t> revisions_;                  // R per group, as the peers were told
+  std::map<std::uint32_t, std::vector<p::TensorEntry>> group_state_;  // the elected tensors at R (a "checkpoint")
+  std::map<std::uint64_t, SyncAttempt> sync_attempts_;                // planned and not yet ended
+  std::uint64_t max_attempt_ = 0;                                     // the last attempt number given out
   std::deque<std::string> log_;
   bool verbose_ = env_u64("LOCKSTEP_SIM_VERBOSE").value_or(0) != 0;
   Stats stats_;
@@ -1246,6 +2017,17 @@ TEST(CoordinatorRandom, SeededRuns) {
     total.blamed += s.blamed;
     total.collectives_ok += s.collectives_ok;
     total.collectives_failed += s.collectives_failed;
+    total.syncs_ok += s.syncs_ok;
+    total.syncs_failed += s.syncs_failed;
+    total.syncs_hash_mismatch += s.syncs_hash_mismatch;
+    total.sync_unavailable += s.sync_unavailable;
+    total.sync_mismatches += s.sync_mismatches;
+    total.revision_violations += s.revision_violations;
+    total.state_mismatches += s.state_mismatches;
+    total.sync_stragglers += s.sync_stragglers;
+    total.sync_decisions_with_removals += s.sync_decisions_with_removals;
+    total.sync_receivers += s.sync_receivers;
+    total.sync_split_fetches += s.sync_split_fetches;
   }
   std::ostringstream summary;
   summary << seeds.size() << " seeds x " << steps << " steps: accepted " << total.accepted << ", topology ok "
@@ -1255,7 +2037,13 @@ TEST(CoordinatorRandom, SeededRuns) {
           << ", rejected " << total.rejected << ", protocol errors " << total.protocol_errors << "; removed for silence "
           << total.heartbeat_kicks << ", as vote stragglers " << total.straggler_kicks << ", for not reporting p2p "
           << total.establish_timeouts << ", blamed for p2p failures " << total.blamed << "; collectives ok "
-          << total.collectives_ok << " / failed " << total.collectives_failed;
+          << total.collectives_ok << " / failed " << total.collectives_failed << "; syncs ok " << total.syncs_ok
+          << " / failed " << total.syncs_failed << " (hash mismatch " << total.syncs_hash_mismatch
+          << "), no shared state available " << total.sync_unavailable << ", sync votes mismatched "
+          << total.sync_mismatches << ", decisions with removals " << total.sync_decisions_with_removals
+          << " (revision violations " << total.revision_violations << ", shared-state mismatches "
+          << total.state_mismatches << "), sync vote stragglers " << total.sync_stragglers << ", receiving plans "
+          << total.sync_receivers << ", tensors split over sources " << total.sync_split_fetches;
   std::cout << summary.str() << "\n";
   if (!failed.empty()) {
     std::ostringstream list;
@@ -1282,6 +2070,16 @@ TEST(CoordinatorRandom, SeededRuns) {
     EXPECT_GT(total.blamed, 0);
     EXPECT_GT(total.collectives_ok, 0);
     EXPECT_GT(total.collectives_failed, 0);
+    EXPECT_GT(total.syncs_ok, 0);
+    EXPECT_GT(total.syncs_failed, 0);
+    EXPECT_GT(total.syncs_hash_mismatch, 0);
+    EXPECT_GT(total.sync_unavailable, 0);
+    EXPECT_GT(total.sync_mismatches, 0);
+    EXPECT_GT(total.revision_violations, 0);
+    EXPECT_GT(total.state_mismatches, 0);
+    EXPECT_GT(total.sync_stragglers, 0);
+    EXPECT_GT(total.sync_receivers, 0);
+    EXPECT_GT(total.sync_split_fetches, 0);
   }
 }
 

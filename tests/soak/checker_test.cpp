@@ -1,0 +1,256 @@
+// The soak's checker on invented lines and times: every assertion fires on the fault it
+// is meant to catch and stays quiet on the legitimate outcomes around it (an evicted
+// peer's late or fatal reports, a lone worker, a killed worker).
+#include "checker.h"
+
+#include <lockstep/lockstep.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <string>
+
+namespace lockstep::soak {
+namespace {
+
+using nlohmann::json;
+
+constexpr std::int64_t kStart = 1'000'000;
+
+CheckerConfig config() {
+  CheckerConfig c;
+  c.heartbeat_timeout_ms = 1000;
+  c.stall_margin_ms = 10'000;
+  c.progress_window_ms = 20'000;
+  c.exit_margin_ms = 5'000;
+  c.outcome_skew_ms = 2'000;
+  return c;
+}
+
+std::string sync_line(const std::string& name, std::uint64_t revision, const std::string& hash,
+                      const std::string& strategy = "popular") {
+  return json{{"name", name}, {"ev", "sync"}, {"revision", revision}, {"hash", hash}, {"strategy", strategy}}.dump();
+}
+
+std::string reduce_line(const std::string& name, std::uint64_t tag, std::uint64_t attempt, int code,
+                        const std::string& checksum, std::uint64_t world, std::int64_t end_ms, bool restored = true) {
+  json j = {{"name", name}, {"ev", "allreduce"}, {"tag", tag},       {"attempt", attempt},
+            {"code", code}, {"world", world},    {"end_ms", end_ms}};
+  if (code == LOCKSTEP_OK) {
+    j["checksum"] = checksum;
+  } else {
+    j["restored"] = restored;
+  }
+  return j.dump();
+}
+
+std::string exit_line(const std::string& name, int code) {
+  return json{{"name", name}, {"ev", "exit"}, {"op", "sync"}, {"code", code}, {"error", "why"}}.dump();
+}
+
+std::string kinds(const Checker& c) {
+  std::string out;
+  for (const auto& v : c.violations()) out += v.kind + ": " + v.text + "\n";
+  return out;
+}
+
+TEST(SoakChecker, EqualHashesPassAndADivergentOneIsReported) {
+  Checker c(config(), kStart);
+  c.spawned("a", kStart);
+  c.spawned("b", kStart);
+  c.line("a", sync_line("a", 1, "h1"), kStart + 10);
+  c.line("b", sync_line("b", 1, "h1"), kStart + 10);
+  c.line("a", sync_line("a", 2, "h2"), kStart + 20);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  c.line("b", sync_line("b", 2, "h2-other"), kStart + 20);
+  ASSERT_EQ(c.violations().size(), 1u);
+  EXPECT_EQ(c.violations()[0].kind, "parity");
+  EXPECT_EQ(c.max_revision(), 2u);
+  EXPECT_EQ(c.syncs_reported(), 4u);
+}
+
+TEST(SoakChecker, RevisionsAdvanceByExactlyOneAfterTheFirstSync) {
+  Checker c(config(), kStart);
+  c.spawned("n", kStart);
+  c.line("n", sync_line("n", 40, "h", "receive"), kStart + 1);  // a newcomer adopts the group's
+  c.line("n", sync_line("n", 41, "h2"), kStart + 2);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  EXPECT_EQ(c.newcomer_syncs(), 1u);
+  c.line("n", sync_line("n", 43, "h3"), kStart + 3);
+  ASSERT_EQ(c.violations().size(), 1u);
+  EXPECT_EQ(c.violations()[0].kind, "revision");
+}
+
+TEST(SoakChecker, OneOutcomePerAttempt) {
+  Checker c(config(), kStart);
+  for (const char* n : {"a", "b", "c", "d"}) c.spawned(n, kStart);
+  // Same success everywhere.
+  c.line("a", reduce_line("a", 7, 1, LOCKSTEP_OK, "x", 4, kStart + 5), kStart + 5);
+  c.line("b", reduce_line("b", 7, 1, LOCKSTEP_OK, "x", 4, kStart + 5), kStart + 5);
+  // An evicted peer's fatal status does not count against the others' success.
+  c.line("c", reduce_line("c", 7, 1, LOCKSTEP_STATUS_KICKED, "", 0, kStart + 5), kStart + 5);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  EXPECT_EQ(c.allreduces_completed(), 1u);
+  // A different checksum for the same attempt.
+  c.line("d", reduce_line("d", 7, 1, LOCKSTEP_OK, "y", 4, kStart + 5), kStart + 5);
+  ASSERT_EQ(c.violations().size(), 1u);
+  EXPECT_EQ(c.violations()[0].kind, "allreduce");
+  // A failure for some and a success for others.
+  c.line("a", reduce_line("a", 8, 1, LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "", 0, kStart + 6), kStart + 6);
+  c.line("b", reduce_line("b", 8, 1, LOCKSTEP_OK, "z", 3, kStart + 6), kStart + 6);
+  ASSERT_EQ(c.violations().size(), 2u);
+  EXPECT_EQ(c.violations()[1].kind, "allreduce");
+  // The retry is a different attempt.
+  c.line("a", reduce_line("a", 8, 2, LOCKSTEP_OK, "z", 3, kStart + 7), kStart + 7);
+  c.line("b", reduce_line("b", 8, 2, LOCKSTEP_OK, "z", 3, kStart + 7), kStart + 7);
+  EXPECT_EQ(c.violations().size(), 2u) << kinds(c);
+}
+
+TEST(SoakChecker, AFailedAllReduceMustRestoreItsBuffer) {
+  Checker c(config(), kStart);
+  c.spawned("a", kStart);
+  c.line("a", reduce_line("a", 3, 1, LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "", 0, kStart, true), kStart);
+  EXPECT_TRUE(c.ok());
+  c.line("a", reduce_line("a", 4, 1, LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "", 0, kStart, false), kStart);
+  ASSERT_EQ(c.violations().size(), 1u);
+  EXPECT_EQ(c.violations()[0].kind, "restore");
+}
+
+TEST(SoakChecker, ThePeersOfAnAttemptLearnItsOutcomeTogether) {
+  Checker c(config(), kStart);
+  for (const char* n : {"a", "b", "s"}) c.spawned(n, kStart);
+  const int lost = LOCKSTEP_STATUS_PEER_CONNECTION_LOST;
+  c.line("a", reduce_line("a", 5, 1, lost, "", 0, kStart + 100), kStart + 100);
+  c.line("b", reduce_line("b", 5, 1, lost, "", 0, kStart + 1900), kStart + 1900);  // within 2 s
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  // A stopped peer learns it late: not counted.
+  c.stopped("s", kStart + 50);
+  c.line("s", reduce_line("s", 5, 1, lost, "", 0, kStart + 9000), kStart + 9000);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  // An active survivor that learns it 5 s after the others.
+  c.line("a", reduce_line("a", 6, 1, lost, "", 0, kStart + 10'000), kStart + 10'000);
+  c.line("b", reduce_line("b", 6, 1, lost, "", 0, kStart + 15'000), kStart + 15'000);
+  ASSERT_EQ(c.violations().size(), 1u);
+  EXPECT_EQ(c.violations()[0].kind, "outcome_skew");
+  EXPECT_EQ(c.outcome_skews(), 1u);
+  EXPECT_EQ(c.largest_outcome_skew_ms(), 5000);
+}
+
+TEST(SoakChecker, AStallCountsOnlyWhileTwoWorkersAreActive) {
+  Checker c(config(), kStart);
+  c.spawned("a", kStart);
+  c.line("a", sync_line("a", 1, "h"), kStart + 19'000);
+  c.tick(kStart + 30'000);  // alone for 30 s: waiting for peers is no stall
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  c.spawned("b", kStart + 30'000);
+  c.tick(kStart + 35'000);
+  c.line("a", sync_line("a", 2, "h2"), kStart + 35'000);
+  c.line("b", sync_line("b", 2, "h2", "receive"), kStart + 35'000);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  EXPECT_EQ(c.longest_stall_ms(), 5000);
+  // b stops making progress while a goes on.
+  for (std::int64_t t = 36'000; t <= 46'000; t += 1000) {
+    c.line("a", sync_line("a", static_cast<std::uint64_t>(3 + (t - 36'000) / 1000), "h" + std::to_string(t)),
+           kStart + t);
+    c.tick(kStart + t);
+  }
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  c.tick(kStart + 46'001);
+  ASSERT_EQ(c.violations().size(), 1u);
+  EXPECT_EQ(c.violations()[0].kind, "stall");
+  EXPECT_EQ(c.longest_stall_worker(), "b");
+}
+
+TEST(SoakChecker, TheHighestRevisionMustGrowWithinTheWindow) {
+  Checker c(config(), kStart);
+  c.spawned("a", kStart);
+  c.line("a", sync_line("a", 1, "h"), kStart + 1000);
+  c.tick(kStart + 21'000);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  c.tick(kStart + 21'001);
+  ASSERT_EQ(c.violations().size(), 1u);
+  EXPECT_EQ(c.violations()[0].kind, "progress");
+  EXPECT_EQ(c.longest_revision_gap_ms(kStart + 25'000), 24'000);
+}
+
+TEST(SoakChecker, AResumedWorkerMustFailFastWithAnEvictionStatus) {
+  Checker c(config(), kStart);
+  for (const char* n : {"a", "b", "c"}) c.spawned(n, kStart);
+  c.stopped("a", kStart + 100);
+  EXPECT_EQ(c.active().size(), 2u);
+  c.resumed("a", kStart + 2000);
+  c.line("a", exit_line("a", LOCKSTEP_STATUS_KICKED), kStart + 2010);
+  c.exited("a", 3, kStart + 2011);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  EXPECT_EQ(c.longest_resume_exit_ms(), 11);
+  EXPECT_TRUE(c.unexpected_exits().empty());
+  // One that goes on after its resumption.
+  c.stopped("b", kStart + 3000);
+  c.resumed("b", kStart + 5000);
+  c.tick(kStart + 11'000);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  c.tick(kStart + 11'001);
+  ASSERT_EQ(c.violations().size(), 1u);
+  EXPECT_EQ(c.violations()[0].kind, "resume");
+  // One that ends with a status an evicted peer never gets.
+  c.spawned("d", kStart + 12'000);
+  c.stopped("d", kStart + 12'000);
+  c.resumed("d", kStart + 14'000);
+  c.line("d", exit_line("d", LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED), kStart + 14'001);
+  ASSERT_EQ(c.violations().size(), 2u);
+  EXPECT_EQ(c.violations()[1].kind, "resume");
+}
+
+TEST(SoakChecker, CrashesAndForbiddenStatusesAreViolationsEvictionsAreNot) {
+  Checker c(config(), kStart);
+  for (const char* n : {"a", "b", "c", "d", "e"}) c.spawned(n, kStart);
+  c.killed("a", kStart + 1);  // SIGKILL by the orchestrator
+  c.exited("a", 137, kStart + 2);
+  // An active worker evicted on its own: reported, not a violation.
+  c.line("b", exit_line("b", LOCKSTEP_STATUS_KICKED), kStart + 3);
+  c.exited("b", 3, kStart + 3);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  ASSERT_EQ(c.unexpected_exits().size(), 1u);
+  // A crash.
+  c.exited("c", 134, kStart + 4);
+  ASSERT_EQ(c.violations().size(), 1u);
+  EXPECT_EQ(c.violations()[0].kind, "crash");
+  // A status a correct program never sees.
+  c.line("d", exit_line("d", LOCKSTEP_STATUS_REVISION_VIOLATION), kStart + 5);
+  c.line("e", json{{"name", "e"}, {"ev", "unexpected"}, {"op", "sync"}, {"code", 16}}.dump(), kStart + 5);
+  ASSERT_EQ(c.violations().size(), 3u);
+  EXPECT_EQ(c.violations()[1].kind, "status");
+  EXPECT_EQ(c.violations()[2].kind, "status");
+  // A clean end after SIGTERM.
+  c.exited("e", 0, kStart + 6, /*shutting_down=*/true);
+  EXPECT_EQ(c.violations().size(), 3u);
+}
+
+TEST(SoakChecker, LostStateAndGarbledOutputAreViolations) {
+  Checker c(config(), kStart);
+  c.spawned("a", kStart);
+  c.line("a", json{{"name", "a"}, {"ev", "sync_retry"}, {"code", LOCKSTEP_STATUS_PEER_CONNECTION_LOST}}.dump(), kStart);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  c.line("a", json{{"name", "a"}, {"ev", "sync_retry"}, {"code", LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE}}.dump(),
+         kStart);
+  c.line("a", "not json", kStart);
+  ASSERT_EQ(c.violations().size(), 2u);
+  EXPECT_EQ(c.violations()[0].kind, "state");
+  EXPECT_EQ(c.violations()[1].kind, "output");
+}
+
+TEST(SoakChecker, HoldersAreTheActiveWorkersThatSynced) {
+  Checker c(config(), kStart);
+  for (const char* n : {"a", "b", "c"}) c.spawned(n, kStart);
+  c.line("a", sync_line("a", 1, "h"), kStart);
+  c.line("b", sync_line("b", 1, "h"), kStart);
+  EXPECT_EQ(c.active_holders(), (std::set<std::string>{"a", "b"}));
+  c.stopped("b", kStart + 1);
+  EXPECT_EQ(c.active_holders(), (std::set<std::string>{"a"}));
+  EXPECT_EQ(c.active(), (std::set<std::string>{"a", "c"}));
+  EXPECT_TRUE(c.has_synced("b"));
+  EXPECT_FALSE(c.has_synced("c"));
+}
+
+}  // namespace
+}  // namespace lockstep::soak

@@ -1,0 +1,183 @@
+// The soak's live assertions, as a pure object: the orchestrator feeds it what it
+// does to the workers and every JSON line they print, each with a monotonic time in
+// milliseconds, and asks it for violations. No clock, no IO, no processes: a test can
+// drive it with invented lines and times (tests/soak/checker_test.cpp).
+//
+// What it asserts (docs/soak.md):
+//  (a) parity: every worker that reports a revision reports the same state hash;
+//      a worker's revisions advance by exactly one per successful sync;
+//  (b) one outcome: every report of the same all-reduce attempt (tag, attempt number)
+//      has the same status, and successes the same world size and checksum; a failed
+//      all-reduce left its buffer exactly as it was; and every active peer of the
+//      attempt learns the outcome within outcome_skew_ms of the others (the master
+//      ends an attempt for all participants at once);
+//  (c) no stall: no active worker (running, not stopped) goes without progress (a
+//      successful sync or all-reduce) for longer than the heartbeat timeout plus a
+//      margin while at least two workers are active;
+//  (e) the run advances: the highest revision grows within every progress window;
+//  plus: a worker resumed after being stopped past the heartbeat timeout exits within
+//  the heartbeat timeout plus a margin, with the status of an evicted peer; no worker
+//  reports a status that a correct program never sees; no worker crashes.
+// (d), the master's memory, is measured by the orchestrator.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace lockstep::soak {
+
+struct CheckerConfig {
+  std::int64_t heartbeat_timeout_ms = 1000;
+  // (c): a stall longer than heartbeat_timeout_ms + stall_margin_ms is a violation.
+  std::int64_t stall_margin_ms = 10'000;
+  // (e): the highest revision must grow within every window of this length.
+  std::int64_t progress_window_ms = 20'000;
+  // A resumed worker must exit within heartbeat_timeout_ms + exit_margin_ms.
+  std::int64_t exit_margin_ms = 5'000;
+  // (b) one outcome at once: the peers of one all-reduce attempt learn its outcome within
+  // this long of each other (0: not checked).
+  std::int64_t outcome_skew_ms = 2'000;
+  // Revisions and tags this far below the newest are forgotten (bounded memory).
+  std::uint64_t history = 100'000;
+};
+
+struct Violation {
+  std::int64_t t_ms = 0;
+  // parity, revision, allreduce, outcome_skew, restore, stall, progress, resume, status, state, crash, output,
+  // or one of the orchestrator's: master, memory, shutdown
+  std::string kind;
+  std::string text;
+};
+
+// Statuses after which a communicator is finished (docs/errors.md).
+bool finished_status(int code);
+// Statuses an evicted (stopped, then resumed) peer may end with.
+bool eviction_status(int code);
+
+class Checker {
+ public:
+  explicit Checker(CheckerConfig config, std::int64_t start_ms);
+
+  // What the orchestrator does to the workers.
+  void spawned(const std::string& name, std::int64_t now_ms);
+  void stopped(const std::string& name, std::int64_t now_ms);
+  void resumed(const std::string& name, std::int64_t now_ms);
+  // The worker was SIGKILLed by the orchestrator (its end needs no explanation).
+  void killed(const std::string& name, std::int64_t now_ms);
+  // The worker exited on its own: exit_code as from a shell (128+signal for a signal).
+  // During the final shutdown (SIGTERM) pass shutting_down = true.
+  void exited(const std::string& name, int exit_code, std::int64_t now_ms, bool shutting_down = false);
+
+  // One line a worker printed on stdout.
+  void line(const std::string& name, const std::string& text, std::int64_t now_ms);
+  // Periodic checks (stall, progress, resumed workers' deadlines).
+  void tick(std::int64_t now_ms);
+
+  // An assertion the orchestrator makes itself (master crash, memory, shutdown).
+  void fail(const std::string& kind, const std::string& text, std::int64_t now_ms);
+
+  const std::vector<Violation>& violations() const { return violations_; }
+  bool ok() const { return violations_.empty(); }
+
+  // Figures for the summary.
+  std::uint64_t max_revision() const { return max_revision_; }
+  std::uint64_t syncs_reported() const { return syncs_; }
+  std::uint64_t allreduce_attempts_ok() const { return allreduces_ok_reports_; }
+  std::uint64_t allreduces_completed() const { return tags_completed_; }
+  std::uint64_t allreduce_failures_reported() const { return allreduce_failures_; }
+  std::uint64_t newcomer_syncs() const { return newcomer_syncs_; }
+  // Attempts whose participants learned the outcome further apart than outcome_skew_ms,
+  // and the largest such spread.
+  std::uint64_t outcome_skews() const { return outcome_skews_; }
+  std::int64_t largest_outcome_skew_ms() const { return largest_outcome_skew_ms_; }
+  std::int64_t longest_stall_ms() const { return longest_stall_ms_; }
+  const std::string& longest_stall_worker() const { return longest_stall_worker_; }
+  // When the longest stall began, in ms after the start.
+  std::int64_t longest_stall_from_ms() const { return longest_stall_from_ms_ - start_ms_; }
+  std::int64_t longest_resume_exit_ms() const { return longest_resume_exit_ms_; }
+  // The longest time the highest revision did not grow, up to now_ms.
+  std::int64_t longest_revision_gap_ms(std::int64_t now_ms) const {
+    return std::max(longest_revision_gap_ms_, now_ms - max_revision_ms_);
+  }
+  // Workers that ended on their own although nothing was done to them, with why.
+  const std::vector<std::string>& unexpected_exits() const { return unexpected_exits_; }
+  // Workers that are active (running and not stopped), by name.
+  std::set<std::string> active() const;
+  // Workers that reported at least one successful sync and are active.
+  std::set<std::string> active_holders() const;
+  bool has_synced(const std::string& name) const;
+
+ private:
+  enum class Life { kActive, kStopped, kResumed, kGone };
+  struct Worker {
+    Life life = Life::kActive;
+    std::int64_t spawned_ms = 0;
+    std::int64_t last_progress_ms = 0;
+    std::int64_t resumed_ms = 0;
+    std::optional<std::uint64_t> revision;  // of its last successful sync
+    std::optional<int> exit_status;          // from its "exit" line
+    std::string exit_text;
+    bool killed = false;
+    bool resume_reported = false;
+    bool no_state_reported = false;
+  };
+  struct SyncRecord {
+    std::string hash;
+    std::string reporter;
+  };
+  struct ReduceRecord {
+    int code = 0;
+    std::uint64_t world = 0;
+    std::string checksum;
+    std::string reporter;
+    // The first and last moments an active peer saw the attempt end, and who.
+    std::int64_t first_end_ms = 0;
+    std::int64_t last_end_ms = 0;
+    std::string first_ender;
+    std::string last_ender;
+    bool skew_reported = false;
+  };
+
+  void on_sync(Worker& w, const std::string& name, const nlohmann::json& j, std::int64_t now_ms);
+  void on_allreduce(Worker& w, const std::string& name, const nlohmann::json& j, std::int64_t now_ms);
+  void on_exit_line(Worker& w, const std::string& name, const nlohmann::json& j, std::int64_t now_ms);
+  void add(const std::string& kind, const std::string& text, std::int64_t now_ms);
+  void update_condition(std::int64_t now_ms);
+  std::size_t active_count() const;
+
+  CheckerConfig config_;
+  std::int64_t start_ms_ = 0;
+  std::map<std::string, Worker> workers_;
+  std::map<std::uint64_t, SyncRecord> revisions_;
+  std::map<std::pair<std::uint64_t, std::uint64_t>, ReduceRecord> attempts_;
+  std::set<std::uint64_t> completed_tags_;
+  std::vector<Violation> violations_;
+  std::vector<std::string> unexpected_exits_;
+  // (c): since when at least two workers have been active (unset: fewer now).
+  std::optional<std::int64_t> two_active_since_;
+  std::uint64_t max_revision_ = 0;
+  std::int64_t max_revision_ms_ = 0;
+  bool progress_reported_ = false;
+  bool stall_reported_ = false;
+  std::uint64_t syncs_ = 0;
+  std::uint64_t newcomer_syncs_ = 0;
+  std::uint64_t outcome_skews_ = 0;
+  std::int64_t largest_outcome_skew_ms_ = 0;
+  std::uint64_t allreduces_ok_reports_ = 0;
+  std::uint64_t allreduce_failures_ = 0;
+  std::uint64_t tags_completed_ = 0;
+  std::int64_t longest_stall_ms_ = 0;
+  std::string longest_stall_worker_;
+  std::int64_t longest_stall_from_ms_ = 0;
+  std::int64_t longest_resume_exit_ms_ = 0;
+  std::int64_t longest_revision_gap_ms_ = 0;
+};
+
+}  // namespace lockstep::soak

@@ -1,0 +1,104 @@
+// lockstep-soak: the chaos soak (docs/soak.md).
+//   lockstep-soak run [--seconds 150] [--peers 4..6] [--seed S] [--heartbeat-timeout-ms 1000] ...
+//   lockstep-soak worker --master HOST:PORT --name N [--bootstrap] ...   (started by run)
+#include "soak.h"
+
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <string>
+#include <unistd.h>
+
+namespace {
+
+std::string self_path(const char* argv0) {
+  char self[4096] = {};
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+  return n > 0 ? std::string(self, static_cast<std::size_t>(n)) : std::string(argv0);
+}
+
+// "4..6" (start with 4, keep at most 6) or "5" (start with 5, at most 5 + 2).
+bool parse_peers(const std::string& text, std::uint32_t* initial, std::uint32_t* max) {
+  try {
+    const auto dots = text.find("..");
+    if (dots == std::string::npos) {
+      *initial = static_cast<std::uint32_t>(std::stoul(text));
+      *max = *initial + 2;
+    } else {
+      *initial = static_cast<std::uint32_t>(std::stoul(text.substr(0, dots)));
+      *max = static_cast<std::uint32_t>(std::stoul(text.substr(dots + 2)));
+    }
+  } catch (const std::exception&) {
+    return false;
+  }
+  return *initial >= 2 && *max >= *initial && *max <= 64;
+}
+
+void add_worker_options(CLI::App* app, lockstep::soak::WorkerOptions& w) {
+  app->add_option("--state-elements", w.state_elements, "f32 elements of each shared-state tensor (weights, momentum)")
+      ->capture_default_str();
+  app->add_option("--reduce-elements", w.reduce_elements, "f32 elements of each all-reduce")->capture_default_str();
+  app->add_option("--reduces", w.reduces, "concurrent all-reduces per step")->capture_default_str();
+  app->add_option("--compute-ms", w.compute_ms, "time each step spends computing (a sleep)")->capture_default_str();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"lockstep-soak: a chaos soak of lockstep with real processes (docs/soak.md)"};
+  app.require_subcommand(1);
+
+  lockstep::soak::WorkerOptions worker;
+  CLI::App* w = app.add_subcommand("worker", "a training-like peer (started by `run`)");
+  w->add_option("--master", worker.master, "HOST:PORT of the master")->required();
+  w->add_option("--name", worker.name, "name printed in every line")->required();
+  w->add_option("--seed", worker.seed, "seed of every deterministic value")->capture_default_str();
+  w->add_flag("--bootstrap", worker.bootstrap, "present the initial state at the first sync (the run's first workers)");
+  w->add_flag("--keep-going", worker.keep_going,
+              "after an unexpected status of connect or update_topology (reported), call it again");
+  w->add_option("--connect-timeout-ms", worker.connect_timeout_ms, "timeout to reach the master")->capture_default_str();
+  add_worker_options(w, worker);
+
+  lockstep::soak::RunOptions run;
+  std::string peers = "4..6";
+  CLI::App* r = app.add_subcommand("run", "the orchestrator: a master, workers and chaos, checked live");
+  r->add_option("--seconds", run.seconds, "length of the chaos (hours are fine)")->capture_default_str();
+  r->add_option("--peers", peers, "workers at the start .. at most (at least 2 are kept alive)")->capture_default_str();
+  r->add_option("--seed", run.seed, "seed of the events and the workers' values (0: random; always printed)");
+  r->add_option("--heartbeat-timeout-ms", run.heartbeat_timeout_ms, "the master's heartbeat timeout")
+      ->check(CLI::Range(100u, 600'000u))
+      ->capture_default_str();
+  r->add_option("--event-min-ms", run.event_min_ms, "shortest pause between two events")->capture_default_str();
+  r->add_option("--event-max-ms", run.event_max_ms, "longest pause between two events")->capture_default_str();
+  r->add_option("--stall-margin-ms", run.stall_margin_ms,
+                "a worker without progress for the heartbeat timeout plus this is a violation")
+      ->capture_default_str();
+  r->add_option("--exit-margin-ms", run.exit_margin_ms,
+                "a resumed (evicted) worker must exit within the heartbeat timeout plus this")
+      ->capture_default_str();
+  r->add_option("--progress-window-ms", run.progress_window_ms,
+                "the highest revision must grow within every window this long (at least 3 heartbeat timeouts)")
+      ->capture_default_str();
+  r->add_option("--outcome-skew-ms", run.outcome_skew_ms,
+                "the peers of one all-reduce attempt must learn its outcome within this long of each other (0: off)")
+      ->capture_default_str();
+  r->add_option("--rss-growth-mib", run.rss_growth_limit_mib,
+                "allowed growth of the master's RSS from the first minute (30 s for runs under 2 min) to the end")
+      ->capture_default_str();
+  r->add_option("--log-dir", run.log_dir, "where the master's, workers' and the soak's logs go (default: a new /tmp dir)");
+  r->add_flag("--keep-going", run.keep_going, "go on after the first violation");
+  r->add_flag("--trace", run.trace, "also write every worker line to LOG_DIR/trace.jsonl");
+  add_worker_options(r, run.worker);
+
+  CLI11_PARSE(app, argc, argv);
+  if (w->parsed()) return lockstep::soak::run_worker(worker);
+  if (!parse_peers(peers, &run.peers_initial, &run.peers_max)) {
+    std::fprintf(stderr, "--peers must be N or MIN..MAX with 2 <= MIN <= MAX <= 64\n");
+    return 2;
+  }
+  if (run.event_min_ms == 0 || run.event_max_ms < run.event_min_ms) {
+    std::fprintf(stderr, "--event-min-ms must be positive and at most --event-max-ms\n");
+    return 2;
+  }
+  return lockstep::soak::run_soak(run, self_path(argv[0]));
+}

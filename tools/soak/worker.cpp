@@ -1,0 +1,410 @@
+// The soak's worker: a training-like peer that uses only the public C API.
+//
+// The loop (docs/architecture.md, "The application loop"), with the sync first so that
+// a newcomer, whose connect returns where the accepted peers' update_topology returns,
+// starts every step at the same point as the others:
+//
+//   connect
+//   loop:
+//     if the group has >= 2 peers:
+//       sync the shared state (a newcomer: receive-only at revision 0; the others:
+//         enforce-popular at the revision they advanced to); retry on
+//         PEER_CONNECTION_LOST / HASH_MISMATCH; now every peer holds revision R
+//       "compute" (a sleep), then K concurrent async all-reduces of values derived
+//         from (seed, R, k, rank), tags R*K+k; those that fail with
+//         PEER_CONNECTION_LOST are retried with the survivors
+//       weights, momentum, steps += f(results); revision R+1 (synced next step)
+//     are-peers-pending -> update topology (retried while UPDATE_TOPOLOGY_FAILED)
+//
+// Every line on stdout is one JSON object with "ev": sync (after every successful
+// sync: revision, hash of the whole state, world, t_ms), allreduce (after every
+// attempt: tag, attempt, status, world, checksum of the result or whether the buffer
+// was restored), topology, sync_retry, exit (the communicator is finished: why),
+// unexpected (a status a correct program never sees), stop (SIGTERM: a clean end).
+// Exit status: 0 after SIGTERM, 3 after "exit", 4 after "unexpected", 2 bad usage.
+// With --keep-going an unexpected status of connect or update_topology is reported and
+// the call made again (with a new communicator for connect), so that a long run goes on
+// looking for more after a first finding.
+#include "soak.h"
+
+#include <lockstep/lockstep.h>
+
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <pthread.h>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+namespace lockstep::soak {
+namespace {
+
+using nlohmann::json;
+
+std::atomic<bool> g_stop{false};
+
+std::uint64_t mix(std::uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Deterministic f32 values in [-0.5, 0.5) from a key (splitmix64 stream).
+void fill(std::vector<float>& out, std::uint64_t key) {
+  std::uint64_t x = mix(key);
+  for (auto& v : out) {
+    x += 0x9e3779b97f4a7c15ull;
+    const auto bits = static_cast<std::uint32_t>(mix(x) >> 40);  // 24 bits
+    v = static_cast<float>(bits) * (1.0f / 16777216.0f) - 0.5f;
+  }
+}
+
+std::string hash_of(const void* data, std::size_t bytes) {
+  char hex[33] = {};
+  lockstep_hash(data, bytes, hex);
+  return hex;
+}
+
+bool finished(lockstep_status_t s) {
+  switch (s) {
+    case LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED:
+    case LOCKSTEP_STATUS_MASTER_CONNECTION_LOST:
+    case LOCKSTEP_STATUS_KICKED:
+    case LOCKSTEP_STATUS_REJECTED:
+    case LOCKSTEP_STATUS_PROTOCOL_ERROR:
+    case LOCKSTEP_STATUS_REVISION_VIOLATION:
+    case LOCKSTEP_STATUS_SHARED_STATE_MISMATCH:
+    case LOCKSTEP_STATUS_INTERRUPTED:
+      return true;
+    default:
+      return false;
+  }
+}
+
+class Worker {
+ public:
+  explicit Worker(const WorkerOptions& o)
+      : o_(o),
+        weights_(o.state_elements),
+        momentum_(o.state_elements, 0.0f),
+        steps_(1, 0),
+        buffers_(o.reduces, std::vector<float>(o.reduce_elements)),
+        expected_(o.reduce_elements) {
+    fill(weights_, o.seed ^ 0x5eedull);
+  }
+  ~Worker() { lockstep_comm_destroy(comm_); }
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  int run() {
+    const auto colon = o_.master.rfind(':');
+    if (colon == std::string::npos) {
+      std::fprintf(stderr, "--master must be HOST:PORT\n");
+      return 2;
+    }
+    host_ = o_.master.substr(0, colon);
+    json started = line("start");
+    started["pid"] = static_cast<std::int64_t>(::getpid());
+    started["bootstrap"] = o_.bootstrap;
+    emit(started);
+    lockstep_comm_config_t config;
+    lockstep_comm_config_init(&config);
+    config.master_host = host_.c_str();
+    config.master_port = static_cast<std::uint16_t>(std::stoi(o_.master.substr(colon + 1)));
+    config.base_port = 0;
+    config.connect_timeout_ms = o_.connect_timeout_ms;
+    lockstep_status_t s = lockstep_comm_create(&config, &comm_);
+    if (s != LOCKSTEP_OK) return end("create", s);
+    for (int tries = 1;; ++tries) {
+      s = lockstep_comm_connect(comm_);
+      if (s == LOCKSTEP_OK) break;
+      if (finished(s) || !o_.keep_going || tries >= 10) return end("connect", s);
+      // --keep-going: report the status, then join again with a new communicator.
+      report_unexpected("connect", s);
+      lockstep_comm_destroy(comm_);
+      comm_ = nullptr;
+      s = lockstep_comm_create(&config, &comm_);
+      if (s != LOCKSTEP_OK) return end("create", s);
+    }
+    json j = line("connected");
+    j["world"] = world();
+    emit(j);
+
+    revision_ = o_.bootstrap ? 1 : 0;
+    while (!g_stop) {
+      if (world() >= 2) {
+        if (int rc = sync(); rc >= 0) return rc;
+        if (g_stop) break;
+        if (o_.compute_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o_.compute_ms));
+        if (int rc = reduce_and_advance(); rc >= 0) return rc;
+        if (g_stop) break;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));  // alone: wait for peers
+      }
+      if (int rc = membership(); rc >= 0) return rc;
+    }
+    emit(line("stop"));
+    return 0;
+  }
+
+ private:
+  json line(const char* ev) const {
+    json j;
+    j["name"] = o_.name;
+    j["ev"] = ev;
+    j["t_ms"] = now_ms();
+    return j;
+  }
+  static void emit(const json& j) {
+    const std::string text = j.dump() + "\n";
+    std::fputs(text.c_str(), stdout);
+    std::fflush(stdout);
+  }
+  void with_status(json& j, lockstep_status_t s) const {
+    j["code"] = static_cast<int>(s);
+    j["status"] = lockstep_status_string(s);
+    if (s != LOCKSTEP_OK && comm_ != nullptr) j["error"] = lockstep_comm_last_error(comm_);
+  }
+  std::int64_t world() const {
+    std::int64_t w = 0;
+    lockstep_comm_get_attribute(comm_, LOCKSTEP_ATTR_PEER_GROUP_WORLD_SIZE, &w);
+    return w;
+  }
+  void report_unexpected(const char* op, lockstep_status_t s) {
+    json j = line("unexpected");
+    j["op"] = op;
+    with_status(j, s);
+    j["revision"] = revision_;
+    j["going_on"] = true;
+    emit(j);
+  }
+  // Ends the worker: 3 if the communicator is finished (an evicted peer, the master
+  // gone), 4 for a status a correct program never sees.
+  int end(const char* op, lockstep_status_t s) {
+    json j = line(finished(s) ? "exit" : "unexpected");
+    j["op"] = op;
+    with_status(j, s);
+    j["revision"] = revision_;
+    emit(j);
+    return finished(s) ? 3 : 4;
+  }
+
+  std::string state_hash() const {
+    const std::string all = hash_of(weights_.data(), weights_.size() * sizeof(float)) +
+                            hash_of(momentum_.data(), momentum_.size() * sizeof(float)) +
+                            hash_of(steps_.data(), steps_.size() * sizeof(std::uint64_t));
+    return hash_of(all.data(), all.size());
+  }
+
+  // Returns -1 to go on, or the process's exit status.
+  int sync() {
+    const lockstep_tensor_t tensors[] = {
+        {"weights", weights_.data(), weights_.size(), LOCKSTEP_F32, LOCKSTEP_DEVICE_CPU, 0},
+        {"momentum", momentum_.data(), momentum_.size(), LOCKSTEP_F32, LOCKSTEP_DEVICE_CPU, 0},
+        {"steps", steps_.data(), steps_.size(), LOCKSTEP_U64, LOCKSTEP_DEVICE_CPU, 0},
+    };
+    const bool receive = !synced_ && !o_.bootstrap;
+    for (std::uint64_t attempt = 1;; ++attempt) {
+      lockstep_shared_state_t state = {revision_, tensors, 3};
+      lockstep_sync_info_t info = {0, 0};
+      const auto start = std::chrono::steady_clock::now();
+      const lockstep_status_t s = lockstep_comm_sync_shared_state(
+          comm_, &state, receive ? LOCKSTEP_SYNC_RECEIVE_ONLY : LOCKSTEP_SYNC_ENFORCE_POPULAR, &info);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      if (s == LOCKSTEP_OK) {
+        revision_ = state.revision;
+        synced_ = true;
+        json j = line("sync");
+        j["revision"] = revision_;
+        j["hash"] = state_hash();
+        j["world"] = world();
+        j["strategy"] = receive ? "receive" : "popular";
+        j["attempt"] = attempt;
+        j["bytes_received"] = info.bytes_received;
+        j["bytes_sent"] = info.bytes_sent;
+        j["steps"] = steps_[0];
+        j["ms"] = ms;
+        emit(j);
+        return -1;
+      }
+      if (finished(s)) return end("sync", s);
+      if (s != LOCKSTEP_STATUS_PEER_CONNECTION_LOST && s != LOCKSTEP_STATUS_HASH_MISMATCH &&
+          s != LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE) {
+        return end("sync", s);
+      }
+      json j = line("sync_retry");
+      j["revision"] = revision_;
+      j["attempt"] = attempt;
+      with_status(j, s);
+      emit(j);
+      if (g_stop) return -1;
+      // Nobody holds the next revision: wait rather than spin (the checker reports it).
+      if (s == LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+
+  std::uint64_t contribution_key(std::uint32_t k) const {
+    return mix(o_.seed) ^ mix(revision_ * 0x100000001b3ull + k) ^ (static_cast<std::uint64_t>(rank_) << 48);
+  }
+
+  int reduce_and_advance() {
+    lockstep_comm_get_rank(comm_, &rank_);
+    const std::uint32_t K = o_.reduces;
+    for (std::uint32_t k = 0; k < K; ++k) fill(buffers_[k], contribution_key(k));
+    std::vector<std::uint64_t> attempts(K, 0);
+    std::vector<bool> done(K, false);
+    lockstep_status_t fatal = LOCKSTEP_OK;
+    const char* fatal_op = "allreduce";
+    for (;;) {
+      std::vector<std::uint32_t> todo;
+      for (std::uint32_t k = 0; k < K; ++k) {
+        if (!done[k]) todo.push_back(k);
+      }
+      if (todo.empty()) break;
+      // Launch every outstanding one, await them in launch order, then retry the
+      // failed ones: by then the master has taken the lost peer out of the ring.
+      std::vector<std::pair<std::uint32_t, lockstep_async_t*>> running;
+      std::vector<lockstep_reduce_desc_t> descs(K);
+      for (const auto k : todo) {
+        descs[k] = lockstep_reduce_desc_t{buffers_[k].data(), buffers_[k].data(), o_.reduce_elements, LOCKSTEP_F32,
+                                          LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, revision_ * K + k};
+        lockstep_async_t* handle = nullptr;
+        ++attempts[k];
+        const lockstep_status_t s = lockstep_comm_all_reduce_async(comm_, &descs[k], &handle);
+        if (s != LOCKSTEP_OK) {
+          if (fatal == LOCKSTEP_OK) fatal = s;
+          fatal_op = "allreduce_async";
+          break;
+        }
+        running.emplace_back(k, handle);
+      }
+      // When each one ends here (polled), so that the checker can compare the moments
+      // at which the peers learn one attempt's outcome.
+      std::vector<std::int64_t> ended(running.size(), 0);
+      const std::int64_t launched = now_ms();
+      for (std::size_t left = running.size(); left > 0;) {
+        for (std::size_t i = 0; i < running.size(); ++i) {
+          int is_done = 0;
+          if (ended[i] == 0 && lockstep_async_poll(running[i].second, &is_done) == LOCKSTEP_OK && is_done) {
+            ended[i] = now_ms();
+            --left;
+          }
+        }
+        if (left > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      for (std::size_t i = 0; i < running.size(); ++i) {
+        const auto [k, handle] = running[i];
+        lockstep_reduce_info_t info = {0, 0, 0};
+        const lockstep_status_t s = lockstep_async_wait(handle, &info);
+        json j = line("allreduce");
+        j["end_ms"] = ended[i];
+        j["ms"] = ended[i] - launched;
+        j["step"] = revision_;
+        j["tag"] = revision_ * K + k;
+        j["attempt"] = attempts[k];
+        with_status(j, s);
+        if (s == LOCKSTEP_OK) {
+          done[k] = true;
+          j["world"] = info.world_size;
+          j["checksum"] = hash_of(buffers_[k].data(), buffers_[k].size() * sizeof(float));
+        } else {
+          // A failed all-reduce leaves the buffer exactly as it was before the call.
+          fill(expected_, contribution_key(k));
+          j["restored"] = std::memcmp(expected_.data(), buffers_[k].data(), expected_.size() * sizeof(float)) == 0;
+          if (s != LOCKSTEP_STATUS_PEER_CONNECTION_LOST && fatal == LOCKSTEP_OK) fatal = s;
+        }
+        emit(j);
+      }
+      if (fatal != LOCKSTEP_OK) return end(fatal_op, fatal);
+    }
+    // Advance the state from the results, identically on every peer.
+    const std::size_t m = buffers_[0].size();
+    const std::vector<float>& a = buffers_[0];
+    const std::vector<float>& b = buffers_[K > 1 ? 1 : 0];
+    const std::vector<float>& c = buffers_[K > 2 ? 2 : 0];
+    for (std::size_t i = 0; i < weights_.size(); ++i) {
+      const float g = a[i % m] - b[(i * 3) % m];
+      momentum_[i] = 0.9f * momentum_[i] + 0.1f * g;
+      weights_[i] = weights_[i] - 0.01f * momentum_[i] + 0.001f * c[(i * 7) % m];
+    }
+    steps_[0] += 1;
+    revision_ += 1;  // exactly one per sync
+    return -1;
+  }
+
+  int membership() {
+    int pending = 0;
+    lockstep_status_t s = lockstep_comm_are_peers_pending(comm_, &pending);
+    if (s != LOCKSTEP_OK) return end("are_peers_pending", s);
+    if (!pending) return -1;
+    std::uint64_t attempt = 1;
+    for (int unexpected = 0;; ++attempt) {
+      s = lockstep_comm_update_topology(comm_);
+      if (s == LOCKSTEP_OK) break;
+      if (s == LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED) {
+        json j = line("topology");
+        j["attempt"] = attempt;
+        with_status(j, s);
+        emit(j);
+        continue;
+      }
+      if (finished(s) || !o_.keep_going || ++unexpected >= 10) return end("update_topology", s);
+      // --keep-going: report the status, then call it again.
+      report_unexpected("update_topology", s);
+    }
+    json j = line("topology");
+    j["attempt"] = attempt;
+    with_status(j, s);
+    j["world"] = world();
+    emit(j);
+    return -1;
+  }
+
+  WorkerOptions o_;
+  std::string host_;
+  lockstep_comm_t* comm_ = nullptr;
+  std::uint64_t revision_ = 0;
+  bool synced_ = false;
+  std::uint32_t rank_ = 0;
+  std::vector<float> weights_;
+  std::vector<float> momentum_;
+  std::vector<std::uint64_t> steps_;
+  std::vector<std::vector<float>> buffers_;
+  std::vector<float> expected_;
+};
+
+}  // namespace
+
+std::int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+int run_worker(const WorkerOptions& options) {
+  // SIGTERM and SIGINT end the loop at the next step boundary: blocked in every thread
+  // (the library's threads inherit the mask) and taken by one thread with sigwait.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::thread([signals] {
+    int received = 0;
+    sigwait(&signals, &received);
+    g_stop = true;
+  }).detach();
+  if (options.reduces == 0 || options.reduce_elements == 0 || options.state_elements == 0) {
+    std::fprintf(stderr, "--reduces, --reduce-elements and --state-elements must be positive\n");
+    return 2;
+  }
+  Worker worker(options);
+  return worker.run();
+}
+
+}  // namespace lockstep::soak
