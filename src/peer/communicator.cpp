@@ -532,7 +532,10 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
 
   Status local = Status::ok();
   bool ran = false;
-  if (!link_->wait_slot_turn(go.slot, go.attempt, channel)) {
+  // Only the attempt whose turn it is on the slot may touch the slot's connections: one
+  // that ended before its turn must not drop those another attempt is using.
+  const bool had_turn = link_->wait_slot_turn(go.slot, go.attempt, channel);
+  if (!had_turn) {
     local = Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the attempt ended before it started here");
   } else {
     coll::RingIo io;
@@ -584,7 +587,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
     info->world_size = result.world_size;
   }
   if (!final_status.is_ok() && ran && local.is_ok()) coll::restore(plan, *scratch);  // we had finished: undo
-  if (!final_status.is_ok()) drop_connections(next, prev, go.slot);
+  if (!final_status.is_ok() && had_turn) drop_connections(next, prev, go.slot);
   link_->release_slot(go.slot, go.attempt);
   info->bytes_sent = stats.bytes_sent;
   info->bytes_received = stats.bytes_received;
