@@ -82,6 +82,9 @@ typedef enum lockstep_status {
 
 /* A static, human-readable description of a status code (never NULL). */
 LOCKSTEP_EXPORT const char* lockstep_status_string(lockstep_status_t status);
+/* The status code's name without its prefix, e.g. "PEER_CONNECTION_LOST" (never NULL;
+ * "UNKNOWN_STATUS" for a value that is not a status code). */
+LOCKSTEP_EXPORT const char* lockstep_status_name(lockstep_status_t status);
 
 /* The library's version at run time, encoded as LOCKSTEP_VERSION_HEX. */
 LOCKSTEP_EXPORT uint32_t lockstep_version(void);

@@ -1,6 +1,8 @@
 // Names and descriptions of the status codes, shared by the C API and the logs.
 #include "common/status.h"
 
+#include <cstring>
+
 namespace lockstep {
 
 const char* status_name(StatusCode code) {
@@ -43,6 +45,15 @@ std::string Status::to_string() const {
 }
 
 }  // namespace lockstep
+
+extern "C" const char* lockstep_status_name(lockstep_status_t status) {
+  // Read as an int: C may pass any int, and loading an out-of-range C++ enum is undefined.
+  int raw = 0;
+  static_assert(sizeof raw == sizeof status);
+  std::memcpy(&raw, &status, sizeof raw);
+  if (raw < 0 || raw > static_cast<int>(lockstep::kStatusCodeMax)) return "UNKNOWN_STATUS";
+  return lockstep::status_name(static_cast<lockstep::StatusCode>(raw));
+}
 
 extern "C" const char* lockstep_status_string(lockstep_status_t status) {
   switch (status) {

@@ -42,7 +42,10 @@ int main(void) {
   CHECK(strlen(lockstep_version_string()) >= 5);
   for (code = 0; code <= (int)LOCKSTEP_STATUS_HASH_MISMATCH; ++code) {
     CHECK(lockstep_status_string((lockstep_status_t)code) != NULL);
+    CHECK(strcmp(lockstep_status_name((lockstep_status_t)code), "UNKNOWN_STATUS") != 0);
   }
+  CHECK(strcmp(lockstep_status_name(LOCKSTEP_STATUS_PEER_CONNECTION_LOST), "PEER_CONNECTION_LOST") == 0);
+  CHECK(strcmp(lockstep_status_name((lockstep_status_t)99), "UNKNOWN_STATUS") == 0);
   CHECK(lockstep_master_create(NULL, &master) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
 
   CHECK(lockstep_master_config_init(&master_config) == LOCKSTEP_OK);

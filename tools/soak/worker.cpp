@@ -25,6 +25,7 @@
 // With --keep-going an unexpected status of connect or update_topology is reported and
 // the call made again (with a new communicator for connect), so that a long run goes on
 // looking for more after a first finding.
+#include "checker.h"
 #include "soak.h"
 
 #include <lockstep/lockstep.h>
@@ -71,21 +72,7 @@ std::string hash_of(const void* data, std::size_t bytes) {
   return hex;
 }
 
-bool finished(lockstep_status_t s) {
-  switch (s) {
-    case LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED:
-    case LOCKSTEP_STATUS_MASTER_CONNECTION_LOST:
-    case LOCKSTEP_STATUS_KICKED:
-    case LOCKSTEP_STATUS_REJECTED:
-    case LOCKSTEP_STATUS_PROTOCOL_ERROR:
-    case LOCKSTEP_STATUS_REVISION_VIOLATION:
-    case LOCKSTEP_STATUS_SHARED_STATE_MISMATCH:
-    case LOCKSTEP_STATUS_INTERRUPTED:
-      return true;
-    default:
-      return false;
-  }
-}
+bool finished(lockstep_status_t s) { return finished_status(s); }
 
 class Worker {
  public:
