@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <set>
+#include <string_view>
 #include <tuple>
 
 namespace lockstep::coord {
@@ -29,11 +30,19 @@ Content content_of(const proto::SyncVote& vote) {
   return c;
 }
 
-const proto::TensorEntry* find_tensor(const proto::SyncVote& vote, const std::string& key) {
-  for (const auto& t : vote.tensors) {
-    if (t.key == key) return &t;
-  }
-  return nullptr;
+// A vote's tensors by key: votes hold up to 2048 tensors, and the election looks every
+// key of every voter up in the reference and the other way round.
+using TensorIndex = std::map<std::string_view, const proto::TensorEntry*>;
+
+TensorIndex index_of(const proto::SyncVote& vote) {
+  TensorIndex index;
+  for (const auto& t : vote.tensors) index.emplace(t.key, &t);
+  return index;
+}
+
+const proto::TensorEntry* find_tensor(const TensorIndex& index, const std::string& key) {
+  auto it = index.find(key);
+  return it == index.end() ? nullptr : it->second;
 }
 
 std::string shape_of(const proto::TensorEntry& t) {
@@ -42,15 +51,17 @@ std::string shape_of(const proto::TensorEntry& t) {
 
 // Why `vote` cannot hold the elected tensors (keys, dtypes, counts), or "" if it can.
 std::string shape_mismatch(const proto::SyncVote& vote, const proto::SyncVote& elected) {
+  const TensorIndex mine = index_of(vote);
+  const TensorIndex theirs = index_of(elected);
   for (const auto& e : elected.tensors) {
-    const proto::TensorEntry* t = find_tensor(vote, e.key);
+    const proto::TensorEntry* t = find_tensor(mine, e.key);
     if (t == nullptr) return "tensor '" + e.key + "' of the elected shared state is missing";
     if (t->dtype != e.dtype || t->count != e.count) {
       return "tensor '" + e.key + "' has " + shape_of(*t) + " but the elected shared state has " + shape_of(e);
     }
   }
   for (const auto& t : vote.tensors) {
-    if (find_tensor(elected, t.key) == nullptr) return "tensor '" + t.key + "' is not in the elected shared state";
+    if (find_tensor(theirs, t.key) == nullptr) return "tensor '" + t.key + "' is not in the elected shared state";
   }
   return {};
 }
@@ -179,12 +190,15 @@ void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_rev
   const proto::SyncVote& reference = sync.votes.at(representative);
   const std::vector<PeerId> members = ring(group);
 
+  const TensorIndex reference_index = index_of(reference);
+  std::map<PeerId, TensorIndex> indexes;
+  for (const auto& [id, vote] : sync.votes) indexes.emplace(id, index_of(vote));
   std::map<std::string, std::vector<PeerId>> distributors;
   for (const auto& e : reference.tensors) {
     auto& list = distributors[e.key];
     for (const auto& [id, vote] : sync.votes) {
       if (vote.strategy == SyncStrategy::kReceiveOnly || vote.revision != elected_revision) continue;
-      const proto::TensorEntry* t = find_tensor(vote, e.key);
+      const proto::TensorEntry* t = find_tensor(indexes.at(id), e.key);
       if (t != nullptr && t->hash == e.hash) list.push_back(id);
     }
   }
@@ -197,7 +211,7 @@ void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_rev
     std::vector<std::uint32_t> needed;
     for (std::uint32_t i = 0; i < vote.tensors.size(); ++i) {
       const proto::TensorEntry& t = vote.tensors[i];
-      const proto::TensorEntry& e = *find_tensor(reference, t.key);
+      const proto::TensorEntry& e = *find_tensor(reference_index, t.key);
       if (t.hash == e.hash || (t.allow_content_inequality && !outdated)) continue;
       needed.push_back(i);
       plan.expect.push_back(proto::SyncExpect{i, e.hash});

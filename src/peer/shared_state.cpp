@@ -172,7 +172,9 @@ class Fetcher {
  public:
   Fetcher(PeerId self, std::uint32_t connect_timeout_ms, const proto::SyncPlan& plan,
           const std::vector<SharedTensor>& tensors, const std::vector<LocalTensor>& local)
-      : self_(self), connect_timeout_ms_(connect_timeout_ms), plan_(plan), tensors_(tensors), local_(local) {}
+      : self_(self), connect_timeout_ms_(connect_timeout_ms), plan_(plan), tensors_(tensors), local_(local) {
+    for (const auto& e : plan_.expect) expected_[e.tensor] = e.hash;
+  }
 
   // Runs every transfer, then checks every received tensor's digest.
   Status run() {
@@ -229,13 +231,10 @@ class Fetcher {
       return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "it refused the shared-state handshake");
     }
     const auto request = [&](const proto::SyncFetch& f) {
-      const SharedTensor& t = tensors_[f.tensor];
-      const state::Digest* expected = nullptr;
-      for (const auto& e : plan_.expect) {
-        if (e.tensor == f.tensor) expected = &e.hash;
-      }
+      auto expected = expected_.find(f.tensor);
       return transport::send_message(
-          fd, proto::StateRequest{plan_.attempt, t.key, f.offset, f.bytes, expected ? *expected : state::Digest{}},
+          fd, proto::StateRequest{plan_.attempt, tensors_[f.tensor].key, f.offset, f.bytes,
+                                  expected == expected_.end() ? state::Digest{} : expected->second},
           limits::kStateTransferStallMsDefault);
     };
     std::size_t sent = 0;
@@ -270,6 +269,7 @@ class Fetcher {
   const proto::SyncPlan& plan_;
   const std::vector<SharedTensor>& tensors_;
   const std::vector<LocalTensor>& local_;
+  std::map<std::uint32_t, state::Digest> expected_;  // by tensor index
   SocketSet sockets_;
   std::atomic<std::uint64_t> bytes_received_{0};
 };
