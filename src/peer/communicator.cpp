@@ -215,12 +215,12 @@ std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan) {
 
 // ------------------------------------------------------------------ connections
 
-Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32_t slot) {
+Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32_t slot, int cancel_fd) {
   {
     std::lock_guard<std::mutex> lock(connections_mutex_);
     if (auto it = tx_.find(SlotKey{to.id, slot}); it != tx_.end()) return it->second.get();
   }
-  auto fd = transport::connect_tcp(to.host, to.p2p_port, options_.p2p_connect_timeout_ms);
+  auto fd = transport::connect_tcp(to.host, to.p2p_port, options_.p2p_connect_timeout_ms, cancel_fd);
   if (!fd.is_ok()) return fd.status();
   proto::P2PHello hello;
   hello.channel = proto::Channel::kRing;
@@ -228,9 +228,9 @@ Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32
   hello.to = to.id;
   hello.epoch = next_generation_.fetch_add(1);  // the receiver keeps the newest
   hello.pool_index = slot;
-  Status s = transport::send_message(fd.value().get(), hello, options_.p2p_connect_timeout_ms);
+  Status s = transport::send_message(fd.value().get(), hello, options_.p2p_connect_timeout_ms, cancel_fd);
   if (s.is_ok()) {
-    auto ack = transport::recv_message(fd.value().get(), options_.p2p_connect_timeout_ms);
+    auto ack = transport::recv_message(fd.value().get(), options_.p2p_connect_timeout_ms, cancel_fd);
     if (!ack.is_ok()) {
       s = ack.status();
     } else if (const auto* a = std::get_if<proto::P2PHelloAck>(&ack.value()); a == nullptr || a->status != LOCKSTEP_OK) {
@@ -550,9 +550,10 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
       if (to.id.is_nil()) {
         local = Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring peer " + next.to_string() + " is not in the membership view");
       } else {
-        // A connection that cannot be made fails the attempt at once; waiting for the
-        // previous peer's stops as soon as the master ends the attempt (it died).
-        auto tx = tx_connection(to, go.slot);
+        // A connection that cannot be made fails the attempt at once; making ours and
+        // waiting for the previous peer's stop as soon as the master ends the attempt
+        // (a neighbour died or was stopped, and the handshake would wait for it).
+        auto tx = tx_connection(to, go.slot, channel.event_fd());
         auto rx = tx.is_ok() ? rx_connection(prev, go.slot,
                                              Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms),
                                              channel.abort_flag())

@@ -144,7 +144,8 @@ class Communicator {
   // The body of one collective, on its own thread.
   Status run_collective(const ReduceDescriptor& d, OpChannel& channel, ReduceInfo* info);
   // Ring connections, made on first use and cached per (peer, pool slot).
-  Result<int> tx_connection(const proto::MemberInfo& to, std::uint32_t slot);
+  // cancel_fd: see transport::connect_tcp (an attempt's abort event, or -1).
+  Result<int> tx_connection(const proto::MemberInfo& to, std::uint32_t slot, int cancel_fd = -1);
   Result<int> rx_connection(PeerId from, std::uint32_t slot, std::chrono::steady_clock::time_point deadline,
                             const std::atomic<bool>* abort = nullptr);
   void drop_connections(PeerId next, PeerId prev, std::uint32_t slot);

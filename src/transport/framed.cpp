@@ -6,19 +6,19 @@
 
 namespace lockstep::transport {
 
-Status send_message(int fd, const proto::Message& message, std::uint32_t timeout_ms) {
+Status send_message(int fd, const proto::Message& message, std::uint32_t timeout_ms, int cancel_fd) {
   const auto bytes = proto::encode_frame(message);
-  return send_all(fd, bytes, timeout_ms);
+  return send_all(fd, bytes, timeout_ms, cancel_fd);
 }
 
-Result<proto::Message> recv_message(int fd, std::uint32_t timeout_ms) {
+Result<proto::Message> recv_message(int fd, std::uint32_t timeout_ms, int cancel_fd) {
   std::array<std::uint8_t, proto::kFrameHeaderBytes> header{};
-  Status s = recv_exact(fd, header, timeout_ms);
+  Status s = recv_exact(fd, header, timeout_ms, cancel_fd);
   if (!s.is_ok()) return s;
   auto decoded = proto::decode_header(header);
   if (!decoded.is_ok()) return decoded.status();
   std::vector<std::uint8_t> payload(decoded.value().payload_bytes);
-  s = recv_exact(fd, payload, timeout_ms);
+  s = recv_exact(fd, payload, timeout_ms, cancel_fd);
   if (!s.is_ok()) return s;
   return proto::decode_payload(decoded.value().type, payload);
 }

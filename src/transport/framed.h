@@ -6,8 +6,8 @@
 
 namespace lockstep::transport {
 
-Status send_message(int fd, const proto::Message& message, std::uint32_t timeout_ms);
+Status send_message(int fd, const proto::Message& message, std::uint32_t timeout_ms, int cancel_fd = -1);
 // Reads one frame; malformed input becomes a PROTOCOL_ERROR status.
-Result<proto::Message> recv_message(int fd, std::uint32_t timeout_ms);
+Result<proto::Message> recv_message(int fd, std::uint32_t timeout_ms, int cancel_fd = -1);
 
 }  // namespace lockstep::transport

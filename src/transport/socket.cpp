@@ -29,10 +29,14 @@ Status errno_status(StatusCode code, const std::string& what) {
   return Status(code, what + ": " + std::strerror(errno));
 }
 
-Status wait_fd(int fd, short events, Clock::time_point deadline, const char* what) {
+// cancel_fd >= 0: a descriptor that becomes readable when the caller must give up.
+Status wait_fd(int fd, short events, Clock::time_point deadline, const char* what, int cancel_fd) {
   for (;;) {
-    pollfd p{fd, events, 0};
-    const int rc = ::poll(&p, 1, remaining_ms(deadline));
+    pollfd p[2] = {{fd, events, 0}, {cancel_fd, POLLIN, 0}};
+    const int rc = ::poll(p, cancel_fd >= 0 ? 2 : 1, remaining_ms(deadline));
+    if (rc > 0 && cancel_fd >= 0 && p[1].revents != 0) {
+      return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, std::string(what) + " cancelled: the operation ended");
+    }
     if (rc > 0) return Status::ok();
     if (rc == 0) return Status(LOCKSTEP_STATUS_TIMEOUT, std::string(what) + " timed out");
     if (errno != EINTR) return errno_status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll");
@@ -81,7 +85,7 @@ Result<std::string> resolve_ipv4(const std::string& host) {
   return std::string(buf);
 }
 
-Result<Fd> connect_tcp(const std::string& host, std::uint16_t port, std::uint32_t timeout_ms) {
+Result<Fd> connect_tcp(const std::string& host, std::uint16_t port, std::uint32_t timeout_ms, int cancel_fd) {
   auto ip = resolve_ipv4(host);
   if (!ip.is_ok()) return ip.status();
   sockaddr_in sa{};
@@ -94,7 +98,7 @@ Result<Fd> connect_tcp(const std::string& host, std::uint16_t port, std::uint32_
   if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
     if (errno != EINPROGRESS) return errno_status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "connect to " + where);
     const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
-    Status waited = wait_fd(fd.get(), POLLOUT, deadline, ("connect to " + where).c_str());
+    Status waited = wait_fd(fd.get(), POLLOUT, deadline, ("connect to " + where).c_str(), cancel_fd);
     if (!waited.is_ok()) return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, waited.message());
     int err = 0;
     socklen_t len = sizeof err;
@@ -135,7 +139,7 @@ Result<Listener> listen_tcp(const std::string& bind_host, int base_port, int bac
   return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "no free port from " + std::to_string(first));
 }
 
-Status send_all(int fd, std::span<const std::uint8_t> bytes, std::uint32_t timeout_ms) {
+Status send_all(int fd, std::span<const std::uint8_t> bytes, std::uint32_t timeout_ms, int cancel_fd) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   std::size_t sent = 0;
   while (sent < bytes.size()) {
@@ -146,7 +150,7 @@ Status send_all(int fd, std::span<const std::uint8_t> bytes, std::uint32_t timeo
     }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      Status waited = wait_fd(fd, POLLOUT, deadline, "send");
+      Status waited = wait_fd(fd, POLLOUT, deadline, "send", cancel_fd);
       if (!waited.is_ok()) return waited;
       continue;
     }
@@ -155,11 +159,11 @@ Status send_all(int fd, std::span<const std::uint8_t> bytes, std::uint32_t timeo
   return Status::ok();
 }
 
-Status recv_exact(int fd, std::span<std::uint8_t> out, std::uint32_t timeout_ms) {
+Status recv_exact(int fd, std::span<std::uint8_t> out, std::uint32_t timeout_ms, int cancel_fd) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   std::size_t got = 0;
   while (got < out.size()) {
-    Status waited = wait_fd(fd, POLLIN, deadline, "receive");
+    Status waited = wait_fd(fd, POLLIN, deadline, "receive", cancel_fd);
     if (!waited.is_ok()) return waited;
     const ssize_t n = ::recv(fd, out.data() + got, out.size() - got, MSG_DONTWAIT);
     if (n > 0) {

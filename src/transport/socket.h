@@ -36,8 +36,12 @@ class Fd {
 // Resolves an IPv4 host name or literal.
 Result<std::string> resolve_ipv4(const std::string& host);
 
+// Every wait below also ends, with PEER_CONNECTION_LOST, once `cancel_fd` (when >= 0)
+// becomes readable: an operation's abort event, so that a silent peer cannot hold a
+// caller whose operation the master has already ended.
+
 // Connects with a deadline; the socket is left blocking with TCP_NODELAY set.
-Result<Fd> connect_tcp(const std::string& host, std::uint16_t port, std::uint32_t timeout_ms);
+Result<Fd> connect_tcp(const std::string& host, std::uint16_t port, std::uint32_t timeout_ms, int cancel_fd = -1);
 
 // A listening socket. base_port < 0: try 48149 upwards; 0: ephemeral; > 0: try it upwards.
 struct Listener {
@@ -47,9 +51,9 @@ struct Listener {
 Result<Listener> listen_tcp(const std::string& bind_host, int base_port, int backlog = 128);
 
 // Sends everything or fails (EPIPE is reported, never raised as a signal).
-Status send_all(int fd, std::span<const std::uint8_t> bytes, std::uint32_t timeout_ms);
+Status send_all(int fd, std::span<const std::uint8_t> bytes, std::uint32_t timeout_ms, int cancel_fd = -1);
 // Receives exactly out.size() bytes before the deadline.
-Status recv_exact(int fd, std::span<std::uint8_t> out, std::uint32_t timeout_ms);
+Status recv_exact(int fd, std::span<std::uint8_t> out, std::uint32_t timeout_ms, int cancel_fd = -1);
 
 void set_nodelay(int fd);
 void set_nonblocking(int fd);
