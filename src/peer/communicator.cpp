@@ -156,7 +156,10 @@ Result<proto::TopologyResult> Communicator::run_establishment(bool newcomer) {
 
 Result<proto::TopologyResult> Communicator::finish_establishment(const proto::EstablishP2P& establish) {
   const std::uint64_t epoch = establish.epoch;
-  const std::vector<PeerId> unreachable = this->establish(establish);
+  auto cancel = std::make_shared<OpChannel>();
+  link_->set_establishment(epoch, cancel);
+  const std::vector<PeerId> unreachable = this->establish(establish, *cancel);
+  link_->set_establishment(0, nullptr);
   link_->send(proto::P2PReport{epoch, unreachable});
   auto outcome = link_->wait([&](const proto::Message& m) {
     if (const auto* t = std::get_if<proto::TopologyResult>(&m)) return t->epoch == epoch;
@@ -181,7 +184,7 @@ Result<proto::TopologyResult> Communicator::finish_establishment(const proto::Es
 
 // Makes sure every pool slot has a connection to the next peer of the new ring and
 // one from the previous peer. Returns the peers that could not be reached.
-std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan) {
+std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan, const OpChannel& cancel) {
   prune_connections(plan.ring);
   const auto& ring = plan.ring;
   const auto self = std::find_if(ring.begin(), ring.end(), [&](const auto& m) { return m.id == id_; });
@@ -193,7 +196,7 @@ std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
   std::vector<PeerId> unreachable;
   for (std::uint32_t k = 0; k < options_.p2p_pool_size; ++k) {
-    auto tx = tx_connection(next, k);
+    auto tx = tx_connection(next, k, cancel.event_fd());
     if (!tx.is_ok()) {
       LOG_WARN(kLog, "cannot connect to ring neighbour " << next.id.to_string() << " at " << next.host << ":"
                                                           << next.p2p_port << ": " << tx.status().message());
@@ -202,7 +205,7 @@ std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan) {
     }
   }
   for (std::uint32_t k = 0; k < options_.p2p_pool_size; ++k) {
-    auto rx = rx_connection(prev.id, k, deadline);
+    auto rx = rx_connection(prev.id, k, deadline, cancel.abort_flag());
     if (!rx.is_ok()) {
       LOG_WARN(kLog, "ring neighbour " << prev.id.to_string() << " did not connect within "
                                        << options_.p2p_connect_timeout_ms << " ms");

@@ -138,7 +138,8 @@ class Communicator {
   // One bandwidth test (peer/bandwidth.cpp): the rate received from the partner, in
   // bytes per second, or 0 if it could not be measured.
   std::uint64_t measure_bandwidth(const proto::BandwidthTest& test);
-  std::vector<PeerId> establish(const proto::EstablishP2P& plan);
+  // `cancel` is raised when the master ends the epoch: connection setup stops then.
+  std::vector<PeerId> establish(const proto::EstablishP2P& plan, const OpChannel& cancel);
   Status check_collective_call(const ReduceDescriptor& d);
   Result<std::shared_ptr<AsyncReduce>> start_collective(const ReduceDescriptor& d, bool on_own_thread);
   // The body of one collective, on its own thread.

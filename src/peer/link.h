@@ -122,6 +122,8 @@ class OpChannel {
   const std::atomic<bool>* abort_flag() const { return &aborted_; }
   bool aborted() const { return aborted_.load(); }
 
+  // Raises the abort signal without a message (the end of a p2p establishment).
+  void cancel() { signal(); }
   // A failure outcome also stops a ring in progress.
   void push(proto::Message message) {
     const auto* result = std::get_if<proto::CollectiveResult>(&message);
@@ -279,6 +281,16 @@ class Link {
     ops_.erase(tag);
   }
 
+  // The p2p establishment of `epoch` in progress (null: none): when the master ends
+  // that epoch with a failure, its signal stops connection setup that would otherwise
+  // wait for a dead or stopped neighbour until the p2p connect timeout.
+  void set_establishment(std::uint64_t epoch, std::shared_ptr<OpChannel> channel) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    establishment_epoch_ = epoch;
+    establishment_ = std::move(channel);
+    if (establishment_ && !fatal_.is_ok()) establishment_->cancel();
+  }
+
   // Pool slots are used by one attempt at a time, in the order of the attempts'
   // CollectiveGo messages, which every peer receives in the same order.
   bool wait_slot_turn(std::uint32_t slot, std::uint64_t attempt, OpChannel& channel) {
@@ -326,6 +338,7 @@ class Link {
         LOG_WARN(kLog, "connection to the master ended: " << fatal_.to_string());
       }
       for (auto& [tag, channel] : ops_) channel->abort(fatal_);
+      if (establishment_) establishment_->cancel();
       mailbox_.fail(fatal_);
     }
     cv_.notify_all();
@@ -336,6 +349,10 @@ class Link {
 
   void deliver(proto::Message message) {
     if (route_to_op(message)) return;
+    if (const auto* t = std::get_if<proto::TopologyResult>(&message); t != nullptr && t->status != LOCKSTEP_OK) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (establishment_ && establishment_epoch_ == t->epoch) establishment_->cancel();
+    }
     if (!mailbox_.push(std::move(message))) {
       set_fatal(Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master sent more unanswered messages than allowed"));
     }
@@ -544,6 +561,8 @@ class Link {
   std::deque<Inbound> state_inbound_;  // shared-state connections (epoch: sync attempt)
   std::deque<Inbound> bench_inbound_;  // benchmark connections (epoch: bandwidth test)
   std::map<std::uint64_t, std::shared_ptr<OpChannel>> ops_;
+  std::shared_ptr<OpChannel> establishment_;
+  std::uint64_t establishment_epoch_ = 0;
   std::map<std::uint32_t, std::deque<std::uint64_t>> slots_;
 };
 

@@ -248,6 +248,41 @@ TEST(Membership, NewcomerWithUnreachableP2PPortIsRejected) {
   }
 }
 
+// A newcomer that stops before the accepted peers' update: they connect to it (the
+// kernel completes the TCP connect of a stopped process) and wait for its handshake
+// answer. When the master evicts it at the heartbeat timeout and ends the epoch, their
+// connection setup must stop at once, not at the p2p connect timeout (5 s).
+TEST(Membership, NewcomerStoppedDuringEstablishmentFailsTheUpdateAtTheHeartbeatTimeout) {
+  const auto heartbeat = scaled(1500ms);
+  Master master({"--heartbeat-timeout-ms", std::to_string(heartbeat.count())});
+  Peer a(master, "e0");
+  Peer b(master, "e1");
+  std::vector<Peer*> members;
+  admit(members, {&a, &b});
+  ASSERT_EQ(members.size(), 2u);
+  Peer late(master, "e2");
+  late.send("connect");
+  const auto deadline = std::chrono::steady_clock::now() + scaled(20s);
+  bool pending = false;
+  while (!pending && std::chrono::steady_clock::now() < deadline) {
+    pending = call_all(members, "pending")[0].value("pending", false);
+    if (!pending) std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_TRUE(pending) << "the newcomer never registered";
+  ASSERT_TRUE(late.proc().signal(SIGSTOP));
+  const auto start = std::chrono::steady_clock::now();
+  for (const auto& r : call_all(members, "update", heartbeat + scaled(20s))) {
+    EXPECT_EQ(code(r), LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED) << r.dump();
+  }
+  const auto waited = std::chrono::steady_clock::now() - start;
+  EXPECT_LE(waited, heartbeat + scaled(2500ms)) << "connection setup outlived the failed epoch";
+  for (const auto& r : call_all(members, "update")) {
+    ASSERT_EQ(code(r), 0) << r.dump();
+    EXPECT_EQ(view_ids(r).size(), 2u);
+  }
+  ASSERT_TRUE(late.proc().signal(SIGCONT));
+}
+
 TEST(Membership, MixingLoopbackAndRemoteAddressesIsRefusedWithAReason) {
   Master master;
   Peer a(master, "l0");
