@@ -22,16 +22,7 @@ Communicator::~Communicator() {
   // Collectives still in flight end with an error; their threads are joined before
   // anything they use goes away.
   if (link_) link_->stop();
-  std::vector<std::shared_ptr<AsyncReduce>> ops;
-  {
-    std::lock_guard<std::mutex> lock(ops_mutex_);
-    for (auto& w : live_ops_) {
-      if (auto op = w.lock()) ops.push_back(op);
-    }
-  }
-  for (auto& op : ops) {
-    if (op->thread_.joinable()) op->thread_.join();
-  }
+  workers_.stop();
 }
 
 Result<std::unique_ptr<Communicator>> Communicator::create(const Options& options) {
@@ -348,10 +339,6 @@ Result<bool> Communicator::agree(bool flag) {
 
 // ------------------------------------------------------------------ collectives
 
-AsyncReduce::~AsyncReduce() {
-  if (thread_.joinable()) thread_.join();
-}
-
 Status Communicator::check_collective_call(const ReduceDescriptor& d) {
   if (d.count == 0) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "count is zero");
   if (d.src == nullptr || d.dst == nullptr) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "null buffer");
@@ -373,7 +360,7 @@ Result<std::shared_ptr<AsyncReduce>> Communicator::all_reduce_async(const Reduce
 }
 
 // The blocking form runs the collective on the calling thread (no thread to start
-// and wake); the async form on a thread of its own. The bookkeeping is the same.
+// and wake); the async form on a pooled worker thread. The bookkeeping is the same.
 Result<std::shared_ptr<AsyncReduce>> Communicator::start_collective(const ReduceDescriptor& d, bool on_own_thread) {
   if (Status s = check_collective_call(d); !s.is_ok()) return remember(s);
   const auto self = std::this_thread::get_id();
@@ -390,9 +377,6 @@ Result<std::shared_ptr<AsyncReduce>> Communicator::start_collective(const Reduce
     if (!tags_in_flight_.insert(d.tag).second) {
       return remember(Status(LOCKSTEP_STATUS_INVALID_USAGE, "tag " + std::to_string(d.tag) + " is already in flight"));
     }
-    live_ops_.erase(std::remove_if(live_ops_.begin(), live_ops_.end(), [](const auto& w) { return w.expired(); }),
-                    live_ops_.end());
-    live_ops_.push_back(op);
   }
   op->launcher_ = self;
   op->tag_ = d.tag;
@@ -403,7 +387,7 @@ Result<std::shared_ptr<AsyncReduce>> Communicator::start_collective(const Reduce
     return remember(Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "eventfd failed"));
   }
   link_->register_op(d.tag, channel);
-  auto body = [this, d, channel, raw = op.get()] {
+  auto body = [this, d, channel, op] {
     ReduceInfo info;
     Status status = run_collective(d, *channel, &info);
     link_->unregister_op(d.tag);
@@ -411,12 +395,12 @@ Result<std::shared_ptr<AsyncReduce>> Communicator::start_collective(const Reduce
       std::lock_guard<std::mutex> lock(ops_mutex_);
       tags_in_flight_.erase(d.tag);
     }
-    raw->status_ = std::move(status);
-    raw->info_ = info;
-    raw->finished_.store(true);
+    op->status_ = std::move(status);
+    op->info_ = info;
+    op->finish();
   };
   if (on_own_thread) {
-    op->thread_ = std::thread(std::move(body));
+    workers_.submit(std::move(body));
   } else {
     body();
   }
@@ -429,7 +413,7 @@ Result<ReduceInfo> Communicator::await(const std::shared_ptr<AsyncReduce>& op) {
     return remember(Status(LOCKSTEP_STATUS_WRONG_THREAD, "a handle is awaited on the thread that launched it"));
   }
   if (op->awaited_) return remember(Status(LOCKSTEP_STATUS_INVALID_USAGE, "handle already awaited"));
-  if (op->thread_.joinable()) op->thread_.join();
+  op->wait_finished();
   op->awaited_ = true;
   if (!op->status_.is_ok()) return remember(op->status_);
   return op->info_;

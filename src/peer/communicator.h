@@ -11,9 +11,11 @@
 #include "protocol/messages.h"
 #include "collectives/ring.h"
 #include "transport/socket.h"
+#include "peer/worker_pool.h"
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <map>
 #include <set>
 
@@ -73,15 +75,26 @@ struct SyncInfo {
   std::uint64_t bytes_received = 0;  // tensor bytes received
 };
 
-// An all-reduce in flight on its own thread. Awaited on the thread that launched it.
+// An all-reduce in flight on a worker thread. Awaited on the thread that launched it.
 class AsyncReduce {
  public:
-  ~AsyncReduce();
   bool done() const { return finished_.load(); }
 
  private:
   friend class Communicator;
-  std::thread thread_;
+  void finish() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      finished_.store(true);
+    }
+    cv_.notify_all();
+  }
+  void wait_finished() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [this] { return finished_.load(); });
+  }
+  std::mutex mutex_;
+  std::condition_variable cv_;
   std::atomic<bool> finished_{false};
   Status status_;
   ReduceInfo info_;
@@ -142,7 +155,7 @@ class Communicator {
   std::vector<PeerId> establish(const proto::EstablishP2P& plan, const OpChannel& cancel);
   Status check_collective_call(const ReduceDescriptor& d);
   Result<std::shared_ptr<AsyncReduce>> start_collective(const ReduceDescriptor& d, bool on_own_thread);
-  // The body of one collective, on its own thread.
+  // The body of one collective, on a worker thread or the caller's.
   Status run_collective(const ReduceDescriptor& d, OpChannel& channel, ReduceInfo* info);
   // Ring connections, made on first use and cached per (peer, pool slot).
   // cancel_fd: see transport::connect_tcp (an attempt's abort event, or -1).
@@ -182,10 +195,11 @@ class Communicator {
   std::mutex ops_mutex_;
   std::set<std::uint64_t> tags_in_flight_;
   std::optional<std::thread::id> collective_thread_;
-  std::vector<std::weak_ptr<AsyncReduce>> live_ops_;
   std::vector<std::unique_ptr<coll::RingScratch>> free_scratch_;
   mutable std::mutex error_mutex_;
   std::string last_error_;
+  // Runs async collectives; stopped (every one finished) before the members above go.
+  WorkerPool workers_;
 };
 
 }  // namespace lockstep::peer
