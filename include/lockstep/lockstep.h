@@ -199,6 +199,10 @@ typedef struct lockstep_comm_config {
   const char* advertised_host;
   /* IPv4 address the p2p sockets bind to; NULL or "" means 0.0.0.0. */
   const char* bind_host;
+  /* An all-reduce attempt fails with PEER_CONNECTION_LOST when no byte moves to or from
+   * its ring neighbours for this long (a link cut between two peers that both still
+   * reach the master); 0 means 30000. Set it above the longest a slow link may pause. */
+  uint32_t p2p_stall_timeout_ms;
 } lockstep_comm_config_t;
 
 /* Fills a config with the defaults; master_host defaults to "127.0.0.1". */

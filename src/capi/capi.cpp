@@ -142,6 +142,7 @@ lockstep_status_t lockstep_comm_config_init(lockstep_comm_config_t* config) {
   config->p2p_pool_size = 1;
   config->base_port = -1;
   config->connect_timeout_ms = lockstep::limits::kConnectTimeoutMsDefault;
+  config->p2p_stall_timeout_ms = lockstep::limits::kP2PStallTimeoutMsDefault;
   return LOCKSTEP_OK;
 }
 
@@ -158,6 +159,8 @@ lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* config, loc
                                                                  : config->connect_timeout_ms;
     if (config->advertised_host != nullptr) options.advertised_host = config->advertised_host;
     if (config->bind_host != nullptr) options.bind_host = config->bind_host;
+    options.p2p_stall_timeout_ms = config->p2p_stall_timeout_ms == 0 ? lockstep::limits::kP2PStallTimeoutMsDefault
+                                                                     : config->p2p_stall_timeout_ms;
     auto created = lockstep::peer::Communicator::create(options);
     if (!created.is_ok()) {
       LOG_ERROR("capi", "lockstep_comm_create: " << created.status().to_string());

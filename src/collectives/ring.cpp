@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <string>
 
@@ -83,6 +84,9 @@ class Runner {
     if (p_.world == 1) return single();
     skip_empty(send_, true);
     skip_empty(recv_, false);
+    // The clock is read only while nothing moves.
+    bool idle = false;
+    std::chrono::steady_clock::time_point idle_since{};
     while (send_.step < l_.steps() || recv_.step < l_.steps()) {
       if (io_.abort_flag != nullptr && io_.abort_flag->load(std::memory_order_relaxed)) return aborted();
       bool progress = false;
@@ -90,13 +94,31 @@ class Runner {
       if (!st.is_ok()) return fail(st);
       st = pump_recv(&progress);
       if (!st.is_ok()) return fail(st);
-      if (progress) continue;
+      if (progress) {
+        idle = false;
+        continue;
+      }
+      int timeout_ms = -1;
+      if (io_.stall_timeout_ms > 0) {
+        const auto now = std::chrono::steady_clock::now();
+        if (!idle) idle_since = now;
+        idle = true;
+        const auto idle_ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - idle_since).count();
+        if (idle_ms >= io_.stall_timeout_ms) {
+          return fail(Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
+                             "no data moved to or from the ring neighbours for " +
+                                 std::to_string(io_.stall_timeout_ms) + " ms (a cut link?)"));
+        }
+        timeout_ms = static_cast<int>(io_.stall_timeout_ms - idle_ms);
+      }
       pollfd fds[3];
       nfds_t nfds = 0;
       if (send_ready()) fds[nfds++] = pollfd{io_.tx_fd, POLLOUT, 0};
       if (recv_.step < l_.steps()) fds[nfds++] = pollfd{io_.rx_fd, POLLIN, 0};
       fds[nfds++] = pollfd{io_.abort_fd, POLLIN, 0};
-      if (::poll(fds, nfds, -1) < 0 && errno != EINTR) return fail(Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll"));
+      if (::poll(fds, nfds, timeout_ms) < 0 && errno != EINTR) {
+        return fail(Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll"));
+      }
       if (fds[nfds - 1].revents != 0) return aborted();
     }
     return Status::ok();

@@ -49,6 +49,10 @@ struct RingIo {
   int rx_fd = -1;                                 // from the previous peer (non-blocking)
   int abort_fd = -1;                              // readable when the attempt must stop
   const std::atomic<bool>* abort_flag = nullptr;  // checked between sub-chunks
+  // The attempt fails when no byte moves in either direction for this long (0: never):
+  // a link cut between two ring neighbours that both still reach the master would
+  // otherwise hold the collective, and every peer voting on it, forever.
+  std::uint32_t stall_timeout_ms = 0;
 };
 
 struct RingStats {

@@ -28,6 +28,9 @@ inline constexpr std::uint32_t kConnectTimeoutMsDefault = 10'000;
 // How long a peer waits for a p2p connection to a ring neighbour.
 inline constexpr std::uint32_t kP2PConnectTimeoutMsDefault = 5'000;
 inline constexpr std::uint32_t kP2PPoolSizeMax = 256;
+// An all-reduce attempt in which no byte moves to or from the ring neighbours for this
+// long fails (a cut between two peers that both still reach the master).
+inline constexpr std::uint32_t kP2PStallTimeoutMsDefault = 30'000;
 
 // Shared state: tensors per state, key length, and the pieces one sync plan may list
 // (together they keep every shared-state message under the control frame bound).

@@ -528,6 +528,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
     coll::RingIo io;
     io.abort_fd = channel.event_fd();
     io.abort_flag = channel.abort_flag();
+    io.stall_timeout_ms = options_.p2p_stall_timeout_ms;
     if (n > 1) {
       proto::MemberInfo to;
       {

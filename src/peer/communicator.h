@@ -37,6 +37,7 @@ struct Options {
   int base_port = -1;  // semantics rule 9
   std::uint32_t connect_timeout_ms = limits::kConnectTimeoutMsDefault;
   std::uint32_t p2p_connect_timeout_ms = limits::kP2PConnectTimeoutMsDefault;
+  std::uint32_t p2p_stall_timeout_ms = limits::kP2PStallTimeoutMsDefault;  // 0: never
   std::string advertised_host;
   std::string bind_host;
 };
