@@ -140,7 +140,9 @@ void Observer::on_bytes_reported(PeerId peer, bool all_reduce, std::uint64_t byt
   PeerBytes& p = peer_bytes_[peer];
   p.sent += bytes_sent;
   p.received += bytes_received;
-  add_throughput(all_reduce, bytes_sent, now_ms);
+  // A sync's sender may still be serving when it reports; what each receiver got is
+  // complete, so syncs count the bytes received.
+  add_throughput(all_reduce, all_reduce ? bytes_sent : bytes_received, now_ms);
 }
 
 void Observer::add_throughput(bool all_reduce, std::uint64_t bytes, TimeMs now_ms) {
