@@ -278,6 +278,50 @@ LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_id(const lockstep_comm_t* co
 /* The message that came with the last error of this communicator ("" if none). */
 LOCKSTEP_EXPORT const char* lockstep_comm_last_error(const lockstep_comm_t* comm);
 
+/* -------------------------------------------------------------- counters */
+
+/* The version of lockstep_counters_t this header describes. Fields are only ever
+ * appended; a library fills the fields it knows within struct_size. */
+#define LOCKSTEP_COUNTERS_VERSION 1
+
+/* What a communicator did since it was created (docs/observability.md). Operations are
+ * connect, update topology, optimize topology, all-reduces (each launch) and shared-state
+ * syncs; are_peers_pending and agree are not counted. A retry is an operation started
+ * after the previous one of its kind (for an all-reduce: of its tag) failed. Times are
+ * microseconds spent in each call (concurrent all-reduces add up). */
+typedef struct lockstep_counters {
+  /* In: sizeof(lockstep_counters_t) as the caller knows it. Out: the bytes filled. */
+  uint32_t struct_size;
+  /* Out: LOCKSTEP_COUNTERS_VERSION of the library. */
+  uint32_t version;
+  uint64_t all_reduce_bytes_sent;     /* ring bytes, headers included */
+  uint64_t all_reduce_bytes_received;
+  uint64_t sync_bytes_sent;           /* shared-state tensor bytes served to others */
+  uint64_t sync_bytes_received;
+  uint64_t operations_started;
+  uint64_t operations_succeeded;
+  uint64_t operations_failed;
+  uint64_t all_reduces_started;
+  uint64_t all_reduces_succeeded;
+  uint64_t all_reduces_failed;
+  uint64_t syncs_started;
+  uint64_t syncs_succeeded;
+  uint64_t syncs_failed;
+  uint64_t retries;
+  uint64_t connect_us;
+  uint64_t update_topology_us;
+  uint64_t optimize_topology_us;
+  uint64_t sync_us;
+  uint64_t all_reduce_us;
+} lockstep_counters_t;
+
+/* Copies the communicator's counters. Set out->struct_size = sizeof *out first; fields
+ * beyond it are not written. Thread-safe: may be called from any thread while the
+ * communicator is alive (each counter is read atomically, not all at one instant).
+ * INVALID_ARGUMENT if struct_size is smaller than the first two fields. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_counters(const lockstep_comm_t* comm,
+                                                              lockstep_counters_t* out);
+
 /* ----------------------------------------------------------- collectives */
 
 /* One all-reduce. src == dst is in place. Every peer of the group must start the same

@@ -7,7 +7,7 @@ their memory (never copied): C-contiguous, of a supported dtype, not requiring g
 """
 
 import enum
-from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 __version__: str
 DEFAULT_MASTER_PORT: int
@@ -338,6 +338,12 @@ class Communicator:
     def largest_group_size(self) -> int: ...
     @property
     def last_error(self) -> str: ...
+    def counters(self) -> Dict[str, int]:
+        """What this communicator did since it was created: bytes (all_reduce_bytes_sent,
+        all_reduce_bytes_received, sync_bytes_sent, sync_bytes_received), operations
+        (operations_started/succeeded/failed, all_reduces_*, syncs_*), retries, and
+        microseconds per call kind (connect_us, update_topology_us, optimize_topology_us,
+        sync_us, all_reduce_us). Thread-safe."""
     def all_reduce(self, src: _ArrayLike, dst: Optional[_ArrayLike] = None, *, op: _OpLike = "sum",
                    quantization: _QuantizationLike = None, tag: int = 0) -> ReduceInfo:
         """All-reduces src into dst (None: in place). Same dtype and element count; dst

@@ -646,6 +646,17 @@ class Communicator:
         """The message of this communicator's last failure ("" if none)."""
         return self._impl.last_error()
 
+    def counters(self) -> Dict[str, int]:
+        """What this communicator did since it was created (``lockstep_comm_get_counters``):
+        bytes of all-reduces and shared-state syncs (``all_reduce_bytes_sent``,
+        ``sync_bytes_received``, ...), operations started, succeeded and failed (all, and
+        ``all_reduces_*`` / ``syncs_*``), ``retries``, and microseconds spent in each call
+        (``connect_us``, ``update_topology_us``, ``optimize_topology_us``, ``sync_us``,
+        ``all_reduce_us``). Operations are connect, update and optimize topology,
+        all-reduces and syncs; a retry is one started after the previous one of its kind
+        (an all-reduce: of its tag) failed. May be called from any thread."""
+        return dict(self._impl.counters())
+
     # -- collectives --------------------------------------------------------
 
     @staticmethod

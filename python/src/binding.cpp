@@ -386,6 +386,34 @@ class PyComm {
     return lockstep_comm_last_error(state_->comm);
   }
 
+  py::dict counters() {
+    Busy busy(*state_);
+    lockstep_counters_t c{};
+    c.struct_size = sizeof c;
+    check(lockstep_comm_get_counters(busy.comm(), &c), busy.comm());
+    py::dict out;
+    out["all_reduce_bytes_sent"] = c.all_reduce_bytes_sent;
+    out["all_reduce_bytes_received"] = c.all_reduce_bytes_received;
+    out["sync_bytes_sent"] = c.sync_bytes_sent;
+    out["sync_bytes_received"] = c.sync_bytes_received;
+    out["operations_started"] = c.operations_started;
+    out["operations_succeeded"] = c.operations_succeeded;
+    out["operations_failed"] = c.operations_failed;
+    out["all_reduces_started"] = c.all_reduces_started;
+    out["all_reduces_succeeded"] = c.all_reduces_succeeded;
+    out["all_reduces_failed"] = c.all_reduces_failed;
+    out["syncs_started"] = c.syncs_started;
+    out["syncs_succeeded"] = c.syncs_succeeded;
+    out["syncs_failed"] = c.syncs_failed;
+    out["retries"] = c.retries;
+    out["connect_us"] = c.connect_us;
+    out["update_topology_us"] = c.update_topology_us;
+    out["optimize_topology_us"] = c.optimize_topology_us;
+    out["sync_us"] = c.sync_us;
+    out["all_reduce_us"] = c.all_reduce_us;
+    return out;
+  }
+
   InfoTuple all_reduce(std::uintptr_t src, std::uintptr_t dst, std::uint64_t count, int dtype, int op, int quantization,
                        std::uint64_t tag) {
     Busy busy(*state_);
@@ -611,6 +639,7 @@ PYBIND11_MODULE(_lockstep, m) {
       .def("id", &PyComm::id)
       .def("membership", &PyComm::membership)
       .def("last_error", &PyComm::last_error)
+      .def("counters", &PyComm::counters)
       .def("all_reduce", &PyComm::all_reduce, py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"),
            py::arg("op"), py::arg("quantization"), py::arg("tag"))
       .def("all_reduce_async", &PyComm::all_reduce_async, py::arg("src"), py::arg("dst"), py::arg("count"),

@@ -7,6 +7,8 @@
 #include "peer/communicator.h"
 #include "state/hash.h"
 
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -274,6 +276,37 @@ const char* lockstep_comm_last_error(const lockstep_comm_t* comm) {
   thread_local std::string copy;
   copy = comm->comm->last_error();
   return copy.c_str();
+}
+
+lockstep_status_t lockstep_comm_get_counters(const lockstep_comm_t* comm, lockstep_counters_t* out) {
+  constexpr std::size_t kHeaderBytes = offsetof(lockstep_counters_t, all_reduce_bytes_sent);
+  if (comm == nullptr || out == nullptr || out->struct_size < kHeaderBytes) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  const lockstep::peer::Counters c = comm->comm->counters();
+  lockstep_counters_t full{};
+  full.struct_size = static_cast<uint32_t>(std::min<std::size_t>(out->struct_size, sizeof full));
+  full.version = LOCKSTEP_COUNTERS_VERSION;
+  full.all_reduce_bytes_sent = c.all_reduce_bytes_sent;
+  full.all_reduce_bytes_received = c.all_reduce_bytes_received;
+  full.sync_bytes_sent = c.sync_bytes_sent;
+  full.sync_bytes_received = c.sync_bytes_received;
+  full.operations_started = c.operations_started;
+  full.operations_succeeded = c.operations_succeeded;
+  full.operations_failed = c.operations_failed;
+  full.all_reduces_started = c.all_reduces_started;
+  full.all_reduces_succeeded = c.all_reduces_succeeded;
+  full.all_reduces_failed = c.all_reduces_failed;
+  full.syncs_started = c.syncs_started;
+  full.syncs_succeeded = c.syncs_succeeded;
+  full.syncs_failed = c.syncs_failed;
+  full.retries = c.retries;
+  full.connect_us = c.connect_us;
+  full.update_topology_us = c.update_topology_us;
+  full.optimize_topology_us = c.optimize_topology_us;
+  full.sync_us = c.sync_us;
+  full.all_reduce_us = c.all_reduce_us;
+  // Only the bytes the caller's struct has (an older caller's struct is shorter).
+  std::memcpy(out, &full, full.struct_size);
+  return LOCKSTEP_OK;
 }
 
 namespace {

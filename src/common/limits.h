@@ -42,4 +42,21 @@ inline constexpr std::uint64_t kSyncPieceBytesMin = 4u << 20;
 // A shared-state transfer that makes no progress for this long fails.
 inline constexpr std::uint32_t kStateTransferStallMsDefault = 60'000;
 
+// The master's observability (docs/observability.md): the recent events it keeps for
+// its status page (notable ones and everyday successes apart, so that routine traffic
+// cannot push a failure out), the throughput history (one-second buckets), the largest
+// group whose bandwidth matrix is shown, and the HTTP endpoint's bounds: request size,
+// worker threads, connections waiting for a worker, socket timeouts, and how long a
+// request waits for the master's loop to render the answer.
+inline constexpr std::size_t kObservedEventsMax = 1000;
+inline constexpr std::size_t kObservedRoutineEventsMax = 200;
+inline constexpr std::size_t kEventPeersListedMax = 64;
+inline constexpr std::int64_t kThroughputHistorySeconds = 600;
+inline constexpr std::size_t kBandwidthMatrixPeersMax = 64;
+inline constexpr std::size_t kHttpRequestBytesMax = 8192;
+inline constexpr std::size_t kHttpWorkerThreads = 4;
+inline constexpr std::size_t kHttpQueuedConnectionsMax = 32;
+inline constexpr std::uint32_t kHttpSocketTimeoutMs = 5'000;
+inline constexpr std::uint32_t kHttpRenderTimeoutMs = 2'000;
+
 }  // namespace lockstep::limits

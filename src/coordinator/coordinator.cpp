@@ -35,6 +35,33 @@ const char* to_string(TopologyPhase phase) {
   }
   return "?";
 }
+const char* to_string(Operation op) {
+  switch (op) {
+    case Operation::kNone: return "none";
+    case Operation::kConnection: return "connection";
+    case Operation::kUpdateTopology: return "update_topology";
+    case Operation::kOptimizeTopology: return "optimize_topology";
+    case Operation::kArePeersPending: return "are_peers_pending";
+    case Operation::kAgree: return "agree";
+    case Operation::kAllReduce: return "all_reduce";
+    case Operation::kSharedStateSync: return "shared_state_sync";
+  }
+  return "?";
+}
+const char* to_string(EventKind kind) {
+  switch (kind) {
+    case EventKind::kInfo: return "info";
+    case EventKind::kStarted: return "started";
+    case EventKind::kSucceeded: return "succeeded";
+    case EventKind::kFailed: return "failed";
+    case EventKind::kRefused: return "refused";
+    case EventKind::kRegistered: return "registered";
+    case EventKind::kRejected: return "rejected";
+    case EventKind::kRemoved: return "removed";
+    case EventKind::kVoteMismatch: return "vote_mismatch";
+  }
+  return "?";
+}
 const char* to_string(MajorOp op) {
   switch (op) {
     case MajorOp::kNone: return "NONE";
@@ -49,6 +76,35 @@ namespace {
 
 bool is_loopback(const std::string& host) {
   return host.rfind("127.", 0) == 0 || host == "localhost" || host == "::1";
+}
+
+// The operation a request belongs to, for the structured form of a refusal.
+Operation operation_of(MsgType type) {
+  switch (type) {
+    case MsgType::kVoteUpdateTopology:
+    case MsgType::kP2PReport: return Operation::kUpdateTopology;
+    case MsgType::kVoteOptimizeTopology:
+    case MsgType::kBandwidthReport: return Operation::kOptimizeTopology;
+    case MsgType::kVotePeersPending: return Operation::kArePeersPending;
+    case MsgType::kVoteAgree: return Operation::kAgree;
+    case MsgType::kCollectiveInit:
+    case MsgType::kCollectiveDone: return Operation::kAllReduce;
+    case MsgType::kSyncVote:
+    case MsgType::kSyncDone: return Operation::kSharedStateSync;
+    default: return Operation::kNone;
+  }
+}
+
+// A connection turned away before it became a peer.
+Event rejected(std::string text, std::string reason, StatusCode status) {
+  return Event{.text = std::move(text), .kind = EventKind::kRejected, .op = Operation::kConnection,
+               .reason = std::move(reason), .status = status};
+}
+
+std::string id_list(const std::vector<PeerId>& ids) {
+  std::string out;
+  for (const auto& id : ids) out += (out.empty() ? "" : " ") + id.to_string();
+  return out;
 }
 
 }  // namespace
@@ -131,8 +187,14 @@ void Coordinator::send(const Peer& peer, proto::Message message, Outbox& out) {
 }
 
 void Coordinator::refuse(const Peer& peer, MsgType request, StatusCode status, std::string reason, Outbox& out) {
-  out.push_back(Event{"refused " + std::string(proto::msg_type_name(request)) + " from " + peer.id.to_string() +
-                      ": " + reason});
+  out.push_back(Event{.text = "refused " + std::string(proto::msg_type_name(request)) + " from " +
+                              peer.id.to_string() + ": " + reason,
+                      .kind = EventKind::kRefused,
+                      .op = operation_of(request),
+                      .reason = reason,
+                      .status = status,
+                      .group = peer.group,
+                      .peers = {peer.id}});
   send(peer, proto::Refused{request, 0, status, std::move(reason)}, out);
 }
 
@@ -145,7 +207,8 @@ bool Coordinator::in_control_vote(const Peer& peer) const {
 
 void Coordinator::on_connect(ConnId conn, const std::string& observed_host, TimeMs now_ms, Outbox& out) {
   if (handshaking_.size() >= config_.pending_handshakes_max) {
-    out.push_back(Event{"connection from " + observed_host + " refused: too many unfinished handshakes"});
+    out.push_back(rejected("connection from " + observed_host + " refused: too many unfinished handshakes",
+                           "too many unfinished handshakes", LOCKSTEP_STATUS_REJECTED));
     out.push_back(Close{conn, "too many unfinished handshakes"});
     return;
   }
@@ -158,7 +221,8 @@ void Coordinator::on_message(ConnId conn, const proto::Message& message, TimeMs 
       handle_hello(conn, *hello, now_ms, out);
     } else {
       const std::string why = std::string("expected Hello, got ") + proto::msg_type_name(proto::type_of(message));
-      out.push_back(Event{"connection from " + hs->second.observed_host + " dropped: " + why});
+      out.push_back(rejected("connection from " + hs->second.observed_host + " dropped: " + why, why,
+                             LOCKSTEP_STATUS_PROTOCOL_ERROR));
       out.push_back(Send{conn, proto::Goodbye{LOCKSTEP_STATUS_PROTOCOL_ERROR, why}});
       out.push_back(Close{conn, why});
       handshaking_.erase(hs);
@@ -185,7 +249,8 @@ void Coordinator::on_disconnect(ConnId conn, const std::string& reason, TimeMs n
 
 void Coordinator::on_protocol_error(ConnId conn, const std::string& reason, TimeMs now_ms, Outbox& out) {
   if (auto hs = handshaking_.find(conn); hs != handshaking_.end()) {
-    out.push_back(Event{"connection from " + hs->second.observed_host + " dropped: " + reason});
+    out.push_back(rejected("connection from " + hs->second.observed_host + " dropped: " + reason, reason,
+                           LOCKSTEP_STATUS_PROTOCOL_ERROR));
     out.push_back(Send{conn, proto::Goodbye{LOCKSTEP_STATUS_PROTOCOL_ERROR, reason}});
     out.push_back(Close{conn, reason});
     handshaking_.erase(hs);
@@ -202,8 +267,9 @@ void Coordinator::on_tick(TimeMs now_ms, Outbox& out) {
   // Handshakes that take too long.
   for (auto it = handshaking_.begin(); it != handshaking_.end();) {
     if (now_ms - it->second.connected_ms >= config_.handshake_timeout_ms) {
-      out.push_back(Event{"connection from " + it->second.observed_host + " dropped: no Hello within " +
-                          std::to_string(config_.handshake_timeout_ms) + " ms"});
+      const std::string why = "no Hello within " + std::to_string(config_.handshake_timeout_ms) + " ms";
+      out.push_back(rejected("connection from " + it->second.observed_host + " dropped: " + why, why,
+                             LOCKSTEP_STATUS_PROTOCOL_ERROR));
       out.push_back(Close{it->first, "handshake timeout"});
       it = handshaking_.erase(it);
     } else {
@@ -289,7 +355,7 @@ void Coordinator::handle_hello(ConnId conn, const proto::Hello& hello, TimeMs no
   handshaking_.erase(conn);
   const std::string host = hello.advertised_host.empty() ? hs.observed_host : hello.advertised_host;
   auto reject = [&](const std::string& why) {
-    out.push_back(Event{"peer from " + host + " rejected: " + why});
+    out.push_back(rejected("peer from " + host + " rejected: " + why, why, LOCKSTEP_STATUS_REJECTED));
     out.push_back(Send{conn, proto::Goodbye{LOCKSTEP_STATUS_REJECTED, why}});
     out.push_back(Close{conn, why});
   };
@@ -314,8 +380,12 @@ void Coordinator::handle_hello(ConnId conn, const proto::Hello& hello, TimeMs no
   peer.info = proto::MemberInfo{peer.id, host, hello.p2p_port, hello.shared_state_port, hello.benchmark_port};
   peer.pool_size = hello.pool_size;
   by_conn_[conn] = peer.id;
-  out.push_back(Event{"peer " + peer.id.to_string() + " registered from " + host + " in group " +
-                      std::to_string(peer.group)});
+  out.push_back(Event{.text = "peer " + peer.id.to_string() + " registered from " + host + " in group " +
+                              std::to_string(peer.group),
+                      .kind = EventKind::kRegistered,
+                      .op = Operation::kConnection,
+                      .group = peer.group,
+                      .peers = {peer.id}});
   send(peer, proto::Welcome{peer.id, hs.observed_host, config_.heartbeat_timeout_ms}, out);
   peers_.emplace(peer.id, std::move(peer));
 }
@@ -344,6 +414,7 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
         topology_phase_ = TopologyPhase::kVoting;
         // the vote timeout counts from the first vote
         topology_started_ms_ = peer.last_seen_ms;
+        topology_round_started_ms_ = peer.last_seen_ms;
       }
       peer.state = type == MsgType::kVoteUpdateTopology ? PeerState::kVoteAcceptNewPeers
                                                         : PeerState::kVoteOptimizeTopology;
@@ -402,7 +473,14 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
 void Coordinator::handle_collective_init(Peer& peer, const proto::CollectiveInit& init, Outbox& out) {
   const MsgType type = MsgType::kCollectiveInit;
   const auto refuse = [&](const Peer& p, MsgType t, StatusCode status, std::string reason, Outbox& o) {
-    o.push_back(Event{"refused CollectiveInit from " + p.id.to_string() + ": " + reason});
+    o.push_back(Event{.text = "refused CollectiveInit from " + p.id.to_string() + ": " + reason,
+                      .kind = EventKind::kRefused,
+                      .op = Operation::kAllReduce,
+                      .reason = reason,
+                      .status = status,
+                      .group = p.group,
+                      .peers = {p.id},
+                      .tag = init.tag});
     send(p, proto::Refused{t, init.tag, status, std::move(reason)}, o);
   };
   if (peer.phase != Phase::kAccepted) {
@@ -469,9 +547,19 @@ void Coordinator::finish_collective(std::uint32_t group, std::uint64_t tag, std:
   for (const auto& id : recipients) {
     if (const Peer* p = find_peer(id)) send(*p, proto::CollectiveResult{tag, c.attempt, status, world, reason}, out);
   }
-  out.push_back(Event{"group " + std::to_string(group) + " collective tag " + std::to_string(tag) + " attempt " +
-                          std::to_string(c.attempt) + (status == LOCKSTEP_OK ? " succeeded" : " failed: " + reason),
-                      status == LOCKSTEP_OK});
+  const bool ok = status == LOCKSTEP_OK;
+  out.push_back(Event{.text = "group " + std::to_string(group) + " collective tag " + std::to_string(tag) +
+                              " attempt " + std::to_string(c.attempt) + (ok ? " succeeded" : " failed: " + reason),
+                      .routine = ok,
+                      .kind = ok ? EventKind::kSucceeded : EventKind::kFailed,
+                      .op = Operation::kAllReduce,
+                      .reason = reason,
+                      .status = status,
+                      .group = group,
+                      .peers = c.participants.empty() ? recipients : c.participants,
+                      .tag = tag,
+                      .attempt = c.attempt,
+                      .round_started_ms = c.started_ms});
 }
 
 // Starts every collective whose initiate vote is complete: every accepted peer of the
@@ -510,10 +598,17 @@ bool Coordinator::try_start_collectives(Outbox& out) {
       for (const auto& id : members) pool = std::min(pool, peers_.at(id).pool_size);
       c.slot = static_cast<std::uint32_t>(c.attempt % pool);
       c.votes.clear();
-      out.push_back(Event{"group " + std::to_string(group) + " collective tag " + std::to_string(tag) + " attempt " +
-                              std::to_string(c.attempt) + " starts over " + std::to_string(members.size()) +
-                              " peer(s) on slot " + std::to_string(c.slot),
-                          true});
+      out.push_back(Event{.text = "group " + std::to_string(group) + " collective tag " + std::to_string(tag) +
+                                  " attempt " + std::to_string(c.attempt) + " starts over " +
+                                  std::to_string(members.size()) + " peer(s) on slot " + std::to_string(c.slot),
+                          .routine = true,
+                          .kind = EventKind::kStarted,
+                          .op = Operation::kAllReduce,
+                          .group = group,
+                          .peers = members,
+                          .tag = tag,
+                          .attempt = c.attempt,
+                          .round_started_ms = c.started_ms});
       for (const auto& id : members) {
         send(peers_.at(id), proto::CollectiveGo{tag, c.attempt, c.slot, members}, out);
       }
@@ -529,8 +624,14 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
   auto it = peers_.find(id);
   if (it == peers_.end()) return;
   const Peer peer = it->second;
-  out.push_back(Event{"peer " + id.to_string() + " (" + to_string(peer.phase) + ", group " +
-                      std::to_string(peer.group) + ") removed: " + reason});
+  out.push_back(Event{.text = "peer " + id.to_string() + " (" + to_string(peer.phase) + ", group " +
+                              std::to_string(peer.group) + ") removed: " + reason,
+                      .kind = EventKind::kRemoved,
+                      .op = Operation::kConnection,
+                      .reason = reason,
+                      .status = status,
+                      .group = peer.group,
+                      .peers = {id}});
   if (connection_open) {
     out.push_back(Send{peer.conn, proto::Goodbye{status, reason}});
     out.push_back(Close{peer.conn, reason});
@@ -684,7 +785,10 @@ bool Coordinator::try_complete_topology_vote(TimeMs now_ms, Outbox& out) {
   if (topology_phase_ == TopologyPhase::kIdle) {
     // An empty run admits newcomers without a vote: there is nobody to ask.
     if (accepted_count() == 0 && any_registered) {
-      out.push_back(Event{"no accepted peers: admitting registered peers without a vote"});
+      out.push_back(Event{.text = "no accepted peers: admitting registered peers without a vote",
+                          .op = Operation::kUpdateTopology,
+                          .reason = "the run has no accepted peer to vote"});
+      topology_round_started_ms_ = now_ms;
       start_establish(now_ms, out);
       return true;
     }
@@ -694,7 +798,9 @@ bool Coordinator::try_complete_topology_vote(TimeMs now_ms, Outbox& out) {
   for (const auto& [id, peer] : peers_) {
     if (peer.phase == Phase::kAccepted && peer.state != PeerState::kVoteAcceptNewPeers) return false;
   }
-  out.push_back(Event{"update-topology vote complete (" + std::to_string(accepted_count()) + " voters)"});
+  out.push_back(Event{.text = "update-topology vote complete (" + std::to_string(accepted_count()) + " voters)",
+                      .op = Operation::kUpdateTopology,
+                      .round_started_ms = topology_round_started_ms_});
   start_establish(now_ms, out);
   return true;
 }
@@ -721,14 +827,22 @@ void Coordinator::start_establish(TimeMs now_ms, Outbox& out,
     if (peer.state != PeerState::kEstablishingP2P) continue;
     send(peer, proto::EstablishP2P{epoch_, members(proposed_rings_.at(peer.group))}, out);
   }
-  out.push_back(Event{"epoch " + std::to_string(epoch_) + ": establishing p2p connections with " +
-                      std::to_string(newcomers_.size()) + " newcomer(s)"});
+  std::vector<PeerId> newcomers(newcomers_.begin(), newcomers_.end());
+  out.push_back(Event{.text = "epoch " + std::to_string(epoch_) + ": establishing p2p connections with " +
+                              std::to_string(newcomers_.size()) + " newcomer(s)" +
+                              (newcomers.empty() ? "" : " (" + id_list(newcomers) + ")"),
+                      // an optimization started at its vote; this is its rewiring
+                      .kind = optimizing_ ? EventKind::kInfo : EventKind::kStarted,
+                      .op = optimizing_ ? Operation::kOptimizeTopology : Operation::kUpdateTopology,
+                      .peers = std::move(newcomers),
+                      .round_started_ms = topology_round_started_ms_});
 }
 
 void Coordinator::fail_establish(const std::string& reason, Outbox& out) {
   topology_phase_ = TopologyPhase::kIdle;
   const StatusCode status =
       optimizing_ ? LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED : LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED;
+  const Operation op = optimizing_ ? Operation::kOptimizeTopology : Operation::kUpdateTopology;
   optimizing_ = false;
   for (auto& [id, peer] : peers_) {
     if (peer.state != PeerState::kEstablishingP2P) continue;
@@ -739,7 +853,14 @@ void Coordinator::fail_establish(const std::string& reason, Outbox& out) {
   }
   newcomers_.clear();
   proposed_rings_.clear();
-  out.push_back(Event{"epoch " + std::to_string(epoch_) + ": update topology failed: " + reason});
+  out.push_back(Event{.text = "epoch " + std::to_string(epoch_) + ": " +
+                              (op == Operation::kOptimizeTopology ? "optimize" : "update") +
+                              " topology failed: " + reason,
+                      .kind = EventKind::kFailed,
+                      .op = op,
+                      .reason = reason,
+                      .status = status,
+                      .round_started_ms = topology_round_started_ms_});
 }
 
 bool Coordinator::try_complete_establish(Outbox& out) {
@@ -777,6 +898,7 @@ bool Coordinator::try_complete_establish(Outbox& out) {
     return true;
   }
   topology_phase_ = TopologyPhase::kIdle;
+  const Operation op = optimizing_ ? Operation::kOptimizeTopology : Operation::kUpdateTopology;
   // After an optimization registered peers may still wait: the views stay current only
   // for the accepted ones, so a departure since then still counts.
   if (!optimizing_) topology_dirty_ = false;
@@ -793,12 +915,18 @@ bool Coordinator::try_complete_establish(Outbox& out) {
          out);
   }
   std::string summary = "epoch " + std::to_string(epoch_) + ": topology updated;";
+  std::vector<PeerId> everyone;
   for (const auto& [group, ids] : rings_) {
     summary += " group " + std::to_string(group) + " ring [";
     for (std::size_t i = 0; i < ids.size(); ++i) summary += (i ? " " : "") + ids[i].to_string();
     summary += "]";
+    everyone.insert(everyone.end(), ids.begin(), ids.end());
   }
-  out.push_back(Event{summary});
+  out.push_back(Event{.text = summary,
+                      .kind = EventKind::kSucceeded,
+                      .op = op,
+                      .peers = std::move(everyone),
+                      .round_started_ms = topology_round_started_ms_});
   newcomers_.clear();
   proposed_rings_.clear();
   return true;
@@ -811,6 +939,7 @@ bool Coordinator::try_complete_pending(Outbox& out) {
     if (peer.phase == Phase::kAccepted && !peer.voted_pending) return false;
     if (peer.phase == Phase::kRegistered) any_registered = true;
   }
+  const TimeMs round_started_ms = pending_round_->started_ms;
   pending_round_.reset();
   const bool pending = any_registered || topology_dirty_;
   for (auto& [id, peer] : peers_) {
@@ -818,9 +947,16 @@ bool Coordinator::try_complete_pending(Outbox& out) {
     peer.voted_pending = false;
     send(peer, proto::PeersPendingResult{LOCKSTEP_OK, pending, {}}, out);
   }
-  out.push_back(Event{std::string("are-peers-pending vote complete: ") + (pending ? "yes" : "no") +
-                          (topology_dirty_ ? " (peers left since the last update)" : ""),
-                      !pending});
+  std::string why;
+  if (any_registered) why = "registered peers wait to join";
+  if (topology_dirty_) why += std::string(why.empty() ? "" : "; ") + "peers left since the last update";
+  out.push_back(Event{.text = std::string("are-peers-pending vote complete: ") + (pending ? "yes" : "no") +
+                              (topology_dirty_ ? " (peers left since the last update)" : ""),
+                      .routine = !pending,
+                      .kind = EventKind::kSucceeded,
+                      .op = Operation::kArePeersPending,
+                      .reason = why,
+                      .round_started_ms = round_started_ms});
   return true;
 }
 
@@ -854,9 +990,15 @@ bool Coordinator::try_complete_agree(Outbox& out) {
         send(peer, proto::AgreeResult{LOCKSTEP_OK, value, {}}, out);
       }
     }
-    out.push_back(Event{"group " + std::to_string(group) + " agree vote complete: " +
-                            (round.failed ? "failed (" + round.failure + ")" : (value ? "true" : "false")),
-                        !round.failed});
+    out.push_back(Event{.text = "group " + std::to_string(group) + " agree vote complete: " +
+                                (round.failed ? "failed (" + round.failure + ")" : (value ? "true" : "false")),
+                        .routine = !round.failed,
+                        .kind = round.failed ? EventKind::kFailed : EventKind::kSucceeded,
+                        .op = Operation::kAgree,
+                        .reason = round.failure,
+                        .status = round.failed ? LOCKSTEP_STATUS_PEER_CONNECTION_LOST : LOCKSTEP_OK,
+                        .group = group,
+                        .round_started_ms = round.started_ms});
   }
   return changed;
 }
@@ -875,7 +1017,24 @@ void Coordinator::detect_vote_mismatch(Outbox& out) {
   const std::string reason = "accepted peers are waiting in different votes (update topology, optimize topology, "
                              "are-peers-pending, agree, shared-state sync); the application must call the same operation "
                              "on every peer";
-  out.push_back(Event{"vote mismatch: " + reason});
+  // Which vote each peer waits in: the rule the application broke, peer by peer.
+  std::string votes;
+  std::vector<PeerId> voters;
+  for (const auto& [id, peer] : peers_) {
+    if (peer.phase != Phase::kAccepted) continue;
+    const char* vote = peer.state == PeerState::kVoteAcceptNewPeers     ? "update topology"
+                       : peer.state == PeerState::kVoteOptimizeTopology ? "optimize topology"
+                       : peer.state == PeerState::kVoteSync             ? "shared-state sync"
+                       : peer.voted_pending                             ? "are-peers-pending"
+                                                                        : "agree";
+    votes += (votes.empty() ? "" : ", ") + id.to_string() + " in " + vote;
+    voters.push_back(id);
+  }
+  out.push_back(Event{.text = "vote mismatch: " + reason + " (" + votes + ")",
+                      .kind = EventKind::kVoteMismatch,
+                      .reason = reason + " (" + votes + ")",
+                      .status = LOCKSTEP_STATUS_OPERATION_MISMATCH,
+                      .peers = std::move(voters)});
   if (topology_phase_ == TopologyPhase::kVoting) topology_phase_ = TopologyPhase::kIdle;
   pending_round_.reset();
   agree_rounds_.clear();
@@ -903,6 +1062,88 @@ void Coordinator::detect_vote_mismatch(Outbox& out) {
 }
 
 // ---------------------------------------------------------------- introspection
+
+std::vector<OpenRound> Coordinator::open_rounds() const {
+  std::vector<OpenRound> rounds;
+  const auto split = [&](OpenRound& r, auto&& in_round, auto&& has_done) {
+    for (const auto& [id, peer] : peers_) {
+      if (!in_round(peer)) continue;
+      (has_done(peer) ? r.done : r.waiting).push_back(id);
+    }
+    if (!r.done.empty() || !r.waiting.empty()) rounds.push_back(std::move(r));
+  };
+  const auto accepted = [](const Peer& p) { return p.phase == Phase::kAccepted; };
+  if (topology_phase_ == TopologyPhase::kVoting) {
+    // One vote for both kinds: the first voter's kind names it.
+    bool optimize = false;
+    for (const auto& [id, peer] : peers_) {
+      if (peer.state == PeerState::kVoteOptimizeTopology) optimize = true;
+      if (peer.state == PeerState::kVoteAcceptNewPeers) break;
+    }
+    OpenRound r{.op = optimize ? Operation::kOptimizeTopology : Operation::kUpdateTopology,
+                .phase = "voting",
+                .started_ms = topology_round_started_ms_};
+    split(r, accepted, [](const Peer& p) {
+      return p.state == PeerState::kVoteAcceptNewPeers || p.state == PeerState::kVoteOptimizeTopology;
+    });
+  } else if (topology_phase_ == TopologyPhase::kMeasuring && measurement_ && measurement_->round < measurement_->rounds.size()) {
+    std::set<PeerId> in_pairs;
+    for (const auto& [a, b] : measurement_->rounds[measurement_->round]) {
+      in_pairs.insert(a);
+      in_pairs.insert(b);
+    }
+    OpenRound r{.op = Operation::kOptimizeTopology,
+                .phase = "measuring round " + std::to_string(measurement_->round + 1) + " of " +
+                         std::to_string(measurement_->rounds.size()),
+                .attempt = measurement_->test,
+                .started_ms = measurement_->round_started_ms};
+    split(r, [&](const Peer& p) { return in_pairs.count(p.id) != 0; }, [](const Peer& p) { return p.measured; });
+  } else if (topology_phase_ == TopologyPhase::kEstablishing) {
+    OpenRound r{.op = optimizing_ ? Operation::kOptimizeTopology : Operation::kUpdateTopology,
+                .phase = "establishing epoch " + std::to_string(epoch_),
+                .started_ms = topology_started_ms_};
+    split(r, [](const Peer& p) { return p.state == PeerState::kEstablishingP2P; },
+          [](const Peer& p) { return p.p2p_reported; });
+  }
+  if (pending_round_) {
+    OpenRound r{.op = Operation::kArePeersPending, .phase = "voting", .started_ms = pending_round_->started_ms};
+    split(r, accepted, [](const Peer& p) { return p.voted_pending; });
+  }
+  for (const auto& [group, round] : agree_rounds_) {
+    OpenRound r{.op = Operation::kAgree, .phase = round.failed ? "failed" : "voting", .group = group,
+                .started_ms = round.started_ms};
+    split(r, [&, g = group](const Peer& p) { return p.phase == Phase::kAccepted && p.group == g; },
+          [](const Peer& p) { return p.agree_flag.has_value(); });
+  }
+  for (const auto& [group, tags] : collectives_) {
+    for (const auto& [tag, c] : tags) {
+      OpenRound r{.op = Operation::kAllReduce, .group = group, .tag = tag, .attempt = c.attempt,
+                  .started_ms = c.started_ms};
+      if (c.phase == Collective::Phase::kVoting) {
+        r.phase = "voting";
+        split(r, [&, g = group](const Peer& p) { return p.phase == Phase::kAccepted && p.group == g; },
+              [&](const Peer& p) { return c.votes.count(p.id) != 0; });
+      } else {
+        r.phase = "performing";
+        for (const auto& id : c.participants) (c.done.count(id) != 0 ? r.done : r.waiting).push_back(id);
+        rounds.push_back(std::move(r));
+      }
+    }
+  }
+  for (const auto& [group, sy] : syncs_) {
+    OpenRound r{.op = Operation::kSharedStateSync, .group = group, .attempt = sy.attempt, .started_ms = sy.started_ms};
+    if (sy.phase == SharedStateSync::Phase::kVoting) {
+      r.phase = "voting";
+      split(r, [&, g = group](const Peer& p) { return p.phase == Phase::kAccepted && p.group == g; },
+            [&](const Peer& p) { return sy.votes.count(p.id) != 0; });
+    } else {
+      r.phase = "transferring";
+      for (const auto& id : sy.participants) (sy.done.count(id) != 0 ? r.done : r.waiting).push_back(id);
+      rounds.push_back(std::move(r));
+    }
+  }
+  return rounds;
+}
 
 std::string Coordinator::digest() const {
   std::ostringstream s;

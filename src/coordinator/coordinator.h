@@ -139,10 +139,66 @@ struct Close {
   ConnId conn = 0;
   std::string reason;
 };
-// A transition worth logging, with its reason.
+// The operation an event concerns (the label of the master's metrics).
+enum class Operation {
+  kNone,
+  kConnection,        // a connection before its Hello, a registration, a removal
+  kUpdateTopology,
+  kOptimizeTopology,
+  kArePeersPending,
+  kAgree,
+  kAllReduce,
+  kSharedStateSync,
+};
+// What happened to it. Started, succeeded and failed are the operation counters of
+// the master's metrics; the others describe membership and refusals.
+enum class EventKind {
+  kInfo,           // a step inside an operation (a vote complete, a measurement plan)
+  kStarted,        // an attempt began (collective attempt, sync plan, establishment)
+  kSucceeded,
+  kFailed,
+  kRefused,        // a request refused without any change
+  kRegistered,     // a peer was given an identity
+  kRejected,       // a connection or newcomer was turned away
+  kRemoved,        // a peer was removed from the run
+  kVoteMismatch,   // every open vote failed: peers wait in different votes
+};
+const char* to_string(Operation op);
+const char* to_string(EventKind kind);
+
+// A transition worth logging, with its reason. `text` is the whole line for the log;
+// the other fields are the same facts in structured form for the master's status page
+// and metrics (docs/observability.md).
 struct Event {
-  std::string text;
+  std::string text{};
   bool routine = false;  // an everyday success (logged at debug level)
+  EventKind kind = EventKind::kInfo;
+  Operation op = Operation::kNone;
+  // Why: who failed, which vote was missing, which rule was violated. Empty for a
+  // plain success.
+  std::string reason{};
+  StatusCode status = LOCKSTEP_OK;     // the outcome it announces (failures, removals)
+  std::optional<std::uint32_t> group{};  // the group, for group-wide operations
+  std::vector<PeerId> peers{};         // the peers it concerns (removed, participants, ring)
+  std::uint64_t tag = 0;               // collectives
+  std::uint64_t attempt = 0;           // collective and sync attempts
+  // For an outcome: when the round began (its first vote), in the coordinator's time,
+  // so that the shell can measure how long consensus took.
+  std::optional<TimeMs> round_started_ms{};
+};
+
+// An operation in progress and where each peer stands in it: the voters and the
+// peers it still waits for (a vote is a barrier, so a stalled run shows here whom it
+// waits for).
+struct OpenRound {
+  Operation op = Operation::kNone;
+  std::string phase{};                 // "voting", "performing", "establishing", ...
+  std::optional<std::uint32_t> group{};  // none for run-wide rounds
+  std::uint64_t tag = 0;
+  std::uint64_t attempt = 0;
+  TimeMs started_ms = 0;
+  std::vector<PeerId> done{};     // voted, or reported
+  std::vector<PeerId> waiting{};  // not yet
 };
 using Command = std::variant<Send, Close, Event>;
 using Outbox = std::vector<Command>;
@@ -189,6 +245,8 @@ class Coordinator {
   std::optional<std::uint64_t> revision(std::uint32_t group) const;
   // True if the peer voted for, or takes part in, a collective that is not finished.
   bool has_collective_in_flight(const Peer& peer) const;
+  // Every open vote and running operation with who has and has not voted or reported.
+  std::vector<OpenRound> open_rounds() const;
   // Checks the structural invariants; returns a description of the first violation.
   std::optional<std::string> check_invariants() const;
 
@@ -268,6 +326,9 @@ class Coordinator {
 
   TopologyPhase topology_phase_ = TopologyPhase::kIdle;
   TimeMs topology_started_ms_ = 0;
+  // When the current topology round's first vote came (for its latency; the phase
+  // deadlines above restart with each phase).
+  TimeMs topology_round_started_ms_ = 0;
   std::uint64_t epoch_ = 0;
   std::set<PeerId> newcomers_;
   std::map<std::uint32_t, std::vector<PeerId>> proposed_rings_;

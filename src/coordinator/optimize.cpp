@@ -41,7 +41,10 @@ bool Coordinator::try_complete_optimize_vote(TimeMs now_ms, Outbox& out) {
   for (const auto& [id, peer] : peers_) {
     if (peer.phase == Phase::kAccepted && peer.state != PeerState::kVoteOptimizeTopology) return false;
   }
-  out.push_back(Event{"optimize-topology vote complete (" + std::to_string(accepted_count()) + " voters)"});
+  out.push_back(Event{.text = "optimize-topology vote complete (" + std::to_string(accepted_count()) + " voters)",
+                      .kind = EventKind::kStarted,
+                      .op = Operation::kOptimizeTopology,
+                      .round_started_ms = topology_round_started_ms_});
   start_measurement(now_ms, out);
   return true;
 }
@@ -95,8 +98,9 @@ void Coordinator::start_measurement(TimeMs now_ms, Outbox& out) {
   }
   topology_phase_ = TopologyPhase::kMeasuring;
   topology_started_ms_ = now_ms;
-  out.push_back(Event{"optimize topology: " + std::to_string(pairs.size()) + " pair(s) to measure in " +
-                      std::to_string(m.rounds.size()) + " round(s)"});
+  out.push_back(Event{.text = "optimize topology: " + std::to_string(pairs.size()) + " pair(s) to measure in " +
+                              std::to_string(m.rounds.size()) + " round(s)",
+                      .op = Operation::kOptimizeTopology});
   measurement_ = std::move(m);
   start_round(now_ms, out);
 }
@@ -165,7 +169,9 @@ std::map<std::uint32_t, std::vector<PeerId>> Coordinator::solve_rings(Outbox& ou
     if (bg != background_.end() && bg->second.members == ids && bg->second.matrix == matrix &&
         topo::better_ring(matrix, bg->second.improver->best().ring, best.ring)) {
       best = bg->second.improver->best();
-      out.push_back(Event{"group " + std::to_string(group) + ": the background search found a better ring"});
+      out.push_back(Event{.text = "group " + std::to_string(group) + ": the background search found a better ring",
+                          .op = Operation::kOptimizeTopology,
+                          .group = group});
     }
     std::vector<int> join_order(ids.size());
     for (std::size_t i = 0; i < ids.size(); ++i) join_order[i] = static_cast<int>(i);
@@ -175,9 +181,13 @@ std::map<std::uint32_t, std::vector<PeerId>> Coordinator::solve_rings(Outbox& ou
       ring.push_back(ids[static_cast<std::size_t>(i)]);
       names += (names.empty() ? "" : " ") + ids[static_cast<std::size_t>(i)].to_string();
     }
-    out.push_back(Event{"group " + std::to_string(group) + ": optimized ring [" + names + "], bottleneck " +
-                        mbit(best.bottleneck) + " (" + (best.optimal ? "optimal" : "heuristic") +
-                        "), previous order " + mbit(topo::ring_bottleneck(matrix, join_order))});
+    const std::string why = "bottleneck " + mbit(best.bottleneck) + " (" + (best.optimal ? "optimal" : "heuristic") +
+                            "), previous order " + mbit(topo::ring_bottleneck(matrix, join_order));
+    out.push_back(Event{.text = "group " + std::to_string(group) + ": optimized ring [" + names + "], " + why,
+                        .op = Operation::kOptimizeTopology,
+                        .reason = why,
+                        .group = group,
+                        .peers = ring});
     // A solution not proven optimal keeps improving in the background; ring order
     // changes the indices, so the search works on the new order's matrix.
     if (!best.optimal) {
@@ -212,7 +222,12 @@ void Coordinator::fail_optimize(const std::string& reason, Outbox& out) {
     peer.measured = false;
     send(peer, proto::TopologyResult{epoch_, LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED, reason, {}, {}}, out);
   }
-  out.push_back(Event{"optimize topology failed: " + reason});
+  out.push_back(Event{.text = "optimize topology failed: " + reason,
+                      .kind = EventKind::kFailed,
+                      .op = Operation::kOptimizeTopology,
+                      .reason = reason,
+                      .status = LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED,
+                      .round_started_ms = topology_round_started_ms_});
 }
 
 // Peers of a round that never report are blamed, like silent establishment participants.

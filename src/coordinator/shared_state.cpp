@@ -258,12 +258,20 @@ void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_rev
   }
   std::string sources;
   for (const auto& [id, bytes] : load) sources += " " + id.to_string() + "=" + std::to_string(bytes);
-  Event event{"group " + std::to_string(group) + " shared-state sync attempt " + std::to_string(sync.attempt) +
-                          ": revision " + std::to_string(elected_revision) + " elected (content of " +
-                          representative.to_string() + "); " + std::to_string(receivers) + " of " +
-                          std::to_string(members.size()) + " peer(s) receive " + std::to_string(total) + " bytes" +
-                          (sources.empty() ? "" : "; sent by" + sources),
-              total == 0};
+  Event event{.text = "group " + std::to_string(group) + " shared-state sync attempt " + std::to_string(sync.attempt) +
+                       ": revision " + std::to_string(elected_revision) + " elected (content of " +
+                       representative.to_string() + "); " + std::to_string(receivers) + " of " +
+                       std::to_string(members.size()) + " peer(s) receive " + std::to_string(total) + " bytes" +
+                       (sources.empty() ? "" : "; sent by" + sources),
+              .routine = total == 0,
+              .kind = EventKind::kStarted,
+              .op = Operation::kSharedStateSync,
+              .reason = "revision " + std::to_string(elected_revision) + " elected (content of " +
+                        representative.to_string() + ")",
+              .group = group,
+              .peers = members,
+              .attempt = sync.attempt,
+              .round_started_ms = sync.started_ms};
   out.emplace_back(std::move(event));
 }
 
@@ -301,10 +309,22 @@ void Coordinator::finish_sync(std::uint32_t group, StatusCode status, const std:
     peer.state = PeerState::kIdle;
     send(peer, proto::SyncResult{sync.attempt, status, ok ? sync.revision : 0, reason}, out);
   }
-  Event event{"group " + std::to_string(group) + " shared-state sync" +
-                  (sync.attempt != 0 ? " attempt " + std::to_string(sync.attempt) : std::string()) +
-                  (ok ? " succeeded at revision " + std::to_string(sync.revision) : " failed: " + reason),
-              ok && sync.bytes_planned == 0};
+  std::vector<PeerId> involved = sync.participants;
+  if (involved.empty()) {
+    for (const auto& [id, vote] : sync.votes) involved.push_back(id);
+  }
+  Event event{.text = "group " + std::to_string(group) + " shared-state sync" +
+                      (sync.attempt != 0 ? " attempt " + std::to_string(sync.attempt) : std::string()) +
+                      (ok ? " succeeded at revision " + std::to_string(sync.revision) : " failed: " + reason),
+              .routine = ok && sync.bytes_planned == 0,
+              .kind = ok ? EventKind::kSucceeded : EventKind::kFailed,
+              .op = Operation::kSharedStateSync,
+              .reason = reason,
+              .status = status,
+              .group = group,
+              .peers = std::move(involved),
+              .attempt = sync.attempt,
+              .round_started_ms = sync.started_ms};
   out.emplace_back(std::move(event));
 }
 

@@ -6,6 +6,7 @@
 #include "master/master_server.h"
 
 #include "common/log.h"
+#include "master/observer.h"
 #include "protocol/codec.h"
 
 #include <asio.hpp>
@@ -13,6 +14,7 @@
 #include <array>
 #include <chrono>
 #include <deque>
+#include <future>
 #include <map>
 #include <vector>
 
@@ -24,6 +26,8 @@ constexpr std::size_t kDrainBytesMax = 64 * 1024;
 constexpr std::size_t kKeptPayloadBytesMax = 64 * 1024;
 constexpr auto kCloseGrace = std::chrono::milliseconds(1000);
 constexpr const char* kLog = "master";
+// Stalls are looked for every this many ticks (about four times a second).
+constexpr std::uint64_t kStallCheckTicks = 12;
 
 }  // namespace
 
@@ -32,6 +36,7 @@ class MasterServer::Impl {
   explicit Impl(Options options)
       : options_(std::move(options)),
         coordinator_(options_.coordinator),
+        observer_(options_.stall_report_ms),
         acceptor_(io_),
         ticker_(io_),
         start_(std::chrono::steady_clock::now()) {}
@@ -63,6 +68,25 @@ class MasterServer::Impl {
 
   void interrupt() {
     asio::post(io_, [this] { shutdown(); });
+  }
+
+  // Called from any thread: the view is rendered by a handler on the loop thread.
+  Result<std::string> render(View view, std::uint32_t timeout_ms) {
+    auto promise = std::make_shared<std::promise<std::string>>();
+    auto future = promise->get_future();
+    asio::post(io_, [this, promise, view] {
+      promise->set_value(view == View::kStateJson ? observer_.state_json(coordinator_, now_ms())
+                                                  : observer_.metrics_text(coordinator_, now_ms()));
+    });
+    if (future.wait_for(std::chrono::milliseconds(timeout_ms)) != std::future_status::ready) {
+      return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master's loop did not answer within " +
+                                                                std::to_string(timeout_ms) + " ms");
+    }
+    try {
+      return future.get();
+    } catch (const std::future_error&) {  // the loop was destroyed with the request queued
+      return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master stopped");
+    }
   }
 
  private:
@@ -137,6 +161,7 @@ class MasterServer::Impl {
   void on_frame(const SessionPtr& s, proto::MsgType type) {
     auto message = proto::decode_payload(type, s->payload);
     if (!message.is_ok()) return violation(s, message.status().message());
+    observe_report(s->conn, message.value());
     coord::Outbox out;
     coordinator_.on_message(s->conn, message.value(), now_ms(), out);
     apply(out);
@@ -158,6 +183,17 @@ class MasterServer::Impl {
     apply(out);
   }
 
+  // Bytes a peer reports with its vote to complete, for the metrics (decides nothing).
+  void observe_report(coord::ConnId conn, const proto::Message& message) {
+    const auto peer = coordinator_.peer_of(conn);
+    if (!peer) return;
+    if (const auto* done = std::get_if<proto::CollectiveDone>(&message)) {
+      observer_.on_bytes_reported(*peer, true, done->bytes_sent, done->bytes_received, now_ms());
+    } else if (const auto* sync = std::get_if<proto::SyncDone>(&message)) {
+      observer_.on_bytes_reported(*peer, false, sync->bytes_sent, sync->bytes_received, now_ms());
+    }
+  }
+
   void apply(coord::Outbox& out) {
     for (auto& command : out) {
       if (auto* send = std::get_if<coord::Send>(&command)) {
@@ -165,6 +201,7 @@ class MasterServer::Impl {
       } else if (auto* close = std::get_if<coord::Close>(&command)) {
         if (auto it = sessions_.find(close->conn); it != sessions_.end()) begin_close(it->second);
       } else if (auto* event = std::get_if<coord::Event>(&command)) {
+        observer_.on_event(*event, now_ms());
         if (event->routine) {
           LOG_DEBUG(kLog, event->text);
         } else {
@@ -259,6 +296,9 @@ class MasterServer::Impl {
       coord::Outbox out;
       coordinator_.on_tick(now_ms(), out);
       apply(out);
+      if (++ticks_ % kStallCheckTicks == 0) {
+        for (const auto& line : observer_.check_stalls(coordinator_, now_ms())) LOG_WARN(kLog, line);
+      }
       schedule_tick();
     });
   }
@@ -283,6 +323,8 @@ class MasterServer::Impl {
 
   Options options_;
   coord::Coordinator coordinator_;
+  Observer observer_;
+  std::uint64_t ticks_ = 0;
   asio::io_context io_;
   asio::ip::tcp::acceptor acceptor_;
   asio::steady_timer ticker_;
@@ -315,6 +357,11 @@ Status MasterServer::start() {
 
 void MasterServer::interrupt() {
   if (running_) impl_->interrupt();
+}
+
+Result<std::string> MasterServer::render(View view, std::uint32_t timeout_ms) const {
+  if (!running_) return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master is not running");
+  return impl_->render(view, timeout_ms);
 }
 
 void MasterServer::wait() {

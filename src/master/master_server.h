@@ -21,7 +21,13 @@ struct Options {
   coord::Config coordinator;
   // How often the coordinator sees the clock (heartbeat and vote deadlines).
   std::uint32_t tick_ms = 20;
+  // A vote or operation that has waited this long for some peers is reported once as a
+  // stall, naming them (docs/observability.md); 0: never.
+  std::uint32_t stall_report_ms = 10'000;
 };
+
+// What render() produces (docs/observability.md).
+enum class View { kStateJson, kMetricsText };
 
 class MasterServer {
  public:
@@ -38,6 +44,10 @@ class MasterServer {
   // Blocks until the loop has stopped and the thread is joined.
   void wait();
   bool running() const { return running_.load(); }
+  // Thread-safe: the picture of the run, rendered on the loop thread (the coordinator
+  // is only ever touched there). Waits at most timeout_ms for the loop to answer;
+  // MASTER_CONNECTION_LOST if the master is not running or did not answer in time.
+  Result<std::string> render(View view, std::uint32_t timeout_ms) const;
 
  private:
   class Impl;

@@ -13,6 +13,39 @@
 #include <set>
 
 namespace lockstep::peer {
+namespace {
+
+// All-reduce tags whose last attempt failed, remembered to count retries.
+constexpr std::size_t kFailedTagsRemembered = 4096;
+
+}  // namespace
+
+// ------------------------------------------------------------------ counters
+
+Counters Communicator::counters() const {
+  const auto get = [this](Counter c) { return counters_[static_cast<std::size_t>(c)].load(std::memory_order_relaxed); };
+  Counters out;
+  out.all_reduce_bytes_sent = get(Counter::kAllReduceBytesSent);
+  out.all_reduce_bytes_received = get(Counter::kAllReduceBytesReceived);
+  out.sync_bytes_sent = get(Counter::kSyncBytesSent);
+  out.sync_bytes_received = get(Counter::kSyncBytesReceived);
+  out.operations_started = get(Counter::kOperationsStarted);
+  out.operations_succeeded = get(Counter::kOperationsSucceeded);
+  out.operations_failed = get(Counter::kOperationsFailed);
+  out.all_reduces_started = get(Counter::kAllReducesStarted);
+  out.all_reduces_succeeded = get(Counter::kAllReducesSucceeded);
+  out.all_reduces_failed = get(Counter::kAllReducesFailed);
+  out.syncs_started = get(Counter::kSyncsStarted);
+  out.syncs_succeeded = get(Counter::kSyncsSucceeded);
+  out.syncs_failed = get(Counter::kSyncsFailed);
+  out.retries = get(Counter::kRetries);
+  out.connect_us = get(Counter::kConnectUs);
+  out.update_topology_us = get(Counter::kUpdateTopologyUs);
+  out.optimize_topology_us = get(Counter::kOptimizeTopologyUs);
+  out.sync_us = get(Counter::kSyncUs);
+  out.all_reduce_us = get(Counter::kAllReduceUs);
+  return out;
+}
 
 // ------------------------------------------------------------------ Communicator
 
@@ -75,6 +108,7 @@ Status Communicator::check_call(bool need_accepted) const {
 Status Communicator::connect() {
   if (Status s = check_call(false); !s.is_ok()) return remember(s);
   if (connected_) return remember(Status(LOCKSTEP_STATUS_INVALID_USAGE, "already connected"));
+  OperationScope scope(*this, Counter::kConnectUs, nullptr);
   auto fd = transport::connect_tcp(options_.master_host, options_.master_port, options_.connect_timeout_ms);
   if (!fd.is_ok()) {
     return remember(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED, "master at " + options_.master_host + ":" +
@@ -112,6 +146,7 @@ Status Communicator::connect() {
     LOG_INFO(kLog, "admission attempt failed, waiting for the next one: " << result.value().reason);
   }
   accepted_ = true;
+  scope.succeeded();
   return Status::ok();
 }
 
@@ -124,10 +159,12 @@ Status Communicator::update_topology() {
                              "await every collective in flight before updating the topology"));
     }
   }
+  OperationScope scope(*this, Counter::kUpdateTopologyUs, &update_failed_);
   link_->send(proto::VoteUpdateTopology{});
   auto result = run_establishment(/*newcomer=*/false);
   if (!result.is_ok()) return remember(result.status());
   if (result.value().status != LOCKSTEP_OK) return remember(Status(result.value().status, result.value().reason));
+  scope.succeeded();
   return Status::ok();
 }
 
@@ -284,6 +321,7 @@ Status Communicator::optimize_topology() {
                              "await every collective in flight before optimizing the topology"));
     }
   }
+  OperationScope scope(*this, Counter::kOptimizeTopologyUs, &optimize_failed_);
   link_->send(proto::VoteOptimizeTopology{});
   // Bandwidth tests as the master asks for them, then the rewiring.
   for (;;) {
@@ -305,6 +343,7 @@ Status Communicator::optimize_topology() {
     auto result = finish_establishment(std::get<proto::EstablishP2P>(next.value()));
     if (!result.is_ok()) return remember(result.status());
     if (result.value().status != LOCKSTEP_OK) return remember(Status(result.value().status, result.value().reason));
+    scope.succeeded();
     return Status::ok();
   }
 }
@@ -377,6 +416,9 @@ Result<std::shared_ptr<AsyncReduce>> Communicator::start_collective(const Reduce
     if (!tags_in_flight_.insert(d.tag).second) {
       return remember(Status(LOCKSTEP_STATUS_INVALID_USAGE, "tag " + std::to_string(d.tag) + " is already in flight"));
     }
+    count(Counter::kOperationsStarted);
+    count(Counter::kAllReducesStarted);
+    if (failed_tags_.count(d.tag) != 0) count(Counter::kRetries);
   }
   op->launcher_ = self;
   op->tag_ = d.tag;
@@ -389,11 +431,21 @@ Result<std::shared_ptr<AsyncReduce>> Communicator::start_collective(const Reduce
   link_->register_op(d.tag, channel);
   auto body = [this, d, channel, op] {
     ReduceInfo info;
+    const auto started = Clock::now();
     Status status = run_collective(d, *channel, &info);
+    count(Counter::kAllReduceUs, static_cast<std::uint64_t>(
+                                     std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - started).count()));
+    count(Counter::kAllReduceBytesSent, info.bytes_sent);
+    count(Counter::kAllReduceBytesReceived, info.bytes_received);
+    count(status.is_ok() ? Counter::kOperationsSucceeded : Counter::kOperationsFailed);
+    count(status.is_ok() ? Counter::kAllReducesSucceeded : Counter::kAllReducesFailed);
     link_->unregister_op(d.tag);
     {
       std::lock_guard<std::mutex> lock(ops_mutex_);
       tags_in_flight_.erase(d.tag);
+      // Bounded by the tags an application uses; a pathological one only loses retry counts.
+      if (status.is_ok() || failed_tags_.size() >= kFailedTagsRemembered) failed_tags_.erase(d.tag);
+      else failed_tags_.insert(d.tag);
     }
     op->status_ = std::move(status);
     op->info_ = info;
@@ -561,7 +613,10 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   }
   // Vote to complete, unless the master already ended the attempt (an abort).
   LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": attempt " << go.attempt << " done here: " << local.to_string());
-  if (!channel.aborted()) link_->send(proto::CollectiveDone{d.tag, go.attempt, local.is_ok(), local.message()});
+  if (!channel.aborted()) {
+    link_->send(proto::CollectiveDone{d.tag, go.attempt, local.is_ok(), local.message(), stats.bytes_sent,
+                                      stats.bytes_received});
+  }
   auto outcome = channel.wait([&](const proto::Message& m) {
     const auto* r = std::get_if<proto::CollectiveResult>(&m);
     return r != nullptr && r->attempt == go.attempt;

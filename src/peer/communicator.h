@@ -13,6 +13,7 @@
 #include "transport/socket.h"
 #include "peer/worker_pool.h"
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -74,6 +75,34 @@ struct SharedTensor {
 struct SyncInfo {
   std::uint64_t bytes_sent = 0;      // tensor bytes served to other peers
   std::uint64_t bytes_received = 0;  // tensor bytes received
+};
+
+// What a communicator did since it was created (docs/observability.md). Operations are
+// connect, update topology, optimize topology, all-reduces (each launch, blocking or
+// async) and shared-state syncs; the votes are-peers-pending and agree are not counted.
+// A retry is an operation started after the previous one of its kind (for an all-reduce:
+// of its tag) failed. Times are wall-clock microseconds spent in each call (concurrent
+// all-reduces add up).
+struct Counters {
+  std::uint64_t all_reduce_bytes_sent = 0;      // ring bytes, headers included
+  std::uint64_t all_reduce_bytes_received = 0;
+  std::uint64_t sync_bytes_sent = 0;            // shared-state tensor bytes served
+  std::uint64_t sync_bytes_received = 0;
+  std::uint64_t operations_started = 0;
+  std::uint64_t operations_succeeded = 0;
+  std::uint64_t operations_failed = 0;
+  std::uint64_t all_reduces_started = 0;
+  std::uint64_t all_reduces_succeeded = 0;
+  std::uint64_t all_reduces_failed = 0;
+  std::uint64_t syncs_started = 0;
+  std::uint64_t syncs_succeeded = 0;
+  std::uint64_t syncs_failed = 0;
+  std::uint64_t retries = 0;
+  std::uint64_t connect_us = 0;
+  std::uint64_t update_topology_us = 0;
+  std::uint64_t optimize_topology_us = 0;
+  std::uint64_t sync_us = 0;
+  std::uint64_t all_reduce_us = 0;
 };
 
 // An all-reduce in flight on a worker thread. Awaited on the thread that launched it.
@@ -140,6 +169,8 @@ class Communicator {
   PeerId id() const;
   std::string last_error() const;
   std::uint16_t p2p_port() const;
+  // Thread-safe: a copy of the counters (each read atomically, not all at one instant).
+  Counters counters() const;
 
  private:
   explicit Communicator(const Options& options);
@@ -199,8 +230,56 @@ class Communicator {
   std::vector<std::unique_ptr<coll::RingScratch>> free_scratch_;
   mutable std::mutex error_mutex_;
   std::string last_error_;
+
+  // ---- counters (communicator.cpp): atomics, since collectives run on other threads
+  enum class Counter : std::size_t {
+    kAllReduceBytesSent, kAllReduceBytesReceived, kSyncBytesSent, kSyncBytesReceived,
+    kOperationsStarted, kOperationsSucceeded, kOperationsFailed,
+    kAllReducesStarted, kAllReducesSucceeded, kAllReducesFailed,
+    kSyncsStarted, kSyncsSucceeded, kSyncsFailed, kRetries,
+    kConnectUs, kUpdateTopologyUs, kOptimizeTopologyUs, kSyncUs, kAllReduceUs, kCount
+  };
+  void count(Counter counter, std::uint64_t n = 1) {
+    counters_[static_cast<std::size_t>(counter)].fetch_add(n, std::memory_order_relaxed);
+  }
+  class OperationScope;  // times one operation and counts its outcome
+  std::array<std::atomic<std::uint64_t>, static_cast<std::size_t>(Counter::kCount)> counters_{};
+  // Whether the last operation of each kind failed (owning thread only), and the
+  // all-reduce tags whose last attempt failed (ops_mutex_), for the retry count.
+  bool update_failed_ = false;
+  bool optimize_failed_ = false;
+  bool sync_failed_ = false;
+  std::set<std::uint64_t> failed_tags_;
   // Runs async collectives; stopped (every one finished) before the members above go.
   WorkerPool workers_;
+};
+
+// Counts one operation as started (and as a retry if the previous one of its kind
+// failed), and on leaving the scope its time and outcome: failed unless succeeded()
+// was called.
+class Communicator::OperationScope {
+ public:
+  OperationScope(Communicator& comm, Counter time_us, bool* last_failed)
+      : comm_(comm), time_us_(time_us), last_failed_(last_failed), start_(std::chrono::steady_clock::now()) {
+    comm_.count(Counter::kOperationsStarted);
+    if (last_failed_ != nullptr && *last_failed_) comm_.count(Counter::kRetries);
+  }
+  ~OperationScope() {
+    comm_.count(time_us_, static_cast<std::uint64_t>(
+                              std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start_).count()));
+    comm_.count(ok_ ? Counter::kOperationsSucceeded : Counter::kOperationsFailed);
+    if (last_failed_ != nullptr) *last_failed_ = !ok_;
+  }
+  OperationScope(const OperationScope&) = delete;
+  OperationScope& operator=(const OperationScope&) = delete;
+  void succeeded() { ok_ = true; }
+
+ private:
+  Communicator& comm_;
+  Counter time_us_;
+  bool* last_failed_;
+  std::chrono::steady_clock::time_point start_;
+  bool ok_ = false;
 };
 
 }  // namespace lockstep::peer

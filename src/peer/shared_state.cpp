@@ -322,6 +322,14 @@ Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>
                              "await every collective in flight before syncing the shared state"));
     }
   }
+  OperationScope scope(*this, Counter::kSyncUs, &sync_failed_);
+  count(Counter::kSyncsStarted);
+  // Counted on every exit: the outcome, and the bytes moved (also by a failed attempt).
+  struct SyncOutcome {
+    Communicator& comm;
+    bool ok = false;
+    ~SyncOutcome() { comm.count(ok ? Counter::kSyncsSucceeded : Counter::kSyncsFailed); }
+  } sync_outcome{*this};
   proto::SyncVote vote{strategy, *revision, {}};
   std::vector<LocalTensor> local;
   std::map<std::string, LocalTensor> by_key;
@@ -351,7 +359,7 @@ Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>
     Status s = check_plan(plan, local);
     if (s.is_ok() && !plan.expect.empty()) s = fetcher.run();
     if (!s.is_ok()) LOG_WARN(kLog, "sync attempt " << plan.attempt << ": " << s.to_string());
-    link_->send(proto::SyncDone{plan.attempt, s.code(), s.message()});
+    link_->send(proto::SyncDone{plan.attempt, s.code(), s.message(), server.bytes_sent(), fetcher.bytes_received()});
   });
   auto outcome = link_->wait([&](const proto::Message& m) {
     if (const auto* r = std::get_if<proto::SyncResult>(&m)) return r->attempt == plan.attempt;
@@ -361,11 +369,15 @@ Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>
   fetcher.abort();  // a success means every transfer is over already
   transfers.join();
   server.stop();
+  count(Counter::kSyncBytesSent, server.bytes_sent());
+  count(Counter::kSyncBytesReceived, fetcher.bytes_received());
   if (!outcome.is_ok()) return remember(outcome.status());
   if (const auto* r = std::get_if<proto::Refused>(&outcome.value())) return remember(Status(r->status, "master: " + r->reason));
   const auto& result = std::get<proto::SyncResult>(outcome.value());
   if (result.status != LOCKSTEP_OK) return remember(Status(result.status, result.reason));
   *revision = result.revision;
+  scope.succeeded();
+  sync_outcome.ok = true;
   return SyncInfo{server.bytes_sent(), fetcher.bytes_received()};
 }
 

@@ -234,10 +234,13 @@ void encode_body(Writer& w, const CollectiveDone& m) {
   w.u(m.attempt);
   w.boolean(m.ok);
   w.str(m.reason);
+  w.u(m.bytes_sent);
+  w.u(m.bytes_received);
 }
 bool decode_body(Reader& r, CollectiveDone* m) {
   return r.u(&m->tag, "done.tag") && r.u(&m->attempt, "done.attempt") && r.boolean(&m->ok, "done.ok") &&
-         r.str(&m->reason, limits::kWireStringBytesMax, "done.reason");
+         r.str(&m->reason, limits::kWireStringBytesMax, "done.reason") && r.u(&m->bytes_sent, "done.bytes_sent") &&
+         r.u(&m->bytes_received, "done.bytes_received");
 }
 void encode_body(Writer& w, const CollectiveGo& m) {
   w.u(m.tag);
@@ -404,10 +407,13 @@ void encode_body(Writer& w, const SyncDone& m) {
   w.u(m.attempt);
   w.status(m.status);
   w.str(m.reason);
+  w.u(m.bytes_sent);
+  w.u(m.bytes_received);
 }
 bool decode_body(Reader& r, SyncDone* m) {
   return r.u(&m->attempt, "sync_done.attempt") && r.status(&m->status, "sync_done.status") &&
-         r.str(&m->reason, limits::kWireStringBytesMax, "sync_done.reason");
+         r.str(&m->reason, limits::kWireStringBytesMax, "sync_done.reason") &&
+         r.u(&m->bytes_sent, "sync_done.bytes_sent") && r.u(&m->bytes_received, "sync_done.bytes_received");
 }
 void encode_body(Writer& w, const SyncPlan& m) {
   w.u(m.attempt);

@@ -135,6 +135,10 @@ struct CollectiveDone {
   std::uint64_t attempt = 0;
   bool ok = false;
   std::string reason;
+  // What this peer's ring moved in the attempt (headers included), for the master's
+  // metrics; it decides nothing with them.
+  std::uint64_t bytes_sent = 0;
+  std::uint64_t bytes_received = 0;
   bool operator==(const CollectiveDone&) const = default;
 };
 
@@ -165,6 +169,9 @@ struct SyncDone {
   std::uint64_t attempt = 0;
   StatusCode status = LOCKSTEP_OK;
   std::string reason;
+  // Tensor bytes this peer served and received in the attempt (for the metrics).
+  std::uint64_t bytes_sent = 0;
+  std::uint64_t bytes_received = 0;
   bool operator==(const SyncDone&) const = default;
 };
 

@@ -1,6 +1,6 @@
 /* The public header compiled as strict C99, and the C API used from C: an embedded
  * master, one communicator that joins it, an agree, the attributes and the view, the
- * content hash, and a shared-state sync of a lone peer. */
+ * content hash, a shared-state sync of a lone peer, and the communicator's counters. */
 #include <lockstep/lockstep.h>
 
 #include <stdio.h>
@@ -37,6 +37,8 @@ int main(void) {
   int i;
   lockstep_reduce_desc_t desc;
   lockstep_async_t* handle = NULL;
+  lockstep_counters_t counters;
+  lockstep_reduce_info_t reduce_info;
 
   CHECK(lockstep_version() == LOCKSTEP_VERSION_HEX);
   CHECK(strlen(lockstep_version_string()) >= 5);
@@ -103,13 +105,39 @@ int main(void) {
   tensors[1].key = "weights"; /* a duplicate key */
   CHECK(lockstep_comm_sync_shared_state(comm, &state, LOCKSTEP_SYNC_ENFORCE_POPULAR, NULL) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
 
-  /* A handle outlives its communicator: awaiting it afterwards is safe. */
   desc.src = weights;
   desc.dst = weights;
   desc.count = 1000;
   desc.dtype = LOCKSTEP_F32;
   desc.op = LOCKSTEP_SUM;
   desc.quantization = LOCKSTEP_QUANT_NONE;
+  desc.tag = 8;
+  CHECK(lockstep_comm_all_reduce(comm, &desc, &reduce_info) == LOCKSTEP_OK && reduce_info.world_size == 1);
+
+  /* The counters of this run: connect, update topology, two syncs and one all-reduce
+   * (calls refused for bad arguments are not operations). */
+  memset(&counters, 0xff, sizeof counters);
+  counters.struct_size = sizeof counters;
+  CHECK(lockstep_comm_get_counters(comm, &counters) == LOCKSTEP_OK);
+  CHECK(counters.struct_size == sizeof counters && counters.version == LOCKSTEP_COUNTERS_VERSION);
+  CHECK(counters.operations_started == 5 && counters.operations_succeeded == 5 && counters.operations_failed == 0);
+  CHECK(counters.syncs_started == 2 && counters.syncs_succeeded == 2 && counters.syncs_failed == 0);
+  CHECK(counters.all_reduces_started == 1 && counters.all_reduces_succeeded == 1 && counters.all_reduces_failed == 0);
+  CHECK(counters.sync_bytes_sent == 0 && counters.sync_bytes_received == 0);
+  CHECK(counters.all_reduce_bytes_sent == reduce_info.bytes_sent);
+  CHECK(counters.retries == 0 && counters.optimize_topology_us == 0);
+  CHECK(counters.connect_us > 0 && counters.update_topology_us > 0 && counters.sync_us > 0);
+  /* An older caller's shorter struct: only its fields are written. */
+  memset(&counters, 0xff, sizeof counters);
+  counters.struct_size = 8;
+  CHECK(lockstep_comm_get_counters(comm, &counters) == LOCKSTEP_OK);
+  CHECK(counters.struct_size == 8 && counters.version == LOCKSTEP_COUNTERS_VERSION);
+  CHECK(counters.operations_started == UINT64_MAX);
+  counters.struct_size = 4;
+  CHECK(lockstep_comm_get_counters(comm, &counters) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  CHECK(lockstep_comm_get_counters(comm, NULL) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+
+  /* A handle outlives its communicator: awaiting it afterwards is safe. */
   desc.tag = 9;
   CHECK(lockstep_comm_all_reduce_async(comm, &desc, &handle) == LOCKSTEP_OK);
   CHECK(lockstep_comm_destroy(comm) == LOCKSTEP_OK);

@@ -92,6 +92,7 @@ std::vector<Message> samples() {
   all.push_back(CollectiveInit{});
   all.push_back(CollectiveDone{5, 9, true, ""});
   all.push_back(CollectiveDone{5, 9, false, "ring neighbour p3 hung up"});
+  all.push_back(CollectiveDone{5, 10, true, "", 123456789, 987654321});
   all.push_back(Welcome{PeerId{0x1234, 99}, "192.168.0.17", 5000});
   all.push_back(HeartbeatAck{});
   all.push_back(EstablishP2P{9, {member(1, "10.0.0.1"), member(2, "10.0.0.2"), member(3, "")}});
@@ -121,6 +122,7 @@ std::vector<Message> samples() {
   all.push_back(SyncVote{});
   all.push_back(SyncDone{7, LOCKSTEP_STATUS_HASH_MISMATCH, "tensor 'w' did not verify"});
   all.push_back(SyncDone{});
+  all.push_back(SyncDone{8, LOCKSTEP_OK, "", 4096, 1u << 30});
   all.push_back(SyncPlan{9, 43, {member(1, "10.0.0.1"), member(2, "10.0.0.2")},
                          {SyncFetch{0, 0, 4096, 1}, SyncFetch{0, 4096, 100, 0}}, {SyncExpect{0, state::Digest{5, 6}}}});
   all.push_back(SyncPlan{});
@@ -315,7 +317,8 @@ TEST(CodecRoundTrip, StringsAndBytesAtTheirBounds) {
       Welcome{PeerId{~0ull, ~0ull}, host255, 0xffffffffu},
       Goodbye{LOCKSTEP_STATUS_REJECTED, reason1024},
       Refused{MsgType::kP2PHelloAck, ~0ull, LOCKSTEP_STATUS_INTERRUPTED, reason1024},
-      CollectiveDone{~0ull, ~0ull, false, reason1024},
+      CollectiveDone{~0ull, ~0ull, false, reason1024, ~0ull, ~0ull},
+      SyncDone{~0ull, LOCKSTEP_STATUS_HASH_MISMATCH, reason1024, ~0ull, ~0ull},
       CollectiveResult{~0ull, ~0ull, LOCKSTEP_STATUS_INTERRUPTED, ~0u, reason1024},
       CollectiveInit{~0ull, CollectiveDescriptor{~0ull, LOCKSTEP_F64, LOCKSTEP_MIN, LOCKSTEP_QUANT_ZERO_POINT_U8}},
       AgreeResult{LOCKSTEP_OK, true, reason1024},
@@ -503,7 +506,8 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
       {VoteAgree{true}, {"vote_agree.flag"}},
       {CollectiveInit{1, {2, 3, 4, 1}},
        {"init.tag", "descriptor.count", "descriptor.dtype", "descriptor.op", "descriptor.quantization"}},
-      {CollectiveDone{1, 2, true, "r"}, {"done.tag", "done.attempt", "done.ok", "done.reason"}},
+      {CollectiveDone{1, 2, true, "r", 3, 4},
+       {"done.tag", "done.attempt", "done.ok", "done.reason", "done.bytes_sent", "done.bytes_received"}},
       {Welcome{PeerId{1, 2}, "abc", 7}, {"welcome.id", "welcome.observed_host", "welcome.heartbeat_timeout_ms"}},
       {EstablishP2P{1, {}}, {"establish.epoch", "members"}},
       // the member count is checked against the bytes left first (24 per member at
@@ -530,7 +534,9 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
       {SyncVote{SyncStrategy::kReceiveOnly, 3, {TensorEntry{std::string(40, 'k'), 1, 2, state::Digest{3, 4}, true}}},
        {"sync_vote.strategy", "sync_vote.revision", "sync_vote.tensors", "sync_vote.key", "sync_vote.dtype",
         "sync_vote.count", "sync_vote.hash", "sync_vote.allow_content_inequality"}},
-      {SyncDone{1, LOCKSTEP_OK, "r"}, {"sync_done.attempt", "sync_done.status", "sync_done.reason"}},
+      {SyncDone{1, LOCKSTEP_OK, "r", 2, 3},
+       {"sync_done.attempt", "sync_done.status", "sync_done.reason", "sync_done.bytes_sent",
+        "sync_done.bytes_received"}},
       {SyncPlan{1, 2, {member(1, std::string(40, 'h'))}, {SyncFetch{0, 1, 2, 0}}, {SyncExpect{0, state::Digest{1, 2}}}},
        {"sync_plan.attempt", "sync_plan.revision", "members", "member.host", "member.p2p_port",
         "member.shared_state_port", "member.benchmark_port", "sync_plan.fetches", "sync_plan.expect"}},

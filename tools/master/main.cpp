@@ -1,13 +1,35 @@
 // lockstep-master: the run's coordinator as a standalone process.
 #include "common/log.h"
+#include "master/http_server.h"
 #include "master/master_server.h"
 
 #include <CLI/CLI.hpp>
 
 #include <csignal>
 #include <cstdio>
+#include <optional>
 #include <pthread.h>
 #include <random>
+#include <string>
+
+namespace {
+
+// "HOST:PORT" with a port in 0..65535; nullopt if malformed.
+std::optional<std::pair<std::string, std::uint16_t>> split_host_port(const std::string& text) {
+  const auto colon = text.rfind(':');
+  if (colon == std::string::npos) return std::nullopt;
+  int port = -1;
+  try {
+    std::size_t used = 0;
+    port = std::stoi(text.substr(colon + 1), &used);
+    if (used != text.size() - colon - 1) port = -1;
+  } catch (const std::exception&) {
+  }
+  if (port < 0 || port > 65535) return std::nullopt;
+  return std::make_pair(text.substr(0, colon), static_cast<std::uint16_t>(port));
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"lockstep-master: coordinates a lockstep run (membership, votes, ring order)"};
@@ -18,6 +40,8 @@ int main(int argc, char** argv) {
   std::uint32_t bandwidth_test_ms = 1000;
   std::uint32_t bandwidth_streams = 4;
   std::string log_level;
+  std::string http;
+  std::uint32_t stall_report_ms = 10'000;
   app.add_option("--listen", listen, "HOST:PORT to listen on (port 0: ephemeral, printed at start)")
       ->capture_default_str();
   app.add_option("--heartbeat-timeout-ms", heartbeat_timeout_ms, "remove a peer silent for this long")
@@ -35,6 +59,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1u, 64u))
       ->capture_default_str();
   app.add_option("--peers-max", peers_max, "maximum number of peers")->check(CLI::Range(1u, 1u << 20))->capture_default_str();
+  app.add_option("--http", http,
+                 "HOST:PORT for the status page (/), /api/state and /metrics (port 0: ephemeral, printed at "
+                 "start); off unless given");
+  app.add_option("--stall-report-ms", stall_report_ms,
+                 "report a vote or operation that waits this long for some peers, naming them (0: never)")
+      ->capture_default_str();
   app.add_option("--log-level", log_level, "error, warn, info, debug or trace (default: $LOCKSTEP_LOG_LEVEL or info)")
       ->check(CLI::IsMember({"error", "warn", "info", "debug", "trace"}));
   CLI11_PARSE(app, argc, argv);
@@ -66,6 +96,15 @@ int main(int argc, char** argv) {
   options.coordinator.peers_max = peers_max;
   options.coordinator.bandwidth_test_ms = bandwidth_test_ms;
   options.coordinator.bandwidth_streams_max = bandwidth_streams;
+  options.stall_report_ms = stall_report_ms;
+  std::optional<std::pair<std::string, std::uint16_t>> http_address;
+  if (!http.empty()) {
+    http_address = split_host_port(http);
+    if (!http_address) {
+      std::fprintf(stderr, "lockstep-master: --http must be HOST:PORT, got '%s'\n", http.c_str());
+      return 2;
+    }
+  }
   std::random_device random;
   options.coordinator.instance_nonce = (static_cast<std::uint64_t>(random()) << 32) | random();
 
@@ -84,9 +123,25 @@ int main(int argc, char** argv) {
   }
   std::printf("lockstep-master listening on %s:%u\n", options.listen_host.c_str(), server.port());
   std::fflush(stdout);
+  // Declared after the master: destroyed (stopped) first, as it must be.
+  std::optional<lockstep::master::HttpServer> http_server;
+  if (http_address) {
+    http_server.emplace(server);
+    lockstep::Status serving = http_server->start(http_address->first, http_address->second);
+    if (!serving.is_ok()) {
+      std::fprintf(stderr, "lockstep-master: %s\n", serving.to_string().c_str());
+      server.interrupt();
+      server.wait();
+      return 1;
+    }
+    std::printf("lockstep-master http listening on %s:%u\n", http_address->first.c_str(), http_server->port());
+    std::fflush(stdout);
+    LOG_INFO("master", "http listening on " << http_address->first << ":" << http_server->port());
+  }
   int received = 0;
   sigwait(&signals, &received);
   LOG_INFO("master", "signal " << received << " received, shutting down");
+  if (http_server) http_server->stop();
   server.interrupt();
   server.wait();
   return 0;

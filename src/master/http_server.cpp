@@ -1,0 +1,147 @@
+// HttpServer implementation on cpp-httplib. Bounded in every direction: request bodies
+// (kHttpRequestBytesMax), worker threads (kHttpWorkerThreads), connections waiting for a
+// worker (kHttpQueuedConnectionsMax: beyond it the accept loop waits and the kernel's
+// backlog holds the rest), socket timeouts, one request per connection (so that a
+// browser's keep-alive connection cannot hold a worker), and the wait for the master's
+// loop (kHttpRenderTimeoutMs; 503 after it).
+#include "master/http_server.h"
+
+#include "common/limits.h"
+#include "common/log.h"
+#include "master/status_page.h"
+
+#include <httplib.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace lockstep::master {
+namespace {
+
+constexpr const char* kLog = "http";
+
+// httplib's own pool queues without bound; this one makes the accept loop wait instead.
+class BoundedPool : public httplib::TaskQueue {
+ public:
+  BoundedPool(std::size_t threads, std::size_t queued_max) : queued_max_(queued_max) {
+    for (std::size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { work(); });
+  }
+  ~BoundedPool() override = default;
+
+  void enqueue(std::function<void()> fn) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    space_.wait(lock, [this] { return jobs_.size() < queued_max_ || shutdown_; });
+    jobs_.push_back(std::move(fn));  // also after shutdown: the workers drain the queue
+    ready_.notify_one();
+  }
+
+  void shutdown() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      shutdown_ = true;
+    }
+    ready_.notify_all();
+    space_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+ private:
+  void work() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        ready_.wait(lock, [this] { return !jobs_.empty() || shutdown_; });
+        if (jobs_.empty()) return;  // shut down and drained
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      space_.notify_one();
+      job();
+    }
+  }
+
+  std::size_t queued_max_;
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::condition_variable space_;
+  std::deque<std::function<void()>> jobs_;
+  bool shutdown_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace
+
+struct HttpServer::Impl {
+  explicit Impl(const MasterServer& m) : master(m) {}
+  const MasterServer& master;
+  httplib::Server server;
+  std::thread thread;
+};
+
+HttpServer::HttpServer(const MasterServer& master) : impl_(std::make_unique<Impl>(master)) {}
+
+HttpServer::~HttpServer() { stop(); }
+
+Status HttpServer::start(const std::string& host, std::uint16_t port) {
+  if (impl_->thread.joinable()) return Status(LOCKSTEP_STATUS_INVALID_USAGE, "the HTTP server is already started");
+  httplib::Server& server = impl_->server;
+  const MasterServer& master = impl_->master;
+  server.new_task_queue = [] {
+    return new BoundedPool(limits::kHttpWorkerThreads, limits::kHttpQueuedConnectionsMax);
+  };
+  const auto timeout = std::chrono::milliseconds(limits::kHttpSocketTimeoutMs);
+  server.set_payload_max_length(limits::kHttpRequestBytesMax);
+  server.set_read_timeout(timeout);
+  server.set_write_timeout(timeout);
+  server.set_keep_alive_max_count(1);
+  const auto serve = [&master](View view, const char* content_type) {
+    return [&master, view, content_type](const httplib::Request&, httplib::Response& response) {
+      response.set_header("Cache-Control", "no-store");
+      auto body = master.render(view, limits::kHttpRenderTimeoutMs);
+      if (!body.is_ok()) {
+        response.status = 503;
+        response.set_content(body.status().message() + "\n", "text/plain; charset=utf-8");
+        return;
+      }
+      response.set_content(std::move(body).value(), content_type);
+    };
+  };
+  server.Get("/metrics", serve(View::kMetricsText, "text/plain; version=0.0.4; charset=utf-8"));
+  server.Get("/api/state", serve(View::kStateJson, "application/json"));
+  server.Get("/", [](const httplib::Request&, httplib::Response& response) {
+    response.set_header("Cache-Control", "no-store");
+    response.set_content(kStatusPageHtml, "text/html; charset=utf-8");
+  });
+  const int bound = port == 0 ? server.bind_to_any_port(host) : (server.bind_to_port(host, port) ? port : -1);
+  if (bound <= 0) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                  "cannot listen for HTTP on " + host + ":" + std::to_string(port));
+  }
+  port_ = static_cast<std::uint16_t>(bound);
+  impl_->thread = std::thread([this] {
+    if (!impl_->server.listen_after_bind()) LOG_WARN(kLog, "the HTTP server stopped with an error");
+  });
+  // stop() only acts on a running server: wait (bounded) until it runs.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!impl_->server.is_running() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (!impl_->server.is_running()) {
+    LOG_WARN(kLog, "the HTTP server did not start");
+  }
+  return Status::ok();
+}
+
+void HttpServer::stop() {
+  if (!impl_->thread.joinable()) return;
+  impl_->server.stop();
+  impl_->thread.join();
+}
+
+}  // namespace lockstep::master
