@@ -18,6 +18,9 @@ int main(int argc, char** argv) {
   std::uint32_t bandwidth_test_ms = 1000;
   std::uint32_t bandwidth_streams = 4;
   std::string log_level;
+  std::string secret_file;
+  std::uint32_t handshake_timeout_ms = lockstep::limits::kHandshakeTimeoutMsDefault;
+  std::uint32_t pending_handshakes_max = lockstep::limits::kPendingHandshakesMax;
   app.add_option("--listen", listen, "HOST:PORT to listen on (port 0: ephemeral, printed at start)")
       ->capture_default_str();
   app.add_option("--heartbeat-timeout-ms", heartbeat_timeout_ms, "remove a peer silent for this long")
@@ -34,7 +37,21 @@ int main(int argc, char** argv) {
                  "optimize topology: connections per bandwidth test (at most the peers' pool size)")
       ->check(CLI::Range(1u, 64u))
       ->capture_default_str();
-  app.add_option("--peers-max", peers_max, "maximum number of peers")->check(CLI::Range(1u, 1u << 20))->capture_default_str();
+  app.add_option("--peers-max,--max-peers", peers_max, "maximum number of peers (registered and accepted)")
+      ->check(CLI::Range(1u, 1u << 20))
+      ->capture_default_str();
+  app.add_option("--secret-file", secret_file,
+                 "file holding the run secret (at least 16 bytes; trailing line breaks are ignored); peers must "
+                 "present the same secret. Without it the master admits anyone who can reach it")
+      ->envname("LOCKSTEP_SECRET_FILE");
+  app.add_option("--handshake-timeout-ms", handshake_timeout_ms,
+                 "drop a connection that has not finished its handshake (Hello, and the secret's proof) by then")
+      ->check(CLI::Range(100u, 600'000u))
+      ->capture_default_str();
+  app.add_option("--max-pending-handshakes", pending_handshakes_max,
+                 "connections that may be in their handshake at once; more are closed at once")
+      ->check(CLI::Range(1u, 1u << 20))
+      ->capture_default_str();
   app.add_option("--log-level", log_level, "error, warn, info, debug or trace (default: $LOCKSTEP_LOG_LEVEL or info)")
       ->check(CLI::IsMember({"error", "warn", "info", "debug", "trace"}));
   CLI11_PARSE(app, argc, argv);
@@ -66,6 +83,16 @@ int main(int argc, char** argv) {
   options.coordinator.peers_max = peers_max;
   options.coordinator.bandwidth_test_ms = bandwidth_test_ms;
   options.coordinator.bandwidth_streams_max = bandwidth_streams;
+  options.coordinator.handshake_timeout_ms = handshake_timeout_ms;
+  options.coordinator.pending_handshakes_max = pending_handshakes_max;
+  if (!secret_file.empty()) {
+    auto key = lockstep::security::load_secret_file(secret_file);
+    if (!key.is_ok()) {
+      std::fprintf(stderr, "lockstep-master: %s\n", key.status().to_string().c_str());
+      return 2;
+    }
+    options.secret = key.value();
+  }
   std::random_device random;
   options.coordinator.instance_nonce = (static_cast<std::uint64_t>(random()) << 32) | random();
 
