@@ -132,7 +132,7 @@ Status Communicator::connect() {
         security::session_keys(*options_.secret, client_nonce, server_nonce, transcript), /*client=*/true);
     reply = transport::recv_message(fd.value().get(), options_.connect_timeout_ms, crypto.get());
     if (!reply.is_ok()) {
-      // The master closes without a sealed answer when it rejected our proof.
+      // A frame that does not open: the stream was altered on the way.
       const StatusCode code = reply.status().code() == LOCKSTEP_STATUS_PROTOCOL_ERROR ? LOCKSTEP_STATUS_PROTOCOL_ERROR
                                                                                        : LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED;
       return remember(Status(code, "no Welcome from the master: " + reply.status().message()));

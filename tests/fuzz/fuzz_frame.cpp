@@ -100,7 +100,7 @@ void compare_with_socket(std::span<const std::uint8_t> data, const Expected& exp
   }
 }
 
-// ---- seeds: one valid frame of every type, and four streams
+// ---- seeds: one valid frame of every type, and five streams
 
 state::Digest digest(std::uint64_t n) { return state::Digest{n * 0x9e3779b97f4a7c15ull, ~n}; }
 
