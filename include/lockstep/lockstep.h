@@ -44,8 +44,8 @@ extern "C" {
  *  - NO_SHARED_STATE_AVAILABLE / HASH_MISMATCH: the sync failed on every peer of the
  *    group; retry it (after restoring a checkpoint, for the first).
  *  - MASTER_CONNECTION_FAILED / MASTER_CONNECTION_LOST / KICKED / REJECTED /
- *    REVISION_VIOLATION / SHARED_STATE_MISMATCH: this communicator is finished; destroy
- *    it and create a new one (a new identity).
+ *    REVISION_VIOLATION / SHARED_STATE_MISMATCH / AUTHENTICATION_FAILED: this
+ *    communicator is finished; destroy it and create a new one (a new identity).
  */
 typedef enum lockstep_status {
   LOCKSTEP_OK = 0,
@@ -77,7 +77,12 @@ typedef enum lockstep_status {
   LOCKSTEP_STATUS_SHARED_STATE_MISMATCH = 22,
   /* Shared state: a transferred tensor did not hash to the expected digest; the sync
    * failed for every peer of the group; retry it. */
-  LOCKSTEP_STATUS_HASH_MISMATCH = 23
+  LOCKSTEP_STATUS_HASH_MISMATCH = 23,
+  /* Security: the other side could not prove the run secret (the master: this peer has
+   * no secret or a different one; this peer: the master runs without the secret or is not
+   * this run's master). Nothing was registered; fix the secret and create a new
+   * communicator. */
+  LOCKSTEP_STATUS_AUTHENTICATION_FAILED = 24
 } lockstep_status_t;
 
 /* A static, human-readable description of a status code (never NULL). */
@@ -154,6 +159,20 @@ typedef struct lockstep_master_config {
   uint32_t vote_timeout_ms;
   /* Maximum number of peers (registered and accepted); 0 means the default (1024). */
   uint32_t peers_max;
+  /* Path of a file holding the run secret (at least 16 bytes; trailing line breaks are
+   * ignored). With it, every peer must prove the same secret before it is registered,
+   * control messages are encrypted and authenticated, and p2p connections are
+   * authenticated with keys the master hands out (docs/security.md). NULL or "": the
+   * environment variable LOCKSTEP_SECRET_FILE if set, else no secret: the master admits
+   * anyone who can reach it and logs a warning saying so. An unreadable or too short
+   * secret makes lockstep_master_create fail with INVALID_ARGUMENT. */
+  const char* secret_file;
+  /* A connection that has not finished its handshake (Hello and, with a secret, the
+   * proof) after this long is closed; 0 means the default (10000 ms). */
+  uint32_t handshake_timeout_ms;
+  /* Connections that may be in their handshake at once; more are closed at once.
+   * 0 means the default (256). */
+  uint32_t pending_handshakes_max;
 } lockstep_master_config_t;
 
 /* Fills a config with the defaults (port 48148, all interfaces). */
@@ -203,6 +222,20 @@ typedef struct lockstep_comm_config {
    * its ring neighbours for this long (a link cut between two peers that both still
    * reach the master); 0 means 30000. Set it above the longest a slow link may pause. */
   uint32_t p2p_stall_timeout_ms;
+  /* The run secret, as a file (secret_file) or as bytes (secret, secret_bytes; used if
+   * secret_file is NULL or ""); at least 16 bytes, trailing line breaks ignored. With
+   * it, connect joins only a master that proves the same secret (else
+   * AUTHENTICATION_FAILED), and every p2p connection is authenticated. Neither given:
+   * the environment variable LOCKSTEP_SECRET_FILE if set, else no secret (only a master
+   * without a secret admits this peer). A bad secret makes lockstep_comm_create fail
+   * with INVALID_ARGUMENT. */
+  const char* secret_file;
+  const void* secret;
+  size_t secret_bytes;
+  /* Incoming p2p connections: how long one may take to finish its handshake (0 means
+   * 5000 ms) and how many may be unfinished at once (0 means 256; more are closed). */
+  uint32_t inbound_handshake_timeout_ms;
+  uint32_t inbound_handshakes_max;
 } lockstep_comm_config_t;
 
 /* Fills a config with the defaults; master_host defaults to "127.0.0.1". */

@@ -50,6 +50,7 @@ from ._core import (
 )
 from ._errors import (
     ERROR_CLASSES,
+    AuthenticationFailedError,
     Error,
     FatalError,
     HashMismatchError,
@@ -135,4 +136,5 @@ __all__ = [
     "RevisionViolationError",
     "SharedStateMismatchError",
     "HashMismatchError",
+    "AuthenticationFailedError",
 ]

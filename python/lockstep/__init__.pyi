@@ -50,6 +50,7 @@ class Status(enum.IntEnum):
     REVISION_VIOLATION = 21
     SHARED_STATE_MISMATCH = 22
     HASH_MISMATCH = 23
+    AUTHENTICATION_FAILED = 24
 
 class DType(enum.IntEnum):
     """Element types. NumPy: uint8, int8, uint16, int16, uint32, int32, uint64, int64,
@@ -193,6 +194,9 @@ class SharedStateMismatchError(FatalError):
 class HashMismatchError(RetryableError):
     """23: a received tensor did not verify; every peer retries the sync."""
 
+class AuthenticationFailedError(FatalError):
+    """24: the run secret was not proven (missing or different secret, or not this run's master)."""
+
 #: status code -> exception class
 ERROR_CLASSES: Mapping[int, Type[Error]]
 
@@ -235,10 +239,13 @@ class Master:
     stops on __exit__."""
 
     def __init__(self, listen: str = "127.0.0.1:0", heartbeat_timeout_ms: int = 0, vote_timeout_ms: int = 0,
-                 peers_max: int = 0) -> None:
+                 peers_max: int = 0, secret_file: Optional[str] = None, handshake_timeout_ms: int = 0,
+                 pending_handshakes_max: int = 0) -> None:
         """listen: "host:port" (port 0: ephemeral; empty host: all interfaces).
         heartbeat_timeout_ms: 0 means 5000 (range 100..3600000). vote_timeout_ms: 0 means
-        off. peers_max: 0 means 1024."""
+        off. peers_max: 0 means 1024. secret_file: the run secret (None: $LOCKSTEP_SECRET_FILE
+        or no secret, which admits anyone). handshake_timeout_ms: 0 means 10000.
+        pending_handshakes_max: 0 means 256."""
     def run(self) -> None:
         """Starts listening and serving on background threads; MasterConnectionFailedError
         if it cannot bind."""
@@ -306,12 +313,17 @@ class Communicator:
     master: str
     def __init__(self, master: str = "127.0.0.1:48148", group: int = 0, pool_size: int = 1, base_port: int = -1,
                  connect_timeout_ms: int = 0, advertised_host: Optional[str] = None,
-                 bind_host: Optional[str] = None) -> None:
+                 bind_host: Optional[str] = None, secret_file: Optional[str] = None,
+                 secret: Optional[Union[bytes, str]] = None, inbound_handshake_timeout_ms: int = 0,
+                 inbound_handshakes_max: int = 0) -> None:
         """master: "host:port" (port 48148 if omitted). group: the peer group. pool_size: p2p
         connections per neighbour and direction. base_port: -1 first free ports above
         48148, 0 ephemeral, else the first port tried. connect_timeout_ms: 0 means 10000.
         advertised_host: the address others use to reach this peer. bind_host: the
-        address the p2p sockets bind to."""
+        address the p2p sockets bind to. secret_file / secret: the run secret (a file, or
+        bytes/str; None for both: $LOCKSTEP_SECRET_FILE or none); a master that cannot
+        prove it raises AuthenticationFailedError. inbound_handshake_timeout_ms: 0 means
+        5000. inbound_handshakes_max: 0 means 256."""
     def connect(self) -> None:
         """Connects and blocks until accepted (the accepted peers' update_topology admits it)."""
     def update_topology(self) -> None:

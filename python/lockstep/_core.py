@@ -341,15 +341,29 @@ class Master:
         vote_timeout_ms: an accepted peer that has not joined an open vote after this
             long is removed; 0 turns it off.
         peers_max: the maximum number of peers; 0 means 1024.
+        secret_file: path of the run secret (at least 16 bytes; trailing line breaks
+            ignored). Peers must prove the same secret; control messages are encrypted and
+            p2p connections authenticated (docs/security.md). None: the environment
+            variable LOCKSTEP_SECRET_FILE if set, else none (the master admits anyone who
+            can reach it, and logs a warning).
+        handshake_timeout_ms: a connection that has not finished its handshake after this
+            long is closed; 0 means 10000.
+        pending_handshakes_max: connections that may be in their handshake at once; 0
+            means 256.
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", heartbeat_timeout_ms: int = 0, vote_timeout_ms: int = 0,
-                 peers_max: int = 0) -> None:
+                 peers_max: int = 0, secret_file: Optional[str] = None, handshake_timeout_ms: int = 0,
+                 pending_handshakes_max: int = 0) -> None:
         host, port = _split_address(listen, DEFAULT_MASTER_PORT, "listen")
+        if secret_file is not None and not isinstance(secret_file, str):
+            raise InvalidArgumentError("secret_file must be a str or None")
         self._host = host
         self._impl = _lockstep.Master(
             host, port, _check_uint("heartbeat_timeout_ms", heartbeat_timeout_ms, 32),
-            _check_uint("vote_timeout_ms", vote_timeout_ms, 32), _check_uint("peers_max", peers_max, 32))
+            _check_uint("vote_timeout_ms", vote_timeout_ms, 32), _check_uint("peers_max", peers_max, 32),
+            secret_file or "", _check_uint("handshake_timeout_ms", handshake_timeout_ms, 32),
+            _check_uint("pending_handshakes_max", pending_handshakes_max, 32))
         self._running = False
 
     def run(self) -> None:
@@ -561,22 +575,42 @@ class Communicator:
         advertised_host: the address other peers use to reach this one (None: the
             address the master sees).
         bind_host: the IPv4 address the p2p sockets bind to (None: all interfaces).
+        secret_file: path of the run secret; or
+        secret: the run secret itself (``bytes``, or a ``str`` taken as UTF-8), used when
+            secret_file is None. At least 16 bytes; trailing line breaks are ignored.
+            With a secret, :meth:`connect` joins only a master proving the same secret
+            (else AuthenticationFailedError) and p2p connections are authenticated.
+            Neither: the environment variable LOCKSTEP_SECRET_FILE if set, else none.
+        inbound_handshake_timeout_ms: an incoming p2p connection that has not finished
+            its handshake after this long is closed; 0 means 5000.
+        inbound_handshakes_max: incoming p2p connections that may be in their handshake
+            at once (more are closed); 0 means 256.
     """
 
     def __init__(self, master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}", group: int = 0, pool_size: int = 1,
                  base_port: int = -1, connect_timeout_ms: int = 0, advertised_host: Optional[str] = None,
-                 bind_host: Optional[str] = None) -> None:
+                 bind_host: Optional[str] = None, secret_file: Optional[str] = None,
+                 secret: Optional[Union[bytes, str]] = None, inbound_handshake_timeout_ms: int = 0,
+                 inbound_handshakes_max: int = 0) -> None:
         host, port = _split_address(master, DEFAULT_MASTER_PORT, "master")
         if not host:
             raise InvalidArgumentError(f"master {master!r}: the host is empty")
         if isinstance(base_port, bool) or not isinstance(base_port, int) or not -1 <= base_port <= 65535:
             raise InvalidArgumentError(f"base_port must be -1, 0 or a port number, got {base_port!r}")
-        for name, value in (("advertised_host", advertised_host), ("bind_host", bind_host)):
+        for name, value in (("advertised_host", advertised_host), ("bind_host", bind_host),
+                            ("secret_file", secret_file)):
             if value is not None and not isinstance(value, str):
                 raise InvalidArgumentError(f"{name} must be a str or None")
+        if isinstance(secret, str):
+            secret = secret.encode("utf-8")
+        if secret is not None and not isinstance(secret, (bytes, bytearray)):
+            raise InvalidArgumentError("secret must be bytes, a str or None")
         self._impl = _lockstep.Comm(
             host, port, _check_uint("group", group, 32), _check_uint("pool_size", pool_size, 32), base_port,
-            _check_uint("connect_timeout_ms", connect_timeout_ms, 32), advertised_host or "", bind_host or "")
+            _check_uint("connect_timeout_ms", connect_timeout_ms, 32), advertised_host or "", bind_host or "",
+            secret_file or "", None if secret is None else bytes(secret),
+            _check_uint("inbound_handshake_timeout_ms", inbound_handshake_timeout_ms, 32),
+            _check_uint("inbound_handshakes_max", inbound_handshakes_max, 32))
         self.master = f"{host}:{port}"
 
     # -- membership ---------------------------------------------------------

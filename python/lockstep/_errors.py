@@ -9,7 +9,7 @@ Every failed call raises a subclass of :class:`Error` named after the C status c
   NO_SHARED_STATE_AVAILABLE.
 * :class:`FatalError` -- this communicator is finished; close it and create a new one
   (a new identity): MASTER_CONNECTION_FAILED, MASTER_CONNECTION_LOST, KICKED, REJECTED,
-  REVISION_VIOLATION, SHARED_STATE_MISMATCH, PROTOCOL_ERROR.
+  REVISION_VIOLATION, SHARED_STATE_MISMATCH, PROTOCOL_ERROR, AUTHENTICATION_FAILED.
 
 Everything else (NOT_INITIALIZED, INVALID_ARGUMENT, INVALID_USAGE, WRONG_THREAD, ...)
 derives from :class:`Error` directly and is a bug in the calling program.
@@ -48,6 +48,7 @@ class Status(enum.IntEnum):
     REVISION_VIOLATION = 21
     SHARED_STATE_MISMATCH = 22
     HASH_MISMATCH = 23
+    AUTHENTICATION_FAILED = 24
 
 
 class Error(Exception):
@@ -235,6 +236,14 @@ class HashMismatchError(RetryableError):
     default_status = Status.HASH_MISMATCH
 
 
+class AuthenticationFailedError(FatalError):
+    """AUTHENTICATION_FAILED: the master refused this peer's proof of the run secret (no
+    secret or a different one), or the master could not prove it (it runs without the
+    secret or is not this run's master); nothing was registered."""
+
+    default_status = Status.AUTHENTICATION_FAILED
+
+
 #: The exception class of every non-OK status code.
 ERROR_CLASSES: Dict[int, Type[Error]] = {
     cls.default_status: cls
@@ -262,6 +271,7 @@ ERROR_CLASSES: Dict[int, Type[Error]] = {
         RevisionViolationError,
         SharedStateMismatchError,
         HashMismatchError,
+        AuthenticationFailedError,
     )
 }
 

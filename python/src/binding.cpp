@@ -47,7 +47,7 @@ py::object& error_factory() {
 }
 
 const char* status_name(int status) {
-  if (status < LOCKSTEP_OK || status > LOCKSTEP_STATUS_HASH_MISMATCH) return "UNKNOWN_STATUS";
+  if (status < LOCKSTEP_OK || status > LOCKSTEP_STATUS_AUTHENTICATION_FAILED) return "UNKNOWN_STATUS";
   return lockstep_status_name(static_cast<lockstep_status_t>(status));
 }
 
@@ -109,7 +109,8 @@ lockstep_reduce_desc_t make_desc(std::uintptr_t src, std::uintptr_t dst, std::ui
 class PyMaster {
  public:
   PyMaster(const std::string& host, std::uint16_t port, std::uint32_t heartbeat_timeout_ms,
-           std::uint32_t vote_timeout_ms, std::uint32_t peers_max) {
+           std::uint32_t vote_timeout_ms, std::uint32_t peers_max, const std::string& secret_file,
+           std::uint32_t handshake_timeout_ms, std::uint32_t pending_handshakes_max) {
     lockstep_master_config_t config;
     check(lockstep_master_config_init(&config), nullptr);
     config.listen_host = host.c_str();
@@ -117,11 +118,15 @@ class PyMaster {
     config.heartbeat_timeout_ms = heartbeat_timeout_ms;
     config.vote_timeout_ms = vote_timeout_ms;
     config.peers_max = peers_max;
+    config.secret_file = secret_file.c_str();
+    config.handshake_timeout_ms = handshake_timeout_ms;
+    config.pending_handshakes_max = pending_handshakes_max;
     lockstep_master_t* master = nullptr;
     const int s = lockstep_master_create(&config, &master);
     if (s != LOCKSTEP_OK) {
       fail(s, s == LOCKSTEP_STATUS_INVALID_ARGUMENT
-                  ? plain_message(s) + " (heartbeat_timeout_ms out of range, or a bad listen address)"
+                  ? plain_message(s) + " (heartbeat_timeout_ms out of range, a bad listen address, or an "
+                                       "unreadable or too short secret file)"
                   : plain_message(s));
     }
     master_ = master;
@@ -283,7 +288,8 @@ class PyComm {
  public:
   PyComm(const std::string& master_host, std::uint16_t master_port, std::uint32_t group, std::uint32_t pool_size,
          std::int32_t base_port, std::uint32_t connect_timeout_ms, const std::string& advertised_host,
-         const std::string& bind_host)
+         const std::string& bind_host, const std::string& secret_file, const py::object& secret,
+         std::uint32_t inbound_handshake_timeout_ms, std::uint32_t inbound_handshakes_max)
       : state_(std::make_shared<CommState>()) {
     lockstep_comm_config_t config;
     check(lockstep_comm_config_init(&config), nullptr);
@@ -295,6 +301,15 @@ class PyComm {
     config.connect_timeout_ms = connect_timeout_ms;
     config.advertised_host = advertised_host.c_str();
     config.bind_host = bind_host.c_str();
+    config.secret_file = secret_file.c_str();
+    std::string secret_bytes;
+    if (!secret.is_none()) {
+      secret_bytes = secret.cast<std::string>();  // bytes (the wrapper encodes a str as UTF-8)
+      config.secret = secret_bytes.data();
+      config.secret_bytes = secret_bytes.size();
+    }
+    config.inbound_handshake_timeout_ms = inbound_handshake_timeout_ms;
+    config.inbound_handshakes_max = inbound_handshakes_max;
     lockstep_comm_t* comm = nullptr;
     int s = LOCKSTEP_OK;
     {
@@ -303,7 +318,7 @@ class PyComm {
     }
     if (s != LOCKSTEP_OK) {
       std::string hint;
-      if (s == LOCKSTEP_STATUS_INVALID_ARGUMENT) hint = " (a bad pool_size, base_port or host)";
+      if (s == LOCKSTEP_STATUS_INVALID_ARGUMENT) hint = " (a bad pool_size, base_port or host, or a bad secret)";
       if (s == LOCKSTEP_STATUS_INTERNAL_ERROR) hint = " (the p2p sockets could not be bound: ports in use?)";
       fail(s, plain_message(s) + hint);
     }
@@ -612,9 +627,11 @@ PYBIND11_MODULE(_lockstep, m) {
       py::arg("buffer"));
 
   py::class_<PyMaster>(m, "Master")
-      .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::uint32_t>(),
+      .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::uint32_t, const std::string&,
+                    std::uint32_t, std::uint32_t>(),
            py::arg("host"), py::arg("port"), py::arg("heartbeat_timeout_ms"), py::arg("vote_timeout_ms"),
-           py::arg("peers_max"))
+           py::arg("peers_max"), py::arg("secret_file") = "", py::arg("handshake_timeout_ms") = 0,
+           py::arg("pending_handshakes_max") = 0)
       .def("run", &PyMaster::run)
       .def("port", &PyMaster::port)
       .def("interrupt", &PyMaster::interrupt)
@@ -626,9 +643,12 @@ PYBIND11_MODULE(_lockstep, m) {
 
   py::class_<PyComm>(m, "Comm")
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::int32_t, std::uint32_t,
-                    const std::string&, const std::string&>(),
+                    const std::string&, const std::string&, const std::string&, const py::object&, std::uint32_t,
+                    std::uint32_t>(),
            py::arg("master_host"), py::arg("master_port"), py::arg("group"), py::arg("pool_size"), py::arg("base_port"),
-           py::arg("connect_timeout_ms"), py::arg("advertised_host"), py::arg("bind_host"))
+           py::arg("connect_timeout_ms"), py::arg("advertised_host"), py::arg("bind_host"), py::arg("secret_file") = "",
+           py::arg("secret") = py::none(), py::arg("inbound_handshake_timeout_ms") = 0,
+           py::arg("inbound_handshakes_max") = 0)
       .def("connect", &PyComm::connect)
       .def("update_topology", &PyComm::update_topology)
       .def("optimize_topology", &PyComm::optimize_topology)

@@ -9,10 +9,12 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <new>
+#include <optional>
 #include <random>
 #include <string>
 
@@ -59,6 +61,25 @@ int raw(const E& value) {
   return out;
 }
 
+// The run secret's key from a file, from bytes, or from the file named by
+// LOCKSTEP_SECRET_FILE; no key (nullopt) when none is given.
+lockstep::Result<std::optional<lockstep::security::Key>> load_secret(const char* file, const void* bytes, size_t size) {
+  std::string path = file != nullptr ? file : "";
+  if (path.empty() && bytes == nullptr) {
+    const char* env = std::getenv("LOCKSTEP_SECRET_FILE");
+    if (env != nullptr) path = env;
+  }
+  if (!path.empty()) {
+    auto key = lockstep::security::load_secret_file(path);
+    if (!key.is_ok()) return key.status();
+    return std::optional<lockstep::security::Key>(key.value());
+  }
+  if (bytes == nullptr) return std::optional<lockstep::security::Key>();
+  auto key = lockstep::security::derive_secret_key(std::string_view(static_cast<const char*>(bytes), size));
+  if (!key.is_ok()) return key.status();
+  return std::optional<lockstep::security::Key>(key.value());
+}
+
 }  // namespace
 
 extern "C" {
@@ -94,6 +115,14 @@ lockstep_status_t lockstep_master_create(const lockstep_master_config_t* config,
     options.coordinator.heartbeat_timeout_ms = heartbeat;
     options.coordinator.vote_timeout_ms = config->vote_timeout_ms;
     if (config->peers_max != 0) options.coordinator.peers_max = config->peers_max;
+    if (config->handshake_timeout_ms != 0) options.coordinator.handshake_timeout_ms = config->handshake_timeout_ms;
+    if (config->pending_handshakes_max != 0) options.coordinator.pending_handshakes_max = config->pending_handshakes_max;
+    auto secret = load_secret(config->secret_file, nullptr, 0);
+    if (!secret.is_ok()) {
+      LOG_ERROR("capi", "lockstep_master_create: " << secret.status().to_string());
+      return secret.status().code();
+    }
+    options.secret = secret.value();
     std::random_device random;
     options.coordinator.instance_nonce = (static_cast<uint64_t>(random()) << 32) | random();
     auto* master = new lockstep_master;
@@ -163,6 +192,15 @@ lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* config, loc
     if (config->bind_host != nullptr) options.bind_host = config->bind_host;
     options.p2p_stall_timeout_ms = config->p2p_stall_timeout_ms == 0 ? lockstep::limits::kP2PStallTimeoutMsDefault
                                                                      : config->p2p_stall_timeout_ms;
+    if (config->inbound_handshake_timeout_ms != 0) options.inbound_handshake_timeout_ms = config->inbound_handshake_timeout_ms;
+    if (config->inbound_handshakes_max != 0) options.inbound_handshakes_max = config->inbound_handshakes_max;
+    if (config->secret == nullptr && config->secret_bytes != 0) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+    auto secret = load_secret(config->secret_file, config->secret, config->secret_bytes);
+    if (!secret.is_ok()) {
+      LOG_ERROR("capi", "lockstep_comm_create: " << secret.status().to_string());
+      return secret.status().code();
+    }
+    options.secret = secret.value();
     auto created = lockstep::peer::Communicator::create(options);
     if (!created.is_ok()) {
       LOG_ERROR("capi", "lockstep_comm_create: " << created.status().to_string());

@@ -17,9 +17,14 @@ inline constexpr std::uint32_t kMembersPerMessageMax = 4096;
 inline constexpr std::uint32_t kPeersMaxDefault = 1024;
 // Bytes queued for sending to one connection before it is dropped as too slow.
 inline constexpr std::size_t kSendQueueBytesMax = 16u << 20;
-// Connections that have not finished the handshake, and how long they may take.
+// Connections that have not finished the handshake, and how long they may take
+// (master: lockstep-master --handshake-timeout-ms, --max-pending-handshakes).
 inline constexpr std::uint32_t kHandshakeTimeoutMsDefault = 10'000;
 inline constexpr std::uint32_t kPendingHandshakesMax = 256;
+// The same for a peer's p2p, shared-state and benchmark sockets (communicator options
+// inbound_handshake_timeout_ms, inbound_handshakes_max); more are closed at once.
+inline constexpr std::uint32_t kInboundHandshakeTimeoutMsDefault = 5'000;
+inline constexpr std::uint32_t kInboundHandshakesMaxDefault = 256;
 
 inline constexpr std::uint32_t kHeartbeatTimeoutMsDefault = 5'000;
 inline constexpr std::uint32_t kHeartbeatTimeoutMsMin = 100;

@@ -3,11 +3,18 @@
 // queue. Closing is graceful: queued messages (a Goodbye) are flushed, the send side
 // is shut down, and at most kDrainBytesMax further bytes are read before the socket
 // is closed, so that the other side reads the reason rather than a reset.
+//
+// With a run secret the shell also runs the challenge-response of docs/security.md
+// before a connection's Hello reaches the coordinator (which knows nothing of keys),
+// seals every later frame, and fills in the pair keys of the members a message names
+// for its recipient. A connection that has not proven the secret is still one of the
+// coordinator's unfinished handshakes, so its timeout and cap apply to it.
 #include "master/master_server.h"
 
 #include "common/log.h"
 #include "master/observer.h"
 #include "protocol/codec.h"
+#include "security/frames.h"
 
 #include <asio.hpp>
 
@@ -39,7 +46,9 @@ class MasterServer::Impl {
         observer_(options_.stall_report_ms),
         acceptor_(io_),
         ticker_(io_),
-        start_(std::chrono::steady_clock::now()) {}
+        start_(std::chrono::steady_clock::now()) {
+    if (options_.secret) run_key_ = security::random_key();
+  }
 
   Status bind() {
     asio::error_code ec;
@@ -90,10 +99,19 @@ class MasterServer::Impl {
   }
 
  private:
+  // Where a connection stands in the challenge-response (with a secret only).
+  enum class Auth { kAwaitHello, kAwaitProof, kDone };
   struct Session : std::enable_shared_from_this<Session> {
     Session(asio::ip::tcp::socket s, coord::ConnId c) : socket(std::move(s)), conn(c), close_timer(socket.get_executor()) {}
     asio::ip::tcp::socket socket;
     coord::ConnId conn;
+    std::string host;
+    Auth auth = Auth::kAwaitHello;
+    security::Nonce client_nonce{};
+    security::Nonce server_nonce{};
+    std::vector<std::uint8_t> transcript;  // the Hello's payload
+    proto::Hello hello;
+    std::unique_ptr<security::FrameCrypto> crypto;  // set once the secret is proven
     std::array<std::uint8_t, proto::kFrameHeaderBytes> header{};
     std::vector<std::uint8_t> payload;
     std::deque<std::vector<std::uint8_t>> writes;
@@ -128,6 +146,7 @@ class MasterServer::Impl {
     auto session = std::make_shared<Session>(std::move(socket), conn);
     sessions_[conn] = session;
     const std::string host = remote.address().to_string();
+    session->host = host;
     LOG_DEBUG(kLog, "connection " << conn << " from " << host << ":" << remote.port());
     coord::Outbox out;
     coordinator_.on_connect(conn, host, now_ms(), out);
@@ -143,8 +162,16 @@ class MasterServer::Impl {
       if (!header.is_ok()) return violation(s, header.status().message());
       const auto type = header.value().type;
       // Before its Hello is accepted a connection may send nothing else, so the
-      // larger bounds of other types never apply to strangers.
-      if (type != proto::MsgType::kHello && !coordinator_.peer_of(s->conn)) {
+      // larger bounds of other types never apply to strangers. With a secret: Hello,
+      // AuthProof, then sealed frames only.
+      if (options_.secret) {
+        const proto::MsgType expected = s->crypto                         ? proto::MsgType::kSealed
+                                        : s->auth == Auth::kAwaitProof ? proto::MsgType::kAuthProof
+                                                                       : proto::MsgType::kHello;
+        if (type != expected) {
+          return violation(s, std::string("expected ") + proto::msg_type_name(expected) + ", got " + proto::msg_type_name(type));
+        }
+      } else if (type != proto::MsgType::kHello && !coordinator_.peer_of(s->conn)) {
         return violation(s, std::string("expected Hello, got ") + proto::msg_type_name(type));
       }
       if (s->payload.capacity() > kKeptPayloadBytesMax) std::vector<std::uint8_t>().swap(s->payload);
@@ -159,13 +186,87 @@ class MasterServer::Impl {
   }
 
   void on_frame(const SessionPtr& s, proto::MsgType type) {
-    auto message = proto::decode_payload(type, s->payload);
+    auto message = s->crypto ? s->crypto->open(s->header, s->payload) : proto::decode_payload(type, s->payload);
     if (!message.is_ok()) return violation(s, message.status().message());
+    if (options_.secret && !s->crypto) return on_auth_frame(s, message.value());
     observe_report(s->conn, message.value());
     coord::Outbox out;
     coordinator_.on_message(s->conn, message.value(), now_ms(), out);
     apply(out);
     if (!s->closing && !s->closed) read_header(s);
+  }
+
+  // The challenge-response: Hello (client nonce) -> AuthChallenge (server nonce, the
+  // master's proof) -> AuthProof (the peer's proof); then the Hello goes on to the
+  // coordinator and both directions are sealed with keys of this connection alone.
+  void on_auth_frame(const SessionPtr& s, const proto::Message& message) {
+    const security::Key& secret = *options_.secret;
+    if (const auto* hello = std::get_if<proto::Hello>(&message)) {
+      if (!security::to_nonce(hello->auth, &s->client_nonce)) {
+        return auth_failed(s, "its Hello carries no proof of the run secret (a peer started without the secret)");
+      }
+      s->hello = *hello;
+      s->transcript = s->payload;
+      s->server_nonce = security::random_nonce();
+      const auto proof = security::proof(secret, security::kMasterRole, s->client_nonce, s->server_nonce, s->transcript);
+      s->auth = Auth::kAwaitProof;
+      enqueue(s->conn, proto::AuthChallenge{security::to_bytes(s->server_nonce), security::to_bytes(proof)});
+      if (!s->closing && !s->closed) read_header(s);
+      return;
+    }
+    const auto& proof = std::get<proto::AuthProof>(message);
+    if (!security::verify(secret, security::kPeerRole, s->client_nonce, s->server_nonce, s->transcript, proof.proof)) {
+      return auth_failed(s, "its proof of the run secret is wrong (a different secret, or a replayed handshake)");
+    }
+    s->crypto = std::make_unique<security::FrameCrypto>(
+        security::session_keys(secret, s->client_nonce, s->server_nonce, s->transcript), /*client=*/false);
+    s->auth = Auth::kDone;
+    LOG_DEBUG(kLog, "connection " << s->conn << " from " << s->host << " proved the run secret");
+    coord::Outbox out;
+    coordinator_.on_message(s->conn, s->hello, now_ms(), out);
+    apply(out);
+    if (!s->closing && !s->closed) read_header(s);
+  }
+
+  void auth_failed(const SessionPtr& s, const std::string& reason) {
+    LOG_WARN(kLog, "connection " << s->conn << " from " << s->host << " refused: " << reason);
+    enqueue(s->conn, proto::Goodbye{LOCKSTEP_STATUS_AUTHENTICATION_FAILED, "this run requires its secret: " + reason});
+    begin_close(s);
+    // The coordinator forgets the unfinished handshake; nothing was registered.
+    coord::Outbox out;
+    coordinator_.on_disconnect(s->conn, "authentication failed", now_ms(), out);
+    apply(out);
+  }
+
+  // With a secret: a copy of the message with the pair key of the recipient and each
+  // member it names filled in; nothing when the message names no members.
+  std::optional<proto::Message> with_pair_keys(coord::ConnId conn, const proto::Message& message) const {
+    const auto self = coordinator_.peer_of(conn);
+    if (!self) return std::nullopt;
+    const auto fill = [&](std::vector<proto::MemberInfo>& members) {
+      for (auto& m : members) m.key = security::to_bytes(security::pair_key(run_key_, *self, m.id));
+    };
+    if (const auto* m = std::get_if<proto::EstablishP2P>(&message)) {
+      auto copy = *m;
+      fill(copy.ring);
+      return copy;
+    }
+    if (const auto* m = std::get_if<proto::TopologyResult>(&message)) {
+      auto copy = *m;
+      fill(copy.ring);
+      return copy;
+    }
+    if (const auto* m = std::get_if<proto::SyncPlan>(&message)) {
+      auto copy = *m;
+      fill(copy.sources);
+      return copy;
+    }
+    if (const auto* m = std::get_if<proto::BandwidthTest>(&message)) {
+      auto copy = *m;
+      copy.partner.key = security::to_bytes(security::pair_key(run_key_, *self, copy.partner.id));
+      return copy;
+    }
+    return std::nullopt;
   }
 
   void violation(const SessionPtr& s, const std::string& reason) {
@@ -177,6 +278,10 @@ class MasterServer::Impl {
   }
 
   void lost(const SessionPtr& s, const std::string& reason) {
+    if (options_.secret && s->auth == Auth::kAwaitProof) {
+      LOG_WARN(kLog, "connection " << s->conn << " from " << s->host << " ended during authentication ("
+                                   << reason << "): a peer with a different secret refuses this master's proof");
+    }
     destroy(s);
     coord::Outbox out;
     coordinator_.on_disconnect(s->conn, reason, now_ms(), out);
@@ -217,7 +322,11 @@ class MasterServer::Impl {
     if (it == sessions_.end()) return;
     const SessionPtr& s = it->second;
     if (s->closed || s->closing) return;
-    auto frame = proto::encode_frame(message);
+    // Keys only ever travel sealed.
+    std::optional<proto::Message> keyed;
+    if (s->crypto) keyed = with_pair_keys(conn, message);
+    const proto::Message& m = keyed ? *keyed : message;
+    auto frame = s->crypto ? s->crypto->seal(m) : proto::encode_frame(m);
     s->queued_bytes += frame.size();
     if (s->queued_bytes > limits::kSendQueueBytesMax) {
       LOG_WARN(kLog, "connection " << conn << " does not read its messages; dropping it");
@@ -313,7 +422,8 @@ class MasterServer::Impl {
     for (auto& [conn, s] : std::map<coord::ConnId, SessionPtr>(sessions_)) {
       if (s->closed) continue;
       // Best effort: tell peers why, without waiting for slow readers.
-      auto frame = proto::encode_frame(proto::Goodbye{LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "master shutting down"});
+      const proto::Message bye = proto::Goodbye{LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "master shutting down"};
+      auto frame = s->crypto ? s->crypto->seal(bye) : proto::encode_frame(bye);
       s->socket.non_blocking(true, ec);
       s->socket.write_some(asio::buffer(frame), ec);
       destroy(s);
@@ -331,10 +441,12 @@ class MasterServer::Impl {
   std::chrono::steady_clock::time_point start_;
   std::map<coord::ConnId, SessionPtr> sessions_;
   coord::ConnId next_conn_ = 1;
+  security::Key run_key_{};  // with a secret: the root of every pair key
   bool stopping_ = false;
 };
 
-MasterServer::MasterServer(Options options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+MasterServer::MasterServer(Options options)
+    : secret_(options.secret.has_value()), impl_(std::make_unique<Impl>(std::move(options))) {}
 
 MasterServer::~MasterServer() {
   interrupt();
@@ -352,6 +464,12 @@ Status MasterServer::start() {
     running_ = false;
   });
   LOG_INFO("master", "listening on port " << port_.load());
+  if (!secret_) {
+    LOG_WARN("master", "no run secret: this master admits anyone who can reach port "
+                           << port_.load()
+                           << ", and peers accept p2p connections from anyone; give it --secret-file (and the "
+                              "peers the same secret) on any network that is not fully trusted (docs/security.md)");
+  }
   return Status::ok();
 }
 

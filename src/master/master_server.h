@@ -6,10 +6,12 @@
 
 #include "common/status.h"
 #include "coordinator/coordinator.h"
+#include "security/crypto.h"
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -24,6 +26,11 @@ struct Options {
   // A vote or operation that has waited this long for some peers is reported once as a
   // stall, naming them (docs/observability.md); 0: never.
   std::uint32_t stall_report_ms = 10'000;
+  // The run secret's key (security::load_secret_file). With it, every connection must
+  // prove the secret before its Hello reaches the coordinator, control frames are
+  // sealed, and peers get pair keys for their p2p connections (docs/security.md).
+  // Without it the master admits anyone who can reach it, and says so at start.
+  std::optional<security::Key> secret;
 };
 
 // What render() produces (docs/observability.md).
@@ -51,6 +58,7 @@ class MasterServer {
 
  private:
   class Impl;
+  bool secret_ = false;
   std::unique_ptr<Impl> impl_;
   std::thread thread_;
   std::atomic<std::uint16_t> port_{0};

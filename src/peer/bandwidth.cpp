@@ -5,6 +5,7 @@
 // for) and reports that rate. Senders keep going a little past the end so that the
 // partner's window, which may have started slightly later, is still fed.
 #include "peer/communicator.h"
+#include "peer/handshake.h"
 #include "peer/link.h"
 #include "transport/framed.h"
 
@@ -62,10 +63,12 @@ std::uint64_t Communicator::measure_bandwidth(const proto::BandwidthTest& test) 
       hello.to = partner.id;
       hello.epoch = test.test;
       hello.pool_index = k;
-      if (!transport::send_message(fd.value().get(), hello, options_.p2p_connect_timeout_ms).is_ok()) break;
-      auto ack = transport::recv_message(fd.value().get(), options_.p2p_connect_timeout_ms);
-      const auto* a = ack.is_ok() ? std::get_if<proto::P2PHelloAck>(&ack.value()) : nullptr;
-      if (a == nullptr || a->status != LOCKSTEP_OK) break;
+      Status s = p2p_handshake(fd.value().get(), hello, options_.secret.has_value(), partner.key,
+                               options_.p2p_connect_timeout_ms);
+      if (!s.is_ok()) {
+        LOG_WARN(kLog, "bandwidth test " << test.test << ": " << s.to_string());
+        break;
+      }
       connections.push_back(std::move(fd.value()));
     } else {
       auto in = link_->take_connection(proto::Channel::kBenchmark, test.test, partner.id, nullptr, connect_deadline);

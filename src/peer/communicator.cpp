@@ -4,6 +4,7 @@
 
 #include "collectives/quantize.h"
 #include "collectives/reduce.h"
+#include "peer/handshake.h"
 #include "peer/link.h"
 #include "transport/framed.h"
 
@@ -121,11 +122,51 @@ Status Communicator::connect() {
   hello.shared_state_port = link_->port(proto::Channel::kSharedState);
   hello.benchmark_port = link_->port(proto::Channel::kBenchmark);
   hello.advertised_host = options_.advertised_host;
-  Status sent = transport::send_message(fd.value().get(), hello, options_.connect_timeout_ms);
+  const security::Nonce client_nonce = options_.secret ? security::random_nonce() : security::Nonce{};
+  if (options_.secret) hello.auth = security::to_bytes(client_nonce);
+  const auto hello_frame = proto::encode_frame(hello);
+  Status sent = transport::send_all(fd.value().get(), hello_frame, options_.connect_timeout_ms);
   if (!sent.is_ok()) return remember(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED, "sending Hello: " + sent.message()));
   auto reply = transport::recv_message(fd.value().get(), options_.connect_timeout_ms);
   if (!reply.is_ok()) {
     return remember(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED, "no Welcome from the master: " + reply.status().message()));
+  }
+  // With a secret the master proves it first (a master without the secret, or an
+  // impostor, gets nothing from us), then we prove it and everything after is sealed.
+  std::shared_ptr<security::FrameCrypto> crypto;
+  if (const auto* challenge = std::get_if<proto::AuthChallenge>(&reply.value())) {
+    if (!options_.secret) {
+      return remember(Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED,
+                             "the master requires the run secret; this communicator has none"));
+    }
+    const std::span<const std::uint8_t> transcript(hello_frame.data() + proto::kFrameHeaderBytes,
+                                                   hello_frame.size() - proto::kFrameHeaderBytes);
+    security::Nonce server_nonce{};
+    if (!security::to_nonce(challenge->nonce, &server_nonce) ||
+        !security::verify(*options_.secret, security::kMasterRole, client_nonce, server_nonce, transcript,
+                          challenge->proof)) {
+      LOG_WARN(kLog, "the master at " << options_.master_host << ":" << options_.master_port
+                                      << " could not prove the run secret; not joining");
+      return remember(Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED,
+                             "the master could not prove the run secret (a different secret, or not this run's master)"));
+    }
+    const auto proof = security::proof(*options_.secret, security::kPeerRole, client_nonce, server_nonce, transcript);
+    sent = transport::send_message(fd.value().get(), proto::AuthProof{security::to_bytes(proof)}, options_.connect_timeout_ms);
+    if (!sent.is_ok()) return remember(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED, "sending AuthProof: " + sent.message()));
+    crypto = std::make_shared<security::FrameCrypto>(
+        security::session_keys(*options_.secret, client_nonce, server_nonce, transcript), /*client=*/true);
+    reply = transport::recv_message(fd.value().get(), options_.connect_timeout_ms, crypto.get());
+    if (!reply.is_ok()) {
+      // A frame that does not open: the stream was altered on the way.
+      const StatusCode code = reply.status().code() == LOCKSTEP_STATUS_PROTOCOL_ERROR ? LOCKSTEP_STATUS_PROTOCOL_ERROR
+                                                                                       : LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED;
+      return remember(Status(code, "no Welcome from the master: " + reply.status().message()));
+    }
+  } else if (options_.secret && std::holds_alternative<proto::Welcome>(reply.value())) {
+    LOG_WARN(kLog, "the master at " << options_.master_host << ":" << options_.master_port
+                                    << " did not ask for the run secret; not joining");
+    return remember(Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED,
+                           "the master did not prove the run secret (it runs without one, or it is not this run's master)"));
   }
   if (const auto* bye = std::get_if<proto::Goodbye>(&reply.value())) {
     return remember(Status(bye->status, "master: " + bye->reason));
@@ -134,7 +175,7 @@ Status Communicator::connect() {
   if (welcome == nullptr) return remember(Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "master answered Hello with something else"));
   id_ = welcome->id;
   link_->set_identity(id_);
-  link_->attach_master(std::move(fd.value()), welcome->heartbeat_timeout_ms);
+  link_->attach_master(std::move(fd.value()), welcome->heartbeat_timeout_ms, std::move(crypto));
   connected_ = true;
   LOG_DEBUG(kLog, "registered as " << id_.to_string() << ", waiting to be accepted");
   // A newcomer waits for the accepted peers' vote; failed attempts are retried by
@@ -259,15 +300,8 @@ Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32
   hello.to = to.id;
   hello.epoch = next_generation_.fetch_add(1);  // the receiver keeps the newest
   hello.pool_index = slot;
-  Status s = transport::send_message(fd.value().get(), hello, options_.p2p_connect_timeout_ms, cancel_fd);
-  if (s.is_ok()) {
-    auto ack = transport::recv_message(fd.value().get(), options_.p2p_connect_timeout_ms, cancel_fd);
-    if (!ack.is_ok()) {
-      s = ack.status();
-    } else if (const auto* a = std::get_if<proto::P2PHelloAck>(&ack.value()); a == nullptr || a->status != LOCKSTEP_OK) {
-      s = Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer refused the p2p handshake");
-    }
-  }
+  Status s = p2p_handshake(fd.value().get(), hello, options_.secret.has_value(), to.key, options_.p2p_connect_timeout_ms,
+                           nullptr, cancel_fd);
   if (!s.is_ok()) return s;
   transport::set_nonblocking(fd.value().get());
   std::lock_guard<std::mutex> lock(connections_mutex_);
@@ -649,7 +683,9 @@ Result<proto::Attributes> Communicator::attributes() const {
 
 Result<std::vector<proto::MemberInfo>> Communicator::membership() const {
   if (!accepted_) return Status(LOCKSTEP_STATUS_NOT_INITIALIZED, "not accepted yet");
-  return view_;
+  auto view = view_;
+  for (auto& m : view) m.key.clear();  // pair keys stay inside the communicator
+  return view;
 }
 
 Result<std::uint32_t> Communicator::rank() const {

@@ -10,6 +10,7 @@
 #include "common/status.h"
 #include "protocol/messages.h"
 #include "collectives/ring.h"
+#include "security/crypto.h"
 #include "transport/socket.h"
 #include "peer/worker_pool.h"
 
@@ -41,6 +42,15 @@ struct Options {
   std::uint32_t p2p_stall_timeout_ms = limits::kP2PStallTimeoutMsDefault;  // 0: never
   std::string advertised_host;
   std::string bind_host;
+  // The run secret's key (security::load_secret_file or derive_secret_key). With it the
+  // peer joins only a master that proves the same secret, and every p2p connection is
+  // authenticated with the pair keys the master hands out (docs/security.md). Without
+  // it, only a master without a secret admits this peer.
+  std::optional<security::Key> secret;
+  // Incoming p2p connections: how long one may take to finish its handshake, and how
+  // many may be unfinished at once (more are closed at once).
+  std::uint32_t inbound_handshake_timeout_ms = limits::kInboundHandshakeTimeoutMsDefault;
+  std::uint32_t inbound_handshakes_max = limits::kInboundHandshakesMaxDefault;
 };
 
 class Link;       // the background thread and everything it owns (communicator.cpp)

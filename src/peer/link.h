@@ -2,7 +2,9 @@
 // (heartbeats, silence detection, routing replies into a bounded mailbox that the
 // owning thread waits on) and the listening sockets (handshakes with a deadline;
 // accepted ring, shared-state and benchmark connections are handed over as plain file
-// descriptors). Internal to the peer layer.
+// descriptors). With a run secret it also seals the master connection's frames, keeps
+// the pair keys the master sent, and makes every incoming p2p connection prove its
+// pair key before it is handed over (docs/security.md). Internal to the peer layer.
 #pragma once
 
 #include "common/ids.h"
@@ -12,6 +14,7 @@
 #include "peer/communicator.h"
 #include "protocol/codec.h"
 #include "protocol/messages.h"
+#include "security/frames.h"
 #include "transport/socket.h"
 
 #include <asio.hpp>
@@ -41,9 +44,8 @@ inline constexpr const char* kLog = "peer";
 inline constexpr std::size_t kMailboxMessagesMax = 256;
 // Accepted p2p connections waiting to be claimed by an establishment.
 inline constexpr std::size_t kInboundMax = 1024;
-inline constexpr std::uint32_t kInboundHandshakeTimeoutMs = 5'000;
-// Incoming connections still in their handshake; more are closed at once.
-inline constexpr std::size_t kInboundHandshakesMax = 256;
+// (Incoming connections still in their handshake, and how long they may take: the
+// options inbound_handshakes_max and inbound_handshake_timeout_ms.)
 
 using Clock = std::chrono::steady_clock;
 
@@ -178,10 +180,12 @@ class Link {
     id_ = id;
   }
 
-  // Hands the connected, welcomed master socket to the loop.
-  void attach_master(transport::Fd fd, std::uint32_t heartbeat_timeout_ms) {
+  // Hands the connected, welcomed master socket to the loop (with the keys that seal
+  // its frames, when the run has a secret).
+  void attach_master(transport::Fd fd, std::uint32_t heartbeat_timeout_ms, std::shared_ptr<security::FrameCrypto> crypto) {
     heartbeat_timeout_ms_ = heartbeat_timeout_ms;
-    asio::post(io_, [this, raw = fd.release()] {
+    asio::post(io_, [this, raw = fd.release(), crypto] {
+      crypto_ = crypto;
       asio::error_code ec;
       master_.assign(asio::ip::tcp::v4(), raw, ec);
       if (ec) return set_fatal(Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "assign master socket: " + ec.message()));
@@ -193,10 +197,7 @@ class Link {
 
   void send(const proto::Message& message) {
     auto frame = std::make_shared<std::vector<std::uint8_t>>(proto::encode_frame(message));
-    asio::post(io_, [this, frame] {
-      writes_.push_back(std::move(*frame));
-      if (writes_.size() == 1) write_next();
-    });
+    asio::post(io_, [this, frame] { push_write(std::move(*frame)); });
   }
 
   // Blocks until a message accepted by `match` arrives (it is removed from the
@@ -348,6 +349,7 @@ class Link {
   }
 
   void deliver(proto::Message message) {
+    learn_keys(message);
     if (route_to_op(message)) return;
     if (const auto* t = std::get_if<proto::TopologyResult>(&message); t != nullptr && t->status != LOCKSTEP_OK) {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -398,9 +400,13 @@ class Link {
       if (!header.is_ok()) return set_fatal(Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "from master: " + header.status().message()));
       payload_.resize(header.value().payload_bytes);
       const auto type = header.value().type;
+      if (crypto_ && type != proto::MsgType::kSealed) {
+        return set_fatal(Status(LOCKSTEP_STATUS_PROTOCOL_ERROR,
+                                std::string("from master: expected a sealed frame, got ") + proto::msg_type_name(type)));
+      }
       asio::async_read(master_, asio::buffer(payload_), [this, type](const asio::error_code& ec2, std::size_t) {
         if (ec2) return set_fatal(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, ec2.message()));
-        auto message = proto::decode_payload(type, payload_);
+        auto message = crypto_ ? crypto_->open(header_, payload_) : proto::decode_payload(type, payload_);
         if (!message.is_ok()) return set_fatal(Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "from master: " + message.status().message()));
         last_rx_ = Clock::now();
         if (const auto* bye = std::get_if<proto::Goodbye>(&message.value())) {
@@ -410,6 +416,18 @@ class Link {
         read_master();
       });
     });
+  }
+
+  // Every frame to the master goes through here, on the loop's thread, so that sealed
+  // frames leave in the order of their nonces.
+  void push_write(std::vector<std::uint8_t> frame) {
+    if (crypto_) {
+      std::vector<std::uint8_t> sealed;
+      crypto_->seal_frame(frame, sealed);
+      frame = std::move(sealed);
+    }
+    writes_.push_back(std::move(frame));
+    if (writes_.size() == 1) write_next();
   }
 
   void write_next() {
@@ -441,14 +459,12 @@ class Link {
                                 "no message from the master for " + std::to_string(silent) + " ms"));
       }
       suspect_silence_ = false;
-      auto frame = proto::encode_frame(proto::Heartbeat{});
-      writes_.push_back(std::move(frame));
-      if (writes_.size() == 1) write_next();
+      push_write(proto::encode_frame(proto::Heartbeat{}));
       heartbeat();
     });
   }
 
-  // One incoming connection until its P2PHello is answered; counted while alive.
+  // One incoming connection until its handshake is over; counted while alive.
   struct Handshake {
     Handshake(asio::ip::tcp::socket s, std::size_t* counter)
         : socket(std::move(s)), timer(socket.get_executor()), live(counter) {
@@ -460,17 +476,30 @@ class Link {
     asio::ip::tcp::socket socket;
     asio::steady_timer timer;
     std::size_t* live;
+    proto::Channel channel = proto::Channel::kRing;
     std::array<std::uint8_t, proto::kFrameHeaderBytes> header{};
     std::vector<std::uint8_t> payload;
     std::vector<std::uint8_t> reply;
     proto::P2PHello hello;
+    std::string remote;  // for logs
+    // With a secret:
+    std::vector<std::uint8_t> transcript;  // the P2PHello's payload
+    security::Key key{};
+    security::Nonce client_nonce{};
+    security::Nonce server_nonce{};
+    bool parked = false;  // waiting for the master to name the sender (its pair key)
   };
 
   void accept_on(std::size_t index) {
     listeners_[index]->async_accept([this, index](const asio::error_code& ec, asio::ip::tcp::socket socket) {
       if (ec == asio::error::operation_aborted) return;
-      if (!ec && handshakes_ >= kInboundHandshakesMax) {
-        LOG_WARN(kLog, "too many unfinished p2p handshakes; closing a new connection");
+      if (!ec && handshakes_ >= options_.inbound_handshakes_max) {
+        // Logged once per burst: a flood must not flood the log too.
+        if (refused_handshakes_++ % 100 == 0) {
+          LOG_WARN(kLog, "more than " << options_.inbound_handshakes_max
+                                      << " unfinished p2p handshakes; closing new connections (" << refused_handshakes_
+                                      << " so far)");
+        }
         asio::error_code ignored;
         socket.close(ignored);
       } else if (!ec) {
@@ -480,14 +509,27 @@ class Link {
     });
   }
 
-  // Reads one P2PHello within a deadline; anything else closes the connection.
+  // Reads one P2PHello within a deadline (and, with a secret, runs the challenge-
+  // response); anything else closes the connection.
   void handshake(const std::shared_ptr<Handshake>& h, proto::Channel channel) {
     asio::error_code ignored;
     h->socket.set_option(asio::ip::tcp::no_delay(true), ignored);
-    h->timer.expires_after(std::chrono::milliseconds(kInboundHandshakeTimeoutMs));
-    h->timer.async_wait([h](const asio::error_code& ec) {
+    h->channel = channel;
+    const auto remote = h->socket.remote_endpoint(ignored);
+    h->remote = remote.address().to_string() + ":" + std::to_string(remote.port());
+    h->timer.expires_after(std::chrono::milliseconds(options_.inbound_handshake_timeout_ms));
+    h->timer.async_wait([this, h](const asio::error_code& ec) {
+      if (ec) return;
+      if (h->parked) {
+        LOG_WARN(kLog, "p2p connection from " << h->remote << " claiming to be " << h->hello.from.to_string()
+                                              << " dropped: the master named no such member (no pair key)");
+      } else {
+        LOG_INFO(kLog, "p2p connection from " << h->remote << " dropped: handshake not finished within "
+                                              << options_.inbound_handshake_timeout_ms << " ms");
+      }
+      unpark(h);
       asio::error_code e;
-      if (!ec) h->socket.close(e);
+      h->socket.close(e);
     });
     asio::async_read(h->socket, asio::buffer(h->header), [this, h, channel](const asio::error_code& ec, std::size_t) {
       if (ec) return;
@@ -509,29 +551,124 @@ class Link {
           // connection is kept and its target checked when it is claimed.
           if (h->hello.channel != channel || (!id_.is_nil() && h->hello.to != id_)) verdict = LOCKSTEP_STATUS_REJECTED;
         }
-        h->reply = proto::encode_frame(proto::P2PHelloAck{verdict});
-        asio::async_write(h->socket, asio::buffer(h->reply), [this, h, verdict](const asio::error_code& ec3, std::size_t) {
-          h->timer.cancel();
-          if (ec3 || verdict != LOCKSTEP_OK) return close(h);
-          asio::error_code e;
-          h->socket.non_blocking(false, e);
-          Inbound in{h->hello.from, h->hello.to, h->hello.epoch, h->hello.pool_index, transport::Fd(h->socket.release())};
-          {
-            std::lock_guard<std::mutex> lock(mutex_);
-            auto& queue = h->hello.channel == proto::Channel::kRing          ? inbound_
-                          : h->hello.channel == proto::Channel::kSharedState ? state_inbound_
-                                                                             : bench_inbound_;
-            if (queue.size() >= kInboundMax) queue.pop_front();
-            queue.push_back(std::move(in));
+        if (verdict != LOCKSTEP_OK || !options_.secret) return finish(h, verdict);
+        if (!security::to_nonce(h->hello.auth, &h->client_nonce)) {
+          LOG_WARN(kLog, "p2p connection from " << h->remote << " dropped: its P2PHello carries no nonce (a peer without the run secret)");
+          return close(h);
+        }
+        h->transcript = h->payload;
+        challenge(h);
+      });
+    });
+  }
+
+  // With a secret: proves the pair key of the claimed sender and checks its proof. A
+  // sender the master has not named yet waits (its EstablishP2P may arrive after the
+  // sender's own) until a message names it or the handshake times out.
+  void challenge(const std::shared_ptr<Handshake>& h) {
+    auto it = pair_keys_.find(h->hello.from);
+    if (it == pair_keys_.end()) {
+      if (!h->parked) {
+        h->parked = true;
+        parked_.push_back(h);
+      }
+      return;
+    }
+    h->key = it->second;
+    h->server_nonce = security::random_nonce();
+    const auto proof = security::proof(h->key, security::kAcceptorRole, h->client_nonce, h->server_nonce, h->transcript);
+    h->reply = proto::encode_frame(proto::AuthChallenge{security::to_bytes(h->server_nonce), security::to_bytes(proof)});
+    asio::async_write(h->socket, asio::buffer(h->reply), [this, h](const asio::error_code& ec, std::size_t) {
+      if (ec) return close(h);
+      asio::async_read(h->socket, asio::buffer(h->header), [this, h](const asio::error_code& ec2, std::size_t) {
+        if (ec2) return close(h);
+        auto header = proto::decode_header(h->header);
+        if (!header.is_ok() || header.value().type != proto::MsgType::kAuthProof) {
+          LOG_WARN(kLog, "p2p connection from " << h->remote << " dropped: no AuthProof after the challenge");
+          return close(h);
+        }
+        h->payload.resize(header.value().payload_bytes);
+        asio::async_read(h->socket, asio::buffer(h->payload), [this, h](const asio::error_code& ec3, std::size_t) {
+          if (ec3) return close(h);
+          auto message = proto::decode_payload(proto::MsgType::kAuthProof, h->payload);
+          if (!message.is_ok() ||
+              !security::verify(h->key, security::kConnectorRole, h->client_nonce, h->server_nonce, h->transcript,
+                                std::get<proto::AuthProof>(message.value()).proof)) {
+            LOG_WARN(kLog, "p2p connection from " << h->remote << " claiming to be " << h->hello.from.to_string()
+                                                  << " dropped: wrong proof of the pair key");
+            return close(h);
           }
-          cv_.notify_all();
+          finish(h, LOCKSTEP_OK);
         });
       });
     });
   }
 
-  static void close(const std::shared_ptr<Handshake>& h) {
+  // Answers with the verdict; an accepted connection is handed over.
+  void finish(const std::shared_ptr<Handshake>& h, StatusCode verdict) {
+    h->reply = proto::encode_frame(proto::P2PHelloAck{verdict});
+    asio::async_write(h->socket, asio::buffer(h->reply), [this, h, verdict](const asio::error_code& ec3, std::size_t) {
+      h->timer.cancel();
+      if (ec3 || verdict != LOCKSTEP_OK) return close(h);
+      asio::error_code e;
+      h->socket.non_blocking(false, e);
+      Inbound in{h->hello.from, h->hello.to, h->hello.epoch, h->hello.pool_index, transport::Fd(h->socket.release())};
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto& queue = h->hello.channel == proto::Channel::kRing          ? inbound_
+                      : h->hello.channel == proto::Channel::kSharedState ? state_inbound_
+                                                                         : bench_inbound_;
+        if (queue.size() >= kInboundMax) queue.pop_front();
+        queue.push_back(std::move(in));
+      }
+      cv_.notify_all();
+    });
+  }
+
+  // With a secret: the pair keys in the master's messages (loop thread). A successful
+  // TopologyResult names the whole membership view: keys of peers outside it are
+  // forgotten, so that a removed peer cannot connect any more.
+  void learn_keys(const proto::Message& message) {
+    if (!options_.secret) return;
+    const auto add = [this](const proto::MemberInfo& m) {
+      security::Key key{};
+      if (security::to_key(m.key, &key)) pair_keys_[m.id] = key;
+    };
+    if (const auto* m = std::get_if<proto::EstablishP2P>(&message)) {
+      for (const auto& member : m->ring) add(member);
+    } else if (const auto* t = std::get_if<proto::TopologyResult>(&message); t != nullptr && t->status == LOCKSTEP_OK) {
+      pair_keys_.clear();
+      for (const auto& member : t->ring) add(member);
+    } else if (const auto* p = std::get_if<proto::SyncPlan>(&message)) {
+      for (const auto& member : p->sources) add(member);
+    } else if (const auto* b = std::get_if<proto::BandwidthTest>(&message)) {
+      add(b->partner);
+    } else {
+      return;
+    }
+    // Parked handshakes whose sender is now known go on.
+    auto waiting = std::move(parked_);
+    parked_.clear();
+    for (auto& h : waiting) {
+      if (!h->socket.is_open()) continue;
+      if (pair_keys_.count(h->hello.from) != 0) {
+        h->parked = false;
+        challenge(h);
+      } else {
+        parked_.push_back(h);
+      }
+    }
+  }
+
+  void unpark(const std::shared_ptr<Handshake>& h) {
+    if (!h->parked) return;
+    h->parked = false;
+    parked_.erase(std::remove(parked_.begin(), parked_.end(), h), parked_.end());
+  }
+
+  void close(const std::shared_ptr<Handshake>& h) {
     asio::error_code e;
+    unpark(h);
     h->timer.cancel();
     h->socket.close(e);
   }
@@ -543,6 +680,12 @@ class Link {
   std::array<std::unique_ptr<asio::ip::tcp::acceptor>, 3> listeners_;
   std::array<std::uint16_t, 3> ports_{};
   std::size_t handshakes_ = 0;  // io thread only
+  std::uint64_t refused_handshakes_ = 0;  // io thread only
+  // With a secret (io thread only): the master connection's frame keys, the pair key of
+  // every member the master named, and handshakes waiting for their sender's key.
+  std::shared_ptr<security::FrameCrypto> crypto_;
+  std::map<PeerId, security::Key> pair_keys_;
+  std::vector<std::shared_ptr<Handshake>> parked_;
   std::thread thread_;
   std::uint32_t heartbeat_timeout_ms_ = limits::kHeartbeatTimeoutMsDefault;
   Clock::time_point last_rx_;

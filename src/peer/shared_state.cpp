@@ -12,6 +12,7 @@
 // own descriptor of the tensor holds.
 #include "common/dtype.h"
 #include "peer/communicator.h"
+#include "peer/handshake.h"
 #include "peer/link.h"
 #include "state/hash.h"
 #include "transport/framed.h"
@@ -170,9 +171,9 @@ class StateServer {
 // Fetches the pieces of one plan from their sources, one connection and thread each.
 class Fetcher {
  public:
-  Fetcher(PeerId self, std::uint32_t connect_timeout_ms, const proto::SyncPlan& plan,
+  Fetcher(PeerId self, std::uint32_t connect_timeout_ms, bool secret, const proto::SyncPlan& plan,
           const std::vector<SharedTensor>& tensors, const std::vector<LocalTensor>& local)
-      : self_(self), connect_timeout_ms_(connect_timeout_ms), plan_(plan), tensors_(tensors), local_(local) {
+      : self_(self), connect_timeout_ms_(connect_timeout_ms), secret_(secret), plan_(plan), tensors_(tensors), local_(local) {
     for (const auto& e : plan_.expect) expected_[e.tensor] = e.hash;
   }
 
@@ -223,13 +224,8 @@ class Fetcher {
     hello.from = self_;
     hello.to = source.id;
     hello.epoch = plan_.attempt;
-    Status s = transport::send_message(fd, hello, connect_timeout_ms_);
-    if (!s.is_ok()) return lost(s);
-    auto ack = transport::recv_message(fd, connect_timeout_ms_);
-    if (!ack.is_ok()) return lost(ack.status());
-    if (const auto* a = std::get_if<proto::P2PHelloAck>(&ack.value()); a == nullptr || a->status != LOCKSTEP_OK) {
-      return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "it refused the shared-state handshake");
-    }
+    Status s = p2p_handshake(fd, hello, secret_, source.key, connect_timeout_ms_);
+    if (!s.is_ok()) return lost(Status(s.code(), "shared-state handshake: " + s.message()));
     const auto request = [&](const proto::SyncFetch& f) {
       auto expected = expected_.find(f.tensor);
       return transport::send_message(
@@ -266,6 +262,7 @@ class Fetcher {
 
   const PeerId self_;
   const std::uint32_t connect_timeout_ms_;
+  const bool secret_;
   const proto::SyncPlan& plan_;
   const std::vector<SharedTensor>& tensors_;
   const std::vector<LocalTensor>& local_;
@@ -354,7 +351,7 @@ Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>
                                   << " tensor(s) to receive in " << plan.fetches.size() << " piece(s)");
 
   StateServer server(*link_, plan.attempt, by_key);
-  Fetcher fetcher(id_, options_.p2p_connect_timeout_ms, plan, tensors, local);
+  Fetcher fetcher(id_, options_.p2p_connect_timeout_ms, options_.secret.has_value(), plan, tensors, local);
   std::thread transfers([&] {
     Status s = check_plan(plan, local);
     if (s.is_ok() && !plan.expect.empty()) s = fetcher.run();

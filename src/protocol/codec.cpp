@@ -14,6 +14,8 @@ namespace {
 
 constexpr std::uint32_t kHostBytesMax = 255;
 constexpr std::uint32_t kAuthBytesMax = 512;
+// Nonces, proofs and pair keys are 32 bytes; the decoder allows up to this.
+constexpr std::uint32_t kAuthFieldBytesMax = 64;
 constexpr std::uint32_t kSmallPayloadBytesMax = 4096;
 
 Status protocol_error(std::string what) { return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, std::move(what)); }
@@ -133,13 +135,14 @@ void put(Writer& w, const MemberInfo& m) {
   w.u(m.p2p_port);
   w.u(m.shared_state_port);
   w.u(m.benchmark_port);
+  w.bytes(m.key);
 }
 bool get(Reader& r, MemberInfo* m) {
   return r.id(&m->id, "member.id") && r.str(&m->host, kHostBytesMax, "member.host") &&
          r.u(&m->p2p_port, "member.p2p_port") && r.u(&m->shared_state_port, "member.shared_state_port") &&
-         r.u(&m->benchmark_port, "member.benchmark_port");
+         r.u(&m->benchmark_port, "member.benchmark_port") && r.bytes(&m->key, kAuthFieldBytesMax, "member.key");
 }
-constexpr std::size_t kMemberBytesMin = 16 + 2 + 6;
+constexpr std::size_t kMemberBytesMin = 16 + 2 + 6 + 2;
 
 void put_members(Writer& w, const std::vector<MemberInfo>& members) {
   w.u(static_cast<std::uint32_t>(members.size()));
@@ -491,6 +494,18 @@ bool decode_body(Reader& r, StateResponse* m) {
          r.str(&m->reason, limits::kWireStringBytesMax, "state_response.reason");
 }
 
+// ---- authentication
+void encode_body(Writer& w, const AuthChallenge& m) {
+  w.bytes(m.nonce);
+  w.bytes(m.proof);
+}
+bool decode_body(Reader& r, AuthChallenge* m) {
+  return r.bytes(&m->nonce, kAuthFieldBytesMax, "auth_challenge.nonce") &&
+         r.bytes(&m->proof, kAuthFieldBytesMax, "auth_challenge.proof");
+}
+void encode_body(Writer& w, const AuthProof& m) { w.bytes(m.proof); }
+bool decode_body(Reader& r, AuthProof* m) { return r.bytes(&m->proof, kAuthFieldBytesMax, "auth_proof.proof"); }
+
 // ---- topology optimization
 void encode_body(Writer&, const VoteOptimizeTopology&) {}
 bool decode_body(Reader&, VoteOptimizeTopology*) { return true; }
@@ -573,6 +588,9 @@ const char* msg_type_name(MsgType type) {
     case MsgType::kVoteOptimizeTopology: return "VoteOptimizeTopology";
     case MsgType::kBandwidthReport: return "BandwidthReport";
     case MsgType::kBandwidthTest: return "BandwidthTest";
+    case MsgType::kAuthChallenge: return "AuthChallenge";
+    case MsgType::kAuthProof: return "AuthProof";
+    case MsgType::kSealed: return "Sealed";
   }
   return "Unknown";
 }
@@ -587,6 +605,9 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
       return kEmptyPayload;
     case MsgType::kVoteAgree: return 1;
     case MsgType::kP2PHelloAck: return 4;
+    case MsgType::kAuthChallenge: return 2 + kAuthFieldBytesMax + 2 + kAuthFieldBytesMax;
+    case MsgType::kAuthProof: return 2 + kAuthFieldBytesMax;
+    case MsgType::kSealed: return kSealedPayloadBytesMax;
     case MsgType::kHello:
     case MsgType::kWelcome:
     case MsgType::kPeersPendingResult:
@@ -662,6 +683,10 @@ Result<Message> decode_payload(MsgType type, std::span<const std::uint8_t> paylo
     case MsgType::kVoteOptimizeTopology: return decode_as<VoteOptimizeTopology>(payload);
     case MsgType::kBandwidthReport: return decode_as<BandwidthReport>(payload);
     case MsgType::kBandwidthTest: return decode_as<BandwidthTest>(payload);
+    case MsgType::kAuthChallenge: return decode_as<AuthChallenge>(payload);
+    case MsgType::kAuthProof: return decode_as<AuthProof>(payload);
+    case MsgType::kSealed:
+      return protocol_error("Sealed: an encrypted frame on a connection that has no keys (it was not authenticated)");
   }
   return protocol_error("unknown message type " + std::to_string(static_cast<unsigned>(type)));
 }

@@ -5,6 +5,7 @@
 // failure names what was wrong.
 #pragma once
 
+#include "common/limits.h"
 #include "protocol/messages.h"
 
 #include <cstddef>
@@ -15,6 +16,11 @@
 namespace lockstep::proto {
 
 inline constexpr std::size_t kFrameHeaderBytes = 8;
+// A sealed frame's payload: a whole inner frame (header and payload within the inner
+// type's bound) encrypted, plus the 16-byte authentication tag.
+inline constexpr std::uint32_t kSealTagBytes = 16;
+inline constexpr std::uint32_t kSealedPayloadBytesMax =
+    limits::kControlFramePayloadBytesMax + static_cast<std::uint32_t>(kFrameHeaderBytes) + kSealTagBytes;
 
 struct FrameHeader {
   std::uint32_t payload_bytes = 0;

@@ -1,6 +1,7 @@
 // The wire protocol's messages as plain structs. Every connection starts with a
 // handshake (Hello from the peer, Welcome or Goodbye from the master; P2PHello on
-// peer-to-peer channels); after it, length-prefixed frames of these types flow.
+// peer-to-peer channels; with a run secret, AuthChallenge and AuthProof in between);
+// after it, length-prefixed frames of these types flow (sealed, with a secret).
 // docs/protocol.md describes the encoding; codec.h turns bytes into these safely.
 #pragma once
 
@@ -32,6 +33,8 @@ enum class MsgType : std::uint16_t {
   kSyncDone = 10,
   kVoteOptimizeTopology = 11,
   kBandwidthReport = 12,
+  // peer -> master, and on p2p channels connector -> acceptor (with a secret)
+  kAuthProof = 13,
   // master -> peer
   kWelcome = 64,
   kHeartbeatAck = 65,
@@ -46,11 +49,16 @@ enum class MsgType : std::uint16_t {
   kSyncPlan = 74,
   kSyncResult = 75,
   kBandwidthTest = 76,
+  // master -> peer, and on p2p channels acceptor -> connector (with a secret)
+  kAuthChallenge = 77,
   // peer -> peer (p2p, shared-state and benchmark sockets)
   kP2PHello = 128,
   kP2PHelloAck = 129,
   kStateRequest = 130,
   kStateResponse = 131,
+  // Any direction after an authenticated handshake: an encrypted whole frame
+  // (security/frames.h). Never decoded as a message by itself.
+  kSealed = 192,
 };
 
 const char* msg_type_name(MsgType type);
@@ -64,6 +72,10 @@ struct MemberInfo {
   std::uint16_t p2p_port = 0;
   std::uint16_t shared_state_port = 0;
   std::uint16_t benchmark_port = 0;
+  // With a run secret: the pair key of this member and the recipient, filled in per
+  // recipient by the master's IO shell (32 bytes; empty without a secret). Internal:
+  // never part of the public membership view.
+  std::vector<std::uint8_t> key = {};
   bool operator==(const MemberInfo&) const = default;
 };
 
@@ -360,12 +372,29 @@ struct StateResponse {
   bool operator==(const StateResponse&) const = default;
 };
 
+// ---- authentication (docs/security.md): the side that was connected to proves first.
+// The master (or a p2p acceptor) answers the opening Hello (P2PHello), which carries the
+// client's nonce in `auth`, with its own nonce and its proof.
+struct AuthChallenge {
+  static constexpr MsgType kType = MsgType::kAuthChallenge;
+  std::vector<std::uint8_t> nonce;
+  std::vector<std::uint8_t> proof;
+  bool operator==(const AuthChallenge&) const = default;
+};
+// The client's proof; after it, every frame in both directions of a control
+// connection is sealed.
+struct AuthProof {
+  static constexpr MsgType kType = MsgType::kAuthProof;
+  std::vector<std::uint8_t> proof;
+  bool operator==(const AuthProof&) const = default;
+};
+
 using Message = std::variant<Hello, Heartbeat, VoteUpdateTopology, P2PReport, VotePeersPending,
                              VoteAgree, CollectiveInit, CollectiveDone, Welcome, HeartbeatAck,
                              EstablishP2P, TopologyResult, PeersPendingResult, AgreeResult, Refused,
                              Goodbye, CollectiveGo, CollectiveResult, P2PHello, P2PHelloAck, SyncVote,
                              SyncDone, SyncPlan, SyncResult, StateRequest, StateResponse, VoteOptimizeTopology,
-                             BandwidthReport, BandwidthTest>;
+                             BandwidthReport, BandwidthTest, AuthChallenge, AuthProof>;
 
 MsgType type_of(const Message& message);
 

@@ -42,7 +42,7 @@ int main(void) {
 
   CHECK(lockstep_version() == LOCKSTEP_VERSION_HEX);
   CHECK(strlen(lockstep_version_string()) >= 5);
-  for (code = 0; code <= (int)LOCKSTEP_STATUS_HASH_MISMATCH; ++code) {
+  for (code = 0; code <= (int)LOCKSTEP_STATUS_AUTHENTICATION_FAILED; ++code) {
     CHECK(lockstep_status_string((lockstep_status_t)code) != NULL);
     CHECK(strcmp(lockstep_status_name((lockstep_status_t)code), "UNKNOWN_STATUS") != 0);
   }

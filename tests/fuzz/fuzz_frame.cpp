@@ -100,7 +100,7 @@ void compare_with_socket(std::span<const std::uint8_t> data, const Expected& exp
   }
 }
 
-// ---- seeds: one valid frame of every type, and four streams
+// ---- seeds: one valid frame of every type, and five streams
 
 state::Digest digest(std::uint64_t n) { return state::Digest{n * 0x9e3779b97f4a7c15ull, ~n}; }
 
@@ -108,7 +108,7 @@ std::vector<p::Message> sample_messages() {
   const PeerId a{0x1234, 1};
   const PeerId b{0x1234, 2};
   const p::MemberInfo ma{a, "10.0.0.1", 48150, 48151, 48152};
-  const p::MemberInfo mb{b, "10.0.0.2", 48150, 48151, 0};
+  const p::MemberInfo mb{b, "10.0.0.2", 48150, 48151, 0, std::vector<std::uint8_t>(32, 0x6b)};
   const p::CollectiveDescriptor d{1024, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_MINMAX_U8};
   std::vector<p::Message> m;
   m.emplace_back(p::Hello{p::kMagic, p::kProtocolVersion, 1, 2, 48150, 48151, 48152, "node-1", {1, 2, 3}});
@@ -142,6 +142,8 @@ std::vector<p::Message> sample_messages() {
   m.emplace_back(p::VoteOptimizeTopology{});
   m.emplace_back(p::BandwidthReport{11, b, 125'000'000});
   m.emplace_back(p::BandwidthTest{11, mb, true, 1000, 4});
+  m.emplace_back(p::AuthChallenge{std::vector<std::uint8_t>(32, 0x4e), std::vector<std::uint8_t>(32, 0x50)});
+  m.emplace_back(p::AuthProof{std::vector<std::uint8_t>(32, 0x51)});
   return m;
 }
 
@@ -167,6 +169,7 @@ fuzz::Seeds make_seeds() {
                                T::kCollectiveDone, T::kCollectiveResult, T::kRefused});
   stream("stream-optimize", {T::kVoteOptimizeTopology, T::kBandwidthTest, T::kP2PHello, T::kP2PHelloAck,
                              T::kBandwidthReport, T::kEstablishP2P, T::kP2PReport, T::kTopologyResult});
+  stream("stream-auth", {T::kHello, T::kAuthChallenge, T::kAuthProof, T::kP2PHello, T::kP2PHelloAck});
   stream("stream-sync", {T::kSyncVote, T::kSyncPlan, T::kP2PHello, T::kP2PHelloAck, T::kStateRequest,
                          T::kStateResponse, T::kSyncDone, T::kSyncResult});
   return seeds;

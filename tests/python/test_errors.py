@@ -21,7 +21,7 @@ RETRYABLE = {
 }
 FATAL = {
     Status.MASTER_CONNECTION_LOST, Status.MASTER_CONNECTION_FAILED, Status.KICKED, Status.REJECTED,
-    Status.REVISION_VIOLATION, Status.SHARED_STATE_MISMATCH, Status.PROTOCOL_ERROR,
+    Status.REVISION_VIOLATION, Status.SHARED_STATE_MISMATCH, Status.PROTOCOL_ERROR, Status.AUTHENTICATION_FAILED,
 }
 EXPECTED_NAMES = {
     1: "NotInitializedError", 2: "InternalError", 3: "InvalidArgumentError", 4: "InvalidUsageError",
@@ -31,6 +31,7 @@ EXPECTED_NAMES = {
     14: "KickedError", 15: "RejectedError", 16: "OperationMismatchError", 17: "ProtocolError",
     18: "LockstepTimeoutError", 19: "WrongThreadError", 20: "LockstepInterruptedError",
     21: "RevisionViolationError", 22: "SharedStateMismatchError", 23: "HashMismatchError",
+    24: "AuthenticationFailedError",
 }
 
 
@@ -52,7 +53,7 @@ def offline():
 
 
 def test_one_class_per_status_with_status_values():
-    assert sorted(lockstep.ERROR_CLASSES) == list(range(1, 24))
+    assert sorted(lockstep.ERROR_CLASSES) == list(range(1, 25))
     for code, name in EXPECTED_NAMES.items():
         cls = getattr(lockstep, name)
         assert lockstep.ERROR_CLASSES[code] is cls

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -20,8 +21,12 @@ namespace lockstep::testing {
 
 class Cluster {
  public:
-  explicit Cluster(std::uint32_t heartbeat_timeout_ms = 5000 * LOCKSTEP_TEST_TIME_SCALE) {
+  // With a secret, the master and every peer of run() hold it (docs/security.md).
+  explicit Cluster(std::uint32_t heartbeat_timeout_ms = 5000 * LOCKSTEP_TEST_TIME_SCALE,
+                   std::optional<security::Key> secret = std::nullopt)
+      : secret_(secret) {
     master::Options options;
+    options.secret = secret;
     options.listen_host = "127.0.0.1";
     options.listen_port = 0;
     options.coordinator.heartbeat_timeout_ms = heartbeat_timeout_ms;
@@ -44,6 +49,7 @@ class Cluster {
         options.master_port = port();
         options.base_port = 0;
         options.p2p_pool_size = pool_size;
+        options.secret = secret_;
         auto created = peer::Communicator::create(options);
         ASSERT_TRUE(created.is_ok()) << created.status().to_string();
         auto& comm = *created.value();
@@ -76,6 +82,7 @@ class Cluster {
   }
 
  private:
+  std::optional<security::Key> secret_;
   std::unique_ptr<master::MasterServer> master_;
 };
 

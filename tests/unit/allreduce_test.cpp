@@ -142,7 +142,7 @@ struct Case {
 
 // Every thread runs the same cases in the same order; results are compared across
 // peers through a shared table of checksums.
-void run_matrix(std::size_t world, const std::vector<std::size_t>& counts) {
+void run_matrix(std::size_t world, const std::vector<std::size_t>& counts, bool secret = false) {
   std::vector<Case> cases;
   for (auto t : kDtypes) {
     for (auto op : kOps) {
@@ -154,7 +154,9 @@ void run_matrix(std::size_t world, const std::vector<std::size_t>& counts) {
   }
   std::mutex mutex;
   std::vector<std::vector<std::uint8_t>> first_result(cases.size());
-  Cluster cluster;
+  std::optional<security::Key> key;
+  if (secret) key = security::derive_secret_key("the all-reduce matrix run's secret").value();
+  Cluster cluster(5000 * LOCKSTEP_TEST_TIME_SCALE, key);
   cluster.run(world, [&](peer::Communicator& comm, std::size_t) {
     auto rank = comm.rank();
     ASSERT_TRUE(rank.is_ok());
@@ -207,6 +209,8 @@ void run_matrix(std::size_t world, const std::vector<std::size_t>& counts) {
 
 TEST(AllReduce, EveryOpAndDtypeTwoPeers) { run_matrix(2, {1, 3, 1001, 100'003}); }
 TEST(AllReduce, EveryOpAndDtypeThreePeers) { run_matrix(3, {1, 2, 1001, 100'003}); }
+// The same over authenticated connections (a run secret: sealed control frames, pair keys).
+TEST(AllReduce, EveryOpAndDtypeThreePeersWithSecret) { run_matrix(3, {1, 2, 1001, 100'003}, /*secret=*/true); }
 TEST(AllReduce, EveryOpAndDtypeFourPeers) { run_matrix(4, {1, 3, 1001, 100'003}); }
 TEST(AllReduce, EveryOpAndDtypeEightPeers) {
   if (!full_matrix()) GTEST_SKIP() << "set LOCKSTEP_FULL_MATRIX=1 for 8 peers";

@@ -42,6 +42,9 @@ int main(int argc, char** argv) {
   std::string log_level;
   std::string http;
   std::uint32_t stall_report_ms = 10'000;
+  std::string secret_file;
+  std::uint32_t handshake_timeout_ms = lockstep::limits::kHandshakeTimeoutMsDefault;
+  std::uint32_t pending_handshakes_max = lockstep::limits::kPendingHandshakesMax;
   app.add_option("--listen", listen, "HOST:PORT to listen on (port 0: ephemeral, printed at start)")
       ->capture_default_str();
   app.add_option("--heartbeat-timeout-ms", heartbeat_timeout_ms, "remove a peer silent for this long")
@@ -58,7 +61,21 @@ int main(int argc, char** argv) {
                  "optimize topology: connections per bandwidth test (at most the peers' pool size)")
       ->check(CLI::Range(1u, 64u))
       ->capture_default_str();
-  app.add_option("--peers-max", peers_max, "maximum number of peers")->check(CLI::Range(1u, 1u << 20))->capture_default_str();
+  app.add_option("--peers-max,--max-peers", peers_max, "maximum number of peers (registered and accepted)")
+      ->check(CLI::Range(1u, 1u << 20))
+      ->capture_default_str();
+  app.add_option("--secret-file", secret_file,
+                 "file holding the run secret (at least 16 bytes; trailing line breaks are ignored); peers must "
+                 "present the same secret. Without it the master admits anyone who can reach it")
+      ->envname("LOCKSTEP_SECRET_FILE");
+  app.add_option("--handshake-timeout-ms", handshake_timeout_ms,
+                 "drop a connection that has not finished its handshake (Hello, and the secret's proof) by then")
+      ->check(CLI::Range(100u, 600'000u))
+      ->capture_default_str();
+  app.add_option("--max-pending-handshakes", pending_handshakes_max,
+                 "connections that may be in their handshake at once; more are closed at once")
+      ->check(CLI::Range(1u, 1u << 20))
+      ->capture_default_str();
   app.add_option("--http", http,
                  "HOST:PORT for the status page (/), /api/state and /metrics (port 0: ephemeral, printed at "
                  "start); off unless given");
@@ -104,6 +121,16 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "lockstep-master: --http must be HOST:PORT, got '%s'\n", http.c_str());
       return 2;
     }
+  }
+  options.coordinator.handshake_timeout_ms = handshake_timeout_ms;
+  options.coordinator.pending_handshakes_max = pending_handshakes_max;
+  if (!secret_file.empty()) {
+    auto key = lockstep::security::load_secret_file(secret_file);
+    if (!key.is_ok()) {
+      std::fprintf(stderr, "lockstep-master: %s\n", key.status().to_string().c_str());
+      return 2;
+    }
+    options.secret = key.value();
   }
   std::random_device random;
   options.coordinator.instance_nonce = (static_cast<std::uint64_t>(random()) << 32) | random();

@@ -157,6 +157,7 @@ int main(int argc, char** argv) {
   uint32_t connect_timeout_ms = 10000;
   std::string advertised_host;
   std::string bind_host;
+  std::string secret_file;
   bool loop = false;
   uint32_t loop_interval_ms = 100;
   app.add_option("--master", master, "HOST:PORT of the master");
@@ -167,6 +168,7 @@ int main(int argc, char** argv) {
   app.add_option("--connect-timeout-ms", connect_timeout_ms, "timeout to reach the master");
   app.add_option("--advertised-host", advertised_host, "address other peers use to reach this one");
   app.add_option("--bind-host", bind_host, "address to bind the p2p sockets to");
+  app.add_option("--secret-file", secret_file, "file holding the run secret");
   app.add_flag("--loop", loop, "run the membership loop instead of reading commands");
   app.add_option("--loop-interval-ms", loop_interval_ms, "pause between loop iterations");
   CLI11_PARSE(app, argc, argv);
@@ -187,6 +189,7 @@ int main(int argc, char** argv) {
   config.connect_timeout_ms = connect_timeout_ms;
   config.advertised_host = advertised_host.c_str();
   config.bind_host = bind_host.c_str();
+  if (!secret_file.empty()) config.secret_file = secret_file.c_str();
 
   Peer peer;
   peer.name = name;

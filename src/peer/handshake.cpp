@@ -1,0 +1,57 @@
+// The connector's side of the p2p handshake (handshake.h); the acceptor's side is in
+// Link::handshake (link.h).
+#include "peer/handshake.h"
+
+#include "transport/framed.h"
+
+namespace lockstep::peer {
+
+Status p2p_handshake(int fd, proto::P2PHello hello, bool secret, const std::vector<std::uint8_t>& pair_key,
+                     std::uint32_t timeout_ms, security::SessionKeys* keys, int cancel_fd) {
+  const std::string to = hello.to.to_string();
+  security::Key key{};
+  security::Nonce client{};
+  if (secret) {
+    if (!security::to_key(pair_key, &key)) {
+      return Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED, "the master gave no pair key for peer " + to);
+    }
+    client = security::random_nonce();
+    hello.auth = security::to_bytes(client);
+  } else {
+    hello.auth.clear();
+  }
+  const auto frame = proto::encode_frame(hello);
+  Status s = transport::send_all(fd, frame, timeout_ms, cancel_fd);
+  if (!s.is_ok()) return s;
+  auto reply = transport::recv_message(fd, timeout_ms, nullptr, cancel_fd);
+  if (!reply.is_ok()) return reply.status();
+  if (secret) {
+    const auto* challenge = std::get_if<proto::AuthChallenge>(&reply.value());
+    if (challenge == nullptr) {
+      if (const auto* a = std::get_if<proto::P2PHelloAck>(&reply.value()); a != nullptr && a->status != LOCKSTEP_OK) {
+        return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer " + to + " refused the p2p handshake");
+      }
+      return Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED, "peer " + to + " did not ask for a proof of the pair key");
+    }
+    security::Nonce server{};
+    const std::span<const std::uint8_t> transcript(frame.data() + proto::kFrameHeaderBytes,
+                                                   frame.size() - proto::kFrameHeaderBytes);
+    if (!security::to_nonce(challenge->nonce, &server) ||
+        !security::verify(key, security::kAcceptorRole, client, server, transcript, challenge->proof)) {
+      return Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED, "peer " + to + " could not prove the pair key");
+    }
+    const auto mine = security::proof(key, security::kConnectorRole, client, server, transcript);
+    s = transport::send_message(fd, proto::AuthProof{security::to_bytes(mine)}, timeout_ms, nullptr, cancel_fd);
+    if (!s.is_ok()) return s;
+    if (keys != nullptr) *keys = security::session_keys(key, client, server, transcript);
+    reply = transport::recv_message(fd, timeout_ms, nullptr, cancel_fd);
+    if (!reply.is_ok()) return reply.status();
+  }
+  const auto* ack = std::get_if<proto::P2PHelloAck>(&reply.value());
+  if (ack == nullptr || ack->status != LOCKSTEP_OK) {
+    return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer " + to + " refused the p2p handshake");
+  }
+  return Status::ok();
+}
+
+}  // namespace lockstep::peer

@@ -1,0 +1,26 @@
+// The connecting side of a p2p handshake (ring, shared-state and benchmark sockets) on
+// a connected blocking socket. Without a secret: P2PHello, then the acceptor's
+// P2PHelloAck. With one (docs/security.md): the P2PHello carries a fresh nonce, the
+// acceptor answers with its nonce and its proof of the pair key, this side checks it
+// and sends its own proof, and the acceptor's P2PHelloAck says it was accepted.
+// Internal to the peer layer.
+#pragma once
+
+#include "protocol/messages.h"
+#include "security/crypto.h"
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace lockstep::peer {
+
+// hello.auth is set here. pair_key: the key the master gave for this pair (needed when
+// secret is set). On success *keys (if given) holds the connection's session keys.
+// PEER_CONNECTION_FAILED when refused, AUTHENTICATION_FAILED when the other side could
+// not prove the pair key, the transport's status when the socket failed (or when
+// cancel_fd, if >= 0, became readable: see transport::connect_tcp).
+Status p2p_handshake(int fd, proto::P2PHello hello, bool secret, const std::vector<std::uint8_t>& pair_key,
+                     std::uint32_t timeout_ms, security::SessionKeys* keys = nullptr, int cancel_fd = -1);
+
+}  // namespace lockstep::peer
