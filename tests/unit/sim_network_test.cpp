@@ -33,7 +33,7 @@
 // one of which holds the state, must complete a sync within a bound once the faults
 // stopped), evicted peers learn it, and dead peers leave the coordinator.
 //
-// Environment: LOCKSTEP_NETSIM_SEEDS=N runs seeds 1..N (default 40),
+// Environment: LOCKSTEP_NETSIM_SEEDS=N runs seeds 1..N (default 200),
 // LOCKSTEP_NETSIM_FIRST_SEED=S starts there instead (to split millions of seeds over
 // processes), LOCKSTEP_NETSIM_SECONDS=N simulated seconds per seed (default 60),
 // LOCKSTEP_NETSIM_SEED=X runs only seed X, LOCKSTEP_NETSIM_VERBOSE=1 prints the whole
@@ -309,6 +309,7 @@ struct Proc {
   p::SyncVote vote;
   p::SyncPlan plan;
   bool done_sent = false;
+  bool done_ok = false;  // reported its transfers as verified
   // collectives of the current step
   std::map<std::uint64_t, TagState> tags;
   std::map<std::uint32_t, std::deque<std::uint64_t>> slots;  // attempts per pool slot, in Go order
@@ -672,7 +673,7 @@ class Sim {
   void spawn_tick() {
     std::size_t live = 0;
     for (const auto& pr : procs_) live += pr.stage != Stage::kDead ? 1u : 0u;
-    if (live < peers_max_ && (live < 2 || rng_.chance(60))) spawn();
+    if (live < peers_max_ && (live < 2 || (!spawns_paused_ && rng_.chance(60)))) spawn();
     // the run starts with a burst of peers; later ones join now and then
     const bool burst = now_ < 2 * kSec;
     schedule(now_ + (live < 2 || burst ? rng_.between(10, 300) * kMs : rng_.between(300, 3000) * kMs), SimEvent::kSpawn);
@@ -779,7 +780,10 @@ class Sim {
         if (arg != pr.flow_gen) return;
         if (pr.stage == Stage::kAlone) return pending_vote(pr);
         if (pr.stage == Stage::kCompute) return start_collectives(pr);
-        if (pr.stage == Stage::kSyncWait) return sync_vote(pr);
+        // after a pause, the membership check before the retry: update topology is
+        // run-wide, and a peer that only retried its sync would starve the newcomers
+        // of every group (the next step's sync is the retry)
+        if (pr.stage == Stage::kSyncWait) return pending_vote(pr);
         return;
       case TimerKind::kEstablishCheck: return establish_check(pr, arg);
       case TimerKind::kRingPoll: return ring_poll(pr, arg);
@@ -1036,6 +1040,7 @@ class Sim {
     for (std::size_t i = 0; i < shape.size(); ++i) vote.tensors[i].hash = digest_of(shape[i].key, pr.content[i]);
     pr.vote = vote;
     pr.done_sent = false;
+    pr.done_ok = false;
     pr.stage = Stage::kSyncVote;
     send(pr, vote);
   }
@@ -1067,7 +1072,7 @@ class Sim {
     pr.plan = plan;
     pr.stage = Stage::kSyncTransfer;
     if (plan.fetches.empty()) {
-      pr.done_sent = true;
+      pr.done_sent = pr.done_ok = true;
       return send(pr, p::SyncDone{plan.attempt, LOCKSTEP_OK, {}});
     }
     std::uint64_t total = 0;
@@ -1107,7 +1112,7 @@ class Sim {
               name(pr) + ": plan source " + name(*s) + " does not hold the elected content of '" + key + "'");
     }
     if (stalled) return timer(pr, 10 * kMs, TimerKind::kFetchPoll, attempt);
-    pr.done_sent = true;
+    pr.done_sent = pr.done_ok = true;
     send(pr, p::SyncDone{attempt, LOCKSTEP_OK, {}});
   }
 
@@ -1122,6 +1127,8 @@ class Sim {
     }
     if (r.status == LOCKSTEP_OK) {
       require(r.revision == pr.plan.revision, "sync result revision differs from the plan's");
+      require(pr.done_ok, name(pr) + ": sync attempt " + std::to_string(r.attempt) +
+                              " succeeded before its transfers were verified");
       const auto& shape = shapes_.at(pr.group);
       for (const auto& e : pr.plan.expect) pr.content[e.tensor] = e.hash.lo;
       // parity: every participant holds the elected content (tensors that allow
@@ -1349,6 +1356,9 @@ class Sim {
     if (now_ >= storm_until_us_) {
       if (in_storm_) {
         in_storm_ = false;
+        // some calm phases have no newcomers either: then only the departures of the
+        // storm make are-peers-pending say yes
+        spawns_paused_ = rng_.chance(50);
         // calm: long enough for the liveness bound to be enforced
         const TimeUs calm = live_bound_us_ + rng_.between(3, 15) * kSec;
         schedule(now_ + calm, SimEvent::kChaos);
@@ -1356,6 +1366,7 @@ class Sim {
         return;
       }
       in_storm_ = true;
+      spawns_paused_ = false;
       storm_until_us_ = now_ + rng_.between(2, 12) * kSec;
       note("chaos: storm until " + std::to_string(storm_until_us_ / kMs) + " ms");
     }
@@ -1502,6 +1513,15 @@ class Sim {
       const TimeUs since = std::max({live_since_us_[g], last_fault_us_, last_progress_us_[g]});
       const TimeUs quiet = std::max(live_since_us_[g], last_fault_us_);
       if (now_ - quiet > live_bound_us_) {
+        // long after the last fault the views name no departed peer: are-peers-pending
+        // said yes after the departure, and update topology refreshed them
+        for (const auto& pr : procs_) {
+          if (pr.group != g || pr.stage == Stage::kDead || !pr.accepted || c_.find_peer(pr.id) == nullptr) continue;
+          for (const auto& m : pr.view) {
+            require(c_.find_peer(m.id) != nullptr, name(pr) + "'s membership view still names " + m.id.to_string() +
+                                                       ", removed long ago");
+          }
+        }
         ++stats_.liveness_armed;
         stats_.longest_armed_stall_us = std::max(stats_.longest_armed_stall_us, now_ - std::max(quiet, last_progress_us_[g]));
       }
@@ -1534,6 +1554,7 @@ class Sim {
   std::map<PeerId, std::size_t> by_id_;
   std::vector<Partition> partitions_;
   bool in_storm_ = false;
+  bool spawns_paused_ = false;
   TimeUs storm_until_us_ = 0;
   TimeUs last_fault_us_ = 0;
 
@@ -1558,7 +1579,7 @@ TEST(SimNetwork, SeededRuns) {
     seeds.push_back(*one);
   } else {
     const std::uint64_t first = env_u64("LOCKSTEP_NETSIM_FIRST_SEED").value_or(1);
-    const std::uint64_t n = env_u64("LOCKSTEP_NETSIM_SEEDS").value_or(40);
+    const std::uint64_t n = env_u64("LOCKSTEP_NETSIM_SEEDS").value_or(200);
     for (std::uint64_t s = first; s < first + n; ++s) seeds.push_back(s);
   }
   Stats total;
