@@ -46,6 +46,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -326,24 +327,19 @@ struct Partition {
   bool active = true;
 };
 
+// Totals, to report what the runs exercised.
+enum Count : std::size_t {
+  kEvents, kDeliveries, kSimUs, kSyncsOk, kSyncsFailed, kNoState, kCollectivesOk, kCollectivesFailed,
+  kTopologyOk, kTopologyFailed, kOptimizeOk, kOptimizeFailed, kBandwidthTests, kAgreeOk, kAgreeLost,
+  kPendingYes, kPendingNo, kJoined, kKicked, kRejected, kMasterLost, kCrashes, kStops, kIsolations,
+  kP2PPartitions, kDrops, kSpawned, kLivenessArmed, kRevisions, kSplitFetches,
+  kCounts
+};
 struct Stats {
-  std::uint64_t events = 0, deliveries = 0, sim_us = 0, syncs_ok = 0, syncs_failed = 0, no_state = 0,
-                collectives_ok = 0, collectives_failed = 0, topology_ok = 0, topology_failed = 0, optimize_ok = 0,
-                optimize_failed = 0, bandwidth_tests = 0, agree_ok = 0, agree_lost = 0, pending_yes = 0,
-                pending_no = 0, joined = 0, kicked = 0, rejected = 0, master_lost = 0, crashes = 0, stops = 0,
-                isolations = 0, p2p_partitions = 0, drops = 0, spawned = 0, liveness_armed = 0, revisions = 0,
-                split_fetches = 0;
+  std::array<std::uint64_t, kCounts> n{};
   TimeUs longest_armed_stall_us = 0;
   void add(const Stats& o) {
-    events += o.events; deliveries += o.deliveries; sim_us += o.sim_us; syncs_ok += o.syncs_ok;
-    syncs_failed += o.syncs_failed; no_state += o.no_state; collectives_ok += o.collectives_ok;
-    collectives_failed += o.collectives_failed; topology_ok += o.topology_ok; topology_failed += o.topology_failed;
-    optimize_ok += o.optimize_ok; optimize_failed += o.optimize_failed; bandwidth_tests += o.bandwidth_tests;
-    agree_ok += o.agree_ok; agree_lost += o.agree_lost; pending_yes += o.pending_yes; pending_no += o.pending_no;
-    joined += o.joined; kicked += o.kicked; rejected += o.rejected; master_lost += o.master_lost;
-    crashes += o.crashes; stops += o.stops; isolations += o.isolations; p2p_partitions += o.p2p_partitions;
-    drops += o.drops; spawned += o.spawned; liveness_armed += o.liveness_armed; revisions += o.revisions;
-    split_fetches += o.split_fetches;
+    for (std::size_t i = 0; i < kCounts; ++i) n[i] += o.n[i];
     longest_armed_stall_us = std::max(longest_armed_stall_us, o.longest_armed_stall_us);
   }
 };
@@ -398,11 +394,11 @@ class Sim {
         queue_.pop();
         if (e.at > duration_us_) break;
         now_ = e.at;
-        ++stats_.events;
+        ++stats_.n[kEvents];
         dispatch(e);
       }
-      stats_.sim_us = static_cast<std::uint64_t>(std::min(now_, duration_us_));
-      for (const auto g : groups_) stats_.revisions += c_.revision(g).value_or(0);
+      stats_.n[kSimUs] = static_cast<std::uint64_t>(std::min(now_, duration_us_));
+      for (const auto g : groups_) stats_.n[kRevisions] += c_.revision(g).value_or(0);
     } catch (const Failure& f) {
       return report(f.what);
     } catch (const std::exception& e) {
@@ -554,7 +550,7 @@ class Sim {
     if (gen != d.gen || d.held || d.frames.empty()) return;
     Frame f = std::move(d.frames.front());
     d.frames.pop_front();
-    ++stats_.deliveries;
+    ++stats_.n[kDeliveries];
     if (up) return deliver_to_master(c, f);
     Proc& pr = procs_.at(c.proc);
     if (pr.stage == Stage::kDead || !c.peer_open) return;
@@ -723,7 +719,7 @@ class Sim {
     conns_.push_back(c);
     procs_.push_back(pr);
     Proc& ref = procs_.back();
-    ++stats_.spawned;
+    ++stats_.n[kSpawned];
     note("spawn " + name(ref) + " group " + std::to_string(ref.group) + (ref.bootstrap ? " (bootstrap)" : ""));
     push(conns_.back(), /*up=*/true, Frame{Frame::kOpen, {}, 0});
     p::Hello hello;
@@ -747,9 +743,9 @@ class Sim {
   // soak's worker does; its side of the connection closes after what it sent.
   void finish(Proc& pr, StatusCode status, const std::string& why) {
     note(name(pr) + " ends: " + status_name(status) + " (" + why + ")");
-    if (status == LOCKSTEP_STATUS_KICKED) ++stats_.kicked;
-    if (status == LOCKSTEP_STATUS_REJECTED) ++stats_.rejected;
-    if (status == LOCKSTEP_STATUS_MASTER_CONNECTION_LOST) ++stats_.master_lost;
+    if (status == LOCKSTEP_STATUS_KICKED) ++stats_.n[kKicked];
+    if (status == LOCKSTEP_STATUS_REJECTED) ++stats_.n[kRejected];
+    if (status == LOCKSTEP_STATUS_MASTER_CONNECTION_LOST) ++stats_.n[kMasterLost];
     Conn& c = conns_.at(pr.conn - 1);
     if (c.peer_open) {
       c.peer_open = false;
@@ -856,7 +852,7 @@ class Sim {
     if (const auto* r = std::get_if<p::TopologyResult>(&m)) {
       if (pr.stage == Stage::kReported && r->epoch == pr.est_epoch) return on_topology_result(pr, *r);
       if (pr.stage == Stage::kOptimizeVote && r->status == LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED) {
-        ++stats_.optimize_failed;
+        ++stats_.n[kOptimizeFailed];
         return optimize_vote(pr);  // the only legal answer: optimize again
       }
       unexpected(pr, m);
@@ -865,7 +861,7 @@ class Sim {
       if (pr.stage != Stage::kOptimizeVote) unexpected(pr, m);
       Proc* partner = proc_of(test->partner.id);
       require(partner != nullptr && partner != &pr, "bandwidth test with an unknown partner");
-      ++stats_.bandwidth_tests;
+      ++stats_.n[kBandwidthTests];
       timer(pr, static_cast<TimeUs>(test->duration_ms) * kMs + rng_.between(0, 5 * kMs), TimerKind::kBandwidthDone,
             test->test, partner->index);
       return;
@@ -873,7 +869,7 @@ class Sim {
     if (const auto* r = std::get_if<p::PeersPendingResult>(&m)) {
       if (pr.stage != Stage::kPending || r->status != LOCKSTEP_OK) unexpected(pr, m);
       ++pr.pending_rounds;
-      ++(r->pending ? stats_.pending_yes : stats_.pending_no);
+      ++(r->pending ? stats_.n[kPendingYes] : stats_.n[kPendingNo]);
       if (r->pending) return update_vote(pr);
       if (optimize_every_ != 0 && pr.pending_rounds % optimize_every_ == 0) return optimize_vote(pr);
       return begin_step(pr);
@@ -882,9 +878,9 @@ class Sim {
       if (pr.stage != Stage::kAgree) unexpected(pr, m);
       if (r->status == LOCKSTEP_OK) {
         require(r->value == pr.agree_flag, name(pr) + ": agree of identical flags gave " + describe(m));
-        ++stats_.agree_ok;
+        ++stats_.n[kAgreeOk];
       } else if (r->status == LOCKSTEP_STATUS_PEER_CONNECTION_LOST) {
-        ++stats_.agree_lost;
+        ++stats_.n[kAgreeLost];
       } else {
         unexpected(pr, m);
       }
@@ -972,8 +968,8 @@ class Sim {
       require(fresh || (it->second.ring == r.ring && it->second.attributes == r.attributes),
               "epoch " + std::to_string(r.epoch) + " group " + std::to_string(pr.group) + ": views differ: [" +
                   ids(it->second.ring) + "] and [" + ids(r.ring) + "] (" + name(pr) + ")");
-      if (!pr.accepted) ++stats_.joined;
-      ++(pr.optimizing ? stats_.optimize_ok : stats_.topology_ok);
+      if (!pr.accepted) ++stats_.n[kJoined];
+      ++(pr.optimizing ? stats_.n[kOptimizeOk] : stats_.n[kTopologyOk]);
       pr.accepted = true;
       pr.view = r.ring;
       pr.world = r.attributes.group_world_size;
@@ -989,7 +985,7 @@ class Sim {
       pr.stage = Stage::kJoining;  // the master retries the admission with the next vote
       return;
     }
-    ++(pr.optimizing ? stats_.optimize_failed : stats_.topology_failed);
+    ++(pr.optimizing ? stats_.n[kOptimizeFailed] : stats_.n[kTopologyFailed]);
     if (pr.optimizing) return optimize_vote(pr);
     return update_vote(pr);
   }
@@ -1067,7 +1063,7 @@ class Sim {
       require(bytes[e.tensor] == size, name(pr) + ": the plan's pieces of tensor " + std::to_string(e.tensor) +
                                            " cover " + std::to_string(bytes[e.tensor]) + " of " +
                                            std::to_string(size) + " bytes");
-      if (sources[e.tensor].size() > 1) ++stats_.split_fetches;
+      if (sources[e.tensor].size() > 1) ++stats_.n[kSplitFetches];
     }
     pr.plan = plan;
     pr.stage = Stage::kSyncTransfer;
@@ -1143,13 +1139,13 @@ class Sim {
                   std::to_string(r.attempt) + " after it succeeded");
       pr.revision = r.revision;
       pr.synced = true;
-      ++stats_.syncs_ok;
+      ++stats_.n[kSyncsOk];
       return flow_pause(pr, Stage::kCompute, rng_.between(0, 30 * kMs));
     }
-    ++stats_.syncs_failed;
+    ++stats_.n[kSyncsFailed];
     if (r.status == LOCKSTEP_STATUS_PEER_CONNECTION_LOST) return sync_vote(pr);
     if (r.status == LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE && voting) {
-      ++stats_.no_state;
+      ++stats_.n[kNoState];
       return flow_pause(pr, Stage::kSyncWait, 200 * kMs);
     }
     unexpected(pr, m);
@@ -1284,7 +1280,7 @@ class Sim {
     if (ra.state[pr.id] < 2) ra.state[pr.id] = 3;  // an abort: its connections close
     t.st = TagState::St::kEnded;
     t.outcome = r.status;
-    ++(r.status == LOCKSTEP_OK ? stats_.collectives_ok : stats_.collectives_failed);
+    ++(r.status == LOCKSTEP_OK ? stats_.n[kCollectivesOk] : stats_.n[kCollectivesFailed]);
     auto& queue = pr.slots[t.slot];
     const bool front = !queue.empty() && queue.front() == r.attempt;
     queue.erase(std::remove(queue.begin(), queue.end(), r.attempt), queue.end());
@@ -1378,11 +1374,11 @@ class Sim {
     last_fault_us_ = now_;
     const auto r = rng_.below(100);
     if (r < 25) {
-      ++stats_.crashes;
+      ++stats_.n[kCrashes];
       note("fault: crash " + name(v));
       crash(v);
     } else if (r < 45) {
-      ++stats_.stops;
+      ++stats_.n[kStops];
       const TimeUs d = rng_.chance(40) ? rng_.between(10 * kMs, hb / 2) : rng_.between(hb, 3 * hb);
       note("fault: stop " + name(v) + " for " + std::to_string(d / kMs) + " ms");
       v.stopped = true;
@@ -1393,7 +1389,7 @@ class Sim {
       part.procs.insert(v.index);
       if (victims.size() > 2 && rng_.chance(30)) part.procs.insert(victims[rng_.below(victims.size())]);
       const TimeUs d = rng_.chance(50) ? rng_.between(10 * kMs, hb / 2) : rng_.between(hb / 2, 3 * hb);
-      ++(part.isolate ? stats_.isolations : stats_.p2p_partitions);
+      ++(part.isolate ? stats_.n[kIsolations] : stats_.n[kP2PPartitions]);
       std::string who;
       for (const auto i : part.procs) who += " " + name(procs_.at(i));
       note(std::string("fault: ") + (part.isolate ? "isolate" : "cut p2p of") + who + " for " +
@@ -1409,7 +1405,7 @@ class Sim {
       }
       schedule(now_ + d, SimEvent::kHeal, partitions_.size() - 1);
     } else {
-      ++stats_.drops;
+      ++stats_.n[kDrops];
       note("fault: connection of " + name(v) + " dropped");
       Conn& c = conns_.at(v.conn - 1);
       for (Direction* d : {&c.up, &c.down}) {
@@ -1522,7 +1518,7 @@ class Sim {
                                                        ", removed long ago");
           }
         }
-        ++stats_.liveness_armed;
+        ++stats_.n[kLivenessArmed];
         stats_.longest_armed_stall_us = std::max(stats_.longest_armed_stall_us, now_ - std::max(quiet, last_progress_us_[g]));
       }
       require(now_ - since <= live_bound_us_,
@@ -1601,36 +1597,36 @@ TEST(SimNetwork, SeededRuns) {
     }
   }
   const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::cout << ran << " seed(s), " << total.sim_us / kSec << " simulated s, " << total.events << " events ("
-            << static_cast<std::uint64_t>(static_cast<double>(total.events) / std::max(wall_s, 1e-9))
-            << "/s), " << total.deliveries << " messages in " << wall_s << " s\n"
-            << "  revisions " << total.revisions << "; syncs ok " << total.syncs_ok << " / failed " << total.syncs_failed
-            << " (no shared state " << total.no_state << "), split fetches " << total.split_fetches
-            << "; collectives ok " << total.collectives_ok << " / failed " << total.collectives_failed
-            << "; agree ok " << total.agree_ok << " / lost " << total.agree_lost << "; pending yes "
-            << total.pending_yes << " / no " << total.pending_no << "; topology ok " << total.topology_ok
-            << " / failed " << total.topology_failed << "; optimize ok " << total.optimize_ok << " / failed "
-            << total.optimize_failed << " (" << total.bandwidth_tests << " bandwidth tests)\n"
-            << "  peers " << total.spawned << " (joined " << total.joined << "), kicked " << total.kicked
-            << ", rejected " << total.rejected << ", master lost " << total.master_lost << "; faults: crashes "
-            << total.crashes << ", stops " << total.stops << ", isolations " << total.isolations
-            << ", p2p partitions " << total.p2p_partitions << ", connection drops " << total.drops << "\n"
-            << "  liveness enforced at " << total.liveness_armed << " checks; longest wait for a sync then "
+  std::cout << ran << " seed(s), " << total.n[kSimUs] / kSec << " simulated s, " << total.n[kEvents] << " events ("
+            << static_cast<std::uint64_t>(static_cast<double>(total.n[kEvents]) / std::max(wall_s, 1e-9))
+            << "/s), " << total.n[kDeliveries] << " messages in " << wall_s << " s\n"
+            << "  revisions " << total.n[kRevisions] << "; syncs ok " << total.n[kSyncsOk] << " / failed " << total.n[kSyncsFailed]
+            << " (no shared state " << total.n[kNoState] << "), split fetches " << total.n[kSplitFetches]
+            << "; collectives ok " << total.n[kCollectivesOk] << " / failed " << total.n[kCollectivesFailed]
+            << "; agree ok " << total.n[kAgreeOk] << " / lost " << total.n[kAgreeLost] << "; pending yes "
+            << total.n[kPendingYes] << " / no " << total.n[kPendingNo] << "; topology ok " << total.n[kTopologyOk]
+            << " / failed " << total.n[kTopologyFailed] << "; optimize ok " << total.n[kOptimizeOk] << " / failed "
+            << total.n[kOptimizeFailed] << " (" << total.n[kBandwidthTests] << " bandwidth tests)\n"
+            << "  peers " << total.n[kSpawned] << " (joined " << total.n[kJoined] << "), kicked " << total.n[kKicked]
+            << ", rejected " << total.n[kRejected] << ", master lost " << total.n[kMasterLost] << "; faults: crashes "
+            << total.n[kCrashes] << ", stops " << total.n[kStops] << ", isolations " << total.n[kIsolations]
+            << ", p2p partitions " << total.n[kP2PPartitions] << ", connection drops " << total.n[kDrops] << "\n"
+            << "  liveness enforced at " << total.n[kLivenessArmed] << " checks; longest wait for a sync then "
             << total.longest_armed_stall_us / kMs << " ms\n";
   // the runs must exercise what they claim to, or they prove little
   if (seeds.size() >= 20 && !HasFailure()) {
-    EXPECT_GT(total.syncs_ok, 0u);
-    EXPECT_GT(total.syncs_failed, 0u);
-    EXPECT_GT(total.collectives_ok, 0u);
-    EXPECT_GT(total.collectives_failed, 0u);
-    EXPECT_GT(total.topology_ok, 0u);
-    EXPECT_GT(total.topology_failed, 0u);
-    EXPECT_GT(total.optimize_ok, 0u);
-    EXPECT_GT(total.bandwidth_tests, 0u);
-    EXPECT_GT(total.agree_ok, 0u);
-    EXPECT_GT(total.kicked, 0u);
-    EXPECT_GT(total.liveness_armed, 0u);
-    EXPECT_GT(total.split_fetches, 0u);
+    EXPECT_GT(total.n[kSyncsOk], 0u);
+    EXPECT_GT(total.n[kSyncsFailed], 0u);
+    EXPECT_GT(total.n[kCollectivesOk], 0u);
+    EXPECT_GT(total.n[kCollectivesFailed], 0u);
+    EXPECT_GT(total.n[kTopologyOk], 0u);
+    EXPECT_GT(total.n[kTopologyFailed], 0u);
+    EXPECT_GT(total.n[kOptimizeOk], 0u);
+    EXPECT_GT(total.n[kBandwidthTests], 0u);
+    EXPECT_GT(total.n[kAgreeOk], 0u);
+    EXPECT_GT(total.n[kKicked], 0u);
+    EXPECT_GT(total.n[kLivenessArmed], 0u);
+    EXPECT_GT(total.n[kSplitFetches], 0u);
   }
 }
 
