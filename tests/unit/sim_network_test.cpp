@@ -463,6 +463,7 @@ class Sim {
       << " bandwidth_test_ms=" << c_.config().bandwidth_test_ms << " p2p_connect_timeout_ms="
       << p2p_connect_timeout_us_ / kMs << "\n";
     s << "coordinator: " << c_.digest() << "\n";
+    s << "the coordinator waits for:" << waiting_for() << "\n";
     s << "peers:\n";
     for (const auto& pr : procs_) {
       if (pr.stage == Stage::kDead) continue;
@@ -479,6 +480,64 @@ class Sim {
     s << "replay with: LOCKSTEP_NETSIM_SEED=" << seed_ << " LOCKSTEP_NETSIM_SECONDS=" << duration_us_ / kSec
       << " [LOCKSTEP_NETSIM_VERBOSE=1] ./sim_network_test\n";
     return s.str();
+  }
+
+  // Who holds up each open vote or phase of the coordinator, from its public state.
+  std::string waiting_for() const {
+    std::string s;
+    const auto missing = [&](const std::string& what, const std::vector<PeerId>& who) {
+      if (!who.empty()) s += "\n  " + what + ": " + ids(who);
+    };
+    std::vector<PeerId> topology, establish, measure, pending;
+    bool pending_open = false;
+    for (const auto& [id, peer] : c_.peers()) pending_open = pending_open || peer.voted_pending;
+    for (const auto& [id, peer] : c_.peers()) {
+      if (peer.phase != Phase::kAccepted) continue;
+      const bool voted = peer.state == PeerState::kVoteAcceptNewPeers || peer.state == PeerState::kVoteOptimizeTopology;
+      if (c_.topology_phase() == TopologyPhase::kVoting && !voted) topology.push_back(id);
+      if (c_.topology_phase() == TopologyPhase::kMeasuring && !peer.measured) measure.push_back(id);
+      if (pending_open && !peer.voted_pending) pending.push_back(id);
+    }
+    for (const auto& [id, peer] : c_.peers()) {
+      if (peer.state == PeerState::kEstablishingP2P && !peer.p2p_reported) establish.push_back(id);
+    }
+    missing("topology vote", topology);
+    missing("p2p reports", establish);
+    missing("bandwidth reports (this round, or later rounds)", measure);
+    missing("are-peers-pending vote", pending);
+    for (const auto& [group, tags] : c_.collectives()) {
+      for (const auto& [tag, c] : tags) {
+        std::vector<PeerId> who;
+        if (c.phase == Collective::Phase::kVoting) {
+          for (const auto& id : c_.ring(group)) {
+            if (c.votes.count(id) == 0) who.push_back(id);
+          }
+        } else {
+          for (const auto& id : c.participants) {
+            if (c.done.count(id) == 0) who.push_back(id);
+          }
+        }
+        missing("group " + std::to_string(group) + " tag " + std::to_string(tag) +
+                    (c.phase == Collective::Phase::kVoting ? " vote" : " attempt " + std::to_string(c.attempt)),
+                who);
+      }
+    }
+    for (const auto& [group, sync] : c_.syncs()) {
+      std::vector<PeerId> who;
+      if (sync.phase == SharedStateSync::Phase::kVoting) {
+        for (const auto& id : c_.ring(group)) {
+          if (sync.votes.count(id) == 0) who.push_back(id);
+        }
+      } else {
+        for (const auto& id : sync.participants) {
+          if (sync.done.count(id) == 0) who.push_back(id);
+        }
+      }
+      missing("group " + std::to_string(group) + " sync " +
+                  (sync.phase == SharedStateSync::Phase::kVoting ? "vote" : "attempt " + std::to_string(sync.attempt)),
+              who);
+    }
+    return s.empty() ? " nothing (no vote or phase is open)" : s;
   }
 
   // ------------------------------------------------------------ events
