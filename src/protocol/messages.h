@@ -17,7 +17,7 @@
 namespace lockstep::proto {
 
 inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
-inline constexpr std::uint16_t kProtocolVersion = 1;
+inline constexpr std::uint16_t kProtocolVersion = 2;  // 2: pair keys in MemberInfo, bytes in CollectiveDone/SyncDone, sealed frames
 
 enum class MsgType : std::uint16_t {
   // peer -> master

@@ -43,7 +43,7 @@ TEST(Transport, ReceiveEndsWhenCancelled) {
   ASSERT_TRUE(cancel.valid());
   std::thread signaller(signal_after, cancel.get(), std::chrono::milliseconds(50));
   const auto start = Clock::now();
-  auto got = lockstep::transport::recv_message(pair.a.get(), 60'000, cancel.get());
+  auto got = lockstep::transport::recv_message(pair.a.get(), 60'000, nullptr, cancel.get());
   const auto waited = Clock::now() - start;
   signaller.join();
   ASSERT_FALSE(got.is_ok());
