@@ -585,13 +585,16 @@ class Communicator:
             its handshake after this long is closed; 0 means 5000.
         inbound_handshakes_max: incoming p2p connections that may be in their handshake
             at once (more are closed); 0 means 256.
+        p2p_stall_timeout_ms: an all-reduce attempt fails (PeerConnectionLostError)
+            when no byte moves to or from its ring neighbours for this long, e.g. a
+            link cut between two peers that both still reach the master; 0 means 30000.
     """
 
     def __init__(self, master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}", group: int = 0, pool_size: int = 1,
                  base_port: int = -1, connect_timeout_ms: int = 0, advertised_host: Optional[str] = None,
                  bind_host: Optional[str] = None, secret_file: Optional[str] = None,
                  secret: Optional[Union[bytes, str]] = None, inbound_handshake_timeout_ms: int = 0,
-                 inbound_handshakes_max: int = 0) -> None:
+                 inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0) -> None:
         host, port = _split_address(master, DEFAULT_MASTER_PORT, "master")
         if not host:
             raise InvalidArgumentError(f"master {master!r}: the host is empty")
@@ -610,7 +613,8 @@ class Communicator:
             _check_uint("connect_timeout_ms", connect_timeout_ms, 32), advertised_host or "", bind_host or "",
             secret_file or "", None if secret is None else bytes(secret),
             _check_uint("inbound_handshake_timeout_ms", inbound_handshake_timeout_ms, 32),
-            _check_uint("inbound_handshakes_max", inbound_handshakes_max, 32))
+            _check_uint("inbound_handshakes_max", inbound_handshakes_max, 32),
+            _check_uint("p2p_stall_timeout_ms", p2p_stall_timeout_ms, 32))
         self.master = f"{host}:{port}"
 
     # -- membership ---------------------------------------------------------

@@ -289,7 +289,8 @@ class PyComm {
   PyComm(const std::string& master_host, std::uint16_t master_port, std::uint32_t group, std::uint32_t pool_size,
          std::int32_t base_port, std::uint32_t connect_timeout_ms, const std::string& advertised_host,
          const std::string& bind_host, const std::string& secret_file, const py::object& secret,
-         std::uint32_t inbound_handshake_timeout_ms, std::uint32_t inbound_handshakes_max)
+         std::uint32_t inbound_handshake_timeout_ms, std::uint32_t inbound_handshakes_max,
+         std::uint32_t p2p_stall_timeout_ms)
       : state_(std::make_shared<CommState>()) {
     lockstep_comm_config_t config;
     check(lockstep_comm_config_init(&config), nullptr);
@@ -310,6 +311,7 @@ class PyComm {
     }
     config.inbound_handshake_timeout_ms = inbound_handshake_timeout_ms;
     config.inbound_handshakes_max = inbound_handshakes_max;
+    config.p2p_stall_timeout_ms = p2p_stall_timeout_ms;
     lockstep_comm_t* comm = nullptr;
     int s = LOCKSTEP_OK;
     {
@@ -644,11 +646,11 @@ PYBIND11_MODULE(_lockstep, m) {
   py::class_<PyComm>(m, "Comm")
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::int32_t, std::uint32_t,
                     const std::string&, const std::string&, const std::string&, const py::object&, std::uint32_t,
-                    std::uint32_t>(),
+                    std::uint32_t, std::uint32_t>(),
            py::arg("master_host"), py::arg("master_port"), py::arg("group"), py::arg("pool_size"), py::arg("base_port"),
            py::arg("connect_timeout_ms"), py::arg("advertised_host"), py::arg("bind_host"), py::arg("secret_file") = "",
            py::arg("secret") = py::none(), py::arg("inbound_handshake_timeout_ms") = 0,
-           py::arg("inbound_handshakes_max") = 0)
+           py::arg("inbound_handshakes_max") = 0, py::arg("p2p_stall_timeout_ms") = 0)
       .def("connect", &PyComm::connect)
       .def("update_topology", &PyComm::update_topology)
       .def("optimize_topology", &PyComm::optimize_topology)

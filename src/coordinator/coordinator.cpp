@@ -1122,7 +1122,7 @@ std::vector<OpenRound> Coordinator::open_rounds() const {
       if (c.phase == Collective::Phase::kVoting) {
         r.phase = "voting";
         split(r, [&, g = group](const Peer& p) { return p.phase == Phase::kAccepted && p.group == g; },
-              [&](const Peer& p) { return c.votes.count(p.id) != 0; });
+              [&votes = c.votes](const Peer& p) { return votes.count(p.id) != 0; });
       } else {
         r.phase = "performing";
         for (const auto& id : c.participants) (c.done.count(id) != 0 ? r.done : r.waiting).push_back(id);
@@ -1135,7 +1135,7 @@ std::vector<OpenRound> Coordinator::open_rounds() const {
     if (sy.phase == SharedStateSync::Phase::kVoting) {
       r.phase = "voting";
       split(r, [&, g = group](const Peer& p) { return p.phase == Phase::kAccepted && p.group == g; },
-            [&](const Peer& p) { return sy.votes.count(p.id) != 0; });
+            [&votes = sy.votes](const Peer& p) { return votes.count(p.id) != 0; });
     } else {
       r.phase = "transferring";
       for (const auto& id : sy.participants) (sy.done.count(id) != 0 ? r.done : r.waiting).push_back(id);

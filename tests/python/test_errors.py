@@ -200,7 +200,8 @@ def test_master_close_while_another_thread_waits():
 
 def test_communicator_argument_checks():
     for kwargs in ({"base_port": 70000}, {"base_port": -2}, {"group": -1}, {"pool_size": 1 << 40},
-                   {"master": "127.0.0.1:notaport"}, {"master": ":48148"}, {"advertised_host": 5}):
+                   {"master": "127.0.0.1:notaport"}, {"master": ":48148"}, {"advertised_host": 5},
+                   {"p2p_stall_timeout_ms": -1}, {"p2p_stall_timeout_ms": 1 << 32}):
         with pytest.raises(lockstep.InvalidArgumentError):
             lockstep.Communicator(**kwargs)
     with pytest.raises(lockstep.InvalidArgumentError):
