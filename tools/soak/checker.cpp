@@ -157,6 +157,7 @@ void Checker::exited(const std::string& name, int exit_code, std::int64_t now_ms
   if (was == Life::kResumed) {
     longest_resume_exit_ms_ = std::max(longest_resume_exit_ms_, now_ms - w.resumed_ms);
   }
+  if (was == Life::kPartitioned && !shutting_down) ++partitioned_evicted_;  // it learned during the cut
   if (was == Life::kHealed && !shutting_down) {
     // Evicted during the cut: like a resumed worker, it must fail fast once healed.
     ++partitioned_evicted_;

@@ -117,8 +117,8 @@ class Checker {
   // When the longest stall began, in ms after the start.
   std::int64_t longest_stall_from_ms() const { return longest_stall_from_ms_ - start_ms_; }
   std::int64_t longest_resume_exit_ms() const { return longest_resume_exit_ms_; }
-  // Workers cut off by a partition: how many came back, how many ended (evicted), and
-  // the longest time from a heal to either.
+  // Workers cut off by a partition: how many came back, how many ended (evicted; during
+  // the cut or after the heal), and the longest time from a heal to either.
   std::uint64_t partitioned_returned() const { return partitioned_returned_; }
   std::uint64_t partitioned_evicted() const { return partitioned_evicted_; }
   std::int64_t longest_heal_settle_ms() const { return longest_heal_settle_ms_; }
