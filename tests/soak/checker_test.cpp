@@ -265,6 +265,9 @@ TEST(SoakChecker, WorkersCutOffByAPartitionReturnOrFailFastWhenHealed) {
   EXPECT_EQ(c.outcome_skews(), 0u);
   c.partition_healed(kStart + 3000);
   EXPECT_EQ(c.active(), (std::set<std::string>{"c", "d"}));  // not before they show it
+  // An all-reduce that ended before the cut, read after the heal, says nothing yet.
+  c.line("a", reduce_line("a", 0, 0, LOCKSTEP_OK, "w", 4, kStart + 50), kStart + 3500);
+  EXPECT_EQ(c.active(), (std::set<std::string>{"c", "d"}));
   // a was not evicted: it progresses and is active again.
   c.line("a", sync_line("a", 5, "h5"), kStart + 4000);
   EXPECT_EQ(c.active(), (std::set<std::string>{"a", "c", "d"}));

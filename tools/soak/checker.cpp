@@ -129,10 +129,12 @@ bool Checker::partition_overlaps(std::int64_t from_ms, std::int64_t to_ms) const
   return false;
 }
 
-// A successful sync or all-reduce; a healed worker that progresses is active again.
-void Checker::progressed(Worker& w, std::int64_t now_ms) {
+// A successful sync or all-reduce that ended at done_ms (the worker's clock); a healed
+// worker whose operation ended after the heal is active again (one that ended before
+// the cut and was read late says nothing about the eviction).
+void Checker::progressed(Worker& w, std::int64_t now_ms, std::int64_t done_ms) {
   w.last_progress_ms = now_ms;
-  if (w.life != Life::kHealed) return;
+  if (w.life != Life::kHealed || done_ms < w.resumed_ms) return;
   w.life = Life::kActive;
   ++partitioned_returned_;
   longest_heal_settle_ms_ = std::max(longest_heal_settle_ms_, now_ms - w.resumed_ms);
@@ -226,7 +228,7 @@ void Checker::on_sync(Worker& w, const std::string& name, const json& j, std::in
         now_ms);
   }
   w.revision = revision;
-  progressed(w, now_ms);
+  progressed(w, now_ms, j.value("t_ms", now_ms));
   auto [rec, fresh] = revisions_.emplace(revision, SyncRecord{hash, name});
   if (!fresh && rec->second.hash != hash) {
     add("parity", "revision " + std::to_string(revision) + ": " + name + " holds state " + hash + " but " +
@@ -306,7 +308,7 @@ void Checker::on_allreduce(Worker& w, const std::string& name, const json& j, st
     }
   }
   while (!attempts_.empty() && attempts_.begin()->first.first + config_.history < tag) attempts_.erase(attempts_.begin());
-  if (code == LOCKSTEP_OK) progressed(w, now_ms);
+  if (code == LOCKSTEP_OK) progressed(w, now_ms, end_ms > 0 ? end_ms : now_ms);
 }
 
 void Checker::on_exit_line(Worker& w, const std::string& name, const json& j, std::int64_t now_ms) {

@@ -172,7 +172,7 @@ class Checker {
   void on_exit_line(Worker& w, const std::string& name, const nlohmann::json& j, std::int64_t now_ms);
   void add(const std::string& kind, const std::string& text, std::int64_t now_ms);
   void update_condition(std::int64_t now_ms);
-  void progressed(Worker& w, std::int64_t now_ms);
+  void progressed(Worker& w, std::int64_t now_ms, std::int64_t done_ms);
   // Whether a partition overlapped [from_ms, to_ms].
   bool partition_overlaps(std::int64_t from_ms, std::int64_t to_ms) const;
   std::size_t active_count() const;
