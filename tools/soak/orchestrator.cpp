@@ -62,7 +62,7 @@ class Bed {
     return run({"up", std::to_string(hosts), "--owner", std::to_string(::getpid())});
   }
 
-  // Runs `lockstep-testbed --prefix P ARGS...`; its stdout (trimmed) goes to *out.
+  // Runs `lockstep-testbed --prefix P ARGS...`; its stdout (lines joined) goes to *out.
   bool run(const std::vector<std::string>& args, std::string* out = nullptr) {
     std::vector<std::string> argv = {command_, "--prefix", prefix_};
     argv.insert(argv.end(), args.begin(), args.end());
