@@ -252,5 +252,90 @@ TEST(SoakChecker, HoldersAreTheActiveWorkersThatSynced) {
   EXPECT_FALSE(c.has_synced("c"));
 }
 
+TEST(SoakChecker, WorkersCutOffByAPartitionReturnOrFailFastWhenHealed) {
+  CheckerConfig cc = config();
+  cc.partition_allowance_ms = 10'000;
+  Checker c(cc, kStart);
+  for (const char* n : {"a", "b", "c", "d"}) c.spawned(n, kStart);
+  c.partition_started({"a", "b"}, kStart + 100);  // their host is cut off
+  EXPECT_EQ(c.active(), (std::set<std::string>{"c", "d"}));
+  // A late report of a cut-off worker counts for one outcome but not for the skew.
+  c.line("c", reduce_line("c", 1, 0, LOCKSTEP_OK, "x", 4, kStart + 200), kStart + 200);
+  c.line("a", reduce_line("a", 1, 0, LOCKSTEP_OK, "x", 4, kStart + 2500), kStart + 2500);
+  EXPECT_EQ(c.outcome_skews(), 0u);
+  c.partition_healed(kStart + 3000);
+  EXPECT_EQ(c.active(), (std::set<std::string>{"c", "d"}));  // not before they show it
+  // An all-reduce that ended before the cut, read after the heal, says nothing yet.
+  c.line("a", reduce_line("a", 0, 0, LOCKSTEP_OK, "w", 4, kStart + 50), kStart + 3500);
+  EXPECT_EQ(c.active(), (std::set<std::string>{"c", "d"}));
+  // a was not evicted: it progresses and is active again.
+  c.line("a", sync_line("a", 5, "h5"), kStart + 4000);
+  EXPECT_EQ(c.active(), (std::set<std::string>{"a", "c", "d"}));
+  // b was evicted: it ends with an eviction status, fast.
+  c.line("b", exit_line("b", LOCKSTEP_STATUS_MASTER_CONNECTION_LOST), kStart + 4500);
+  c.exited("b", 3, kStart + 4501);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  EXPECT_EQ(c.partitioned_returned(), 1u);
+  EXPECT_EQ(c.partitioned_evicted(), 1u);
+  EXPECT_EQ(c.longest_heal_settle_ms(), 1501);
+  EXPECT_TRUE(c.unexpected_exits().empty());
+  // The one outcome still holds for a cut-off worker's report.
+  c.line("a", reduce_line("a", 2, 0, LOCKSTEP_OK, "y", 4, kStart + 5000), kStart + 5000);
+  c.line("c", reduce_line("c", 2, 0, LOCKSTEP_OK, "z", 4, kStart + 5000), kStart + 5000);
+  ASSERT_EQ(c.violations().size(), 1u);
+  EXPECT_EQ(c.violations()[0].kind, "allreduce");
+}
+
+TEST(SoakChecker, AHealedWorkerThatNeitherReturnsNorFailsFastIsReported) {
+  CheckerConfig cc = config();
+  cc.partition_allowance_ms = 10'000;
+  cc.progress_window_ms = 100'000;
+  Checker c(cc, kStart);
+  c.spawned("a", kStart);
+  c.spawned("b", kStart);
+  c.partition_started({"a"}, kStart);
+  c.partition_healed(kStart + 1000);
+  // Silent for heartbeat + stall margin + allowance (21 s) after the heal.
+  c.tick(kStart + 22'000);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  c.tick(kStart + 22'001);
+  ASSERT_EQ(c.violations().size(), 1u);
+  EXPECT_EQ(c.violations()[0].kind, "heal");
+  // Evicted but slow to exit (more than heartbeat + exit margin after the heal).
+  c.partition_started({"b"}, kStart + 30'000);
+  c.partition_healed(kStart + 31'000);
+  c.line("b", exit_line("b", LOCKSTEP_STATUS_KICKED), kStart + 37'001);
+  c.exited("b", 3, kStart + 37'001);
+  ASSERT_EQ(c.violations().size(), 2u);
+  EXPECT_EQ(c.violations()[1].kind, "heal");
+  // Ends with a status an evicted peer never gets.
+  c.spawned("c", kStart + 39'000);
+  c.partition_started({"c"}, kStart + 40'000);
+  c.line("c", exit_line("c", LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED), kStart + 40'500);
+  ASSERT_EQ(c.violations().size(), 3u);
+  EXPECT_EQ(c.violations()[2].kind, "heal");
+}
+
+TEST(SoakChecker, AStallOverlappingAPartitionGetsTheAllowanceOthersDoNot) {
+  CheckerConfig cc = config();
+  cc.partition_allowance_ms = 10'000;
+  cc.progress_window_ms = 100'000;
+  Checker c(cc, kStart);
+  c.spawned("a", kStart);
+  c.spawned("b", kStart);
+  c.partition_started({}, kStart + 1000);  // a link between two worker hosts
+  c.partition_healed(kStart + 3000);
+  c.tick(kStart + 21'000);  // 21 s: within 1 + 10 + 10 s
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  c.line("a", sync_line("a", 1, "h"), kStart + 21'000);
+  c.line("b", sync_line("b", 1, "h"), kStart + 21'000);
+  // No partition since: the plain bound (11 s) applies.
+  c.tick(kStart + 32'000);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  c.tick(kStart + 32'001);
+  ASSERT_EQ(c.violations().size(), 1u);
+  EXPECT_EQ(c.violations()[0].kind, "stall");
+}
+
 }  // namespace
 }  // namespace lockstep::soak

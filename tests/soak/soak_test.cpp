@@ -2,6 +2,8 @@
 // timeout and smaller buffers under the sanitizers, whose builds set
 // LOCKSTEP_TEST_TIME_SCALE above 1), and its JSON summary must say "ok": true.
 // LOCKSTEP_SOAK_SEED=S replays a seed; LOCKSTEP_SOAK_SECONDS=N changes the length.
+// LOCKSTEP_SOAK_TESTBED=N runs the WAN mode on a test bed of N hosts, with partitions
+// (CTest testbed.soak_wan, registered with the test bed's tests: it needs root).
 #include "e2e.h"
 
 #include <cstdlib>
@@ -20,6 +22,7 @@ std::string env(const char* name, const std::string& fallback) {
 
 TEST(Soak, ChaosKeepsParityOneOutcomeAndProgress) {
   const bool sanitized = kTimeScale > 1;
+  const std::string testbed = env("LOCKSTEP_SOAK_TESTBED", "");
   const std::string seconds = env("LOCKSTEP_SOAK_SECONDS", sanitized ? "60" : "150");
   const std::string seed = env("LOCKSTEP_SOAK_SEED", "0");  // 0: a random seed, printed
   const std::string log_dir = std::string(LOCKSTEP_SOAK_LOG_ROOT) + "/run-" + std::to_string(::getpid());
@@ -41,6 +44,12 @@ TEST(Soak, ChaosKeepsParityOneOutcomeAndProgress) {
                                    std::to_string(2'000 * kTimeScale),
                                    "--progress-window-ms",
                                    std::to_string(20'000 * kTimeScale)};
+  if (!testbed.empty()) {
+    // The master in host 0, workers in the others; links capped and delayed (the
+    // defaults of --testbed-rate and --testbed-delay-ms); the bed's prefix is derived
+    // from the soak's pid, so that it does not collide with other beds.
+    for (const std::string& arg : {std::string("--testbed"), testbed}) argv.push_back(arg);
+  }
   if (sanitized) {
     // Slower processes: fewer events, smaller buffers, the same assertions, but for the
     // master's memory: AddressSanitizer's quarantine (256 MiB) keeps freed blocks resident,
@@ -80,6 +89,10 @@ TEST(Soak, ChaosKeepsParityOneOutcomeAndProgress) {
   EXPECT_EQ(status.value_or(-1), 0);
   EXPECT_GT(summary.value("revisions", 0), 0);
   EXPECT_GT(summary["events"].value("kills", 0), 0);
+  if (!testbed.empty()) {
+    EXPECT_GT(summary["events"].value("host_partitions", 0), 0);
+    EXPECT_GT(summary["events"].value("pair_partitions", 0), 0);
+  }
 }
 
 }  // namespace

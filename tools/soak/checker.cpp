@@ -103,6 +103,44 @@ void Checker::resumed(const std::string& name, std::int64_t now_ms) {
   update_condition(now_ms);
 }
 
+void Checker::partition_started(const std::vector<std::string>& cut_off, std::int64_t now_ms) {
+  for (const auto& name : cut_off) {
+    auto it = workers_.find(name);
+    if (it != workers_.end() && it->second.life == Life::kActive) it->second.life = Life::kPartitioned;
+  }
+  partitions_.emplace_back(now_ms, std::nullopt);
+  if (partitions_.size() > 64) partitions_.erase(partitions_.begin());
+  update_condition(now_ms);
+}
+
+void Checker::partition_healed(std::int64_t now_ms) {
+  for (auto& [name, w] : workers_) {
+    if (w.life != Life::kPartitioned) continue;
+    w.life = Life::kHealed;
+    w.resumed_ms = now_ms;
+  }
+  if (!partitions_.empty() && !partitions_.back().second) partitions_.back().second = now_ms;
+}
+
+bool Checker::partition_overlaps(std::int64_t from_ms, std::int64_t to_ms) const {
+  for (const auto& [start, end] : partitions_) {
+    if (start <= to_ms && (!end || *end >= from_ms)) return true;
+  }
+  return false;
+}
+
+// A successful sync or all-reduce that ended at done_ms (the worker's clock); a healed
+// worker whose operation ended after the heal is active again (one that ended before
+// the cut and was read late says nothing about the eviction).
+void Checker::progressed(Worker& w, std::int64_t now_ms, std::int64_t done_ms) {
+  w.last_progress_ms = now_ms;
+  if (w.life != Life::kHealed || done_ms < w.resumed_ms) return;
+  w.life = Life::kActive;
+  ++partitioned_returned_;
+  longest_heal_settle_ms_ = std::max(longest_heal_settle_ms_, now_ms - w.resumed_ms);
+  update_condition(now_ms);
+}
+
 void Checker::killed(const std::string& name, std::int64_t now_ms) {
   auto it = workers_.find(name);
   if (it == workers_.end() || it->second.life == Life::kGone) return;
@@ -120,6 +158,17 @@ void Checker::exited(const std::string& name, int exit_code, std::int64_t now_ms
   update_condition(now_ms);
   if (was == Life::kResumed) {
     longest_resume_exit_ms_ = std::max(longest_resume_exit_ms_, now_ms - w.resumed_ms);
+  }
+  if (was == Life::kPartitioned && !shutting_down) ++partitioned_evicted_;  // it learned during the cut
+  if (was == Life::kHealed && !shutting_down) {
+    // Evicted during the cut: like a resumed worker, it must fail fast once healed.
+    ++partitioned_evicted_;
+    const std::int64_t waited = now_ms - w.resumed_ms;
+    longest_heal_settle_ms_ = std::max(longest_heal_settle_ms_, waited);
+    if (waited > config_.heartbeat_timeout_ms + config_.exit_margin_ms) {
+      add("heal", name + " was evicted during a partition and exited " + std::to_string(waited) +
+                      " ms after the heal", now_ms);
+    }
   }
   // 0: a clean end after SIGTERM; 3: the worker printed why its communicator is finished.
   if (exit_code == 0 && shutting_down) return;
@@ -179,7 +228,7 @@ void Checker::on_sync(Worker& w, const std::string& name, const json& j, std::in
         now_ms);
   }
   w.revision = revision;
-  w.last_progress_ms = now_ms;
+  progressed(w, now_ms, j.value("t_ms", now_ms));
   auto [rec, fresh] = revisions_.emplace(revision, SyncRecord{hash, name});
   if (!fresh && rec->second.hash != hash) {
     add("parity", "revision " + std::to_string(revision) + ": " + name + " holds state " + hash + " but " +
@@ -205,7 +254,6 @@ void Checker::on_allreduce(Worker& w, const std::string& name, const json& j, st
   const auto checksum = j.value("checksum", std::string());
   if (code == LOCKSTEP_OK) {
     ++allreduces_ok_reports_;
-    w.last_progress_ms = now_ms;
     if (completed_tags_.insert(tag).second) ++tags_completed_;
     while (!completed_tags_.empty() && *completed_tags_.begin() + config_.history < tag) {
       completed_tags_.erase(completed_tags_.begin());
@@ -260,6 +308,7 @@ void Checker::on_allreduce(Worker& w, const std::string& name, const json& j, st
     }
   }
   while (!attempts_.empty() && attempts_.begin()->first.first + config_.history < tag) attempts_.erase(attempts_.begin());
+  if (code == LOCKSTEP_OK) progressed(w, now_ms, end_ms > 0 ? end_ms : now_ms);
 }
 
 void Checker::on_exit_line(Worker& w, const std::string& name, const json& j, std::int64_t now_ms) {
@@ -275,6 +324,10 @@ void Checker::on_exit_line(Worker& w, const std::string& name, const json& j, st
     add("resume", name + " was evicted while stopped but ended with " + status_text(code) + " in " + w.exit_text,
         now_ms);
   }
+  if ((w.life == Life::kPartitioned || w.life == Life::kHealed) && !eviction_status(code)) {
+    add("heal", name + " was cut off by a partition and ended with " + status_text(code) + " in " + w.exit_text,
+        now_ms);
+  }
 }
 
 void Checker::tick(std::int64_t now_ms) {
@@ -284,12 +337,14 @@ void Checker::tick(std::int64_t now_ms) {
       if (w.life != Life::kActive) continue;
       const std::int64_t since = std::max({w.last_progress_ms, w.spawned_ms, *two_active_since_});
       const std::int64_t stall = now_ms - since;
+      const std::int64_t bound = config_.heartbeat_timeout_ms + config_.stall_margin_ms +
+                                 (partition_overlaps(since, now_ms) ? config_.partition_allowance_ms : 0);
       if (stall > longest_stall_ms_) {
         longest_stall_ms_ = stall;
         longest_stall_worker_ = name;
         longest_stall_from_ms_ = since;
       }
-      if (stall > config_.heartbeat_timeout_ms + config_.stall_margin_ms && !stall_reported_) {
+      if (stall > bound && !stall_reported_) {
         stall_reported_ = true;
         add("stall", name + " made no progress for " + std::to_string(stall) + " ms (since " +
                          std::to_string(since - start_ms_) + " ms after the start) while " +
@@ -304,6 +359,17 @@ void Checker::tick(std::int64_t now_ms) {
     add("progress", "the highest revision (" + std::to_string(max_revision_) + ") did not grow for " +
                         std::to_string(now_ms - max_revision_ms_) + " ms",
         now_ms);
+  }
+  // Healed workers progress again or, evicted, end (the "exit" line is checked), within the stall bound.
+  for (auto& [name, w] : workers_) {
+    if (w.life != Life::kHealed || w.resume_reported) continue;
+    const std::int64_t waited = now_ms - w.resumed_ms;
+    if (waited > config_.heartbeat_timeout_ms + config_.stall_margin_ms + config_.partition_allowance_ms) {
+      w.resume_reported = true;
+      add("heal", name + " was cut off by a partition; " + std::to_string(waited) +
+                      " ms after the heal it has neither progressed nor exited",
+          now_ms);
+    }
   }
   // Resumed workers were evicted and must fail fast.
   for (auto& [name, w] : workers_) {

@@ -18,6 +18,12 @@
 //  plus: a worker resumed after being stopped past the heartbeat timeout exits within
 //  the heartbeat timeout plus a margin, with the status of an evicted peer; no worker
 //  reports a status that a correct program never sees; no worker crashes.
+// Partitions (the WAN mode): the workers of a host cut off from every other host are
+// treated like stopped ones while the cut lasts (not active, their late moments left
+// out of the outcome skew); once healed, each one either makes progress again (it was
+// not evicted) within the stall bound, or ends with the status of an evicted peer within
+// the heartbeat timeout plus the exit margin, like a resumed worker. A
+// stall that overlaps a partition may last partition_allowance_ms longer.
 // (d), the master's memory, is measured by the orchestrator.
 #pragma once
 
@@ -44,14 +50,18 @@ struct CheckerConfig {
   // (b) one outcome at once: the peers of one all-reduce attempt learn its outcome within
   // this long of each other (0: not checked).
   std::int64_t outcome_skew_ms = 2'000;
+  // (c): extra time allowed to a stall that overlaps a partition (the cut's longest
+  // duration, the p2p connect and stall timeouts: what a ring across the cut takes to
+  // fail and be retried once healed).
+  std::int64_t partition_allowance_ms = 0;
   // Revisions and tags this far below the newest are forgotten (bounded memory).
   std::uint64_t history = 100'000;
 };
 
 struct Violation {
   std::int64_t t_ms = 0;
-  // parity, revision, allreduce, outcome_skew, restore, stall, progress, resume, status, state, crash, output,
-  // or one of the orchestrator's: master, memory, shutdown
+  // parity, revision, allreduce, outcome_skew, restore, stall, progress, resume, heal, status, state, crash,
+  // output, or one of the orchestrator's: master, memory, shutdown, testbed
   std::string kind;
   std::string text;
 };
@@ -69,6 +79,11 @@ class Checker {
   void spawned(const std::string& name, std::int64_t now_ms);
   void stopped(const std::string& name, std::int64_t now_ms);
   void resumed(const std::string& name, std::int64_t now_ms);
+  // A partition began: the named workers (those of a host cut off from all others; none
+  // for a cut between two worker hosts) are no longer active.
+  void partition_started(const std::vector<std::string>& cut_off, std::int64_t now_ms);
+  // Every cut was healed: the workers cut off are on probation until they progress or exit.
+  void partition_healed(std::int64_t now_ms);
   // The worker was SIGKILLed by the orchestrator (its end needs no explanation).
   void killed(const std::string& name, std::int64_t now_ms);
   // The worker exited on its own: exit_code as from a shell (128+signal for a signal).
@@ -102,6 +117,11 @@ class Checker {
   // When the longest stall began, in ms after the start.
   std::int64_t longest_stall_from_ms() const { return longest_stall_from_ms_ - start_ms_; }
   std::int64_t longest_resume_exit_ms() const { return longest_resume_exit_ms_; }
+  // Workers cut off by a partition: how many came back, how many ended (evicted; during
+  // the cut or after the heal), and the longest time from a heal to either.
+  std::uint64_t partitioned_returned() const { return partitioned_returned_; }
+  std::uint64_t partitioned_evicted() const { return partitioned_evicted_; }
+  std::int64_t longest_heal_settle_ms() const { return longest_heal_settle_ms_; }
   // The longest time the highest revision did not grow, up to now_ms.
   std::int64_t longest_revision_gap_ms(std::int64_t now_ms) const {
     return std::max(longest_revision_gap_ms_, now_ms - max_revision_ms_);
@@ -115,12 +135,14 @@ class Checker {
   bool has_synced(const std::string& name) const;
 
  private:
-  enum class Life { kActive, kStopped, kResumed, kGone };
+  // kPartitioned: its host is cut off; kHealed: the cut was healed and it has neither
+  // progressed nor exited since.
+  enum class Life { kActive, kStopped, kResumed, kPartitioned, kHealed, kGone };
   struct Worker {
     Life life = Life::kActive;
     std::int64_t spawned_ms = 0;
     std::int64_t last_progress_ms = 0;
-    std::int64_t resumed_ms = 0;
+    std::int64_t resumed_ms = 0;  // also: when its partition was healed
     std::optional<std::uint64_t> revision;  // of its last successful sync
     std::optional<int> exit_status;          // from its "exit" line
     std::string exit_text;
@@ -150,6 +172,9 @@ class Checker {
   void on_exit_line(Worker& w, const std::string& name, const nlohmann::json& j, std::int64_t now_ms);
   void add(const std::string& kind, const std::string& text, std::int64_t now_ms);
   void update_condition(std::int64_t now_ms);
+  void progressed(Worker& w, std::int64_t now_ms, std::int64_t done_ms);
+  // Whether a partition overlapped [from_ms, to_ms].
+  bool partition_overlaps(std::int64_t from_ms, std::int64_t to_ms) const;
   std::size_t active_count() const;
 
   CheckerConfig config_;
@@ -178,6 +203,11 @@ class Checker {
   std::int64_t longest_stall_from_ms_ = 0;
   std::int64_t longest_resume_exit_ms_ = 0;
   std::int64_t longest_revision_gap_ms_ = 0;
+  // The latest partitions (start, end; end unset while it lasts), oldest first.
+  std::vector<std::pair<std::int64_t, std::optional<std::int64_t>>> partitions_;
+  std::uint64_t partitioned_returned_ = 0;
+  std::uint64_t partitioned_evicted_ = 0;
+  std::int64_t longest_heal_settle_ms_ = 0;
 };
 
 }  // namespace lockstep::soak

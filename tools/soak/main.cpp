@@ -40,6 +40,9 @@ void add_worker_options(CLI::App* app, lockstep::soak::WorkerOptions& w) {
   app->add_option("--reduce-elements", w.reduce_elements, "f32 elements of each all-reduce")->capture_default_str();
   app->add_option("--reduces", w.reduces, "concurrent all-reduces per step")->capture_default_str();
   app->add_option("--compute-ms", w.compute_ms, "time each step spends computing (a sleep)")->capture_default_str();
+  app->add_option("--p2p-stall-timeout-ms", w.p2p_stall_timeout_ms,
+                  "an all-reduce attempt fails when no byte moves to or from its ring neighbours this long (0: 30000)")
+      ->capture_default_str();
 }
 
 }  // namespace
@@ -57,6 +60,8 @@ int main(int argc, char** argv) {
   w->add_flag("--keep-going", worker.keep_going,
               "after an unexpected status of connect or update_topology (reported), call it again");
   w->add_option("--connect-timeout-ms", worker.connect_timeout_ms, "timeout to reach the master")->capture_default_str();
+  w->add_option("--advertised-host", worker.advertised_host, "address other peers reach this one at (default: as the master sees it)");
+  w->add_option("--bind-host", worker.bind_host, "IPv4 address the p2p sockets bind to (default: 0.0.0.0)");
   add_worker_options(w, worker);
 
   lockstep::soak::RunOptions run;
@@ -88,6 +93,14 @@ int main(int argc, char** argv) {
   r->add_option("--log-dir", run.log_dir, "where the master's, workers' and the soak's logs go (default: a new /tmp dir)");
   r->add_flag("--keep-going", run.keep_going, "go on after the first violation");
   r->add_flag("--trace", run.trace, "also write every worker line to LOG_DIR/trace.jsonl");
+  r->add_option("--testbed", run.testbed_hosts,
+                "WAN mode: run on a lockstep-testbed bed of N hosts (master in host 0, workers in 1..N-1), with partitions; needs root")
+      ->check(CLI::Range(3u, 120u));
+  r->add_option("--testbed-prefix", run.testbed_prefix, "the bed's prefix (default: sk and this process's pid)");
+  r->add_option("--testbed-rate", run.testbed_rate, "cap of every link, each direction (\"\": none)")->capture_default_str();
+  r->add_option("--testbed-delay-ms", run.testbed_delay_ms, "one-way delay of every link (0: none)")->capture_default_str();
+  r->add_option("--partition-min-ms", run.partition_min_ms, "shortest partition")->capture_default_str();
+  r->add_option("--partition-max-ms", run.partition_max_ms, "longest partition")->capture_default_str();
   add_worker_options(r, run.worker);
 
   CLI11_PARSE(app, argc, argv);
@@ -98,6 +111,10 @@ int main(int argc, char** argv) {
   }
   if (run.event_min_ms == 0 || run.event_max_ms < run.event_min_ms) {
     std::fprintf(stderr, "--event-min-ms must be positive and at most --event-max-ms\n");
+    return 2;
+  }
+  if (run.partition_min_ms == 0 || run.partition_max_ms < run.partition_min_ms) {
+    std::fprintf(stderr, "--partition-min-ms must be positive and at most --partition-max-ms\n");
     return 2;
   }
   return lockstep::soak::run_soak(run, self_path(argv[0]));

@@ -3,6 +3,10 @@
 // (SIGKILL a worker, SIGSTOP one and SIGCONT it after the heartbeat timeout, or spawn
 // one); every worker line goes through the Checker; the master's memory is measured;
 // a JSON summary ends the run (docs/soak.md).
+// In WAN mode (--testbed N) the same runs on a lockstep-testbed bed: the master in host
+// 0, the workers round-robin in hosts 1..N-1, and a fourth event, the partition: a worker
+// host cut off from every other host, or the link between two worker hosts cut both
+// ways, for 0.5-3 s, then healed. The bed is always taken down at the end.
 #include "checker.h"
 #include "soak.h"
 #include "subprocess.h"
@@ -36,6 +40,58 @@ using tools::Subprocess;
 
 std::atomic<bool> g_interrupted{false};
 
+// How long a peer waits for a p2p connection (the library's fixed p2p connect timeout):
+// a ring across a healed cut may wait this long before its attempt fails and is retried.
+constexpr std::int64_t kP2pConnectTimeoutMs = 5000;
+
+// A lockstep-testbed bed (docs/testbed.md) that the soak brings up and always takes
+// down, also when the run fails or is interrupted (its destructor). Commands run
+// synchronously; their stderr goes to LOG_DIR/testbed.log.
+class Bed {
+ public:
+  Bed(std::string command, std::string prefix, std::string log_path)
+      : command_(std::move(command)), prefix_(std::move(prefix)), log_path_(std::move(log_path)) {}
+  Bed(const Bed&) = delete;
+  Bed& operator=(const Bed&) = delete;
+  ~Bed() {
+    if (up_) run({"down"});
+  }
+
+  bool up(std::uint32_t hosts) {
+    up_ = true;  // from here on, down at the end (up may have made part of the bed)
+    return run({"up", std::to_string(hosts), "--owner", std::to_string(::getpid())});
+  }
+
+  // Runs `lockstep-testbed --prefix P ARGS...`; its stdout (lines joined) goes to *out.
+  bool run(const std::vector<std::string>& args, std::string* out = nullptr) {
+    std::vector<std::string> argv = {command_, "--prefix", prefix_};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto p = Subprocess::spawn(argv, log_path_);
+    if (!p) return false;
+    std::string text;
+    while (auto line = p->read_line(std::chrono::seconds(60))) text += *line;
+    const auto status = p->wait(std::chrono::seconds(60));
+    if (out != nullptr) *out = text;
+    return status && *status == 0;
+  }
+
+  // The argv that runs argv inside a host: `ip netns exec` execs the program, so the
+  // pid is the program's own, and SIGKILL/SIGSTOP reach it.
+  std::vector<std::string> in_host(std::uint32_t host, const std::vector<std::string>& argv) const {
+    std::vector<std::string> full = {command_, "--prefix", prefix_, "exec", std::to_string(host)};
+    full.insert(full.end(), argv.begin(), argv.end());
+    return full;
+  }
+
+  const std::string& prefix() const { return prefix_; }
+
+ private:
+  std::string command_;
+  std::string prefix_;
+  std::string log_path_;
+  bool up_ = false;
+};
+
 // A field of /proc/PID/status in KiB: VmRSS (resident) or RssAnon (its anonymous part:
 // the heap, which is what a leak grows; file-backed pages come and go under memory
 // pressure).
@@ -62,6 +118,15 @@ struct WorkerProc {
   std::int64_t resumed_ms = 0;
   bool gone = false;
   bool printed = false;  // its first line was read
+  std::uint32_t host = 0;  // its test bed host (WAN mode)
+};
+
+// The partition in flight (WAN mode): a host cut off (b unused), or the link a<->b cut.
+struct Partition {
+  bool whole_host = false;
+  std::uint32_t a = 0;
+  std::uint32_t b = 0;
+  std::int64_t heal_at_ms = 0;
 };
 
 class Soak {
@@ -76,6 +141,11 @@ class Soak {
     cc.stall_margin_ms = o_.stall_margin_ms;
     cc.exit_margin_ms = o_.exit_margin_ms;
     cc.outcome_skew_ms = o_.outcome_skew_ms;
+    if (wan()) {
+      // A ring across a cut fails after the p2p stall timeout; its retries wait up to the
+      // p2p connect timeout per try until the cut is healed.
+      cc.partition_allowance_ms = o_.partition_max_ms + kP2pConnectTimeoutMs + o_.worker.p2p_stall_timeout_ms;
+    }
     cc.progress_window_ms = std::max<std::int64_t>(o_.progress_window_ms, 3 * std::int64_t{o_.heartbeat_timeout_ms});
     checker_ = std::make_unique<Checker>(cc, start_ms_);
     rss_base_at_ms_ = start_ms_ + (o_.seconds >= 120 ? 60'000 : 30'000);
@@ -93,6 +163,7 @@ class Soak {
       const bool any = pump(now, false);
       if (!master_alive(now)) break;
       resume_due(now);
+      heal_due(now);
       // Events start once the run holds a state (the first revision is reported).
       if (checker_->max_revision() > 0) {
         if (next_event_ms == 0) next_event_ms = now;
@@ -137,9 +208,12 @@ class Soak {
     }
     if (o_.trace) trace_.open(o_.log_dir + "/trace.jsonl", std::ios::app);
     const std::string dir = self_.substr(0, self_.rfind('/') + 1);
-    auto master = Subprocess::spawn({dir + "lockstep-master", "--listen", "127.0.0.1:0", "--heartbeat-timeout-ms",
-                                     std::to_string(o_.heartbeat_timeout_ms)},
-                                    o_.log_dir + "/master.log");
+    if (wan() && !setup_bed(dir)) return false;
+    const std::string master_host = wan() ? addrs_[0] : "127.0.0.1";
+    std::vector<std::string> master_argv = {dir + "lockstep-master", "--listen", master_host + ":0",
+                                            "--heartbeat-timeout-ms", std::to_string(o_.heartbeat_timeout_ms)};
+    if (wan()) master_argv = bed_->in_host(0, master_argv);
+    auto master = Subprocess::spawn(master_argv, o_.log_dir + "/master.log");
     if (!master) {
       std::fprintf(stderr, "lockstep-soak: cannot start %slockstep-master\n", dir.c_str());
       return false;
@@ -151,17 +225,58 @@ class Soak {
       return false;
     }
     port_ = std::stoi(first->substr(first->rfind(':') + 1));
+    master_address_ = master_host + ":" + std::to_string(port_);
     json start;
     start["soak"] = "start";
     start["seed"] = o_.seed;
     start["seconds"] = o_.seconds;
     start["peers"] = std::to_string(o_.peers_initial) + ".." + std::to_string(o_.peers_max);
     start["heartbeat_timeout_ms"] = o_.heartbeat_timeout_ms;
-    start["master"] = "127.0.0.1:" + std::to_string(port_);
+    start["master"] = master_address_;
+    if (wan()) {
+      start["testbed"] = {{"hosts", o_.testbed_hosts},
+                          {"prefix", bed_->prefix()},
+                          {"rate", o_.testbed_rate},
+                          {"delay_ms", o_.testbed_delay_ms},
+                          {"p2p_stall_timeout_ms", o_.worker.p2p_stall_timeout_ms}};
+    }
     start["master_pid"] = master_->pid();
     start["log_dir"] = o_.log_dir;
     print(start);
     log("start: " + start.dump());
+    return true;
+  }
+
+  bool wan() const { return o_.testbed_hosts > 0; }
+
+  // Brings the bed up: hosts, every link capped and delayed both ways, the addresses.
+  bool setup_bed(const std::string& dir) {
+    if (o_.testbed_prefix.empty()) o_.testbed_prefix = "sk" + std::to_string(::getpid());
+    const char* env = std::getenv("LOCKSTEP_TESTBED");
+    const std::string command = env != nullptr && *env != '\0' ? std::string(env) : dir + "lockstep-testbed";
+    bed_ = std::make_unique<Bed>(command, o_.testbed_prefix, o_.log_dir + "/testbed.log");
+    const auto fail = [&](const std::string& what) {
+      std::fprintf(stderr, "lockstep-soak: test bed: %s failed (needs root; see %s/testbed.log)\n", what.c_str(),
+                   o_.log_dir.c_str());
+      return false;
+    };
+    if (!bed_->up(o_.testbed_hosts)) return fail("up " + std::to_string(o_.testbed_hosts));
+    for (std::uint32_t i = 0; i < o_.testbed_hosts; ++i) {
+      std::string addr;
+      if (!bed_->run({"addr", std::to_string(i)}, &addr) || addr.empty()) return fail("addr " + std::to_string(i));
+      addrs_.push_back(addr);
+      for (std::uint32_t j = 0; j < i; ++j) {
+        const std::string a = std::to_string(j);
+        const std::string b = std::to_string(i);
+        if (!o_.testbed_rate.empty() && !bed_->run({"cap", a, b, o_.testbed_rate, "--both"})) return fail("cap");
+        if (o_.testbed_delay_ms > 0 && !bed_->run({"delay", a, b, std::to_string(o_.testbed_delay_ms), "--both"})) {
+          return fail("delay");
+        }
+      }
+    }
+    log("test bed " + o_.testbed_prefix + " up: " + std::to_string(o_.testbed_hosts) + " hosts, links " +
+        (o_.testbed_rate.empty() ? "uncapped" : o_.testbed_rate) + " and " + std::to_string(o_.testbed_delay_ms) +
+        " ms one way");
     return true;
   }
 
@@ -192,7 +307,7 @@ class Soak {
     std::vector<std::string> argv = {self_,
                                      "worker",
                                      "--master",
-                                     "127.0.0.1:" + std::to_string(port_),
+                                     master_address_,
                                      "--name",
                                      name,
                                      "--seed",
@@ -207,6 +322,20 @@ class Soak {
                                      std::to_string(o_.worker.compute_ms)};
     if (bootstrap) argv.push_back("--bootstrap");
     if (o_.keep_going) argv.push_back("--keep-going");
+    if (o_.worker.p2p_stall_timeout_ms != 0) {
+      argv.insert(argv.end(), {"--p2p-stall-timeout-ms", std::to_string(o_.worker.p2p_stall_timeout_ms)});
+    }
+    std::uint32_t host = 0;
+    if (wan()) {
+      // Round-robin over hosts 1..N-1, past a host that is cut off (it could not connect).
+      const std::uint32_t workers_hosts = o_.testbed_hosts - 1;
+      for (std::uint32_t k = 0; k < workers_hosts; ++k) {
+        host = 1 + static_cast<std::uint32_t>(next_host_++ % workers_hosts);
+        if (!partition_ || !partition_->whole_host || partition_->a != host) break;
+      }
+      argv.insert(argv.end(), {"--advertised-host", addrs_[host], "--bind-host", addrs_[host]});
+      argv = bed_->in_host(host, argv);
+    }
     auto p = Subprocess::spawn(argv, o_.log_dir + "/" + name + ".log");
     if (!p) {
       checker_->fail("spawn", "cannot start a worker process", now_ms());
@@ -215,7 +344,9 @@ class Soak {
     auto w = std::make_unique<WorkerProc>();
     w->name = name;
     w->proc = std::make_unique<Subprocess>(std::move(*p));
-    log("spawn " + name + " (pid " + std::to_string(w->proc->pid()) + (bootstrap ? ", bootstrap)" : ")"));
+    w->host = host;
+    log("spawn " + name + " (pid " + std::to_string(w->proc->pid()) + (wan() ? ", host " + std::to_string(host) : "") +
+        (bootstrap ? ", bootstrap)" : ")"));
     checker_->spawned(name, now_ms());
     workers_[name] = std::move(w);
     if (!bootstrap) ++spawns_;
@@ -284,6 +415,81 @@ class Soak {
     }
   }
 
+  // Heals the partition in flight when its time has come (or at the end: force).
+  void heal_due(std::int64_t now, bool force = false) {
+    if (!partition_ || (!force && now < partition_->heal_at_ms)) return;
+    if (!bed_->run({"heal"})) checker_->fail("testbed", "lockstep-testbed heal failed (see testbed.log)", now_ms());
+    const std::int64_t healed = now_ms();
+    log("heal " + describe(*partition_) + " after " + std::to_string(healed - partition_start_ms_) + " ms");
+    checker_->partition_healed(healed);
+    partition_.reset();
+  }
+
+  static std::string describe(const Partition& p) {
+    return p.whole_host ? "host " + std::to_string(p.a) + " cut off"
+                        : "hosts " + std::to_string(p.a) + " <-> " + std::to_string(p.b) + " cut";
+  }
+
+  // The worker hosts that hold at least one active worker, with those workers.
+  std::map<std::uint32_t, std::vector<std::string>> active_by_host() const {
+    std::map<std::uint32_t, std::vector<std::string>> out;
+    for (const auto& name : checker_->active()) out[workers_.at(name)->host].push_back(name);
+    return out;
+  }
+
+  // The partitions possible now: hosts that may be cut off (active holders remain
+  // elsewhere, so the state survives their eviction), and pairs of hosts with workers.
+  void partition_choices(std::vector<std::uint32_t>* hosts, std::vector<std::pair<std::uint32_t, std::uint32_t>>* pairs) {
+    const auto by_host = active_by_host();
+    const auto holders = checker_->active_holders();
+    for (const auto& [host, names] : by_host) {
+      std::size_t inside = 0;
+      for (const auto& n : names) inside += holders.count(n);
+      if (holders.size() > inside) hosts->push_back(host);
+      for (const auto& [other, unused] : by_host) {
+        if (other > host) pairs->emplace_back(host, other);
+      }
+    }
+  }
+
+  void partition(std::int64_t now) {
+    std::vector<std::uint32_t> hosts;
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> pairs;
+    partition_choices(&hosts, &pairs);
+    Partition p;
+    const bool whole = !hosts.empty() && (pairs.empty() || uniform(0, 1) == 0);
+    std::vector<std::string> cut_off;
+    if (whole) {
+      p.whole_host = true;
+      p.a = hosts[static_cast<std::size_t>(uniform(0, static_cast<std::int64_t>(hosts.size()) - 1))];
+      cut_off = active_by_host()[p.a];
+    } else {
+      const auto& pair = pairs[static_cast<std::size_t>(uniform(0, static_cast<std::int64_t>(pairs.size()) - 1))];
+      p.a = pair.first;
+      p.b = pair.second;
+    }
+    const std::int64_t duration = uniform(o_.partition_min_ms, o_.partition_max_ms);
+    partition_start_ms_ = now;
+    checker_->partition_started(cut_off, now);
+    bool ok = true;
+    if (p.whole_host) {
+      for (std::uint32_t j = 0; j < o_.testbed_hosts; ++j) {
+        if (j != p.a) ok = bed_->run({"cut", std::to_string(p.a), std::to_string(j), "--both"}) && ok;
+      }
+      ++host_partitions_;
+    } else {
+      ok = bed_->run({"cut", std::to_string(p.a), std::to_string(p.b), "--both"});
+      ++pair_partitions_;
+    }
+    if (!ok) checker_->fail("testbed", "lockstep-testbed cut failed (see testbed.log)", now_ms());
+    p.heal_at_ms = now_ms() + duration;
+    std::string names;
+    for (const auto& n : cut_off) names += (names.empty() ? "" : " ") + n;
+    log("partition: " + describe(p) + " for " + std::to_string(duration) + " ms" +
+        (names.empty() ? "" : " (workers " + names + ")"));
+    partition_ = p;
+  }
+
   void event(std::int64_t now) {
     const auto active = checker_->active();
     const auto holders = checker_->active_holders();
@@ -297,15 +503,28 @@ class Soak {
     for (auto& [name, w] : workers_) in_flight_stop = in_flight_stop || (!w->gone && (w->stopped || w->resumed));
     const bool can_spawn = active.size() < o_.peers_max;
     const bool can_kill = active.size() > o_.peers_min && !victims.empty();
-    const bool can_stop = can_kill && !in_flight_stop && (stops_ + 1) * 5 <= events_ + 1;
+    // A stop and a partition are never in flight at once (their stalls would add up).
+    const bool can_stop = can_kill && !in_flight_stop && !partition_ && (stops_ + 1) * 5 <= events_ + 1;
+    bool can_partition = false;
+    if (wan() && !partition_ && !in_flight_stop) {
+      std::vector<std::uint32_t> hosts;
+      std::vector<std::pair<std::uint32_t, std::uint32_t>> pairs;
+      partition_choices(&hosts, &pairs);
+      can_partition = !hosts.empty() || !pairs.empty();
+    }
     const int w_kill = can_kill ? 2 : 0;
     const int w_spawn = can_spawn ? 2 : 0;
     const int w_stop = can_stop ? 1 : 0;
-    if (w_kill + w_spawn + w_stop == 0) return;
-    const auto pick = uniform(0, w_kill + w_spawn + w_stop - 1);
+    const int w_partition = can_partition ? 2 : 0;
+    if (w_kill + w_spawn + w_stop + w_partition == 0) return;
+    const auto pick = uniform(0, w_kill + w_spawn + w_stop + w_partition - 1);
     ++events_;
     if (pick < w_spawn) {
       spawn(false);
+      return;
+    }
+    if (pick >= w_spawn + w_kill + w_stop) {
+      partition(now);
       return;
     }
     const std::string victim = victims[static_cast<std::size_t>(uniform(0, static_cast<std::int64_t>(victims.size()) - 1))];
@@ -382,6 +601,7 @@ class Soak {
     j["kills"] = kills_;
     j["stops"] = stops_;
     j["spawns"] = spawns_;
+    if (wan()) j["partitions"] = host_partitions_ + pair_partitions_;
     j["longest_stall_ms"] = checker_->longest_stall_ms();
     j["master_rss_kib"] = status_kib(master_->pid());
     j["violations"] = checker_->violations().size();
@@ -413,6 +633,7 @@ class Soak {
                        now);
       }
     }
+    heal_due(now, /*force=*/true);
     checker_->tick(now);
     const std::int64_t longest_gap = checker_->longest_revision_gap_ms(now);
     // A worker takes SIGTERM once it has printed its first line (before that its
@@ -483,6 +704,15 @@ class Soak {
     s["peers"] = std::to_string(o_.peers_initial) + ".." + std::to_string(o_.peers_max);
     s["heartbeat_timeout_ms"] = o_.heartbeat_timeout_ms;
     s["events"] = {{"kills", kills_}, {"stops", stops_}, {"spawns", spawns_}};
+    if (wan()) {
+      s["events"]["partitions"] = host_partitions_ + pair_partitions_;
+      s["events"]["host_partitions"] = host_partitions_;
+      s["events"]["pair_partitions"] = pair_partitions_;
+      s["testbed_hosts"] = o_.testbed_hosts;
+      s["partitioned_workers_returned"] = checker_->partitioned_returned();
+      s["partitioned_workers_evicted"] = checker_->partitioned_evicted();
+      s["longest_heal_settle_ms"] = checker_->longest_heal_settle_ms();
+    }
     s["workers_started"] = spawned_;
     s["revisions"] = checker_->max_revision();
     s["syncs_reported"] = checker_->syncs_reported();
@@ -524,6 +754,15 @@ class Soak {
   RunOptions o_;
   std::string self_;
   std::mt19937_64 rng_;
+  // Declared before every process: destroyed after them, it takes the bed down last.
+  std::unique_ptr<Bed> bed_;
+  std::vector<std::string> addrs_;  // of the bed's hosts
+  std::optional<Partition> partition_;
+  std::int64_t partition_start_ms_ = 0;
+  std::uint64_t next_host_ = 0;
+  std::uint64_t host_partitions_ = 0;
+  std::uint64_t pair_partitions_ = 0;
+  std::string master_address_;
   std::unique_ptr<Subprocess> master_;
   bool master_dead_ = false;
   int port_ = 0;
@@ -557,7 +796,10 @@ int run_soak(const RunOptions& options, const std::string& self_path) {
   sigemptyset(&action.sa_mask);
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGHUP, &action, nullptr);
   RunOptions o = options;
+  // WAN mode: a ring across a cut must fail well before the stall bound.
+  if (o.testbed_hosts > 0 && o.worker.p2p_stall_timeout_ms == 0) o.worker.p2p_stall_timeout_ms = 2000;
   if (o.seed == 0) o.seed = std::random_device{}() | (static_cast<std::uint64_t>(std::random_device{}()) << 32);
   if (o.peers_min < 2) o.peers_min = 2;
   o.peers_max = std::max(o.peers_max, o.peers_min + 1);

@@ -24,6 +24,13 @@ struct WorkerOptions {
   // Time spent "computing" per step (a sleep).
   std::uint32_t compute_ms = 10;
   std::uint32_t connect_timeout_ms = 10'000;
+  // The address other peers reach this one at, and the one its p2p sockets bind to
+  // ("": the address the master sees, and 0.0.0.0). Set on the WAN test bed.
+  std::string advertised_host;
+  std::string bind_host;
+  // An all-reduce attempt fails when no byte moves to or from its ring neighbours for
+  // this long (0: the library's default, 30000).
+  std::uint32_t p2p_stall_timeout_ms = 0;
   // Report an unexpected status of connect or update_topology and go on (see worker.cpp).
   bool keep_going = false;
 };
@@ -47,6 +54,17 @@ struct RunOptions {
   std::string log_dir;  // "": a new directory under /tmp
   bool keep_going = false;
   bool trace = false;
+  // WAN mode (docs/soak.md): 0 runs on loopback; N >= 3 brings up a test bed of N hosts
+  // (lockstep-testbed, prefix testbed_prefix), the master in host 0, the workers round-robin
+  // in hosts 1..N-1, every link capped at testbed_rate with testbed_delay_ms one way
+  // ("" / 0: none), and partitions among the events.
+  std::uint32_t testbed_hosts = 0;
+  std::string testbed_prefix;  // "": "sk" and the orchestrator's pid
+  std::string testbed_rate = "200mbit";
+  double testbed_delay_ms = 5;
+  // A partition lasts partition_min_ms..partition_max_ms.
+  std::uint32_t partition_min_ms = 500;
+  std::uint32_t partition_max_ms = 3000;
   // Passed to every worker.
   WorkerOptions worker;
 };

@@ -106,6 +106,9 @@ class Worker {
     config.master_port = static_cast<std::uint16_t>(std::stoi(o_.master.substr(colon + 1)));
     config.base_port = 0;
     config.connect_timeout_ms = o_.connect_timeout_ms;
+    if (!o_.advertised_host.empty()) config.advertised_host = o_.advertised_host.c_str();
+    if (!o_.bind_host.empty()) config.bind_host = o_.bind_host.c_str();
+    config.p2p_stall_timeout_ms = o_.p2p_stall_timeout_ms;
     lockstep_status_t s = lockstep_comm_create(&config, &comm_);
     if (s != LOCKSTEP_OK) return end("create", s);
     for (int tries = 1;; ++tries) {
