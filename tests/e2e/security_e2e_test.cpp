@@ -172,31 +172,22 @@ TEST(Secret, ShortEmptyAndMissingSecretsAreRefused) {
 
 // ------------------------------------------------------------------ the master's door
 
-TEST(MasterAuth, PeerWithoutTheSecretIsRefusedAndNeverRegistered) {
-  auto master = start_master(kSecret);
-  auto stranger = make_peer(master->port(), std::nullopt);
-  Status s = stranger->connect();
-  EXPECT_EQ(s.code(), LOCKSTEP_STATUS_AUTHENTICATION_FAILED) << s.to_string();
-  // A member that joins afterwards is alone: the stranger was never registered.
-  auto member = make_peer(master->port(), kSecret);
-  ASSERT_TRUE(member->connect().is_ok()) << member->last_error();
-  EXPECT_EQ(member->attributes().value().global_world_size, 1u);
-  auto pending = member->are_peers_pending();
-  ASSERT_TRUE(pending.is_ok());
-  EXPECT_FALSE(pending.value());
-}
-
-TEST(MasterAuth, PeerWithAnotherSecretIsRefusedAndNeverRegistered) {
-  auto master = start_master(kSecret);
-  auto stranger = make_peer(master->port(), kOtherSecret);
-  Status s = stranger->connect();
-  EXPECT_EQ(s.code(), LOCKSTEP_STATUS_AUTHENTICATION_FAILED) << s.to_string();
-  auto member = make_peer(master->port(), kSecret);
-  ASSERT_TRUE(member->connect().is_ok()) << member->last_error();
-  EXPECT_EQ(member->attributes().value().global_world_size, 1u);
-  auto pending = member->are_peers_pending();
-  ASSERT_TRUE(pending.is_ok());
-  EXPECT_FALSE(pending.value());
+// Without the secret or with another one: refused, and never registered.
+TEST(MasterAuth, PeerWithoutTheSecretOrWithAnotherIsRefusedAndNeverRegistered) {
+  for (const auto& stranger_secret : {std::optional<security::Key>{}, std::optional<security::Key>{kOtherSecret}}) {
+    SCOPED_TRACE(stranger_secret ? "another secret" : "no secret");
+    auto master = start_master(kSecret);
+    auto stranger = make_peer(master->port(), stranger_secret);
+    Status s = stranger->connect();
+    EXPECT_EQ(s.code(), LOCKSTEP_STATUS_AUTHENTICATION_FAILED) << s.to_string();
+    // A member that joins afterwards is alone: the stranger was never registered.
+    auto member = make_peer(master->port(), kSecret);
+    ASSERT_TRUE(member->connect().is_ok()) << member->last_error();
+    EXPECT_EQ(member->attributes().value().global_world_size, 1u);
+    auto pending = member->are_peers_pending();
+    ASSERT_TRUE(pending.is_ok());
+    EXPECT_FALSE(pending.value());
+  }
 }
 
 TEST(MasterAuth, MasterWithoutTheSecretIsRefusedByThePeer) {
