@@ -170,8 +170,8 @@ typedef struct lockstep_master_config {
   /* A connection that has not finished its handshake (Hello and, with a secret, the
    * proof) after this long is closed; 0 means the default (10000 ms). */
   uint32_t handshake_timeout_ms;
-  /* Connections that may be in their handshake at once; more are closed at once.
-   * 0 means the default (256). */
+  /* Connections that may be in their handshake at once; beyond that each new one
+   * displaces the oldest of the address holding the most. 0 means the default (256). */
   uint32_t pending_handshakes_max;
 } lockstep_master_config_t;
 

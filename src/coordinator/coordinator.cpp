@@ -206,11 +206,33 @@ bool Coordinator::in_control_vote(const Peer& peer) const {
 // ---------------------------------------------------------------- events
 
 void Coordinator::on_connect(ConnId conn, const std::string& observed_host, TimeMs now_ms, Outbox& out) {
-  if (handshaking_.size() >= config_.pending_handshakes_max) {
-    out.push_back(rejected("connection from " + observed_host + " refused: too many unfinished handshakes",
-                           "too many unfinished handshakes", LOCKSTEP_STATUS_REJECTED));
-    out.push_back(Close{conn, "too many unfinished handshakes"});
+  if (config_.pending_handshakes_max == 0) {
+    out.push_back(rejected("connection from " + observed_host + " refused: no handshakes allowed",
+                           "no unfinished handshakes allowed", LOCKSTEP_STATUS_REJECTED));
+    out.push_back(Close{conn, "no unfinished handshakes allowed"});
     return;
+  }
+  // At the cap, the newest connection is not refused: the oldest unfinished handshake of
+  // the host holding the most of them makes room. Connections that are held open idle
+  // then cannot lock real newcomers out until the handshake timeout, and one flooding
+  // address displaces its own connections before anybody else's.
+  if (handshaking_.size() >= config_.pending_handshakes_max) {
+    std::map<std::string, std::size_t> per_host;
+    for (const auto& [c, hs] : handshaking_) ++per_host[hs.observed_host];
+    std::size_t most = 0;
+    for (const auto& [host, n] : per_host) most = std::max(most, n);
+    auto victim = handshaking_.end();
+    for (auto it = handshaking_.begin(); it != handshaking_.end(); ++it) {
+      if (per_host[it->second.observed_host] != most) continue;
+      if (victim == handshaking_.end() || it->second.connected_ms < victim->second.connected_ms) victim = it;
+    }
+    const std::string why = "displaced: " + std::to_string(handshaking_.size()) +
+                            " unfinished handshakes (the cap), " + std::to_string(most) + " of them from " +
+                            victim->second.observed_host;
+    out.push_back(rejected("connection from " + victim->second.observed_host + " dropped: " + why, why,
+                           LOCKSTEP_STATUS_REJECTED));
+    out.push_back(Close{victim->first, "too many unfinished handshakes"});
+    handshaking_.erase(victim);
   }
   handshaking_[conn] = Handshake{observed_host, now_ms};
 }
@@ -267,7 +289,7 @@ void Coordinator::on_tick(TimeMs now_ms, Outbox& out) {
   // Handshakes that take too long.
   for (auto it = handshaking_.begin(); it != handshaking_.end();) {
     if (now_ms - it->second.connected_ms >= config_.handshake_timeout_ms) {
-      const std::string why = "no Hello within " + std::to_string(config_.handshake_timeout_ms) + " ms";
+      const std::string why = "handshake not finished within " + std::to_string(config_.handshake_timeout_ms) + " ms";
       out.push_back(rejected("connection from " + it->second.observed_host + " dropped: " + why, why,
                              LOCKSTEP_STATUS_PROTOCOL_ERROR));
       out.push_back(Close{it->first, "handshake timeout"});

@@ -473,11 +473,12 @@ TEST(Limits, IdleConnectionsAndASlowClientAreDroppedAtTheMaster) {
       hello.p2p_port = 1;
       hello.auth = security::to_bytes(security::random_nonce());
       const auto frame = proto::encode_frame(hello);
-      transport::Fd slow(connect_to(master->port()));
       const auto start = Clock::now();
-      // 200 idle connections that never send a byte.
+      // 200 idle connections that never send a byte (beyond the cap of 100, each new one
+      // displaces the oldest), then the slow client, the newest.
       std::vector<transport::Fd> idle;
       for (int i = 0; i < 200; ++i) idle.emplace_back(connect_to(master->port()));
+      transport::Fd slow(connect_to(master->port()));
       bool slow_closed = false;
       std::size_t sent = 0;
       while (Clock::now() - start < std::chrono::milliseconds(timeout_ms) + 5s && !slow_closed) {
@@ -504,6 +505,35 @@ TEST(Limits, IdleConnectionsAndASlowClientAreDroppedAtTheMaster) {
   // A newcomer can still join (the unfinished handshakes are gone).
   auto late = make_peer(master->port(), kSecret);
   EXPECT_TRUE(late->connect().is_ok()) << late->last_error();
+}
+
+TEST(Limits, ANewcomerJoinsWhileIdleConnectionsHoldEveryHandshakeSlot) {
+  // The handshake timeout is far away: only displacement can make room.
+  auto master = start_master(kSecret, /*handshake_timeout_ms=*/600'000, /*pending_handshakes_max=*/50);
+  std::vector<transport::Fd> idle;
+  for (int i = 0; i < 80; ++i) idle.emplace_back(connect_to(master->port()));
+  // The flood's oldest connections made room for its newest ones.
+  std::size_t displaced = 0;
+  for (int i = 0; i < 30; ++i) displaced += closed_by_other_side(idle[static_cast<std::size_t>(i)].get(), 5s) ? 1u : 0u;
+  EXPECT_EQ(displaced, 30u);
+  // Every slot is held by an idle connection, and a newcomer still gets in.
+  auto newcomer = make_peer(master->port(), kSecret);
+  ASSERT_TRUE(newcomer->connect().is_ok()) << newcomer->last_error();
+  std::thread joiner([&] {
+    auto second = make_peer(master->port(), kSecret);  // a communicator belongs to its creating thread
+    EXPECT_TRUE(second->connect().is_ok()) << second->last_error();
+  });
+  bool admitted = false;
+  for (auto deadline = Clock::now() + 30s * kScale; !admitted && Clock::now() < deadline;) {
+    auto pending = newcomer->are_peers_pending();
+    ASSERT_TRUE(pending.is_ok()) << pending.status().to_string();
+    if (pending.value()) {
+      ASSERT_TRUE(newcomer->update_topology().is_ok()) << newcomer->last_error();
+      admitted = true;
+    }
+  }
+  joiner.join();
+  EXPECT_TRUE(admitted);
 }
 
 TEST(Limits, IdleConnectionsAndASlowClientAreDroppedAtAPeer) {

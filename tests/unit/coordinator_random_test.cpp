@@ -347,7 +347,10 @@ class Sim {
     c_.on_connect(ref.conn, ref.observed_host, now_, out);
     note("t=" + std::to_string(now_) + " connect conn " + std::to_string(ref.conn) + " from " + ref.observed_host + "\n");
     if (handshaking >= c_.config().pending_handshakes_max) {
-      require(out.size() >= 1 && closes(out, ref.conn), "a connection beyond the pending-handshake cap was not closed");
+      // The oldest unfinished handshake of the busiest host makes room for the new one.
+      require(!closes(out, ref.conn), "a new connection at the pending-handshake cap was closed instead of an old one");
+      require(out.size() >= 1 && c_.handshaking_count() == handshaking,
+              "a connection at the pending-handshake cap displaced no unfinished handshake");
     } else {
       require(out.empty(), "on_connect produced commands below the pending-handshake cap");
     }

@@ -1213,18 +1213,36 @@ TEST(CoordinatorHandshake, ConnectionWithoutHelloIsClosedAfterTheTimeout) {
   EXPECT_TRUE(h.c.peers().empty());
 }
 
-TEST(CoordinatorHandshake, PendingHandshakesAreCapped) {
+TEST(CoordinatorHandshake, PendingHandshakesAreCappedAndTheOldestOfTheBusiestHostMakesRoom) {
   Config config = test_config();
   config.pending_handshakes_max = 3;
   Harness h(config);
-  for (ConnId conn = 1; conn <= 3; ++conn) EXPECT_TRUE(h.connect(conn, "10.0.0." + std::to_string(conn)).empty());
-  Outbox out = h.connect(4, "10.0.0.4");
+  // Two idle connections from a flooding host, then one from a newcomer's host.
+  EXPECT_TRUE(h.connect(1, "10.0.0.66").empty());
+  h.advance(10);
+  EXPECT_TRUE(h.connect(2, "10.0.0.66").empty());
+  h.advance(10);
+  EXPECT_TRUE(h.connect(3, "10.0.0.5").empty());
+  h.advance(10);
+  // At the cap: the flooder's oldest connection is closed, not the new one.
+  Outbox out = h.connect(4, "10.0.0.66");
+  EXPECT_TRUE(closes(out, 1)) << describe(out);
+  EXPECT_FALSE(closes(out, 3)) << describe(out);
+  EXPECT_FALSE(closes(out, 4)) << describe(out);
+  EXPECT_EQ(h.c.handshaking_count(), 3u);
+  // Then conn 2 (the flooder's oldest), still not the newcomer.
+  out = h.connect(5, "10.0.0.66");
+  EXPECT_TRUE(closes(out, 2)) << describe(out);
+  EXPECT_FALSE(closes(out, 3)) << describe(out);
+  // The newcomer finishes its handshake and is registered.
+  out = h.send(3, Harness::hello(1, 5000));
+  EXPECT_EQ(all_of<p::Welcome>(out, 3).size(), 1u) << describe(out);
+  EXPECT_EQ(h.c.handshaking_count(), 2u);
+  // Between hosts with equally many, the oldest goes.
+  EXPECT_TRUE(h.connect(6, "10.0.0.7").empty());
+  out = h.connect(7, "10.0.0.8");
   EXPECT_TRUE(closes(out, 4)) << describe(out);
   EXPECT_EQ(h.c.handshaking_count(), 3u);
-  // finishing a handshake makes room again
-  h.send(1, Harness::hello(1, 5000));
-  EXPECT_EQ(h.c.handshaking_count(), 2u);
-  EXPECT_TRUE(h.connect(5, "10.0.0.5").empty());
 }
 
 TEST(CoordinatorHandshake, PeersMaxRejects) {

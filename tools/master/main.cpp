@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(100u, 600'000u))
       ->capture_default_str();
   app.add_option("--max-pending-handshakes", pending_handshakes_max,
-                 "connections that may be in their handshake at once; more are closed at once")
+                 "connections that may be in their handshake at once; a new one beyond that displaces the oldest of the address holding the most")
       ->check(CLI::Range(1u, 1u << 20))
       ->capture_default_str();
   app.add_option("--http", http,
