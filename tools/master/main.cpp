@@ -1,5 +1,8 @@
 // lockstep-master: the run's coordinator as a standalone process.
 #include "common/log.h"
+#include "protocol/messages.h"
+
+#include <lockstep/lockstep.h>
 #include "master/http_server.h"
 #include "master/master_server.h"
 
@@ -33,6 +36,10 @@ std::optional<std::pair<std::string, std::uint16_t>> split_host_port(const std::
 
 int main(int argc, char** argv) {
   CLI::App app{"lockstep-master: coordinates a lockstep run (membership, votes, ring order)"};
+  app.set_version_flag("--version", "lockstep-master " + std::to_string(LOCKSTEP_VERSION_MAJOR) + "." +
+                                        std::to_string(LOCKSTEP_VERSION_MINOR) + "." +
+                                        std::to_string(LOCKSTEP_VERSION_PATCH) + " (protocol " +
+                                        std::to_string(lockstep::proto::kProtocolVersion) + ")");
   std::string listen = "0.0.0.0:48148";
   std::uint32_t heartbeat_timeout_ms = lockstep::limits::kHeartbeatTimeoutMsDefault;
   std::uint32_t vote_timeout_ms = 0;
