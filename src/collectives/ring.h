@@ -7,9 +7,11 @@
 // byte of another attempt is never taken for this one (semantics rule 3).
 //
 // The destination is backed up, sub-chunk by sub-chunk, right before its first
-// write; restore() puts it back exactly when the master declares the attempt failed.
-// One thread drives both directions with non-blocking sockets; poll() also watches
-// an abort descriptor, so aborting costs the data path nothing.
+// write (a reduce-scatter sub-chunk by the reduce itself, which reads the old bytes
+// anyway: reduce3_saving); restore() puts it back exactly when the master declares
+// the attempt failed. Non-blocking sockets; small buffers are driven by one thread,
+// large ones by two (one receives and reduces, one sends); poll() also watches an
+// abort descriptor, so aborting costs the data path nothing.
 //
 // With quantization each sub-chunk travels as 8-bit codes plus a 16-byte parameter
 // header (collectives/quantize.h). Reduce-scatter hops carry quantized partial sums;
@@ -42,6 +44,9 @@ struct RingPlan {
   lockstep_quantization_t quantization = LOCKSTEP_QUANT_NONE;
   std::uint64_t attempt = 0;
   std::size_t subchunk_bytes = 1024 * 1024;
+  // Buffers of at least this many bytes are sent by a second thread (ring.cpp says why);
+  // smaller ones, where starting a thread would cost more than it brings, by one.
+  std::size_t sender_thread_bytes_min = 4 * 1024 * 1024;
 };
 
 struct RingIo {
