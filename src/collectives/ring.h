@@ -9,9 +9,9 @@
 // The destination is backed up, sub-chunk by sub-chunk, right before its first
 // write (a reduce-scatter sub-chunk by the reduce itself, which reads the old bytes
 // anyway: reduce3_saving); restore() puts it back exactly when the master declares
-// the attempt failed. Non-blocking sockets; small buffers are driven by one thread,
-// large ones by two (one receives and reduces, one sends); poll() also watches an
-// abort descriptor, so aborting costs the data path nothing.
+// the attempt failed. Non-blocking sockets, driven by one thread, or for large buffers
+// where the plan asks for it by two (one receives and reduces, one sends); poll() also
+// watches an abort descriptor, so aborting costs the data path nothing.
 //
 // With quantization each sub-chunk travels as 8-bit codes plus a 16-byte parameter
 // header (collectives/quantize.h). Reduce-scatter hops carry quantized partial sums;
@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace lockstep::coll {
@@ -44,10 +45,26 @@ struct RingPlan {
   lockstep_quantization_t quantization = LOCKSTEP_QUANT_NONE;
   std::uint64_t attempt = 0;
   std::size_t subchunk_bytes = 1024 * 1024;
-  // Buffers of at least this many bytes are sent by a second thread (ring.cpp says why);
-  // smaller ones, where starting a thread would cost more than it brings, by one.
-  std::size_t sender_thread_bytes_min = 4 * 1024 * 1024;
+  // Buffers of at least this many bytes are sent by a second thread (ring.cpp says
+  // why); the default: never.
+  std::size_t sender_thread_bytes_min = std::numeric_limits<std::size_t>::max();
 };
+
+// The sub-chunk size of a ring of `world` peers. Both ends of a connection must use the
+// same (it is not on the wire), so it depends only on what every peer of the ring
+// knows alike. Chosen by measurement (BENCHMARKS.md, 2-core host): 2 peers ran at the
+// transport bound with 1 MiB and about 20% below it with 256 KiB; 4 peers ran faster with
+// 256 KiB, whose staging buffer stays in a core's L2 while the peers time-slice cores.
+inline std::size_t ring_subchunk_bytes(std::size_t world) {
+  return world <= 2 ? std::size_t{1024 * 1024} : std::size_t{256 * 1024};
+}
+
+// Where more peers of a ring than a host has cores run on that host, they time-slice
+// its cores; a sender thread then keeps a peer sending while its receiving half waits
+// for the CPU, and gives it a fair share against other processes (measured: 4 peers on
+// 2 cores gained; 2 peers, a core each, lost with it). From 4 MiB: below that,
+// starting a thread costs more than it brings.
+inline constexpr std::size_t kCrowdedSenderThreadBytesMin = 4 * 1024 * 1024;
 
 struct RingIo {
   int tx_fd = -1;                                 // to the next peer (non-blocking)
