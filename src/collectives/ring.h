@@ -61,9 +61,11 @@ inline std::size_t ring_subchunk_bytes(std::size_t world) {
 
 // Where more peers of a ring than a host has cores run on that host, they time-slice
 // its cores; a sender thread then keeps a peer sending while its receiving half waits
-// for the CPU, and gives it a fair share against other processes (measured: 4 peers on
-// 2 cores gained; 2 peers, a core each, lost with it). From 4 MiB: below that,
-// starting a thread costs more than it brings.
+// for the CPU, and gives it a fair share against other processes (measured at 256 MiB:
+// 4 peers on 2 cores gained; 2 peers, a core each, lost with it). From 4 MiB, a
+// judgement rather than a measurement: a thread per attempt costs tens of microseconds,
+// which weighs on small buffers, and on the loaded test machine 1 and 16 MiB showed no
+// difference that stood out from the run-to-run spread.
 inline constexpr std::size_t kCrowdedSenderThreadBytesMin = 4 * 1024 * 1024;
 
 struct RingIo {
