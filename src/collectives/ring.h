@@ -50,11 +50,11 @@ struct RingPlan {
   std::size_t sender_thread_bytes_min = std::numeric_limits<std::size_t>::max();
 };
 
-// The sub-chunk size of a ring of `world` peers. Both ends of a connection must use the
-// same (it is not on the wire), so it depends only on what every peer of the ring
+// The sub-chunk size of a ring of `world` peers. Both ends of a connection must use
+// the same (it is not on the wire), so it depends only on what every peer of the ring
 // knows alike. Chosen by measurement (BENCHMARKS.md, 2-core host): 2 peers ran at the
-// transport bound with 1 MiB and about 20% below it with 256 KiB; 4 peers ran faster with
-// 256 KiB, whose staging buffer stays in a core's L2 while the peers time-slice cores.
+// transport bound with 1 MiB and about 20% below it with 256 KiB; 4 peers ran faster
+// with 256 KiB, whose staging buffer stays in a core's L2 while peers time-slice cores.
 inline std::size_t ring_subchunk_bytes(std::size_t world) {
   return world <= 2 ? std::size_t{1024 * 1024} : std::size_t{256 * 1024};
 }
