@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -156,6 +157,38 @@ template <typename E, typename Op>
   }
 }
 
+// The two loops below copy and reduce in one pass; GCC would otherwise split the copy
+// out into a memcpy call (loop distribution), reading the destination twice.
+#if defined(__GNUC__) && !defined(__clang__)
+#define LOCKSTEP_ONE_PASS gnu::optimize("no-tree-loop-distribute-patterns"),
+#else
+#define LOCKSTEP_ONE_PASS
+#endif
+
+// saved[i] = dst[i]; dst[i] = dst[i] OP src[i]: reduce3_saving with out == a.
+template <typename E, typename Op>
+[[LOCKSTEP_KERNEL_CLONES LOCKSTEP_ONE_PASS gnu::noinline]] void loop2_saving(
+    typename E::Storage* __restrict dst, typename E::Storage* __restrict saved,
+    const typename E::Storage* __restrict src, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const typename E::Storage old = dst[i];
+    saved[i] = old;
+    dst[i] = E::store(Op::apply(E::load(old), E::load(src[i])));
+  }
+}
+
+// saved[i] = out[i]; out[i] = a[i] OP b[i]: reduce3_saving with four distinct buffers.
+template <typename E, typename Op>
+[[LOCKSTEP_KERNEL_CLONES LOCKSTEP_ONE_PASS gnu::noinline]] void loop3_saving(
+    typename E::Storage* __restrict out, typename E::Storage* __restrict saved,
+    const typename E::Storage* __restrict a, const typename E::Storage* __restrict b,
+    std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    saved[i] = out[i];
+    out[i] = E::store(Op::apply(E::load(a[i]), E::load(b[i])));
+  }
+}
+
 template <typename E>
 [[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void avg_loop(typename E::Storage* __restrict data,
                                                        std::size_t n, std::uint32_t world_size) {
@@ -182,16 +215,19 @@ bool cpu_has_f16c() {
 
 // out[i] = a[i] OP b[i] in blocks: both operands converted to f32 by the hardware, the
 // f32 operation, the result rounded back by the hardware (nearest-even). Any of out, a,
-// b may be the same pointer: each block is read completely before it is written.
+// b may be the same pointer: each block is read completely before it is written. A
+// non-null `saved` receives each block of out before it is overwritten.
 template <typename Op>
 [[gnu::target("avx2,f16c"), gnu::noinline]] void half_f16c(std::uint16_t* out,
                                                            const std::uint16_t* a,
-                                                           const std::uint16_t* b, std::size_t n) {
+                                                           const std::uint16_t* b, std::size_t n,
+                                                           std::uint16_t* saved) {
   constexpr std::size_t kBlock = 512;
   alignas(32) float fa[kBlock];
   alignas(32) float fb[kBlock];
   for (std::size_t off = 0; off < n; off += kBlock) {
     const std::size_t m = std::min(kBlock, n - off);
+    if (saved != nullptr) std::memcpy(saved + off, out + off, m * sizeof(std::uint16_t));
     std::size_t i = 0;
     for (; i + 8 <= m; i += 8) {
       const auto* pa = reinterpret_cast<const __m128i*>(a + off + i);
@@ -219,11 +255,11 @@ template <typename Op>
 
 // Runs out = a OP b with F16C if the element type is f16 and the CPU has it.
 template <typename E, typename Op>
-bool try_half_f16c(void* out, const void* a, const void* b, std::size_t n) {
+bool try_half_f16c(void* out, const void* a, const void* b, std::size_t n, void* saved = nullptr) {
   if constexpr (std::is_same_v<E, Half>) {
     if (cpu_has_f16c()) {
       half_f16c<Op>(static_cast<std::uint16_t*>(out), static_cast<const std::uint16_t*>(a),
-                    static_cast<const std::uint16_t*>(b), n);
+                    static_cast<const std::uint16_t*>(b), n, static_cast<std::uint16_t*>(saved));
       return true;
     }
   }
@@ -233,7 +269,7 @@ bool try_half_f16c(void* out, const void* a, const void* b, std::size_t n) {
 #else
 
 template <typename E, typename Op>
-bool try_half_f16c(void*, const void*, const void*, std::size_t) {
+bool try_half_f16c(void*, const void*, const void*, std::size_t, void* = nullptr) {
   return false;
 }
 
@@ -321,6 +357,25 @@ void reduce3(void* out, const void* a, const void* b, std::size_t count, lockste
         loop2_swapped<E, Op>(o, pa, count);
       } else {
         loop3<E, Op>(o, pa, pb, count);
+      }
+    });
+  });
+}
+
+void reduce3_saving(void* out, void* saved, const void* a, const void* b, std::size_t count,
+                    lockstep_dtype_t dtype, lockstep_reduce_op_t op) {
+  with_dtype(dtype, [&]<typename E>() {
+    using S = typename E::Storage;
+    with_op(op, [&]<typename Op>() {
+      if (try_half_f16c<E, Op>(out, a, b, count, saved)) return;
+      S* o = static_cast<S*>(out);
+      S* sv = static_cast<S*>(saved);
+      const S* pa = static_cast<const S*>(a);
+      const S* pb = static_cast<const S*>(b);
+      if (o == pa) {
+        loop2_saving<E, Op>(o, sv, pb, count);
+      } else {
+        loop3_saving<E, Op>(o, sv, pa, pb, count);
       }
     });
   });

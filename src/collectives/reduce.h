@@ -74,6 +74,13 @@ void reduce(void* dst, const void* src, std::size_t count, lockstep_dtype_t dtyp
 void reduce3(void* out, const void* a, const void* b, std::size_t count, lockstep_dtype_t dtype,
              lockstep_reduce_op_t op);
 
+// reduce3 that first hands out's previous content to `saved`: saved[i] = out[i] as it
+// was, then out[i] = a[i] OP b[i], reading out once (the ring backs up the destination
+// this way as it reduces into it). Same bits in out as reduce3. `a` may be the same
+// pointer as `out`; `b` and `saved` overlap no other buffer.
+void reduce3_saving(void* out, void* saved, const void* a, const void* b, std::size_t count,
+                    lockstep_dtype_t dtype, lockstep_reduce_op_t op);
+
 // After all contributions are summed. AVG divides every element by world_size:
 // integers as the wrapped sum read as the signed/unsigned type, divided, truncated
 // toward zero; f32/f64 divide in their own type; f16/bf16 divide in f32 and round to

@@ -7,6 +7,7 @@
 #include "collectives/reduce.h"
 
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -16,6 +17,8 @@
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <system_error>
+#include <thread>
 
 namespace lockstep::coll {
 namespace {
@@ -84,6 +87,7 @@ class Runner {
     if (p_.world == 1) return single();
     skip_empty(send_, true);
     skip_empty(recv_, false);
+    if (p_.count * l_.esize() >= p_.sender_thread_bytes_min && start_sender()) return run_receiver();
     // The clock is read only while nothing moves.
     bool idle = false;
     std::chrono::steady_clock::time_point idle_since{};
@@ -120,6 +124,125 @@ class Runner {
         return fail(Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll"));
       }
       if (fds[nfds - 1].revents != 0) return aborted();
+    }
+    return Status::ok();
+  }
+
+  // ---------------------------------------------------------------- two threads
+  // A second thread runs pump_send while this one runs pump_recv: on a machine where
+  // the peers share few cores, a peer then holds a fair share of the CPU while its
+  // neighbours compete for it, and sending goes on while a sub-chunk is reduced. The
+  // sender learns how far the receiver got from recv_pos_ (release/acquire orders the
+  // reduced bytes before the send that reads them); wake_fd_ stops whichever side is
+  // still waiting when the other fails. The destination is restored only after the
+  // sender has been joined.
+
+  static std::uint64_t pack(std::size_t step, std::size_t sub) {
+    return (static_cast<std::uint64_t>(step) << 32) | static_cast<std::uint64_t>(sub);
+  }
+  static std::int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  // Milliseconds left before the stall timeout (no byte moved either way) fires;
+  // -1: no timeout; 0: it fired.
+  int stall_left_ms() const {
+    if (io_.stall_timeout_ms == 0) return -1;
+    const std::int64_t idle_ms = (now_ns() - last_move_ns_.load(std::memory_order_relaxed)) / 1'000'000;
+    if (idle_ms >= io_.stall_timeout_ms) return 0;
+    return static_cast<int>(io_.stall_timeout_ms - idle_ms);
+  }
+  Status stalled() const {
+    return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "no data moved to or from the ring neighbours for " +
+                                                            std::to_string(io_.stall_timeout_ms) + " ms (a cut link?)");
+  }
+  static Status abort_status() { return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the attempt was aborted"); }
+  bool abort_requested() const {
+    return io_.abort_flag != nullptr && io_.abort_flag->load(std::memory_order_relaxed);
+  }
+  void stop_other_side() {
+    stop_.store(true, std::memory_order_release);
+    recv_pos_.fetch_or(std::uint64_t{1} << 63, std::memory_order_acq_rel);  // a waiting sender wakes
+    recv_pos_.notify_all();
+    const std::uint64_t one = 1;
+    (void)!::write(wake_fd_, &one, sizeof one);
+  }
+
+  // False (and one thread does it all) when no thread or descriptor can be had.
+  bool start_sender() {
+    wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (wake_fd_ < 0) return false;
+    threaded_ = true;
+    recv_pos_.store(pack(recv_.step, recv_.sub), std::memory_order_release);
+    last_move_ns_.store(now_ns(), std::memory_order_relaxed);
+    try {
+      sender_ = std::thread([this] {
+        send_status_ = send_loop();
+        if (!send_status_.is_ok()) stop_other_side();
+      });
+    } catch (const std::system_error&) {
+      threaded_ = false;
+      ::close(wake_fd_);
+      wake_fd_ = -1;
+      return false;
+    }
+    return true;
+  }
+
+  Status run_receiver() {
+    Status st = recv_loop();
+    if (!st.is_ok()) stop_other_side();
+    sender_.join();
+    ::close(wake_fd_);
+    wake_fd_ = -1;
+    if (!st.is_ok()) return fail(st);
+    if (!send_status_.is_ok()) return fail(send_status_);
+    return Status::ok();
+  }
+
+  Status send_loop() {
+    while (send_.step < l_.steps()) {
+      if (stop_.load(std::memory_order_acquire)) return Status::ok();  // the receiver's status counts
+      if (abort_requested()) return abort_status();
+      const std::uint64_t seen = recv_pos_.load(std::memory_order_acquire);
+      if (!send_ready()) {
+        recv_pos_.wait(seen, std::memory_order_acquire);
+        continue;
+      }
+      bool progress = false;
+      Status st = pump_send(&progress);
+      if (!st.is_ok()) return st;
+      if (progress) {
+        last_move_ns_.store(now_ns(), std::memory_order_relaxed);
+        continue;
+      }
+      if (!send_ready()) continue;
+      const int timeout_ms = stall_left_ms();
+      if (timeout_ms == 0) return stalled();
+      pollfd fds[3] = {{io_.tx_fd, POLLOUT, 0}, {io_.abort_fd, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+      if (::poll(fds, 3, timeout_ms) < 0 && errno != EINTR) return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll");
+      if (fds[1].revents != 0) return abort_status();
+    }
+    return Status::ok();
+  }
+
+  Status recv_loop() {
+    while (recv_.step < l_.steps()) {
+      if (stop_.load(std::memory_order_acquire)) return Status::ok();  // the sender's status counts
+      if (abort_requested()) return abort_status();
+      bool progress = false;
+      Status st = pump_recv(&progress);
+      if (!st.is_ok()) return st;
+      if (progress) {
+        last_move_ns_.store(now_ns(), std::memory_order_relaxed);
+        continue;
+      }
+      const int timeout_ms = stall_left_ms();
+      if (timeout_ms == 0) return stalled();
+      pollfd fds[3] = {{io_.rx_fd, POLLIN, 0}, {io_.abort_fd, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+      if (::poll(fds, 3, timeout_ms) < 0 && errno != EINTR) return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll");
+      if (fds[1].revents != 0) return abort_status();
     }
     return Status::ok();
   }
@@ -193,6 +316,10 @@ class Runner {
     if (send_.step >= l_.steps()) return false;
     if (send_.step == 0) return true;
     // The receive of this sub-chunk at the previous step must be complete.
+    if (threaded_) {
+      const std::uint64_t received = recv_pos_.load(std::memory_order_acquire);
+      return received >> 63 == 0 && received > pack(send_.step - 1, send_.sub);  // bit 63: stopped
+    }
     return recv_.step > send_.step - 1 || (recv_.step == send_.step - 1 && recv_.sub > send_.sub);
   }
 
@@ -277,13 +404,19 @@ class Runner {
           dequantize(target, elems, p_.dtype, p_.quantization, bytes_of(p_.dst) + start * l_.esize());
         }
         if (reducing) {
-          touch(g, start, elems);
           std::uint8_t* dst = bytes_of(p_.dst) + start * l_.esize();
           const std::uint8_t* src = bytes_of(p_.src) + start * l_.esize();
           if (quantized()) {
+            touch(g, start, elems);
             if (src != dst) std::memcpy(dst, src, elems * l_.esize());
             dequantize_reduce(dst, s_.staging.data(), elems, p_.dtype, p_.quantization, p_.op);
+          } else if (s_.touched[g] == 0) {
+            // The reduce takes the backup itself, reading the destination once.
+            s_.touched[g] = 1;
+            reduce3_saving(dst, s_.backup.data() + start * l_.esize(), src, s_.staging.data(), elems, p_.dtype,
+                           p_.op);
           } else {
+            touch(g, start, elems);
             reduce3(dst, src, s_.staging.data(), elems, p_.dtype, p_.op);
           }
           // The last reduce-scatter step completes this peer's chunk: finish it here,
@@ -291,6 +424,10 @@ class Runner {
           if (recv_.step == l_.n() - 2) finalize(dst, elems, p_.dtype, p_.op, static_cast<std::uint32_t>(p_.world));
         }
         advance(recv_, false);
+        if (threaded_) {
+          recv_pos_.store(pack(recv_.step, recv_.sub), std::memory_order_release);
+          recv_pos_.notify_one();
+        }
       }
     }
     return Status::ok();
@@ -328,6 +465,14 @@ class Runner {
   Cursor send_;
   Cursor recv_;
   const std::uint8_t* send_source_ = nullptr;
+  // Two threads (see start_sender).
+  bool threaded_ = false;
+  int wake_fd_ = -1;
+  std::thread sender_;
+  Status send_status_ = Status::ok();
+  std::atomic<bool> stop_{false};
+  std::atomic<std::uint64_t> recv_pos_{0};  // pack(recv_.step, recv_.sub), published by the receiver
+  std::atomic<std::int64_t> last_move_ns_{0};
   std::uint8_t send_header_[kRingHeaderBytes] = {};
   std::uint8_t recv_header_[kRingHeaderBytes] = {};
 };

@@ -7,9 +7,11 @@
 // byte of another attempt is never taken for this one (semantics rule 3).
 //
 // The destination is backed up, sub-chunk by sub-chunk, right before its first
-// write; restore() puts it back exactly when the master declares the attempt failed.
-// One thread drives both directions with non-blocking sockets; poll() also watches
-// an abort descriptor, so aborting costs the data path nothing.
+// write (a reduce-scatter sub-chunk by the reduce itself, which reads the old bytes
+// anyway: reduce3_saving); restore() puts it back exactly when the master declares
+// the attempt failed. Non-blocking sockets, driven by one thread, or for large buffers
+// where the plan asks for it by two (one receives and reduces, one sends); poll() also
+// watches an abort descriptor, so aborting costs the data path nothing.
 //
 // With quantization each sub-chunk travels as 8-bit codes plus a 16-byte parameter
 // header (collectives/quantize.h). Reduce-scatter hops carry quantized partial sums;
@@ -27,6 +29,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace lockstep::coll {
@@ -42,7 +45,28 @@ struct RingPlan {
   lockstep_quantization_t quantization = LOCKSTEP_QUANT_NONE;
   std::uint64_t attempt = 0;
   std::size_t subchunk_bytes = 1024 * 1024;
+  // Buffers of at least this many bytes are sent by a second thread (ring.cpp says
+  // why); the default: never.
+  std::size_t sender_thread_bytes_min = std::numeric_limits<std::size_t>::max();
 };
+
+// The sub-chunk size of a ring of `world` peers. Both ends of a connection must use
+// the same (it is not on the wire), so it depends only on what every peer of the ring
+// knows alike. Chosen by measurement (BENCHMARKS.md, 2-core host): 2 peers ran at the
+// transport bound with 1 MiB and about 20% below it with 256 KiB; 4 peers ran faster
+// with 256 KiB, whose staging buffer stays in a core's L2 while peers time-slice cores.
+inline std::size_t ring_subchunk_bytes(std::size_t world) {
+  return world <= 2 ? std::size_t{1024 * 1024} : std::size_t{256 * 1024};
+}
+
+// Where more peers of a ring than a host has cores run on that host, they time-slice
+// its cores; a sender thread then keeps a peer sending while its receiving half waits
+// for the CPU, and gives it a fair share against other processes (measured at 256 MiB:
+// 4 peers on 2 cores gained; 2 peers, a core each, lost with it). From 4 MiB, a
+// judgement rather than a measurement: a thread per attempt costs tens of microseconds,
+// which weighs on small buffers, and on the loaded test machine 1 and 16 MiB showed no
+// difference that stood out from the run-to-run spread.
+inline constexpr std::size_t kCrowdedSenderThreadBytesMin = 4 * 1024 * 1024;
 
 struct RingIo {
   int tx_fd = -1;                                 // to the next peer (non-blocking)

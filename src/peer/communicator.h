@@ -199,6 +199,9 @@ class Communicator {
   Result<std::shared_ptr<AsyncReduce>> start_collective(const ReduceDescriptor& d, bool on_own_thread);
   // The body of one collective, on a worker thread or the caller's.
   Status run_collective(const ReduceDescriptor& d, OpChannel& channel, ReduceInfo* info);
+  // Whether more peers of `ring` than this host has cores run here (the ring then sends
+  // from a second thread).
+  bool crowded_host(const std::vector<PeerId>& ring);
   // Ring connections, made on first use and cached per (peer, pool slot).
   // cancel_fd: see transport::connect_tcp (an attempt's abort event, or -1).
   Result<int> tx_connection(const proto::MemberInfo& to, std::uint32_t slot, int cancel_fd = -1);

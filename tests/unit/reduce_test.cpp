@@ -517,6 +517,54 @@ void check_count(lockstep_reduce_op_t op, std::size_t count, std::size_t offset)
                   op);
     check_all(pa, a, a, "reduce3 out == a == b");
   }
+  // reduce3_saving: out bit for bit as reduce3 leaves it, saved = out as it was, nothing
+  // written past the end of either.
+  auto expect_same_bits = [&](const std::vector<S>& got, const std::vector<S>& want, const char* what) {
+    SCOPED_TRACE(what);
+    ASSERT_EQ(got.size(), want.size());
+    std::size_t failures = 0;
+    for (std::size_t i = 0; i < got.size() && failures < 5; ++i) {
+      if (Tr::bits(got[i]) != Tr::bits(want[i])) {
+        ++failures;
+        ADD_FAILURE() << "index " << i << ": 0x" << std::hex << Tr::bits(got[i]) << " instead of 0x"
+                      << Tr::bits(want[i]);
+      }
+    }
+  };
+  {  // reduce3_saving, out == a
+    auto pa = place(a);
+    const auto pb = place(b);
+    pa[offset + count] = sentinel;
+    auto reference = pa;
+    coll::reduce3(reference.data() + offset, reference.data() + offset, pb.data() + offset, count,
+                  Tr::kDtype, op);
+    std::vector<S> saved(len, sentinel);
+    coll::reduce3_saving(pa.data() + offset, saved.data() + offset, pa.data() + offset,
+                         pb.data() + offset, count, Tr::kDtype, op);
+    expect_same_bits(pa, reference, "reduce3_saving out == a: out");
+    auto old = place(a);
+    old[offset + count] = sentinel;
+    std::fill(old.begin(), old.begin() + static_cast<std::ptrdiff_t>(offset), sentinel);
+    expect_same_bits(saved, old, "reduce3_saving out == a: saved");
+  }
+  {  // reduce3_saving, four buffers
+    const auto pa = place(a);
+    const auto pb = place(b);
+    std::vector<S> previous(b.rbegin(), b.rend());
+    auto out = place(previous);
+    out[offset + count] = sentinel;
+    auto reference = out;
+    coll::reduce3(reference.data() + offset, pa.data() + offset, pb.data() + offset, count,
+                  Tr::kDtype, op);
+    std::vector<S> saved(len, sentinel);
+    coll::reduce3_saving(out.data() + offset, saved.data() + offset, pa.data() + offset,
+                         pb.data() + offset, count, Tr::kDtype, op);
+    expect_same_bits(out, reference, "reduce3_saving: out");
+    auto old = place(previous);
+    old[offset + count] = sentinel;
+    std::fill(old.begin(), old.begin() + static_cast<std::ptrdiff_t>(offset), sentinel);
+    expect_same_bits(saved, old, "reduce3_saving: saved");
+  }
 }
 
 template <typename Tr>

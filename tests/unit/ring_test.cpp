@@ -1,7 +1,9 @@
 // The ring driver over socket pairs, without a master: a ring whose neighbour moves no
 // byte fails at the stall timeout with the destination as it was (a link cut between two
 // peers that both still reach the master must not hold a collective forever), and the
-// stall timer does not fire on a ring that moves data.
+// stall timer does not fire on a ring that moves data; an aborted attempt restores the
+// destination; one driving thread and two (a sender thread) give the same bits. Every
+// case runs in both modes.
 #include "collectives/ring.h"
 
 #include <gtest/gtest.h>
@@ -9,8 +11,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <sys/eventfd.h>
+
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -32,7 +39,21 @@ struct SocketPair {
   }
 };
 
-RingPlan plan_for(std::uint32_t rank, const std::vector<float>& src, std::vector<float>& dst) {
+// The parameter: whether large buffers get a sender thread (every buffer here is large
+// enough when it is on, none when it is off).
+class Ring : public ::testing::TestWithParam<bool> {
+ protected:
+  RingPlan plan_for(std::uint32_t rank, const std::vector<float>& src, std::vector<float>& dst) const {
+    RingPlan plan = base_plan(rank, src, dst);
+    plan.sender_thread_bytes_min = GetParam() ? 0 : SIZE_MAX;
+    return plan;
+  }
+
+ public:
+  static RingPlan base_plan(std::uint32_t rank, const std::vector<float>& src, std::vector<float>& dst);
+};
+
+RingPlan Ring::base_plan(std::uint32_t rank, const std::vector<float>& src, std::vector<float>& dst) {
   RingPlan plan;
   plan.world = 2;
   plan.rank = rank;
@@ -46,7 +67,7 @@ RingPlan plan_for(std::uint32_t rank, const std::vector<float>& src, std::vector
   return plan;
 }
 
-TEST(Ring, SilentNeighbourFailsAtTheStallTimeoutAndRestores) {
+TEST_P(Ring, SilentNeighbourFailsAtTheStallTimeoutAndRestores) {
   SocketPair a_to_b, b_to_a;  // peer b never runs
   std::vector<float> buffer(100'000, 1.5f);
   const std::vector<float> before = buffer;
@@ -64,7 +85,7 @@ TEST(Ring, SilentNeighbourFailsAtTheStallTimeoutAndRestores) {
   EXPECT_EQ(buffer, before) << "a failed attempt must leave the buffer as it was";
 }
 
-TEST(Ring, StallTimerDoesNotFireWhileDataMoves) {
+TEST_P(Ring, StallTimerDoesNotFireWhileDataMoves) {
   SocketPair a_to_b, b_to_a;
   std::vector<float> a(300'000, 1.0f), b(300'000, 2.0f);
   RingScratch scratch_a, scratch_b;
@@ -87,5 +108,99 @@ TEST(Ring, StallTimerDoesNotFireWhileDataMoves) {
   EXPECT_EQ(a, std::vector<float>(300'000, 3.0f));
   EXPECT_EQ(a, b);
 }
+
+TEST_P(Ring, AbortRestoresTheDestination) {
+  SocketPair a_to_b, b_to_a;  // peer b never runs: a waits until it is aborted
+  std::vector<float> buffer(300'000);
+  for (std::size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<float>(i % 977) * 0.25f;
+  const std::vector<float> before = buffer;
+  RingScratch scratch;
+  const int abort_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  ASSERT_GE(abort_fd, 0);
+  std::atomic<bool> abort_flag{false};
+  RingIo io;
+  io.tx_fd = a_to_b.fds[0];
+  io.rx_fd = b_to_a.fds[1];
+  io.abort_fd = abort_fd;
+  io.abort_flag = &abort_flag;
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    abort_flag.store(true);
+    const std::uint64_t one = 1;
+    EXPECT_EQ(::write(abort_fd, &one, sizeof one), static_cast<ssize_t>(sizeof one));
+  });
+  const auto s = lockstep::coll::run_ring_all_reduce(plan_for(0, buffer, buffer), io, scratch, nullptr);
+  aborter.join();
+  ::close(abort_fd);
+  EXPECT_EQ(s.code(), LOCKSTEP_STATUS_PEER_CONNECTION_LOST) << s.to_string();
+  EXPECT_EQ(buffer, before) << "an aborted attempt must leave the buffer as it was";
+}
+
+// Four peers in threads over socket pairs, random f32 (so any difference in the order of
+// operations would show in the bits), plain and quantized: each mode gives every peer
+// the same bits, both modes give the same bits, and restore() after a successful
+// attempt brings back the input.
+TEST(RingModes, FourPeersAgreeBitForBit) {
+  for (const auto quant : {LOCKSTEP_QUANT_NONE, LOCKSTEP_QUANT_MINMAX_U8}) {
+    SCOPED_TRACE(quant == LOCKSTEP_QUANT_NONE ? "unquantized" : "quantized");
+    constexpr std::size_t kPeers = 4;
+    constexpr std::size_t kCount = 250'003;  // chunks of unequal length
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> d(-1000.0f, 1000.0f);
+    std::vector<std::vector<float>> input(kPeers, std::vector<float>(kCount));
+    for (auto& v : input) {
+      for (auto& x : v) x = d(rng);
+    }
+    auto run_all = [&](bool sender_thread, std::vector<std::vector<float>>& data, std::vector<RingScratch>& scratch,
+                       std::vector<RingPlan>& plans) {
+      std::vector<SocketPair> links(kPeers);  // links[i]: peer i -> peer i+1
+      std::vector<lockstep::Status> status(kPeers);
+      std::vector<std::thread> peers;
+      for (std::size_t i = 0; i < kPeers; ++i) {
+        plans[i] = Ring::base_plan(static_cast<std::uint32_t>(i), data[i], data[i]);
+        plans[i].world = kPeers;
+        plans[i].quantization = quant;
+        plans[i].sender_thread_bytes_min = sender_thread ? 0 : SIZE_MAX;
+      }
+      for (std::size_t i = 0; i < kPeers; ++i) {
+        peers.emplace_back([&, i] {
+          RingIo io;
+          io.tx_fd = links[i].fds[0];
+          io.rx_fd = links[(i + kPeers - 1) % kPeers].fds[1];
+          io.stall_timeout_ms = 30'000;
+          status[i] = lockstep::coll::run_ring_all_reduce(plans[i], io, scratch[i], nullptr);
+        });
+      }
+      for (auto& t : peers) t.join();
+      for (std::size_t i = 0; i < kPeers; ++i) ASSERT_TRUE(status[i].is_ok()) << i << ": " << status[i].to_string();
+    };
+    std::vector<std::vector<float>> results[2];
+    for (const bool sender_thread : {false, true}) {
+      auto data = input;
+      std::vector<RingScratch> scratch(kPeers);
+      std::vector<RingPlan> plans(kPeers);
+      run_all(sender_thread, data, scratch, plans);
+      for (std::size_t i = 1; i < kPeers; ++i) {
+        ASSERT_EQ(std::memcmp(data[i].data(), data[0].data(), kCount * sizeof(float)), 0) << "peer " << i;
+      }
+      // A plausibility check on the value: the sum of four inputs, up to rounding (and
+      // for the 8-bit codes, well within five encodings of 8000/255 each).
+      for (std::size_t k = 0; k < kCount; k += 4999) {
+        const float expected = input[0][k] + input[1][k] + input[2][k] + input[3][k];
+        EXPECT_NEAR(data[0][k], expected, quant == LOCKSTEP_QUANT_NONE ? 1e-2f : 200.0f) << k;
+      }
+      results[sender_thread ? 1 : 0] = data;
+      for (std::size_t i = 0; i < kPeers; ++i) {
+        lockstep::coll::restore(plans[i], scratch[i]);
+        ASSERT_EQ(std::memcmp(data[i].data(), input[i].data(), kCount * sizeof(float)), 0) << "restore, peer " << i;
+      }
+    }
+    EXPECT_EQ(std::memcmp(results[0][0].data(), results[1][0].data(), kCount * sizeof(float)), 0)
+        << "one thread and two must give the same bits";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(OneAndTwoThreads, Ring, ::testing::Bool(),
+                         [](const auto& param_info) { return param_info.param ? "SenderThread" : "OneThread"; });
 
 }  // namespace
