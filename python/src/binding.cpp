@@ -647,7 +647,7 @@ PYBIND11_MODULE(_lockstep, m) {
   py::class_<PyComm>(m, "Comm")
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::int32_t, std::uint32_t,
                     const std::string&, const std::string&, const std::string&, const py::object&, std::uint32_t,
-                    std::uint32_t, std::uint32_t>(),
+                    std::uint32_t, std::uint32_t, bool>(),
            py::arg("master_host"), py::arg("master_port"), py::arg("group"), py::arg("pool_size"), py::arg("base_port"),
            py::arg("connect_timeout_ms"), py::arg("advertised_host"), py::arg("bind_host"), py::arg("secret_file") = "",
            py::arg("secret") = py::none(), py::arg("inbound_handshake_timeout_ms") = 0,

@@ -1146,5 +1146,45 @@ TEST(SealedFrames, RoundTripAndEveryAlterationFails) {
   EXPECT_EQ(d.status().code(), LOCKSTEP_STATUS_PROTOCOL_ERROR);
 }
 
+// Sealed raw bytes (shared-state chunks with encrypt_data) share the frames' counter: in
+// order they open, and an altered, reordered or frame-confused chunk does not.
+TEST(SealedFrames, SealedBytesOpenInOrderAndNotOtherwise) {
+  const security::SessionKeys keys{security::random_key(), security::random_key()};
+  security::FrameCrypto tx(keys, /*client=*/false);
+  const Bytes plain = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  const Bytes frame = tx.seal(StateResponse{LOCKSTEP_OK, plain.size(), ""});
+  Bytes box(plain.size() + security::kTagBytes);
+  tx.seal_bytes(plain, box.data());
+  EXPECT_NE(Bytes(box.begin(), box.begin() + static_cast<std::ptrdiff_t>(plain.size())), plain) << "not encrypted";
+  const auto open_frame = [&](security::FrameCrypto& rx) {
+    return rx.open(std::span<const std::uint8_t, kFrameHeaderBytes>(frame.data(), kFrameHeaderBytes), payload_of(frame));
+  };
+  {
+    security::FrameCrypto rx(keys, /*client=*/true);
+    ASSERT_TRUE(open_frame(rx).is_ok());
+    Bytes out(plain.size());
+    ASSERT_TRUE(rx.open_bytes(box, out.data()));
+    EXPECT_EQ(out, plain);
+  }
+  for (std::size_t byte = 0; byte < box.size(); ++byte) {
+    security::FrameCrypto rx(keys, /*client=*/true);
+    ASSERT_TRUE(open_frame(rx).is_ok());
+    Bytes tampered = box;
+    tampered[byte] ^= 0x01;
+    Bytes out(plain.size());
+    EXPECT_FALSE(rx.open_bytes(tampered, out.data())) << "byte " << byte;
+  }
+  {
+    security::FrameCrypto rx(keys, /*client=*/true);  // the chunk before its frame: out of order
+    Bytes out(plain.size());
+    EXPECT_FALSE(rx.open_bytes(box, out.data()));
+  }
+  {
+    security::FrameCrypto rx(keys, /*client=*/true);  // a frame's sealed payload is not a chunk
+    Bytes out(frame.size());
+    EXPECT_FALSE(rx.open_bytes(payload_of(frame), out.data()));
+  }
+}
+
 }  // namespace
 }  // namespace lockstep::proto
