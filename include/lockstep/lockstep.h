@@ -335,7 +335,7 @@ typedef struct lockstep_counters {
   uint32_t struct_size;
   /* Out: LOCKSTEP_COUNTERS_VERSION of the library. */
   uint32_t version;
-  uint64_t all_reduce_bytes_sent;     /* ring bytes, headers included */
+  uint64_t all_reduce_bytes_sent;     /* ring bytes, headers (and tags) included */
   uint64_t all_reduce_bytes_received;
   uint64_t sync_bytes_sent;           /* shared-state tensor bytes served to others */
   uint64_t sync_bytes_received;
@@ -381,7 +381,7 @@ typedef struct lockstep_reduce_desc {
 
 typedef struct lockstep_reduce_info {
   uint32_t world_size;     /* peers that took part in the successful attempt */
-  uint64_t bytes_sent;     /* bytes this peer put on the wire (headers included) */
+  uint64_t bytes_sent;     /* bytes this peer put on the wire (headers and, encrypted, tags included) */
   uint64_t bytes_received;
 } lockstep_reduce_info_t;
 

@@ -159,15 +159,13 @@ class StateServer {
       auto connection = link_.take_connection(proto::Channel::kSharedState, attempt_, std::nullopt, &stop_,
                                               Clock::now() + std::chrono::seconds(1));
       if (!connection) continue;
+      if (encrypt_ && !connection->keys) continue;  // cannot happen: encrypt_data needs the secret
       if (handlers_.size() >= kServeConnectionsMax || !sockets_.add(connection->fd.get())) {
         LOG_WARN(kLog, "shared-state server: too many connections; closing one from " << connection->from.to_string());
         continue;
       }
       std::unique_ptr<SealedStream> sealed;
-      if (encrypt_) {
-        if (!connection->keys) continue;  // cannot happen: encrypt_data needs the secret
-        sealed = std::make_unique<SealedStream>(*connection->keys, /*client=*/false);
-      }
+      if (encrypt_) sealed = std::make_unique<SealedStream>(*connection->keys, /*client=*/false);
       handlers_.emplace_back([this, fd = std::make_shared<transport::Fd>(std::move(connection->fd)),
                               sealed = std::shared_ptr<SealedStream>(std::move(sealed))] {
         serve(fd->get(), sealed.get());

@@ -8,7 +8,8 @@
 //  - a byte altered on the way (an LD_PRELOAD shim, tests/support/tamper_shim.c, flips
 //    one byte of the first ring sub-chunk a peer sends) fails the all-reduce on every
 //    peer with the destination unchanged, and the retry succeeds; without encryption the
-//    same shim silently corrupts the result (so the shim does tamper).
+//    same shim silently corrupts the result (so the shim does tamper);
+//  - a byte altered in a shared-state chunk fails the sync, and the retry succeeds.
 #include "e2e.h"
 
 #include <lockstep/lockstep.h>
@@ -51,13 +52,15 @@ std::vector<std::string> peer_flags(const SecretFile& secret, bool encrypt) {
 
 // /usr/bin/env with the tamper shim preloaded and armed (AddressSanitizer builds: the
 // shim comes before the sanitizer runtime, which must be told that this is fine).
-std::vector<std::string> tamper_launcher() {
+// call: the function whose first large call is altered (sendmsg: the ring; send:
+// shared-state transfers).
+std::vector<std::string> tamper_launcher(const std::string& call = "sendmsg") {
   std::string asan = "verify_asan_link_order=0";
   if (const char* existing = std::getenv("ASAN_OPTIONS"); existing != nullptr && *existing != '\0') {
     asan = std::string(existing) + ":" + asan;
   }
   return {"/usr/bin/env", "LD_PRELOAD=" LOCKSTEP_TAMPER_SHIM, "LOCKSTEP_TAMPER_MIN_BYTES=65536",
-          "ASAN_OPTIONS=" + asan};
+          "LOCKSTEP_TAMPER_CALL=" + call, "ASAN_OPTIONS=" + asan};
 }
 
 struct Run {
@@ -212,6 +215,34 @@ TEST(EncryptionE2E, TamperedByteFailsTheAllReduceOnEveryPeerAndTheRetrySucceeds)
     EXPECT_EQ(r["value"].get<double>(), 6.0) << r.dump();
     EXPECT_EQ(r["digest"], retried[0]["digest"]);
   }
+}
+
+TEST(EncryptionE2E, TamperedSharedStateChunkFailsTheSyncAndTheRetrySucceeds) {
+  SecretFile secret;
+  Master master({"--secret-file", secret.path()});
+  // The holder's sends of tensor bytes pass the shim; the newcomer receives from it alone.
+  Peer holder(master, "holder", 0, peer_flags(secret, true), tamper_launcher("send"));
+  Peer newcomer(master, "new", 0, peer_flags(secret, true));
+  std::vector<Peer*> members;
+  admit(members, {&holder});
+  ASSERT_EQ(code(holder.call("tensor weights 3000000")), 0);
+  ASSERT_EQ(code(holder.call("fill weights 21")), 0);
+  ASSERT_EQ(code(holder.call("revision 1")), 0);
+  ASSERT_EQ(code(newcomer.call("tensor weights 3000000")), 0);
+  admit(members, {&newcomer});
+  ASSERT_EQ(members.size(), 2u);
+  const auto sync = [&] {
+    holder.send("sync popular");
+    newcomer.send("sync receive");
+    return std::vector<json>{holder.reply(scaled(60s)), newcomer.reply(scaled(60s))};
+  };
+  const auto failed = sync();
+  for (const auto& r : failed) EXPECT_EQ(code(r), LOCKSTEP_STATUS_PEER_CONNECTION_LOST) << r.dump();
+  EXPECT_NE(failed[1].value("error", "").find("does not verify"), std::string::npos) << failed[1].dump();
+  const auto retried = sync();
+  for (const auto& r : retried) ASSERT_EQ(code(r), 0) << r.dump();
+  EXPECT_EQ(retried[1]["hashes"], retried[0]["hashes"]);
+  EXPECT_EQ(retried[1]["revision"], 1);
 }
 
 TEST(EncryptionE2E, WithoutEncryptionTheShimCorruptsTheResultUnnoticed) {
