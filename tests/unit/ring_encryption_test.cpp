@@ -185,7 +185,7 @@ TEST(RingEncryption, SameBitsAsUnencryptedAcrossDtypesOpsWorldsAndQuantization) 
 }
 
 // Two attempts over the same connections: the counters go on from where they were on
-// both ends. A receiver that starts again from zero (as a replay would need) fails.
+// both ends. Counters out of step (a frame dropped, or one replayed) fail.
 TEST(RingEncryption, ReusedConnectionsKeepCountersInStepAndAResetCounterFails) {
   Config c{3, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, 20'000, 4096};
   std::vector<SocketPair> pairs(c.world);
@@ -201,8 +201,8 @@ TEST(RingEncryption, ReusedConnectionsKeepCountersInStepAndAResetCounterFails) {
       EXPECT_EQ(got.buffers[r], expected.buffers[r]);
     }
   }
-  // Peer 1's receiving side forgets its counter (a new Aead with the same key would be
-  // needed to accept a replay): its first frame does not open.
+  // Connection 0 -> 1 with a new key whose sender is one frame ahead of its receiver
+  // (as if a frame had been dropped on the way): peer 1's first frame does not open.
   const auto key = lockstep::security::random_key();
   channels[0].seal = std::make_unique<Aead>(key);
   channels[0].open = std::make_unique<Aead>(key);
