@@ -233,7 +233,8 @@ void relay(int from, int to, std::uint64_t flip, const std::atomic<bool>& stop) 
     if (flip >= offset && flip < offset + static_cast<std::uint64_t>(n)) buf[flip - offset] ^= 0x01;
     offset += static_cast<std::uint64_t>(n);
     for (ssize_t done = 0; done < n && !stop.load();) {
-      const ssize_t w = ::write(to, buf + done, static_cast<std::size_t>(n - done));
+      // MSG_NOSIGNAL: the receiver may have shut its end down already (no SIGPIPE).
+      const ssize_t w = ::send(to, buf + done, static_cast<std::size_t>(n - done), MSG_NOSIGNAL);
       if (w < 0) {
         if (errno == EAGAIN || errno == EINTR) {
           pollfd q{to, POLLOUT, 0};
