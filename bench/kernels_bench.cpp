@@ -8,6 +8,7 @@
 //   lockstep-kernels-bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 #include "collectives/quantize.h"
 #include "collectives/reduce.h"
+#include "security/crypto.h"
 
 #include <benchmark/benchmark.h>
 
@@ -151,6 +152,31 @@ BENCHMARK(BM_Dequantize<LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U8>)
 BENCHMARK(BM_DequantizeReduce<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+
+// Data-plane encryption (encrypt_data): ChaCha20-Poly1305 over the buffer in 1 MiB
+// sub-chunks as the ring seals them (seal), and sealing then opening each (the work one
+// sub-chunk costs its sender and its receiver together on one machine).
+void BM_Seal(benchmark::State& state) {
+  const auto src = make_buffer(LOCKSTEP_F32, 7);
+  constexpr std::size_t kSub = std::size_t{1} << 20;
+  std::vector<std::uint8_t> box(kSub + lockstep::security::kTagBytes);
+  std::vector<std::uint8_t> plain(kSub);
+  const std::uint8_t header[16] = {};
+  const auto key = lockstep::security::random_key();
+  lockstep::security::Aead seal(key);
+  lockstep::security::Aead open(key);
+  const bool round_trip = state.range(0) != 0;
+  for (auto _ : state) {
+    for (std::size_t at = 0; at < kBytes; at += kSub) {
+      seal.seal(std::span<const std::uint8_t>(src.data() + at, kSub), header, box.data());
+      if (round_trip && !open.open(box, header, plain.data())) state.SkipWithError("does not verify");
+    }
+    benchmark::DoNotOptimize(box.data());
+  }
+  count_bytes(state);
+}
+
+BENCHMARK(BM_Seal)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 

@@ -236,6 +236,14 @@ typedef struct lockstep_comm_config {
    * 5000 ms) and how many may be unfinished at once (0 means 256; more are closed). */
   uint32_t inbound_handshake_timeout_ms;
   uint32_t inbound_handshakes_max;
+  /* Nonzero: encrypt and authenticate the data plane (all-reduce sub-chunks and
+   * shared-state transfers) with ChaCha20-Poly1305 under per-connection keys. Needs a run
+   * secret (else lockstep_comm_create fails with INVALID_ARGUMENT); every peer of the
+   * run must use the same setting (a p2p connection between peers that differ is
+   * refused, and both log why). A sub-chunk altered on the way fails the all-reduce on
+   * every peer (PEER_CONNECTION_LOST; retry it). Costs throughput: see BENCHMARKS.md.
+   * 0 (default): the data plane travels in clear (docs/security.md). */
+  int encrypt_data;
 } lockstep_comm_config_t;
 
 /* Fills a config with the defaults; master_host defaults to "127.0.0.1". */
@@ -327,7 +335,7 @@ typedef struct lockstep_counters {
   uint32_t struct_size;
   /* Out: LOCKSTEP_COUNTERS_VERSION of the library. */
   uint32_t version;
-  uint64_t all_reduce_bytes_sent;     /* ring bytes, headers included */
+  uint64_t all_reduce_bytes_sent;     /* ring bytes, headers (and tags) included */
   uint64_t all_reduce_bytes_received;
   uint64_t sync_bytes_sent;           /* shared-state tensor bytes served to others */
   uint64_t sync_bytes_received;
@@ -373,7 +381,7 @@ typedef struct lockstep_reduce_desc {
 
 typedef struct lockstep_reduce_info {
   uint32_t world_size;     /* peers that took part in the successful attempt */
-  uint64_t bytes_sent;     /* bytes this peer put on the wire (headers included) */
+  uint64_t bytes_sent;     /* bytes this peer put on the wire (headers and, encrypted, tags included) */
   uint64_t bytes_received;
 } lockstep_reduce_info_t;
 

@@ -315,7 +315,8 @@ class Communicator:
                  connect_timeout_ms: int = 0, advertised_host: Optional[str] = None,
                  bind_host: Optional[str] = None, secret_file: Optional[str] = None,
                  secret: Optional[Union[bytes, str]] = None, inbound_handshake_timeout_ms: int = 0,
-                 inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0) -> None:
+                 inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
+                 encrypt_data: bool = False) -> None:
         """master: "host:port" (port 48148 if omitted). group: the peer group. pool_size: p2p
         connections per neighbour and direction. base_port: -1 first free ports above
         48148, 0 ephemeral, else the first port tried. connect_timeout_ms: 0 means 10000.
@@ -325,7 +326,9 @@ class Communicator:
         prove it raises AuthenticationFailedError. inbound_handshake_timeout_ms: 0 means
         5000. inbound_handshakes_max: 0 means 256. p2p_stall_timeout_ms: an all-reduce
         attempt in which no byte moves to or from the ring neighbours for this long fails
-        (PeerConnectionLostError); 0 means 30000."""
+        (PeerConnectionLostError); 0 means 30000. encrypt_data: seal the data plane
+        (all-reduce sub-chunks, shared-state transfers) with ChaCha20-Poly1305; needs a
+        secret (else InvalidArgumentError); every peer of the run must set the same."""
     def connect(self) -> None:
         """Connects and blocks until accepted (the accepted peers' update_topology admits it)."""
     def update_topology(self) -> None:

@@ -588,13 +588,20 @@ class Communicator:
         p2p_stall_timeout_ms: an all-reduce attempt fails (PeerConnectionLostError)
             when no byte moves to or from its ring neighbours for this long, e.g. a
             link cut between two peers that both still reach the master; 0 means 30000.
+        encrypt_data: seal the data plane (all-reduce sub-chunks, shared-state transfers)
+            with ChaCha20-Poly1305 under per-connection keys. Needs a secret (else
+            InvalidArgumentError); every peer of the run must set the same value (p2p
+            connections between peers that differ are refused). An altered sub-chunk
+            fails the all-reduce on every peer (PeerConnectionLostError). Costs
+            throughput (BENCHMARKS.md).
     """
 
     def __init__(self, master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}", group: int = 0, pool_size: int = 1,
                  base_port: int = -1, connect_timeout_ms: int = 0, advertised_host: Optional[str] = None,
                  bind_host: Optional[str] = None, secret_file: Optional[str] = None,
                  secret: Optional[Union[bytes, str]] = None, inbound_handshake_timeout_ms: int = 0,
-                 inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0) -> None:
+                 inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
+                 encrypt_data: bool = False) -> None:
         host, port = _split_address(master, DEFAULT_MASTER_PORT, "master")
         if not host:
             raise InvalidArgumentError(f"master {master!r}: the host is empty")
@@ -614,7 +621,7 @@ class Communicator:
             secret_file or "", None if secret is None else bytes(secret),
             _check_uint("inbound_handshake_timeout_ms", inbound_handshake_timeout_ms, 32),
             _check_uint("inbound_handshakes_max", inbound_handshakes_max, 32),
-            _check_uint("p2p_stall_timeout_ms", p2p_stall_timeout_ms, 32))
+            _check_uint("p2p_stall_timeout_ms", p2p_stall_timeout_ms, 32), bool(encrypt_data))
         self.master = f"{host}:{port}"
 
     # -- membership ---------------------------------------------------------

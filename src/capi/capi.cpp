@@ -201,6 +201,7 @@ lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* config, loc
       return secret.status().code();
     }
     options.secret = secret.value();
+    options.encrypt_data = config->encrypt_data != 0;
     auto created = lockstep::peer::Communicator::create(options);
     if (!created.is_ok()) {
       LOG_ERROR("capi", "lockstep_comm_create: " << created.status().to_string());

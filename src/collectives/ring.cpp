@@ -259,6 +259,10 @@ class Runner {
       if (s_.encoded_send.size() < staging) s_.encoded_send.resize(staging);
       if (s_.encoded_gather.size() < l_.encoded_total()) s_.encoded_gather.resize(l_.encoded_total());
     }
+    if (encrypted()) {
+      if (s_.sealed_send.size() < staging + security::kTagBytes) s_.sealed_send.resize(staging + security::kTagBytes);
+      if (s_.sealed_recv.size() < staging + security::kTagBytes) s_.sealed_recv.resize(staging + security::kTagBytes);
+    }
   }
 
   // Backs up destination elements [start, start+len) of sub-chunk g before the first write.
@@ -277,6 +281,9 @@ class Runner {
   }
 
   bool quantized() const { return p_.quantization != LOCKSTEP_QUANT_NONE; }
+  bool encrypted() const { return io_.seal != nullptr && io_.open != nullptr; }
+  // Bytes after the header: the payload, and its tag when encrypted.
+  std::size_t on_wire(std::size_t payload) const { return payload + (encrypted() ? security::kTagBytes : 0); }
 
   // The bytes of a send item. Quantized: reduce-scatter encodes the partial sum; the
   // first all-gather step encodes this peer's final chunk and replaces its own copy
@@ -327,11 +334,17 @@ class Runner {
     while (send_ready()) {
       const std::size_t c = l_.send_chunk(send_.step);
       const std::size_t start = l_.sub_start(c, send_.sub);
-      const std::size_t payload = l_.wire_bytes(c, send_.sub, p_.quantization);
+      const std::size_t plain = l_.wire_bytes(c, send_.sub, p_.quantization);
+      const std::size_t payload = on_wire(plain);
       // Step 0 sends this peer's own input; later steps send what was reduced or received.
       if (send_.bytes == 0) {
         put_header(send_header_, static_cast<std::uint32_t>(send_.item), p_.attempt);
         send_source_ = send_data(c, start);
+        if (encrypted()) {
+          io_.seal->seal(std::span<const std::uint8_t>(send_source_, plain),
+                         std::span<const std::uint8_t>(send_header_, kRingHeaderBytes), s_.sealed_send.data());
+          send_source_ = s_.sealed_send.data();
+        }
       }
       const std::uint8_t* data = send_source_;
       iovec iov[2];
@@ -365,13 +378,16 @@ class Runner {
       const std::size_t c = l_.recv_chunk(recv_.step);
       const std::size_t start = l_.sub_start(c, recv_.sub);
       const std::size_t elems = l_.sub_len(c, recv_.sub);
-      const std::size_t payload = l_.wire_bytes(c, recv_.sub, p_.quantization);
+      const std::size_t plain = l_.wire_bytes(c, recv_.sub, p_.quantization);
+      const std::size_t payload = on_wire(plain);
       const bool reducing = recv_.step < l_.n() - 1;
       const std::size_t g = l_.sub_index(c, recv_.sub);
       // All-gather writes straight into the destination: back it up first.
       if (!reducing && recv_.bytes == 0) touch(g, start, elems);
       std::uint8_t* target = reducing ? s_.staging.data() : bytes_of(p_.dst) + start * l_.esize();
       if (quantized() && !reducing) target = s_.encoded_gather.data() + l_.encoded_offset(c, recv_.sub);
+      // Encrypted: the sealed bytes wait in scratch until they verify.
+      std::uint8_t* landing = encrypted() ? s_.sealed_recv.data() : target;
       iovec iov[2];
       int n = 0;
       if (recv_.bytes < kRingHeaderBytes) {
@@ -379,7 +395,7 @@ class Runner {
         // Read no further than the header until it is checked.
       } else {
         const std::size_t off = recv_.bytes - kRingHeaderBytes;
-        iov[n++] = iovec{target + off, payload - off};
+        iov[n++] = iovec{landing + off, payload - off};
       }
       const ssize_t got = ::readv(io_.rx_fd, iov, n);
       if (got < 0) {
@@ -397,6 +413,12 @@ class Runner {
         if (!h.is_ok()) return h;
       }
       if (recv_.bytes == kRingHeaderBytes + payload) {
+        if (encrypted() && !io_.open->open(std::span<const std::uint8_t>(landing, payload),
+                                           std::span<const std::uint8_t>(recv_header_, kRingHeaderBytes), target)) {
+          return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR,
+                        "ring sub-chunk " + std::to_string(recv_.item) +
+                            " from the previous peer does not verify (altered on the way, or sent with another key)");
+        }
         if (quantized() && !quantized_header_valid(target, p_.dtype, p_.quantization)) {
           return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "quantized sub-chunk with an impossible header");
         }

@@ -20,9 +20,18 @@
 // peer decodes the same bits. Error bound per element: the sum over the n-1
 // reduce-scatter hops and the one all-gather encoding of each encoding's bound
 // (scale/2 plus rounding, see quantize.h).
+//
+// Encrypted (RingIo's seal and open set): each sub-chunk travels as its 16-byte header
+// in clear, the ChaCha20-Poly1305 ciphertext of the wire payload (raw or quantized) and
+// a 16-byte tag; the header is the associated data and the nonce a per-direction counter
+// kept by the connection's Aead, so an altered, replayed, reordered or cut frame does
+// not open. The sender seals from the source into a scratch buffer; the receiver reads
+// into another and opens into the real target only once the tag verifies (a failure
+// fails the attempt with PROTOCOL_ERROR and restores the destination like any other).
 #pragma once
 
 #include "common/status.h"
+#include "security/crypto.h"
 
 #include <lockstep/lockstep.h>
 
@@ -77,6 +86,11 @@ struct RingIo {
   // a link cut between two ring neighbours that both still reach the master would
   // otherwise hold the collective, and every peer voting on it, forever.
   std::uint32_t stall_timeout_ms = 0;
+  // Both set: the data plane is encrypted (see above). They belong to the connections
+  // (tx seals, rx opens) and live as long as they do, so that the counters stay in step
+  // on both ends across the attempts that reuse a connection.
+  security::Aead* seal = nullptr;
+  security::Aead* open = nullptr;
 };
 
 struct RingStats {
@@ -93,6 +107,9 @@ struct RingScratch {
   // sub-chunk of the all-gather, forwarded verbatim so that all peers decode the same bytes.
   std::vector<std::uint8_t> encoded_send;
   std::vector<std::uint8_t> encoded_gather;
+  // Encrypted attempts: one sealed sub-chunk (ciphertext and tag) in each direction.
+  std::vector<std::uint8_t> sealed_send;
+  std::vector<std::uint8_t> sealed_recv;
 };
 
 inline constexpr std::size_t kRingHeaderBytes = 16;

@@ -63,6 +63,8 @@ std::uint64_t Communicator::measure_bandwidth(const proto::BandwidthTest& test) 
       hello.to = partner.id;
       hello.epoch = test.test;
       hello.pool_index = k;
+      // The filler stays in clear (no user data), but the setting must still agree.
+      if (options_.encrypt_data) hello.flags = proto::kP2PFlagEncryptData;
       Status s = p2p_handshake(fd.value().get(), hello, options_.secret.has_value(), partner.key,
                                options_.p2p_connect_timeout_ms);
       if (!s.is_ok()) {

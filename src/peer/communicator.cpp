@@ -69,6 +69,11 @@ Result<std::unique_ptr<Communicator>> Communicator::create(const Options& option
     return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "base port must be -1, 0 or a port number");
   }
   if (options.advertised_host.size() > 255) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "advertised host too long");
+  if (options.encrypt_data && !options.secret) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                  "encrypt_data needs a run secret (secret_file, secret or LOCKSTEP_SECRET_FILE): the data-plane keys "
+                  "are derived from it");
+  }
   std::unique_ptr<Communicator> comm(new Communicator(options));
   comm->link_ = std::make_unique<Link>(options);
   Status s = comm->link_->open_listeners();
@@ -82,6 +87,11 @@ Status Communicator::remember(Status status) {
     last_error_ = status.to_string();
   }
   return status;
+}
+
+Status Communicator::with_p2p_refusal(Status status) const {
+  if (status.is_ok() || p2p_refusal_.empty()) return status;
+  return Status(status.code(), status.message() + " (" + p2p_refusal_ + ")");
 }
 
 std::string Communicator::last_error() const {
@@ -182,7 +192,7 @@ Status Communicator::connect() {
   // the master with the next vote, unless it rejects us (a fatal Goodbye).
   for (;;) {
     auto result = run_establishment(/*newcomer=*/true);
-    if (!result.is_ok()) return remember(result.status());
+    if (!result.is_ok()) return remember(with_p2p_refusal(result.status()));
     if (result.value().status == LOCKSTEP_OK) break;
     LOG_INFO(kLog, "admission attempt failed, waiting for the next one: " << result.value().reason);
   }
@@ -238,6 +248,7 @@ Result<proto::TopologyResult> Communicator::finish_establishment(const proto::Es
   if (!outcome.is_ok()) return outcome.status();
   if (const auto* r = std::get_if<proto::Refused>(&outcome.value())) return Status(r->status, "master: " + r->reason);
   auto result = std::get<proto::TopologyResult>(std::move(outcome.value()));
+  if (result.status != LOCKSTEP_OK && !p2p_refusal_.empty()) result.reason += " (" + p2p_refusal_ + ")";
   if (result.status == LOCKSTEP_OK) {
     epoch_ = epoch;
     view_ = result.ring;
@@ -254,6 +265,7 @@ Result<proto::TopologyResult> Communicator::finish_establishment(const proto::Es
 // Makes sure every pool slot has a connection to the next peer of the new ring and
 // one from the previous peer. Returns the peers that could not be reached.
 std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan, const OpChannel& cancel) {
+  p2p_refusal_.clear();
   prune_connections(plan.ring);
   const auto& ring = plan.ring;
   const auto self = std::find_if(ring.begin(), ring.end(), [&](const auto& m) { return m.id == id_; });
@@ -269,6 +281,7 @@ std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan, con
     if (!tx.is_ok()) {
       LOG_WARN(kLog, "cannot connect to ring neighbour " << next.id.to_string() << " at " << next.host << ":"
                                                           << next.p2p_port << ": " << tx.status().message());
+      if (tx.status().code() == LOCKSTEP_STATUS_INVALID_ARGUMENT) p2p_refusal_ = tx.status().message();
       unreachable.push_back(next.id);
       break;
     }
@@ -287,10 +300,14 @@ std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan, con
 
 // ------------------------------------------------------------------ connections
 
-Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32_t slot, int cancel_fd) {
+Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32_t slot, int cancel_fd,
+                                        security::Aead** seal) {
   {
     std::lock_guard<std::mutex> lock(connections_mutex_);
-    if (auto it = tx_.find(SlotKey{to.id, slot}); it != tx_.end()) return it->second.get();
+    if (auto it = tx_.find(SlotKey{to.id, slot}); it != tx_.end()) {
+      if (seal != nullptr) *seal = it->second.seal.get();
+      return it->second.fd.get();
+    }
   }
   auto fd = transport::connect_tcp(to.host, to.p2p_port, options_.p2p_connect_timeout_ms, cancel_fd);
   if (!fd.is_ok()) return fd.status();
@@ -300,18 +317,23 @@ Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32
   hello.to = to.id;
   hello.epoch = next_generation_.fetch_add(1);  // the receiver keeps the newest
   hello.pool_index = slot;
+  if (options_.encrypt_data) hello.flags = proto::kP2PFlagEncryptData;
+  security::SessionKeys keys;
   Status s = p2p_handshake(fd.value().get(), hello, options_.secret.has_value(), to.key, options_.p2p_connect_timeout_ms,
-                           nullptr, cancel_fd);
+                           &keys, cancel_fd);
   if (!s.is_ok()) return s;
   transport::set_nonblocking(fd.value().get());
   std::lock_guard<std::mutex> lock(connections_mutex_);
   const int raw = fd.value().get();
-  tx_[SlotKey{to.id, slot}] = std::move(fd.value());
+  auto& entry = tx_[SlotKey{to.id, slot}];
+  entry.fd = std::move(fd.value());
+  entry.seal = options_.encrypt_data ? std::make_unique<security::Aead>(keys.to_server) : nullptr;
+  if (seal != nullptr) *seal = entry.seal.get();
   return raw;
 }
 
 Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::time_point deadline,
-                                        const std::atomic<bool>* abort) {
+                                        const std::atomic<bool>* abort, security::Aead** open) {
   std::uint64_t have = 0;
   {
     std::lock_guard<std::mutex> lock(connections_mutex_);
@@ -321,13 +343,21 @@ Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::
   auto fresh = link_->take_inbound(from, slot, have, have != 0 ? Clock::now() : deadline, abort);
   std::lock_guard<std::mutex> lock(connections_mutex_);
   if (fresh) {
+    if (options_.encrypt_data && !fresh->keys) {
+      return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "a ring connection from " + from.to_string() + " has no session keys");
+    }
     transport::set_nonblocking(fresh->fd.get());
     auto& slot_entry = rx_[SlotKey{from, slot}];
     slot_entry.fd = std::move(fresh->fd);
     slot_entry.generation = fresh->epoch;
+    slot_entry.open = options_.encrypt_data ? std::make_unique<security::Aead>(fresh->keys->to_server) : nullptr;
+    if (open != nullptr) *open = slot_entry.open.get();
     return slot_entry.fd.get();
   }
-  if (auto it = rx_.find(SlotKey{from, slot}); it != rx_.end()) return it->second.fd.get();
+  if (auto it = rx_.find(SlotKey{from, slot}); it != rx_.end()) {
+    if (open != nullptr) *open = it->second.open.get();
+    return it->second.fd.get();
+  }
   return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer " + from.to_string() + " did not connect in time");
 }
 
@@ -647,10 +677,10 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
         // A connection that cannot be made fails the attempt at once; making ours and
         // waiting for the previous peer's stop as soon as the master ends the attempt
         // (a neighbour died or was stopped, and the handshake would wait for it).
-        auto tx = tx_connection(to, go.slot, channel.event_fd());
+        auto tx = tx_connection(to, go.slot, channel.event_fd(), &io.seal);
         auto rx = tx.is_ok() ? rx_connection(prev, go.slot,
                                              Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms),
-                                             channel.abort_flag())
+                                             channel.abort_flag(), &io.open)
                              : Result<int>(tx.status());
         if (!tx.is_ok()) local = tx.status();
         else if (!rx.is_ok()) local = rx.status();

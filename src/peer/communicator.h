@@ -47,6 +47,10 @@ struct Options {
   // authenticated with the pair keys the master hands out (docs/security.md). Without
   // it, only a master without a secret admits this peer.
   std::optional<security::Key> secret;
+  // Seal the data plane (ring sub-chunks, shared-state requests, responses and tensor
+  // bytes) with ChaCha20-Poly1305 under the p2p connections' session keys. Needs the
+  // secret; every peer of the run must use the same setting (docs/security.md).
+  bool encrypt_data = false;
   // Incoming p2p connections: how long one may take to finish its handshake, and how
   // many may be unfinished at once (more are closed at once).
   std::uint32_t inbound_handshake_timeout_ms = limits::kInboundHandshakeTimeoutMsDefault;
@@ -204,9 +208,11 @@ class Communicator {
   bool crowded_host(const std::vector<PeerId>& ring);
   // Ring connections, made on first use and cached per (peer, pool slot).
   // cancel_fd: see transport::connect_tcp (an attempt's abort event, or -1).
-  Result<int> tx_connection(const proto::MemberInfo& to, std::uint32_t slot, int cancel_fd = -1);
+  // With encrypt_data, *seal / *open (if given) receive the connection's cipher state.
+  Result<int> tx_connection(const proto::MemberInfo& to, std::uint32_t slot, int cancel_fd = -1,
+                            security::Aead** seal = nullptr);
   Result<int> rx_connection(PeerId from, std::uint32_t slot, std::chrono::steady_clock::time_point deadline,
-                            const std::atomic<bool>* abort = nullptr);
+                            const std::atomic<bool>* abort = nullptr, security::Aead** open = nullptr);
   void drop_connections(PeerId next, PeerId prev, std::uint32_t slot);
   void prune_connections(const std::vector<proto::MemberInfo>& members);
 
@@ -226,12 +232,20 @@ class Communicator {
     std::uint32_t slot = 0;
     auto operator<=>(const SlotKey&) const = default;
   };
+  // With encrypt_data each connection carries its direction's cipher state (key and
+  // nonce counter): it lives and dies with the socket, so a new connection starts with
+  // new keys and both ends' counters at zero.
+  struct TxConnection {
+    transport::Fd fd;
+    std::unique_ptr<security::Aead> seal;
+  };
   struct RxConnection {
     transport::Fd fd;
     std::uint64_t generation = 0;
+    std::unique_ptr<security::Aead> open;
   };
   std::mutex connections_mutex_;
-  std::map<SlotKey, transport::Fd> tx_;
+  std::map<SlotKey, TxConnection> tx_;
   std::map<SlotKey, RxConnection> rx_;
   std::atomic<std::uint64_t> next_generation_{1};
   // Members by id as of the last update topology (read by collective threads).
@@ -243,6 +257,11 @@ class Communicator {
   std::vector<std::unique_ptr<coll::RingScratch>> free_scratch_;
   mutable std::mutex error_mutex_;
   std::string last_error_;
+  // Why the last establishment could not connect to a neighbour when the reason is a
+  // setting that differs (encrypt_data): added to the failure the master reports, which
+  // only knows that the neighbour was unreachable (owning thread only).
+  std::string p2p_refusal_;
+  Status with_p2p_refusal(Status status) const;
 
   // ---- counters (communicator.cpp): atomics, since collectives run on other threads
   enum class Counter : std::size_t {

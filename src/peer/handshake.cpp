@@ -5,6 +5,21 @@
 #include "transport/framed.h"
 
 namespace lockstep::peer {
+namespace {
+
+// The acceptor refused because its encrypt_data differs from ours (hello.flags).
+Status refused(const proto::P2PHello& hello, StatusCode status) {
+  const std::string to = hello.to.to_string();
+  if (status == proto::kP2PEncryptionMismatch) {
+    const bool mine = (hello.flags & proto::kP2PFlagEncryptData) != 0;
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                  mine ? "peer " + to + " does not encrypt the data plane and this peer does (encrypt_data differs)"
+                       : "peer " + to + " encrypts the data plane and this peer does not (encrypt_data differs)");
+  }
+  return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer " + to + " refused the p2p handshake");
+}
+
+}  // namespace
 
 Status p2p_handshake(int fd, proto::P2PHello hello, bool secret, const std::vector<std::uint8_t>& pair_key,
                      std::uint32_t timeout_ms, security::SessionKeys* keys, int cancel_fd) {
@@ -29,7 +44,7 @@ Status p2p_handshake(int fd, proto::P2PHello hello, bool secret, const std::vect
     const auto* challenge = std::get_if<proto::AuthChallenge>(&reply.value());
     if (challenge == nullptr) {
       if (const auto* a = std::get_if<proto::P2PHelloAck>(&reply.value()); a != nullptr && a->status != LOCKSTEP_OK) {
-        return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer " + to + " refused the p2p handshake");
+        return refused(hello, a->status);
       }
       return Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED, "peer " + to + " did not ask for a proof of the pair key");
     }
@@ -48,9 +63,8 @@ Status p2p_handshake(int fd, proto::P2PHello hello, bool secret, const std::vect
     if (!reply.is_ok()) return reply.status();
   }
   const auto* ack = std::get_if<proto::P2PHelloAck>(&reply.value());
-  if (ack == nullptr || ack->status != LOCKSTEP_OK) {
-    return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer " + to + " refused the p2p handshake");
-  }
+  if (ack == nullptr) return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer " + to + " refused the p2p handshake");
+  if (ack->status != LOCKSTEP_OK) return refused(hello, ack->status);
   return Status::ok();
 }
 

@@ -15,7 +15,9 @@
 
 namespace lockstep::peer {
 
-// hello.auth is set here. pair_key: the key the master gave for this pair (needed when
+// hello.auth is set here; hello.flags is the caller's (kP2PFlagEncryptData: this peer
+// encrypts its data plane; an acceptor with another setting refuses, and the status
+// names the difference, with the code INVALID_ARGUMENT). pair_key: the key the master gave for this pair (needed when
 // secret is set). On success *keys (if given) holds the connection's session keys.
 // PEER_CONNECTION_FAILED when refused, AUTHENTICATION_FAILED when the other side could
 // not prove the pair key, the transport's status when the socket failed (or when

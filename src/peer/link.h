@@ -56,6 +56,8 @@ struct Inbound {
   std::uint64_t epoch = 0;
   std::uint32_t pool_index = 0;
   transport::Fd fd;
+  // With a secret: the connection's session keys (the connector sends with to_server).
+  std::optional<security::SessionKeys> keys;
 };
 
 // Messages from the master waiting for the call that expects them: each waiting call
@@ -551,6 +553,7 @@ class Link {
           // connection is kept and its target checked when it is claimed.
           if (h->hello.channel != channel || (!id_.is_nil() && h->hello.to != id_)) verdict = LOCKSTEP_STATUS_REJECTED;
         }
+        if (verdict == LOCKSTEP_OK && !options_.secret && encryption_differs(h)) verdict = proto::kP2PEncryptionMismatch;
         if (verdict != LOCKSTEP_OK || !options_.secret) return finish(h, verdict);
         if (!security::to_nonce(h->hello.auth, &h->client_nonce)) {
           LOG_WARN(kLog, "p2p connection from " << h->remote << " dropped: its P2PHello carries no nonce (a peer without the run secret)");
@@ -598,10 +601,22 @@ class Link {
                                                   << " dropped: wrong proof of the pair key");
             return close(h);
           }
-          finish(h, LOCKSTEP_OK);
+          // Checked once the sender is known to be a member: a stranger learns nothing.
+          finish(h, encryption_differs(h) ? proto::kP2PEncryptionMismatch : LOCKSTEP_OK);
         });
       });
     });
+  }
+
+  // Whether the sender's encrypt_data differs from ours (then both sides refuse; logged).
+  bool encryption_differs(const std::shared_ptr<Handshake>& h) const {
+    const bool theirs = (h->hello.flags & proto::kP2PFlagEncryptData) != 0;
+    if (theirs == options_.encrypt_data) return false;
+    LOG_WARN(kLog, "p2p connection from " << h->remote << " refused: peer " << h->hello.from.to_string()
+                                          << (theirs ? " encrypts the data plane and this peer does not"
+                                                     : " does not encrypt the data plane and this peer does")
+                                          << " (encrypt_data must be the same on every peer of the run)");
+    return true;
   }
 
   // Answers with the verdict; an accepted connection is handed over.
@@ -612,7 +627,8 @@ class Link {
       if (ec3 || verdict != LOCKSTEP_OK) return close(h);
       asio::error_code e;
       h->socket.non_blocking(false, e);
-      Inbound in{h->hello.from, h->hello.to, h->hello.epoch, h->hello.pool_index, transport::Fd(h->socket.release())};
+      Inbound in{h->hello.from, h->hello.to, h->hello.epoch, h->hello.pool_index, transport::Fd(h->socket.release()), {}};
+      if (options_.secret) in.keys = security::session_keys(h->key, h->client_nonce, h->server_nonce, h->transcript);
       {
         std::lock_guard<std::mutex> lock(mutex_);
         auto& queue = h->hello.channel == proto::Channel::kRing          ? inbound_

@@ -10,6 +10,9 @@
 // by shutting their sockets down. Memory stays bounded: bytes move from the sender's
 // tensor into the receiver's tensor, and a receiver never accepts more bytes than its
 // own descriptor of the tensor holds.
+// With encrypt_data, every frame of a transfer connection is sealed (security/frames.h)
+// and tensor bytes travel as sealed chunks of at most kSealedChunkBytes, each opened
+// into the tensor only once it verifies; one chunk buffer per connection.
 #include "common/dtype.h"
 #include "peer/communicator.h"
 #include "peer/handshake.h"
@@ -29,6 +32,9 @@ namespace {
 constexpr std::size_t kRequestsInFlight = 16;
 // Bytes per send/receive call of tensor data (each bounded by the stall timeout).
 constexpr std::size_t kTransferChunkBytes = std::size_t{4} << 20;
+// Plain bytes per sealed chunk of tensor data (encrypt_data): the buffer each
+// connection holds is this plus a tag.
+constexpr std::size_t kSealedChunkBytes = std::size_t{1} << 20;
 // Connections one distributor serves at once; more are closed.
 constexpr std::size_t kServeConnectionsMax = 256;
 
@@ -85,11 +91,51 @@ Status recv_bytes(int fd, std::uint8_t* data, std::uint64_t bytes, std::atomic<s
   return Status::ok();
 }
 
+// One end of an encrypted transfer connection: the frames' and the chunks' cipher state
+// and the buffer of one sealed chunk.
+struct SealedStream {
+  SealedStream(const security::SessionKeys& keys, bool client)
+      : crypto(keys, client), chunk(kSealedChunkBytes + security::kTagBytes) {}
+  security::FrameCrypto crypto;
+  std::vector<std::uint8_t> chunk;
+};
+
+Status send_bytes(int fd, const std::uint8_t* data, std::uint64_t bytes, SealedStream* sealed) {
+  if (sealed == nullptr) return send_bytes(fd, data, bytes);
+  for (std::uint64_t at = 0; at < bytes;) {
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kSealedChunkBytes, bytes - at));
+    sealed->crypto.seal_bytes(std::span<const std::uint8_t>(data + at, n), sealed->chunk.data());
+    Status s = transport::send_all(fd, std::span<const std::uint8_t>(sealed->chunk.data(), n + security::kTagBytes),
+                                   limits::kStateTransferStallMsDefault);
+    if (!s.is_ok()) return s;
+    at += n;
+  }
+  return Status::ok();
+}
+
+Status recv_bytes(int fd, std::uint8_t* data, std::uint64_t bytes, std::atomic<std::uint64_t>& counter,
+                  SealedStream* sealed) {
+  if (sealed == nullptr) return recv_bytes(fd, data, bytes, counter);
+  for (std::uint64_t at = 0; at < bytes;) {
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kSealedChunkBytes, bytes - at));
+    const std::span<std::uint8_t> box(sealed->chunk.data(), n + security::kTagBytes);
+    Status s = transport::recv_exact(fd, box, limits::kStateTransferStallMsDefault);
+    if (!s.is_ok()) return s;
+    if (!sealed->crypto.open_bytes(box, data + at)) {
+      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR,
+                    "a sealed chunk of tensor bytes does not verify (altered on the way, or sent with another key)");
+    }
+    at += n;
+    counter += n;
+  }
+  return Status::ok();
+}
+
 // Answers the requests of one sync attempt until stopped.
 class StateServer {
  public:
-  StateServer(Link& link, std::uint64_t attempt, const std::map<std::string, LocalTensor>& tensors)
-      : link_(link), attempt_(attempt), tensors_(tensors) {
+  StateServer(Link& link, std::uint64_t attempt, const std::map<std::string, LocalTensor>& tensors, bool encrypt)
+      : link_(link), attempt_(attempt), tensors_(tensors), encrypt_(encrypt) {
     acceptor_ = std::thread([this] { accept_loop(); });
   }
   ~StateServer() { stop(); }
@@ -113,21 +159,29 @@ class StateServer {
       auto connection = link_.take_connection(proto::Channel::kSharedState, attempt_, std::nullopt, &stop_,
                                               Clock::now() + std::chrono::seconds(1));
       if (!connection) continue;
+      if (encrypt_ && !connection->keys) continue;  // cannot happen: encrypt_data needs the secret
       if (handlers_.size() >= kServeConnectionsMax || !sockets_.add(connection->fd.get())) {
         LOG_WARN(kLog, "shared-state server: too many connections; closing one from " << connection->from.to_string());
         continue;
       }
-      handlers_.emplace_back([this, fd = std::make_shared<transport::Fd>(std::move(connection->fd))] {
-        serve(fd->get());
+      std::unique_ptr<SealedStream> sealed;
+      if (encrypt_) sealed = std::make_unique<SealedStream>(*connection->keys, /*client=*/false);
+      handlers_.emplace_back([this, fd = std::make_shared<transport::Fd>(std::move(connection->fd)),
+                              sealed = std::shared_ptr<SealedStream>(std::move(sealed))] {
+        serve(fd->get(), sealed.get());
         sockets_.remove(fd->get());
       });
     }
   }
 
-  void serve(int fd) {
+  void serve(int fd, SealedStream* sealed) {
     transport::set_nodelay(fd);
+    security::FrameCrypto* crypto = sealed != nullptr ? &sealed->crypto : nullptr;
     for (;;) {
-      auto message = transport::recv_message(fd, limits::kStateTransferStallMsDefault);
+      auto message = transport::recv_message(fd, limits::kStateTransferStallMsDefault, crypto);
+      if (!message.is_ok() && message.status().code() == LOCKSTEP_STATUS_PROTOCOL_ERROR) {
+        LOG_WARN(kLog, "shared-state server: closing a connection: " << message.status().message());
+      }
       if (!message.is_ok()) return;  // the receiver is done (or gone): it closes the connection
       const auto* request = std::get_if<proto::StateRequest>(&message.value());
       if (request == nullptr) return;
@@ -147,12 +201,13 @@ class StateServer {
       if (tensor == nullptr) {
         LOG_WARN(kLog, "shared-state server: refusing a request: " << refusal);
         [[maybe_unused]] Status s = transport::send_message(
-            fd, proto::StateResponse{LOCKSTEP_STATUS_INVALID_USAGE, 0, refusal}, limits::kStateTransferStallMsDefault);
+            fd, proto::StateResponse{LOCKSTEP_STATUS_INVALID_USAGE, 0, refusal}, limits::kStateTransferStallMsDefault,
+            crypto);
         return;
       }
       Status s = transport::send_message(fd, proto::StateResponse{LOCKSTEP_OK, request->bytes, {}},
-                                         limits::kStateTransferStallMsDefault);
-      if (s.is_ok()) s = send_bytes(fd, tensor->data + request->offset, request->bytes);
+                                         limits::kStateTransferStallMsDefault, crypto);
+      if (s.is_ok()) s = send_bytes(fd, tensor->data + request->offset, request->bytes, sealed);
       if (!s.is_ok()) return;
       bytes_sent_ += request->bytes;
     }
@@ -161,6 +216,7 @@ class StateServer {
   Link& link_;
   const std::uint64_t attempt_;
   const std::map<std::string, LocalTensor>& tensors_;
+  const bool encrypt_;
   std::atomic<bool> stop_{false};
   std::thread acceptor_;
   std::list<std::thread> handlers_;  // acceptor thread only, then stop()
@@ -171,9 +227,10 @@ class StateServer {
 // Fetches the pieces of one plan from their sources, one connection and thread each.
 class Fetcher {
  public:
-  Fetcher(PeerId self, std::uint32_t connect_timeout_ms, bool secret, const proto::SyncPlan& plan,
+  Fetcher(PeerId self, std::uint32_t connect_timeout_ms, bool secret, bool encrypt, const proto::SyncPlan& plan,
           const std::vector<SharedTensor>& tensors, const std::vector<LocalTensor>& local)
-      : self_(self), connect_timeout_ms_(connect_timeout_ms), secret_(secret), plan_(plan), tensors_(tensors), local_(local) {
+      : self_(self), connect_timeout_ms_(connect_timeout_ms), secret_(secret), encrypt_(encrypt), plan_(plan),
+        tensors_(tensors), local_(local) {
     for (const auto& e : plan_.expect) expected_[e.tensor] = e.hash;
   }
 
@@ -224,14 +281,18 @@ class Fetcher {
     hello.from = self_;
     hello.to = source.id;
     hello.epoch = plan_.attempt;
-    Status s = p2p_handshake(fd, hello, secret_, source.key, connect_timeout_ms_);
+    if (encrypt_) hello.flags = proto::kP2PFlagEncryptData;
+    security::SessionKeys keys;
+    Status s = p2p_handshake(fd, hello, secret_, source.key, connect_timeout_ms_, &keys);
     if (!s.is_ok()) return lost(Status(s.code(), "shared-state handshake: " + s.message()));
+    std::unique_ptr<SealedStream> sealed = encrypt_ ? std::make_unique<SealedStream>(keys, /*client=*/true) : nullptr;
+    security::FrameCrypto* crypto = sealed ? &sealed->crypto : nullptr;
     const auto request = [&](const proto::SyncFetch& f) {
       auto expected = expected_.find(f.tensor);
       return transport::send_message(
           fd, proto::StateRequest{plan_.attempt, tensors_[f.tensor].key, f.offset, f.bytes,
                                   expected == expected_.end() ? state::Digest{} : expected->second},
-          limits::kStateTransferStallMsDefault);
+          limits::kStateTransferStallMsDefault, crypto);
     };
     std::size_t sent = 0;
     for (std::size_t received = 0; received < pieces.size(); ++received) {
@@ -239,7 +300,7 @@ class Fetcher {
         if (Status r = request(*pieces[sent++]); !r.is_ok()) return lost(r);
       }
       const proto::SyncFetch& f = *pieces[received];
-      auto reply = transport::recv_message(fd, limits::kStateTransferStallMsDefault);
+      auto reply = transport::recv_message(fd, limits::kStateTransferStallMsDefault, crypto);
       if (!reply.is_ok()) return lost(reply.status());
       const auto* response = std::get_if<proto::StateResponse>(&reply.value());
       if (response == nullptr) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it answered a request with something else");
@@ -251,7 +312,9 @@ class Fetcher {
         return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it announced " + std::to_string(response->bytes) +
                                                           " bytes for a piece of " + std::to_string(f.bytes));
       }
-      if (Status r = recv_bytes(fd, local_[f.tensor].data + f.offset, f.bytes, bytes_received_); !r.is_ok()) return lost(r);
+      if (Status r = recv_bytes(fd, local_[f.tensor].data + f.offset, f.bytes, bytes_received_, sealed.get()); !r.is_ok()) {
+        return lost(r);
+      }
     }
     return Status::ok();
   }
@@ -263,6 +326,7 @@ class Fetcher {
   const PeerId self_;
   const std::uint32_t connect_timeout_ms_;
   const bool secret_;
+  const bool encrypt_;
   const proto::SyncPlan& plan_;
   const std::vector<SharedTensor>& tensors_;
   const std::vector<LocalTensor>& local_;
@@ -350,8 +414,9 @@ Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>
   LOG_DEBUG(kLog, "sync attempt " << plan.attempt << ": revision " << plan.revision << ", " << plan.expect.size()
                                   << " tensor(s) to receive in " << plan.fetches.size() << " piece(s)");
 
-  StateServer server(*link_, plan.attempt, by_key);
-  Fetcher fetcher(id_, options_.p2p_connect_timeout_ms, options_.secret.has_value(), plan, tensors, local);
+  StateServer server(*link_, plan.attempt, by_key, options_.encrypt_data);
+  Fetcher fetcher(id_, options_.p2p_connect_timeout_ms, options_.secret.has_value(), options_.encrypt_data, plan, tensors,
+                  local);
   std::thread transfers([&] {
     Status s = check_plan(plan, local);
     if (s.is_ok() && !plan.expect.empty()) s = fetcher.run();

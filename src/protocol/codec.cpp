@@ -348,6 +348,7 @@ void encode_body(Writer& w, const P2PHello& m) {
   w.u(m.epoch);
   w.u(m.pool_index);
   w.bytes(m.auth);
+  w.u(m.flags);
 }
 bool decode_body(Reader& r, P2PHello* m) {
   if (!r.u(&m->magic, "p2p_hello.magic")) return false;
@@ -359,7 +360,9 @@ bool decode_body(Reader& r, P2PHello* m) {
   if (channel < 1 || channel > 3) return r.fail("p2p_hello.channel: unknown channel");
   m->channel = static_cast<Channel>(channel);
   return r.id(&m->from, "p2p_hello.from") && r.id(&m->to, "p2p_hello.to") && r.u(&m->epoch, "p2p_hello.epoch") &&
-         r.u(&m->pool_index, "p2p_hello.pool_index") && r.bytes(&m->auth, kAuthBytesMax, "p2p_hello.auth");
+         r.u(&m->pool_index, "p2p_hello.pool_index") && r.bytes(&m->auth, kAuthBytesMax, "p2p_hello.auth") &&
+         r.u(&m->flags, "p2p_hello.flags") &&
+         ((m->flags & ~kP2PFlagsKnown) == 0 || r.fail("p2p_hello.flags: unknown flag"));
 }
 void encode_body(Writer& w, const P2PHelloAck& m) { w.status(m.status); }
 bool decode_body(Reader& r, P2PHelloAck* m) { return r.status(&m->status, "p2p_hello_ack.status"); }

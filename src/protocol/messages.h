@@ -17,7 +17,9 @@
 namespace lockstep::proto {
 
 inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
-inline constexpr std::uint16_t kProtocolVersion = 2;  // 2: pair keys in MemberInfo, bytes in CollectiveDone/SyncDone, sealed frames
+// 2: pair keys in MemberInfo, bytes in CollectiveDone/SyncDone, sealed frames;
+// 3: P2PHello flags (data-plane encryption)
+inline constexpr std::uint16_t kProtocolVersion = 3;
 
 enum class MsgType : std::uint16_t {
   // peer -> master
@@ -345,8 +347,15 @@ struct P2PHello {
   std::uint64_t epoch = 0;
   std::uint32_t pool_index = 0;
   std::vector<std::uint8_t> auth;
+  // kP2PFlag* bits; part of the transcript that the proofs cover.
+  std::uint8_t flags = 0;
   bool operator==(const P2PHello&) const = default;
 };
+// The connector seals its data plane (the communicator option encrypt_data). An acceptor
+// whose own setting differs answers P2PHelloAck{kP2PEncryptionMismatch}.
+inline constexpr std::uint8_t kP2PFlagEncryptData = 1;
+inline constexpr std::uint8_t kP2PFlagsKnown = kP2PFlagEncryptData;
+inline constexpr StatusCode kP2PEncryptionMismatch = LOCKSTEP_STATUS_INVALID_ARGUMENT;
 struct P2PHelloAck {
   static constexpr MsgType kType = MsgType::kP2PHelloAck;
   StatusCode status = LOCKSTEP_OK;

@@ -2,6 +2,21 @@
 #include "security/frames.h"
 
 namespace lockstep::security {
+namespace {
+
+constexpr std::string_view kBytesLabel = "lockstep sealed bytes v1";
+
+std::span<const std::uint8_t> bytes_label() {
+  return {reinterpret_cast<const std::uint8_t*>(kBytesLabel.data()), kBytesLabel.size()};
+}
+
+}  // namespace
+
+void FrameCrypto::seal_bytes(std::span<const std::uint8_t> plain, std::uint8_t* out) { tx_.seal(plain, bytes_label(), out); }
+
+bool FrameCrypto::open_bytes(std::span<const std::uint8_t> box, std::uint8_t* plain) {
+  return rx_.open(box, bytes_label(), plain);
+}
 
 void FrameCrypto::seal_frame(std::span<const std::uint8_t> inner, std::vector<std::uint8_t>& out) {
   const auto length = static_cast<std::uint32_t>(inner.size() + kTagBytes);

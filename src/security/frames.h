@@ -28,6 +28,14 @@ class FrameCrypto {
   Result<proto::Message> open(std::span<const std::uint8_t, proto::kFrameHeaderBytes> header,
                               std::span<const std::uint8_t> payload);
 
+  // Raw bytes between frames (shared-state tensor bytes, whose lengths both ends know):
+  // out = ciphertext || tag, kTagBytes longer than plain. Same key and counter as the
+  // frames, so their place in the stream is authenticated too; a fixed label as the
+  // associated data keeps them apart from frames.
+  void seal_bytes(std::span<const std::uint8_t> plain, std::uint8_t* out);
+  // plain = the opened box (box.size() - kTagBytes bytes); false if it does not verify.
+  [[nodiscard]] bool open_bytes(std::span<const std::uint8_t> box, std::uint8_t* plain);
+
  private:
   Aead tx_;
   Aead rx_;

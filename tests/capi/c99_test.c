@@ -62,6 +62,10 @@ int main(void) {
   CHECK(lockstep_comm_config_init(&comm_config) == LOCKSTEP_OK);
   comm_config.master_port = port;
   comm_config.base_port = 0;
+  CHECK(comm_config.encrypt_data == 0);
+  comm_config.encrypt_data = 1; /* needs a run secret, and this run has none */
+  CHECK(lockstep_comm_create(&comm_config, &comm) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  comm_config.encrypt_data = 0;
   CHECK(lockstep_comm_create(&comm_config, &comm) == LOCKSTEP_OK);
   CHECK(lockstep_comm_agree(comm, 1, &result) == LOCKSTEP_STATUS_NOT_INITIALIZED);
   CHECK(lockstep_comm_connect(comm) == LOCKSTEP_OK);

@@ -37,6 +37,31 @@ def test_secured_run_all_reduce_and_sync(secret_file):
             assert len(view) == 2
 
 
+def test_encrypted_data_plane_gives_the_same_results(secret_file):
+    # The same all-reduces (plain and quantized) and sync with and without encrypt_data.
+    results = {}
+    for encrypt in (False, True):
+        with Cluster(2, master_kwargs={"secret_file": secret_file}, secret_file=secret_file,
+                     encrypt_data=encrypt) as c:
+            def work(i, comm):
+                a = (np.arange(100_000, dtype=np.float32) % 977) * (i + 1)
+                comm.all_reduce(a)
+                q = (np.arange(50_000, dtype=np.float32) % 89) * (i + 2)
+                comm.all_reduce(q, quantization="minmax", tag=1)
+                state = lockstep.SharedState({"w": np.arange(3 << 20, dtype=np.uint8) * (1 - i)}, revision=1 - i)
+                comm.sync_shared_state(state, "enforce_popular" if i == 0 else "receive_only")
+                return a.tobytes(), q.tobytes(), state.tensors[0].data.tobytes()
+            results[encrypt] = c.run(work)
+    assert results[True] == results[False]
+    assert results[True][0] == results[True][1]
+
+
+def test_encrypt_data_without_a_secret_is_an_invalid_argument(monkeypatch):
+    monkeypatch.delenv("LOCKSTEP_SECRET_FILE", raising=False)
+    with pytest.raises(lockstep.InvalidArgumentError, match="encrypt_data"):
+        lockstep.Communicator("127.0.0.1:1", base_port=0, encrypt_data=True)
+
+
 def test_peer_without_or_with_another_secret_is_refused(secret_file, tmp_path, monkeypatch):
     monkeypatch.delenv("LOCKSTEP_SECRET_FILE", raising=False)
     other = tmp_path / "other"

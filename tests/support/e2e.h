@@ -67,10 +67,16 @@ class Master {
 
 class Peer {
  public:
-  Peer(const Master& master, std::string name, std::uint32_t group = 0, std::vector<std::string> extra = {})
+  // launcher: words put before the program (e.g. /usr/bin/env VAR=value ...).
+  Peer(const Master& master, std::string name, std::uint32_t group = 0, std::vector<std::string> extra = {},
+       std::vector<std::string> launcher = {})
       : name_(std::move(name)) {
-    std::vector<std::string> argv = {bin("lockstep-testpeer"), "--master", master.address(), "--name", name_,
-                                     "--group", std::to_string(group), "--base-port", "0"};
+    std::vector<std::string> argv = std::move(launcher);
+    for (const auto& word : {bin("lockstep-testpeer"), std::string("--master"), master.address(), std::string("--name"),
+                             name_, std::string("--group"), std::to_string(group), std::string("--base-port"),
+                             std::string("0")}) {
+      argv.push_back(word);
+    }
     argv.insert(argv.end(), extra.begin(), extra.end());
     auto p = tools::Subprocess::spawn(argv);
     if (!p) throw std::runtime_error("cannot spawn lockstep-testpeer");

@@ -113,6 +113,7 @@ std::vector<Message> samples() {
   all.push_back(CollectiveResult{5, 9, LOCKSTEP_OK, 3, ""});
   all.push_back(CollectiveResult{5, 0, LOCKSTEP_STATUS_OPERATION_MISMATCH, 2, "different descriptors"});
   all.push_back(P2PHello{kMagic, kProtocolVersion, Channel::kSharedState, PeerId{1, 2}, PeerId{3, 4}, 77, 5, {9, 8}});
+  all.push_back(P2PHello{kMagic, kProtocolVersion, Channel::kRing, PeerId{1, 2}, PeerId{3, 4}, 78, 0, {7}, kP2PFlagEncryptData});
   all.push_back(P2PHello{kMagic, kProtocolVersion, Channel::kBenchmark, PeerId{}, PeerId{}, 0, 0, {}});
   all.push_back(P2PHello{});
   all.push_back(P2PHelloAck{LOCKSTEP_STATUS_REJECTED});
@@ -330,7 +331,7 @@ TEST(CodecRoundTrip, StringsAndBytesAtTheirBounds) {
       CollectiveInit{~0ull, CollectiveDescriptor{~0ull, LOCKSTEP_F64, LOCKSTEP_MIN, LOCKSTEP_QUANT_ZERO_POINT_U8}},
       AgreeResult{LOCKSTEP_OK, true, reason1024},
       PeersPendingResult{LOCKSTEP_OK, true, reason1024},
-      P2PHello{kMagic, kProtocolVersion, Channel::kRing, PeerId{~0ull, 1}, PeerId{2, ~0ull}, ~0ull, ~0u, auth512},
+      P2PHello{kMagic, kProtocolVersion, Channel::kRing, PeerId{~0ull, 1}, PeerId{2, ~0ull}, ~0ull, ~0u, auth512, kP2PFlagsKnown},
       TopologyResult{~0ull, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED, reason1024, {member(1, host255)}, {1, 2, 3, 4}},
   };
   for (const auto& m : edge) {
@@ -537,7 +538,7 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
        {"result.tag", "result.attempt", "result.status", "result.world_size", "result.reason"}},
       {P2PHello{kMagic, kProtocolVersion, Channel::kRing, PeerId{1, 2}, PeerId{3, 4}, 5, 6, {7}},
        {"p2p_hello.magic", "p2p_hello.version", "p2p_hello.channel", "p2p_hello.from", "p2p_hello.to", "p2p_hello.epoch",
-        "p2p_hello.pool_index", "p2p_hello.auth"}},
+        "p2p_hello.pool_index", "p2p_hello.auth", "p2p_hello.flags"}},
       {P2PHelloAck{LOCKSTEP_OK}, {"p2p_hello_ack.status"}},
       // as for members: the count is checked against 28 bytes per entry first
       {SyncVote{SyncStrategy::kReceiveOnly, 3, {TensorEntry{std::string(40, 'k'), 1, 2, state::Digest{3, 4}, true}}},
@@ -754,8 +755,9 @@ TEST(CodecPayload, StringsAboveTheirBoundAreRejected) {
     EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"hello.auth", "longer than 512"}));
     Bytes q = payload_copy(P2PHello{kMagic, kProtocolVersion, Channel::kRing, {}, {}, 0, 0,
                                     std::vector<std::uint8_t>(512, 1)});
-    q[q.size() - 512 - 2] = static_cast<std::uint8_t>(513 & 0xff);
-    q[q.size() - 512 - 1] = static_cast<std::uint8_t>(513 >> 8);
+    // the u16 length sits before the 512 bytes and the trailing flags byte
+    q[q.size() - 512 - 3] = static_cast<std::uint8_t>(513 & 0xff);
+    q[q.size() - 512 - 2] = static_cast<std::uint8_t>(513 >> 8);
     q.push_back(1);
     EXPECT_TRUE(payload_rejected(MsgType::kP2PHello, q, {"p2p_hello.auth", "longer than 512"}));
   }
@@ -883,7 +885,7 @@ TEST(CodecPayload, WrongMagicOrVersion) {
     p[0] ^= 1;
     EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"Hello", "hello.magic", "not a lockstep peer"}));
   }
-  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{3}, std::uint16_t{0xffff}}) {
+  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{4}, std::uint16_t{0xffff}}) {
     Hello h = hello_of("");
     h.version = version;
     const Bytes p = payload_copy(h);
@@ -959,6 +961,22 @@ TEST(CodecPayload, UnknownChannel) {
     } else {
       ASSERT_FALSE(r.is_ok()) << channel;
       EXPECT_TRUE(is_protocol_error(r.status(), {"p2p_hello.channel", "unknown channel"}));
+    }
+  }
+}
+
+// P2PHello.flags: only the known bits (kP2PFlagEncryptData) decode.
+TEST(CodecPayload, UnknownP2PHelloFlags) {
+  for (int flags = 0; flags < 256; ++flags) {
+    Bytes p = payload_copy(P2PHello{});
+    p.back() = static_cast<std::uint8_t>(flags);
+    auto r = decode_payload(MsgType::kP2PHello, p);
+    if ((flags & ~kP2PFlagsKnown) == 0) {
+      ASSERT_TRUE(r.is_ok()) << flags << ": " << r.status().to_string();
+      EXPECT_EQ(std::get<P2PHello>(r.value()).flags, flags);
+    } else {
+      ASSERT_FALSE(r.is_ok()) << flags;
+      EXPECT_TRUE(is_protocol_error(r.status(), {"p2p_hello.flags", "unknown flag"}));
     }
   }
 }
@@ -1126,6 +1144,46 @@ TEST(SealedFrames, RoundTripAndEveryAlterationFails) {
   auto d = decode_payload(MsgType::kSealed, payload_of(sealed[0]));
   ASSERT_FALSE(d.is_ok());
   EXPECT_EQ(d.status().code(), LOCKSTEP_STATUS_PROTOCOL_ERROR);
+}
+
+// Sealed raw bytes (shared-state chunks with encrypt_data) share the frames' counter: in
+// order they open, and an altered, reordered or frame-confused chunk does not.
+TEST(SealedFrames, SealedBytesOpenInOrderAndNotOtherwise) {
+  const security::SessionKeys keys{security::random_key(), security::random_key()};
+  security::FrameCrypto tx(keys, /*client=*/false);
+  const Bytes plain = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  const Bytes frame = tx.seal(StateResponse{LOCKSTEP_OK, plain.size(), ""});
+  Bytes box(plain.size() + security::kTagBytes);
+  tx.seal_bytes(plain, box.data());
+  EXPECT_NE(Bytes(box.begin(), box.begin() + static_cast<std::ptrdiff_t>(plain.size())), plain) << "not encrypted";
+  const auto open_frame = [&](security::FrameCrypto& rx) {
+    return rx.open(std::span<const std::uint8_t, kFrameHeaderBytes>(frame.data(), kFrameHeaderBytes), payload_of(frame));
+  };
+  {
+    security::FrameCrypto rx(keys, /*client=*/true);
+    ASSERT_TRUE(open_frame(rx).is_ok());
+    Bytes out(plain.size());
+    ASSERT_TRUE(rx.open_bytes(box, out.data()));
+    EXPECT_EQ(out, plain);
+  }
+  for (std::size_t byte = 0; byte < box.size(); ++byte) {
+    security::FrameCrypto rx(keys, /*client=*/true);
+    ASSERT_TRUE(open_frame(rx).is_ok());
+    Bytes tampered = box;
+    tampered[byte] ^= 0x01;
+    Bytes out(plain.size());
+    EXPECT_FALSE(rx.open_bytes(tampered, out.data())) << "byte " << byte;
+  }
+  {
+    security::FrameCrypto rx(keys, /*client=*/true);  // the chunk before its frame: out of order
+    Bytes out(plain.size());
+    EXPECT_FALSE(rx.open_bytes(box, out.data()));
+  }
+  {
+    security::FrameCrypto rx(keys, /*client=*/true);  // a frame's sealed payload is not a chunk
+    Bytes out(frame.size());
+    EXPECT_FALSE(rx.open_bytes(payload_of(frame), out.data()));
+  }
 }
 
 }  // namespace

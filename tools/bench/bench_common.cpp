@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "master/master_server.h"
 #include "peer/communicator.h"
+#include "security/crypto.h"
 #include "subprocess.h"
 #include "transport/socket.h"
 
@@ -196,6 +197,15 @@ int worker_allreduce(const Settings& s) {
   options.master_port = s.master_port;
   options.base_port = 0;
   options.p2p_pool_size = static_cast<std::uint32_t>(s.pool);
+  if (!s.secret_file.empty()) {
+    auto key = security::load_secret_file(s.secret_file);
+    if (!key.is_ok()) {
+      std::fprintf(stderr, "worker %d: %s\n", s.index, key.status().to_string().c_str());
+      return 1;
+    }
+    options.secret = key.value();
+  }
+  options.encrypt_data = s.encrypt;
   auto created = peer::Communicator::create(options);
   if (!created.is_ok() || !join(*created.value(), s.peers)) {
     std::fprintf(stderr, "worker %d: could not join: %s\n", s.index,
@@ -318,8 +328,13 @@ int worker_recovery(const Settings& s) {
 
 }  // namespace
 
-std::unique_ptr<master::MasterServer> start_master(std::uint32_t heartbeat_timeout_ms) {
+std::unique_ptr<master::MasterServer> start_master(std::uint32_t heartbeat_timeout_ms, const std::string& secret_file) {
   master::Options options;
+  if (!secret_file.empty()) {
+    auto key = security::load_secret_file(secret_file);
+    if (!key.is_ok()) return nullptr;
+    options.secret = key.value();
+  }
   options.listen_host = "127.0.0.1";
   options.listen_port = 0;
   options.coordinator.heartbeat_timeout_ms = heartbeat_timeout_ms;
@@ -342,6 +357,8 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& mode,
     argv.push_back("--gloo-store");
     argv.push_back(s.gloo_store);
   }
+  if (!s.secret_file.empty()) argv.insert(argv.end(), {"--secret-file", s.secret_file});
+  if (s.encrypt) argv.push_back("--encrypt");
   return argv;
 }
 
@@ -434,10 +451,46 @@ int run_worker(const Settings& s) {
   return s.mode == "recovery" ? worker_recovery(s) : worker_allreduce(s);
 }
 
+// A fresh random run secret in a private temporary file (hex text: no line breaks).
+std::optional<std::string> write_run_secret() {
+  char path[] = "/tmp/lockstep-bench-secret-XXXXXX";
+  const int fd = ::mkstemp(path);  // mode 0600
+  if (fd < 0) return std::nullopt;
+  const security::Key bytes = security::random_key();
+  static const char* digits = "0123456789abcdef";
+  std::string text;
+  for (const std::uint8_t b : bytes) {
+    text += digits[b >> 4];
+    text += digits[b & 15];
+  }
+  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  if (!ok) {
+    std::filesystem::remove(path);
+    return std::nullopt;
+  }
+  return std::string(path);
+}
+
 int run_allreduce(const Settings& settings) {
   Settings s = settings;
   log::set_level(log::Level::kWarn);
-  auto master = start_master(60'000);  // generous: a busy 2-core machine must not evict live workers
+  if (s.encrypt) {
+    auto path = write_run_secret();
+    if (!path) {
+      std::fprintf(stderr, "lockstep-bench: cannot write a run secret for --encrypt\n");
+      return 1;
+    }
+    s.secret_file = *path;
+  }
+  // Removed on every return below.
+  struct SecretFile {
+    std::string path;
+    ~SecretFile() {
+      if (!path.empty()) std::filesystem::remove(path);
+    }
+  } secret_file{s.secret_file};
+  auto master = start_master(60'000, s.secret_file);  // generous: a busy 2-core machine must not evict live workers
   if (!master) return 1;
   std::string store_dir;
   if (s.compare_gloo) {
@@ -491,6 +544,7 @@ int run_allreduce(const Settings& settings) {
                 {"concurrency", s.concurrency},
                 {"quant", s.quant == LOCKSTEP_QUANT_NONE ? "none" : (s.quant == LOCKSTEP_QUANT_MINMAX_U8 ? "minmax" : "zeropoint")},
                 {"pool", s.pool},
+                {"encrypt", s.encrypt},
                 {"iterations", s.iterations},
                 {"gbytes_s", contribution / (p50 * 1e3)},
                 {"p50_us", p50},

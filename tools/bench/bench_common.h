@@ -45,6 +45,10 @@ struct Settings {
   std::string master_host = "127.0.0.1";
   std::string advertised_host;
   bool optimize = false;  // joined mode: optimize the topology between two measurements
+  // allreduce: a run secret generated for this run (written to secret_file for the
+  // workers) and encrypt_data on every peer.
+  bool encrypt = false;
+  std::string secret_file;
   int index = 0;
   std::string self;
 };
@@ -67,7 +71,8 @@ int worker_sync(const Settings& s);  // sync_bench.cpp
 // Shared by the benchmarks.
 double percentile(std::vector<double> v, double p);
 // An in-process master on an ephemeral loopback port, or null.
-std::unique_ptr<master::MasterServer> start_master(std::uint32_t heartbeat_timeout_ms);
+// secret_file (if not empty): the run secret's file.
+std::unique_ptr<master::MasterServer> start_master(std::uint32_t heartbeat_timeout_ms, const std::string& secret_file = "");
 // The next JSON line of a worker, or nullopt on timeout or garbage.
 std::optional<nlohmann::json> read_json(tools::Subprocess& p, std::chrono::seconds timeout);
 // Joins the run and waits until the group has `world` members.

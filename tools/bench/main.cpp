@@ -3,7 +3,7 @@
 // (workers are this program run as `lockstep-bench worker ...`) and prints one JSON
 // object per line per measurement.
 //
-//   lockstep-bench allreduce --peers 4 --size 1KiB,16MiB,256MiB [--dtype f32] [--op sum]
+//   lockstep-bench allreduce --peers 4 --size 1KiB,16MiB,256MiB [--dtype f32] [--op sum] [--encrypt]
 //                  [--concurrency K] [--pool P] [--iterations N] [--warmup W] [--quant minmax]
 //                  [--compare gloo]
 //   lockstep-bench allreduce --master HOST:PORT --peers N [--optimize] ...   (one peer of a run
@@ -42,6 +42,8 @@ int main(int argc, char** argv) {
   allreduce->add_option("--warmup", s.warmup, "untimed repetitions first")->check(CLI::Range(0, 1000));
   allreduce->add_option("--quant", quant, "8-bit quantization on the wire")
       ->check(CLI::IsMember({"none", "minmax", "zeropoint"}));
+  allreduce->add_flag("--encrypt", s.encrypt,
+                      "encrypt the data plane (encrypt_data) under a run secret generated for this run");
   allreduce->add_option("--compare", compare, "also measure this library (gloo)")->check(CLI::IsMember({"gloo"}));
   std::string join_master;
   allreduce->add_option("--master", join_master,
@@ -88,6 +90,8 @@ int main(int argc, char** argv) {
   worker->add_option("--warmup", s.warmup);
   worker->add_option("--gloo-store", s.gloo_store);
   worker->add_option("--quant", quant);
+  worker->add_option("--secret-file", s.secret_file);
+  worker->add_flag("--encrypt", s.encrypt);
   CLI11_PARSE(app, argc, argv);
 
   if (*hash) {

@@ -4,8 +4,10 @@
 // prints a JSON line whenever the membership view changes.
 //
 // Commands: connect | update | optimize | pending | agree 0|1 | view | reconnect | exit
-//           allreduce COUNT TAG FILL [oop|inplace] [minmax|zeropoint]
-//                     (f32 sum of COUNT elements all equal to FILL)
+//           allreduce COUNT TAG FILL [oop|inplace] [minmax|zeropoint|none] [ramp]
+//                     (f32 sum of COUNT elements all equal to FILL; with ramp element i
+//                     is FILL * (1 + (i % 1000) / 1000); the reply's digest is the
+//                     content hash of the result)
 //   shared state (tensors of u8 or f32 elements, in definition order):
 //           tensor NAME COUNT [u8|f32] [allow]   define one (zeros; allow: content inequality)
 //           fill NAME SEED                       deterministic content from SEED
@@ -17,6 +19,7 @@
 #include <CLI/CLI.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -158,6 +161,7 @@ int main(int argc, char** argv) {
   std::string advertised_host;
   std::string bind_host;
   std::string secret_file;
+  bool encrypt = false;
   bool loop = false;
   uint32_t loop_interval_ms = 100;
   app.add_option("--master", master, "HOST:PORT of the master");
@@ -169,6 +173,7 @@ int main(int argc, char** argv) {
   app.add_option("--advertised-host", advertised_host, "address other peers use to reach this one");
   app.add_option("--bind-host", bind_host, "address to bind the p2p sockets to");
   app.add_option("--secret-file", secret_file, "file holding the run secret");
+  app.add_flag("--encrypt", encrypt, "encrypt the data plane (needs the secret)");
   app.add_flag("--loop", loop, "run the membership loop instead of reading commands");
   app.add_option("--loop-interval-ms", loop_interval_ms, "pause between loop iterations");
   CLI11_PARSE(app, argc, argv);
@@ -190,6 +195,7 @@ int main(int argc, char** argv) {
   config.advertised_host = advertised_host.c_str();
   config.bind_host = bind_host.c_str();
   if (!secret_file.empty()) config.secret_file = secret_file.c_str();
+  config.encrypt_data = encrypt ? 1 : 0;
 
   Peer peer;
   peer.name = name;
@@ -270,12 +276,16 @@ int main(int argc, char** argv) {
       float fill = 0;
       std::string mode;
       std::string quant;
-      words >> count >> tag >> fill >> mode >> quant;
+      std::string pattern;
+      words >> count >> tag >> fill >> mode >> quant >> pattern;
       if (count == 0 || count > (std::uint64_t{1} << 30)) {
         peer.emit(op, LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
         continue;
       }
       std::vector<float> src(count, fill);
+      if (pattern == "ramp") {
+        for (std::uint64_t i = 0; i < count; ++i) src[i] = fill * (1.0f + static_cast<float>(i % 1000) / 1000.0f);
+      }
       std::vector<float> dst;
       if (mode == "oop") dst.assign(count, -1.0f);
       std::vector<float>& out = mode == "oop" ? dst : src;
@@ -296,10 +306,17 @@ int main(int argc, char** argv) {
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
       bool uniform = true;
       for (float v : out) uniform = uniform && v == out[0];
+      char digest[33] = {};
+      lockstep_hash(out.data(), out.size() * sizeof(float), digest);
       std::ostringstream extra;
       extra << "\"ms\":" << ms << ",\"world\":" << info.world_size << ",\"bytes_sent\":" << info.bytes_sent
-            << ",\"value\":" << out[0] << ",\"uniform\":" << (uniform ? "true" : "false")
-            << ",\"unchanged\":" << (out == before ? "true" : "false");
+            << ",\"value\":";
+      if (std::isfinite(out[0])) {
+        extra << out[0];
+      } else {
+        extra << "null";  // JSON has no inf or nan
+      }
+      extra << ",\"uniform\":" << (uniform ? "true" : "false") << ",\"unchanged\":" << (out == before ? "true" : "false") << ",\"digest\":\"" << digest << "\"";
       peer.emit(op, s, extra.str());
     } else if (op == "reconnect") {
       // A new communicator (a new identity) in the same process.
