@@ -233,7 +233,8 @@ typedef struct lockstep_comm_config {
   const void* secret;
   size_t secret_bytes;
   /* Incoming p2p connections: how long one may take to finish its handshake (0 means
-   * 5000 ms) and how many may be unfinished at once (0 means 256; more are closed). */
+   * 5000 ms) and how many may be unfinished at once (0 means 256; beyond that a new one displaces
+   * the oldest of the address holding the most). */
   uint32_t inbound_handshake_timeout_ms;
   uint32_t inbound_handshakes_max;
   /* Nonzero: encrypt and authenticate the data plane (all-reduce sub-chunks and

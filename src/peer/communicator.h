@@ -52,7 +52,8 @@ struct Options {
   // secret; every peer of the run must use the same setting (docs/security.md).
   bool encrypt_data = false;
   // Incoming p2p connections: how long one may take to finish its handshake, and how
-  // many may be unfinished at once (more are closed at once).
+  // many may be unfinished at once (beyond that a new one displaces the oldest of the
+  // address holding the most).
   std::uint32_t inbound_handshake_timeout_ms = limits::kInboundHandshakeTimeoutMsDefault;
   std::uint32_t inbound_handshakes_max = limits::kInboundHandshakesMaxDefault;
 };

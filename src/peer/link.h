@@ -29,6 +29,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -466,18 +467,14 @@ class Link {
     });
   }
 
-  // One incoming connection until its handshake is over; counted while alive.
+  // One incoming connection until its handshake is over.
   struct Handshake {
-    Handshake(asio::ip::tcp::socket s, std::size_t* counter)
-        : socket(std::move(s)), timer(socket.get_executor()), live(counter) {
-      ++*live;
-    }
-    ~Handshake() { --*live; }
+    explicit Handshake(asio::ip::tcp::socket s) : socket(std::move(s)), timer(socket.get_executor()) {}
     Handshake(const Handshake&) = delete;
     Handshake& operator=(const Handshake&) = delete;
     asio::ip::tcp::socket socket;
     asio::steady_timer timer;
-    std::size_t* live;
+    std::string address;  // the remote address, without the port
     proto::Channel channel = proto::Channel::kRing;
     std::array<std::uint8_t, proto::kFrameHeaderBytes> header{};
     std::vector<std::uint8_t> payload;
@@ -495,20 +492,45 @@ class Link {
   void accept_on(std::size_t index) {
     listeners_[index]->async_accept([this, index](const asio::error_code& ec, asio::ip::tcp::socket socket) {
       if (ec == asio::error::operation_aborted) return;
-      if (!ec && handshakes_ >= options_.inbound_handshakes_max) {
-        // Logged once per burst: a flood must not flood the log too.
-        if (refused_handshakes_++ % 100 == 0) {
-          LOG_WARN(kLog, "more than " << options_.inbound_handshakes_max
-                                      << " unfinished p2p handshakes; closing new connections (" << refused_handshakes_
-                                      << " so far)");
-        }
+      if (!ec) {
+        auto h = std::make_shared<Handshake>(std::move(socket));
         asio::error_code ignored;
-        socket.close(ignored);
-      } else if (!ec) {
-        handshake(std::make_shared<Handshake>(std::move(socket), &handshakes_), static_cast<proto::Channel>(index + 1));
+        h->address = h->socket.remote_endpoint(ignored).address().to_string();
+        make_room_for_handshake();
+        unfinished_.push_back(h);
+        handshake(h, static_cast<proto::Channel>(index + 1));
       }
       accept_on(index);
     });
+  }
+
+  // At the cap of unfinished handshakes, the oldest of the address holding the most is
+  // closed, so that connections held open idle cannot keep ring neighbours out until
+  // the handshake timeout, and a flooding address displaces its own connections first.
+  void make_room_for_handshake() {
+    unfinished_.remove_if([](const std::weak_ptr<Handshake>& w) {
+      const auto h = w.lock();
+      return h == nullptr || !h->socket.is_open();
+    });
+    if (unfinished_.size() < options_.inbound_handshakes_max || unfinished_.empty()) return;
+    std::map<std::string, std::size_t> per_address;
+    for (const auto& w : unfinished_) ++per_address[w.lock()->address];
+    std::size_t most = 0;
+    for (const auto& [address, n] : per_address) most = std::max(most, n);
+    // The list is in accept order: the first of the busiest address is its oldest.
+    for (auto it = unfinished_.begin(); it != unfinished_.end(); ++it) {
+      const auto h = it->lock();
+      if (per_address[h->address] != most) continue;
+      // Logged once per burst: a flood must not flood the log too.
+      if (displaced_handshakes_++ % 100 == 0) {
+        LOG_WARN(kLog, options_.inbound_handshakes_max << " unfinished p2p handshakes (the cap), " << most << " from "
+                                                       << h->address << "; closing the oldest of them ("
+                                                       << displaced_handshakes_ << " so far)");
+      }
+      unfinished_.erase(it);
+      close(h);
+      return;
+    }
   }
 
   // Reads one P2PHello within a deadline (and, with a secret, runs the challenge-
@@ -695,8 +717,8 @@ class Link {
   asio::steady_timer heartbeat_;
   std::array<std::unique_ptr<asio::ip::tcp::acceptor>, 3> listeners_;
   std::array<std::uint16_t, 3> ports_{};
-  std::size_t handshakes_ = 0;  // io thread only
-  std::uint64_t refused_handshakes_ = 0;  // io thread only
+  std::list<std::weak_ptr<Handshake>> unfinished_;  // io thread only, in accept order
+  std::uint64_t displaced_handshakes_ = 0;           // io thread only
   // With a secret (io thread only): the master connection's frame keys, the pair key of
   // every member the master named, and handshakes waiting for their sender's key.
   std::shared_ptr<security::FrameCrypto> crypto_;

@@ -552,11 +552,12 @@ TEST(Limits, IdleConnectionsAndASlowClientAreDroppedAtAPeer) {
         }
         sync_point.arrive_and_wait();
         if (index == 0) {
-          // The slow client first, so that it is inside the cap and only the timeout drops it.
-          transport::Fd slow(connect_to(victim_port));
+          // 200 idle connections (beyond the cap of 100 each displaces the oldest), then
+          // the slow client, the newest, so that only the timeout drops it.
           const auto start = Clock::now();
           std::vector<transport::Fd> idle;
           for (int i = 0; i < 200; ++i) idle.emplace_back(connect_to(victim_port));
+          transport::Fd slow(connect_to(victim_port));
           const auto frame = proto::encode_frame(proto::P2PHello{});
           bool slow_closed = false;
           std::size_t sent = 0;
@@ -566,7 +567,7 @@ TEST(Limits, IdleConnectionsAndASlowClientAreDroppedAtAPeer) {
           }
           EXPECT_TRUE(slow_closed);
           EXPECT_GE(Clock::now() - start, std::chrono::milliseconds(timeout_ms) - 100ms);
-          // Over the cap at once, the rest at the timeout.
+          // Displaced at once, the rest at the timeout.
           const auto deadline = start + std::chrono::milliseconds(timeout_ms) + 5s;
           std::size_t closed = 0;
           for (auto& fd : idle) {
@@ -582,6 +583,68 @@ TEST(Limits, IdleConnectionsAndASlowClientAreDroppedAtAPeer) {
         expect_all_reduce(comm, 3, 2);
       },
       timeout_ms, /*inbound_max=*/100);
+}
+
+TEST(Limits, ANewcomerConnectsToPeersWhoseHandshakeSlotsIdleStrangersHold) {
+  auto master = start_master(kSecret);
+  std::mutex mutex;
+  std::vector<std::uint16_t> ports;
+  std::barrier flooded(3);
+  std::vector<transport::Fd> idle;
+  // Grows the group to `world` (the loop of Cluster::join, for peers already accepted).
+  const auto grow_to = [](peer::Communicator& comm, std::size_t world) {
+    for (auto deadline = Clock::now() + 60s * kScale; Clock::now() < deadline;) {
+      if (comm.attributes().value().group_world_size >= world) return true;
+      auto pending = comm.are_peers_pending();
+      if (!pending.is_ok()) return false;
+      if (!pending.value()) {
+        std::this_thread::sleep_for(2ms);
+        continue;
+      }
+      Status s = comm.update_topology();
+      if (!s.is_ok() && s.code() != LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED) return false;
+    }
+    return false;
+  };
+  std::thread newcomer([&] {
+    flooded.arrive_and_wait();
+    auto comm = make_peer(master->port(), kSecret);
+    ASSERT_TRUE(Cluster::join(*comm, 3)) << comm->last_error();
+    expect_all_reduce(*comm, 7, 3);
+  });
+  run_peers(
+      master->port(), 2,
+      [&](peer::Communicator& comm, std::size_t index) {
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          ports.push_back(comm.p2p_port());
+        }
+        expect_all_reduce(comm, 1, 2);
+        if (index == 0) {
+          // Both members' p2p ports: 80 idle connections each against a cap of 50 and a
+          // handshake timeout far away, so that only displacement makes room.
+          std::vector<std::uint16_t> targets;
+          {
+            std::lock_guard<std::mutex> lock(mutex);
+            targets = ports;
+          }
+          ASSERT_EQ(targets.size(), 2u);
+          for (std::uint16_t port : targets) {
+            std::vector<transport::Fd> flood;
+            for (int i = 0; i < 80; ++i) flood.emplace_back(connect_to(port));
+            std::size_t displaced = 0;
+            for (int i = 0; i < 30; ++i) displaced += closed_by_other_side(flood[static_cast<std::size_t>(i)].get(), 5s) ? 1u : 0u;
+            EXPECT_EQ(displaced, 30u);
+            for (auto& fd : flood) idle.push_back(std::move(fd));
+          }
+        }
+        flooded.arrive_and_wait();
+        // The newcomer's ring connections to the flooded ports get through.
+        ASSERT_TRUE(grow_to(comm, 3)) << comm.last_error();
+        expect_all_reduce(comm, 7, 3);
+      },
+      /*inbound_timeout_ms=*/600'000, /*inbound_max=*/50);
+  newcomer.join();
 }
 
 }  // namespace
