@@ -8,6 +8,8 @@
 #include "peer/link.h"
 #include "transport/framed.h"
 
+#include <poll.h>
+
 #include <algorithm>
 #include <chrono>
 #include <map>
@@ -300,13 +302,31 @@ std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan, con
 
 // ------------------------------------------------------------------ connections
 
+namespace {
+// Whether the other end closed a cached ring connection. A peer drops its ends of a
+// slot's connections when an attempt it ran fails; its neighbour may not have had
+// its turn in that attempt and still holds the other ends. Reusing them would fail
+// the next attempt too (a write into a closed connection, or leftover bytes of the
+// failed attempt), so they are replaced. The FIN shows without reading (POLLRDHUP),
+// even behind unread bytes.
+bool closed_by_other_end(int fd) {
+  pollfd p{fd, POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+}  // namespace
+
 Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32_t slot, int cancel_fd,
                                         security::Aead** seal) {
   {
     std::lock_guard<std::mutex> lock(connections_mutex_);
     if (auto it = tx_.find(SlotKey{to.id, slot}); it != tx_.end()) {
-      if (seal != nullptr) *seal = it->second.seal.get();
-      return it->second.fd.get();
+      if (!closed_by_other_end(it->second.fd.get())) {
+        if (seal != nullptr) *seal = it->second.seal.get();
+        return it->second.fd.get();
+      }
+      LOG_DEBUG(kLog, "ring connection to " << to.id.to_string() << " (slot " << slot
+                                            << ") was closed at the other end; connecting anew");
+      tx_.erase(it);
     }
   }
   auto fd = transport::connect_tcp(to.host, to.p2p_port, options_.p2p_connect_timeout_ms, cancel_fd);
@@ -334,13 +354,24 @@ Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32
 
 Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::time_point deadline,
                                         const std::atomic<bool>* abort, security::Aead** open) {
-  std::uint64_t have = 0;
+  std::uint64_t have = 0;  // the generation of the cached connection (0: none)
+  bool cached = false;
   {
     std::lock_guard<std::mutex> lock(connections_mutex_);
-    if (auto it = rx_.find(SlotKey{from, slot}); it != rx_.end()) have = it->second.generation;
+    if (auto it = rx_.find(SlotKey{from, slot}); it != rx_.end()) {
+      have = it->second.generation;
+      cached = true;
+      if (closed_by_other_end(it->second.fd.get())) {
+        // Wait below for the sender's new connection (newer than the closed one).
+        LOG_DEBUG(kLog, "ring connection from " << from.to_string() << " (slot " << slot
+                                                << ") was closed at the other end; waiting for a new one");
+        rx_.erase(it);
+        cached = false;
+      }
+    }
   }
   // A newer connection from the same sender replaces the cached one (it reconnected).
-  auto fresh = link_->take_inbound(from, slot, have, have != 0 ? Clock::now() : deadline, abort);
+  auto fresh = link_->take_inbound(from, slot, have, cached ? Clock::now() : deadline, abort);
   std::lock_guard<std::mutex> lock(connections_mutex_);
   if (fresh) {
     if (options_.encrypt_data && !fresh->keys) {
