@@ -703,12 +703,14 @@ void encode_frame(const Message& message, std::vector<std::uint8_t>& out) {
   out.resize(start + kFrameHeaderBytes);
   Writer w(out);
   std::visit([&](const auto& m) { encode_body(w, m); }, message);
-  const auto length = static_cast<std::uint32_t>(out.size() - start - kFrameHeaderBytes);
-  const auto type = static_cast<std::uint16_t>(type_of(message));
-  std::uint8_t* h = out.data() + start;
-  for (int i = 0; i < 4; ++i) h[i] = static_cast<std::uint8_t>(length >> (8 * i));
-  h[4] = static_cast<std::uint8_t>(type);
-  h[5] = static_cast<std::uint8_t>(type >> 8);
+  write_header(out.data() + start, type_of(message), static_cast<std::uint32_t>(out.size() - start - kFrameHeaderBytes));
+}
+
+void write_header(std::uint8_t* h, MsgType type, std::uint32_t payload_bytes) {
+  const auto raw = static_cast<std::uint16_t>(type);
+  for (int i = 0; i < 4; ++i) h[i] = static_cast<std::uint8_t>(payload_bytes >> (8 * i));
+  h[4] = static_cast<std::uint8_t>(raw);
+  h[5] = static_cast<std::uint8_t>(raw >> 8);
   h[6] = 0;
   h[7] = 0;
 }

@@ -38,6 +38,9 @@ Result<FrameHeader> decode_header(std::span<const std::uint8_t, kFrameHeaderByte
 // Decodes a payload of a validated header into a message.
 Result<Message> decode_payload(MsgType type, std::span<const std::uint8_t> payload);
 
+// Writes a frame header (little-endian length, type, zero flags) at h.
+void write_header(std::uint8_t* h, MsgType type, std::uint32_t payload_bytes);
+
 // Appends one whole frame (header and payload) for the message to out.
 void encode_frame(const Message& message, std::vector<std::uint8_t>& out);
 std::vector<std::uint8_t> encode_frame(const Message& message);

@@ -20,15 +20,10 @@ bool FrameCrypto::open_bytes(std::span<const std::uint8_t> box, std::uint8_t* pl
 
 void FrameCrypto::seal_frame(std::span<const std::uint8_t> inner, std::vector<std::uint8_t>& out) {
   const auto length = static_cast<std::uint32_t>(inner.size() + kTagBytes);
-  const auto type = static_cast<std::uint16_t>(proto::MsgType::kSealed);
   const std::size_t start = out.size();
   out.resize(start + proto::kFrameHeaderBytes + length);
   std::uint8_t* h = out.data() + start;
-  for (int i = 0; i < 4; ++i) h[i] = static_cast<std::uint8_t>(length >> (8 * i));
-  h[4] = static_cast<std::uint8_t>(type);
-  h[5] = static_cast<std::uint8_t>(type >> 8);
-  h[6] = 0;
-  h[7] = 0;
+  proto::write_header(h, proto::MsgType::kSealed, length);
   tx_.seal(inner, std::span<const std::uint8_t>(h, proto::kFrameHeaderBytes), h + proto::kFrameHeaderBytes);
 }
 

@@ -101,6 +101,16 @@ bool closed_by_other_side(int fd, std::chrono::milliseconds timeout) {
   return false;
 }
 
+// How many of the first n connections the other side closes by the deadline.
+std::size_t closed_by(const std::vector<transport::Fd>& fds, std::size_t n, Clock::time_point deadline) {
+  std::size_t closed = 0;
+  for (std::size_t i = 0; i < n && i < fds.size(); ++i) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    closed += closed_by_other_side(fds[i].get(), std::max(left, std::chrono::milliseconds(1))) ? 1u : 0u;
+  }
+  return closed;
+}
+
 bool send_bytes(int fd, const std::vector<std::uint8_t>& bytes) {
   return transport::send_all(fd, bytes, 2000).is_ok();
 }
@@ -488,14 +498,8 @@ TEST(Limits, IdleConnectionsAndASlowClientAreDroppedAtTheMaster) {
       const auto slow_after = Clock::now() - start;
       EXPECT_TRUE(slow_closed);
       EXPECT_GE(slow_after, std::chrono::milliseconds(timeout_ms) - 100ms);
-      // Every idle connection is gone by now: over the cap at once, the rest at the timeout.
-      const auto deadline = start + std::chrono::milliseconds(timeout_ms) + 5s;
-      std::size_t closed = 0;
-      for (auto& fd : idle) {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-        closed += closed_by_other_side(fd.get(), std::max(left, 1ms)) ? 1u : 0u;
-      }
-      EXPECT_EQ(closed, idle.size());
+      // Every idle connection is gone by now: displaced at once, the rest at the timeout.
+      EXPECT_EQ(closed_by(idle, idle.size(), start + std::chrono::milliseconds(timeout_ms) + 5s), idle.size());
     }
     // Members were unaffected meanwhile and still work.
     expect_all_reduce(comm, 1, 2);
@@ -513,9 +517,7 @@ TEST(Limits, ANewcomerJoinsWhileIdleConnectionsHoldEveryHandshakeSlot) {
   std::vector<transport::Fd> idle;
   for (int i = 0; i < 80; ++i) idle.emplace_back(connect_to(master->port()));
   // The flood's oldest connections made room for its newest ones.
-  std::size_t displaced = 0;
-  for (int i = 0; i < 30; ++i) displaced += closed_by_other_side(idle[static_cast<std::size_t>(i)].get(), 5s) ? 1u : 0u;
-  EXPECT_EQ(displaced, 30u);
+  EXPECT_EQ(closed_by(idle, 30, Clock::now() + 5s), 30u);
   // Every slot is held by an idle connection, and a newcomer still gets in.
   auto newcomer = make_peer(master->port(), kSecret);
   ASSERT_TRUE(newcomer->connect().is_ok()) << newcomer->last_error();
@@ -568,13 +570,7 @@ TEST(Limits, IdleConnectionsAndASlowClientAreDroppedAtAPeer) {
           EXPECT_TRUE(slow_closed);
           EXPECT_GE(Clock::now() - start, std::chrono::milliseconds(timeout_ms) - 100ms);
           // Displaced at once, the rest at the timeout.
-          const auto deadline = start + std::chrono::milliseconds(timeout_ms) + 5s;
-          std::size_t closed = 0;
-          for (auto& fd : idle) {
-            const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-            closed += closed_by_other_side(fd.get(), std::max(left, 1ms)) ? 1u : 0u;
-          }
-          EXPECT_EQ(closed, idle.size());
+          EXPECT_EQ(closed_by(idle, idle.size(), start + std::chrono::milliseconds(timeout_ms) + 5s), idle.size());
         }
         sync_point.arrive_and_wait();
         // The ring and the control plane still work.
@@ -632,9 +628,7 @@ TEST(Limits, ANewcomerConnectsToPeersWhoseHandshakeSlotsIdleStrangersHold) {
           for (std::uint16_t port : targets) {
             std::vector<transport::Fd> flood;
             for (int i = 0; i < 80; ++i) flood.emplace_back(connect_to(port));
-            std::size_t displaced = 0;
-            for (int i = 0; i < 30; ++i) displaced += closed_by_other_side(flood[static_cast<std::size_t>(i)].get(), 5s) ? 1u : 0u;
-            EXPECT_EQ(displaced, 30u);
+            EXPECT_EQ(closed_by(flood, 30, Clock::now() + 5s), 30u);
             for (auto& fd : flood) idle.push_back(std::move(fd));
           }
         }
