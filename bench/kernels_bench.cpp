@@ -86,6 +86,32 @@ void BM_Reduce(benchmark::State& state) {
   count_bytes(state);
 }
 
+// As the ring's reduce-scatter runs it: each received 256 KiB sub-chunk (in cache)
+// reduced into the next part of the destination (from memory), the old destination
+// saved on the way (arg 1) or not (arg 0).
+template <lockstep_dtype_t D>
+void BM_RingReduce(benchmark::State& state) {
+  auto dst = make_buffer(D, 2);
+  std::vector<std::uint8_t> saved(kBytes, 1);
+  constexpr std::size_t kSub = std::size_t{256} << 10;
+  const auto received = make_buffer(D, 3);
+  const std::size_t esize = coll::dtype_size(D);
+  const bool saving = state.range(0) != 0;
+  for (auto _ : state) {
+    for (std::size_t at = 0; at < kBytes; at += kSub) {
+      if (saving) {
+        coll::reduce3_saving(dst.data() + at, saved.data() + at, dst.data() + at, received.data(), kSub / esize, D,
+                             LOCKSTEP_SUM);
+      } else {
+        coll::reduce(dst.data() + at, received.data(), kSub / esize, D, LOCKSTEP_SUM);
+      }
+    }
+    benchmark::DoNotOptimize(dst.data());
+    benchmark::ClobberMemory();
+  }
+  count_bytes(state);
+}
+
 template <lockstep_dtype_t D, lockstep_quantization_t Q>
 void BM_Quantize(benchmark::State& state) {
   const auto src = make_buffer(D, 4);
@@ -137,6 +163,9 @@ BENCHMARK(BM_Reduce<LOCKSTEP_F16, LOCKSTEP_SUM>)->Unit(benchmark::kMillisecond)-
 BENCHMARK(BM_Reduce<LOCKSTEP_BF16, LOCKSTEP_SUM>)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Reduce<LOCKSTEP_F32, LOCKSTEP_MAX>)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Reduce<LOCKSTEP_I64, LOCKSTEP_PROD>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_RingReduce<LOCKSTEP_F32>)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_RingReduce<LOCKSTEP_BF16>)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_RingReduce<LOCKSTEP_F16>)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Quantize<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();

@@ -119,32 +119,71 @@ struct OpMin {
 };
 
 // ---------------------------------------------------------------- loops
+// Each loop walks its buffers a cache line at a time and asks for the line kAhead bytes
+// further on before it is needed (for writing where it will be written). Measured on the
+// 2-core host of BENCHMARKS.md, 64 MiB f32 through 256 KiB sub-chunks as the ring feeds
+// them: the reduce went from 5.8 to 2.1 ms and the reduce that also saves the old
+// destination from 8.6 to 4.5 ms; the hardware prefetcher alone did not keep these
+// read-modify-write streams busy. A prefetch never faults, so running past the end of a
+// buffer is harmless; the address is formed as an integer for that reason.
+
+constexpr std::size_t kLineBytes = 64;
+constexpr std::size_t kAhead = 8192;
+
+inline void ahead_for_read(const void* p) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + kAhead), 0);
+}
+inline void ahead_for_write(const void* p) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + kAhead), 1);
+}
+
+template <typename E>
+inline constexpr std::size_t kLine = kLineBytes / sizeof(typename E::Storage);
+
+// One element: a OP b, stored.
+template <typename E, typename Op>
+inline typename E::Storage combine(typename E::Storage a, typename E::Storage b) {
+  return E::store(Op::apply(E::load(a), E::load(b)));
+}
+
+// Every loop below runs whole cache lines (a fixed inner trip count, which GCC
+// vectorizes), then the tail element by element.
 
 template <typename E, typename Op>
 [[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void loop2(typename E::Storage* __restrict dst,
                                                     const typename E::Storage* __restrict src,
                                                     std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) {
-    dst[i] = E::store(Op::apply(E::load(dst[i]), E::load(src[i])));
+  std::size_t i = 0;
+  for (; i + kLine<E> <= n; i += kLine<E>) {
+    ahead_for_write(dst + i);
+    ahead_for_read(src + i);
+    for (std::size_t k = i; k < i + kLine<E>; ++k) dst[k] = combine<E, Op>(dst[k], src[k]);
   }
+  for (; i < n; ++i) dst[i] = combine<E, Op>(dst[i], src[i]);
 }
 
 // dst[i] = src[i] OP dst[i]: the out == b case of reduce3, keeping the operand order.
 template <typename E, typename Op>
 [[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void loop2_swapped(
     typename E::Storage* __restrict dst, const typename E::Storage* __restrict src, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) {
-    dst[i] = E::store(Op::apply(E::load(src[i]), E::load(dst[i])));
+  std::size_t i = 0;
+  for (; i + kLine<E> <= n; i += kLine<E>) {
+    ahead_for_write(dst + i);
+    ahead_for_read(src + i);
+    for (std::size_t k = i; k < i + kLine<E>; ++k) dst[k] = combine<E, Op>(src[k], dst[k]);
   }
+  for (; i < n; ++i) dst[i] = combine<E, Op>(src[i], dst[i]);
 }
 
 // dst[i] = dst[i] OP dst[i]: both operands are the same buffer (no __restrict).
 template <typename E, typename Op>
 [[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void loop_self(typename E::Storage* dst, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) {
-    const typename E::Compute x = E::load(dst[i]);
-    dst[i] = E::store(Op::apply(x, x));
+  std::size_t i = 0;
+  for (; i + kLine<E> <= n; i += kLine<E>) {
+    ahead_for_write(dst + i);
+    for (std::size_t k = i; k < i + kLine<E>; ++k) dst[k] = combine<E, Op>(dst[k], dst[k]);
   }
+  for (; i < n; ++i) dst[i] = combine<E, Op>(dst[i], dst[i]);
 }
 
 template <typename E, typename Op>
@@ -152,9 +191,14 @@ template <typename E, typename Op>
                                                     const typename E::Storage* __restrict a,
                                                     const typename E::Storage* __restrict b,
                                                     std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) {
-    out[i] = E::store(Op::apply(E::load(a[i]), E::load(b[i])));
+  std::size_t i = 0;
+  for (; i + kLine<E> <= n; i += kLine<E>) {
+    ahead_for_write(out + i);
+    ahead_for_read(a + i);
+    ahead_for_read(b + i);
+    for (std::size_t k = i; k < i + kLine<E>; ++k) out[k] = combine<E, Op>(a[k], b[k]);
   }
+  for (; i < n; ++i) out[i] = combine<E, Op>(a[i], b[i]);
 }
 
 // The two loops below copy and reduce in one pass; GCC would otherwise split the copy
@@ -170,10 +214,21 @@ template <typename E, typename Op>
 [[LOCKSTEP_KERNEL_CLONES LOCKSTEP_ONE_PASS gnu::noinline]] void loop2_saving(
     typename E::Storage* __restrict dst, typename E::Storage* __restrict saved,
     const typename E::Storage* __restrict src, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) {
+  std::size_t i = 0;
+  for (; i + kLine<E> <= n; i += kLine<E>) {
+    ahead_for_write(dst + i);
+    ahead_for_write(saved + i);
+    ahead_for_read(src + i);
+    for (std::size_t k = i; k < i + kLine<E>; ++k) {
+      const typename E::Storage old = dst[k];
+      saved[k] = old;
+      dst[k] = combine<E, Op>(old, src[k]);
+    }
+  }
+  for (; i < n; ++i) {
     const typename E::Storage old = dst[i];
     saved[i] = old;
-    dst[i] = E::store(Op::apply(E::load(old), E::load(src[i])));
+    dst[i] = combine<E, Op>(old, src[i]);
   }
 }
 
@@ -183,9 +238,20 @@ template <typename E, typename Op>
     typename E::Storage* __restrict out, typename E::Storage* __restrict saved,
     const typename E::Storage* __restrict a, const typename E::Storage* __restrict b,
     std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) {
+  std::size_t i = 0;
+  for (; i + kLine<E> <= n; i += kLine<E>) {
+    ahead_for_write(out + i);
+    ahead_for_write(saved + i);
+    ahead_for_read(a + i);
+    ahead_for_read(b + i);
+    for (std::size_t k = i; k < i + kLine<E>; ++k) {
+      saved[k] = out[k];
+      out[k] = combine<E, Op>(a[k], b[k]);
+    }
+  }
+  for (; i < n; ++i) {
     saved[i] = out[i];
-    out[i] = E::store(Op::apply(E::load(a[i]), E::load(b[i])));
+    out[i] = combine<E, Op>(a[i], b[i]);
   }
 }
 
