@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <random>
@@ -165,30 +166,28 @@ class RawRing {
   std::vector<std::uint8_t> staging_;
 };
 
+// One timed Gloo ring all-reduce per call, over a buffer of `bytes`, after a barrier.
 template <typename T>
-std::vector<double> gloo_times(const std::shared_ptr<gloo::rendezvous::Context>& context, std::uint64_t bytes,
-                               int rounds) {
-  std::vector<T> data(std::max<std::uint64_t>(1, bytes / sizeof(T)), T(1));
-  std::vector<T*> ptrs = {data.data()};
-  gloo::AllreduceRing<T> ring(context, ptrs, static_cast<int>(data.size()));
-  std::vector<double> out;
-  for (int i = 0; i < rounds; ++i) {
+std::function<double()> gloo_round(const std::shared_ptr<gloo::rendezvous::Context>& context, std::uint64_t bytes) {
+  auto data = std::make_shared<std::vector<T>>(std::max<std::uint64_t>(1, bytes / sizeof(T)), T(1));
+  std::vector<T*> ptrs = {data->data()};
+  auto ring = std::make_shared<gloo::AllreduceRing<T>>(context, ptrs, static_cast<int>(data->size()));
+  return [context, data, ring] {
     gloo::BarrierAllToAll(context).run();
     const auto start = Clock::now();
-    ring.run();
-    out.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
-  }
-  return out;
+    ring->run();
+    return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+  };
 }
 
-std::optional<std::vector<double>> gloo_for(lockstep_dtype_t t, const std::shared_ptr<gloo::rendezvous::Context>& c,
-                                            std::uint64_t bytes, int rounds) {
+std::function<double()> gloo_for(lockstep_dtype_t t, const std::shared_ptr<gloo::rendezvous::Context>& c,
+                                 std::uint64_t bytes) {
   switch (t) {
-    case LOCKSTEP_F32: return gloo_times<float>(c, bytes, rounds);
-    case LOCKSTEP_F64: return gloo_times<double>(c, bytes, rounds);
-    case LOCKSTEP_I32: return gloo_times<int32_t>(c, bytes, rounds);
-    case LOCKSTEP_I64: return gloo_times<int64_t>(c, bytes, rounds);
-    default: return std::nullopt;
+    case LOCKSTEP_F32: return gloo_round<float>(c, bytes);
+    case LOCKSTEP_F64: return gloo_round<double>(c, bytes);
+    case LOCKSTEP_I32: return gloo_round<int32_t>(c, bytes);
+    case LOCKSTEP_I64: return gloo_round<int64_t>(c, bytes);
+    default: return {};
   }
 }
 
@@ -235,9 +234,17 @@ int worker_allreduce(const Settings& s) {
       for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<std::uint8_t>(i % 3 == 0 ? 0x01 : 0x00);
     }
     json out = {{"size", bytes}};
+    // lockstep, the plain ring and Gloo take turns, round by round, so that all three
+    // medians sample the same moments of a shared machine.
+    std::vector<std::uint8_t> raw_buffer(s.peers > 1 ? count * esize * static_cast<std::size_t>(s.concurrency) : 0);
+    const std::function<double()> gloo =
+        gloo_context && s.concurrency == 1 ? gloo_for(s.dtype, gloo_context, bytes) : std::function<double()>{};
     std::vector<double> lockstep_us;
+    std::vector<double> raw_us;
+    std::vector<double> gloo_us;
     std::uint64_t wire_bytes = 0;
     for (int round = 0; round < rounds; ++round) {
+      const bool timed = round >= s.warmup;
       if (!comm.agree(true).is_ok()) return 1;  // everyone starts together
       const auto start = Clock::now();
       std::vector<std::shared_ptr<peer::AsyncReduce>> handles;
@@ -261,28 +268,24 @@ int worker_allreduce(const Settings& s) {
         sent += r.value().bytes_sent;
       }
       const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
-      if (round >= s.warmup) {
+      if (timed) {
         lockstep_us.push_back(us);
         wire_bytes = sent;
+      }
+      if (s.peers > 1) {
+        if (!raw.barrier()) return 1;
+        const double raw_round = raw.exchange_us(raw_buffer);
+        if (timed) raw_us.push_back(raw_round);
+      }
+      if (gloo) {
+        const double gloo_round_us = gloo();
+        if (timed) gloo_us.push_back(gloo_round_us);
       }
     }
     out["lockstep_us"] = lockstep_us;
     out["bytes_sent"] = wire_bytes;
-    if (s.peers > 1) {
-      std::vector<double> raw_us;
-      std::vector<std::uint8_t> raw_buffer(count * esize * static_cast<std::size_t>(s.concurrency));
-      for (int round = 0; round < rounds; ++round) {
-        if (!raw.barrier()) return 1;
-        const double us = raw.exchange_us(raw_buffer);
-        if (round >= s.warmup) raw_us.push_back(us);
-      }
-      out["raw_us"] = raw_us;
-    }
-    if (gloo_context && s.concurrency == 1) {
-      if (auto g = gloo_for(s.dtype, gloo_context, bytes, rounds)) {
-        out["gloo_us"] = std::vector<double>(g->begin() + s.warmup, g->end());
-      }
-    }
+    if (s.peers > 1) out["raw_us"] = raw_us;
+    if (gloo) out["gloo_us"] = gloo_us;
     std::printf("%s\n", out.dump().c_str());
     std::fflush(stdout);
   }
