@@ -68,14 +68,23 @@ inline std::size_t ring_subchunk_bytes(std::size_t world) {
   return world <= 2 ? std::size_t{1024 * 1024} : std::size_t{256 * 1024};
 }
 
-// Where more peers of a ring than a host has cores run on that host, they time-slice
-// its cores; a sender thread then keeps a peer sending while its receiving half waits
-// for the CPU, and gives it a fair share against other processes (measured at 256 MiB:
-// 4 peers on 2 cores gained; 2 peers, a core each, lost with it). From 4 MiB, a
-// judgement rather than a measurement: a thread per attempt costs tens of microseconds,
-// which weighs on small buffers, and on the loaded test machine 1 and 16 MiB showed no
-// difference that stood out from the run-to-run spread.
-inline constexpr std::size_t kCrowdedSenderThreadBytesMin = 4 * 1024 * 1024;
+// Whether a peer sends from a second thread while its first receives and reduces, given
+// how many peers of the ring run on its host and how many cores the host has. Measured at
+// 256 MiB (BENCHMARKS.md): with a spare core per peer (16 cores; 2, 4 and 8 peers) the
+// second thread roughly doubled throughput, as one thread cannot copy both ways at once;
+// where the host's cores are oversubscribed (4 peers on 2 cores) it keeps a peer sending
+// while its receiving half waits for the CPU, and gained too; where the peers just fill
+// the cores (2 peers on 2 cores) a second thread per peer only competed for them and lost.
+inline bool ring_sender_thread(std::size_t peers_on_host, unsigned cores) {
+  if (cores == 0 || peers_on_host == 0) return false;  // unknown: one thread
+  return peers_on_host > cores || 2 * peers_on_host <= cores;
+}
+
+// From this size on, where ring_sender_thread says so. A judgement rather than a
+// measurement: a thread per attempt costs tens of microseconds, which weighs on small
+// buffers, and on the loaded test machine 1 and 16 MiB showed no difference that stood
+// out from the run-to-run spread.
+inline constexpr std::size_t kSenderThreadBytesMin = 4 * 1024 * 1024;
 
 struct RingIo {
   int tx_fd = -1;                                 // to the next peer (non-blocking)

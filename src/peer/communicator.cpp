@@ -616,22 +616,20 @@ Status Communicator::all_reduce_multiple_with_retry(const std::vector<ReduceDesc
   return Status::ok();
 }
 
-// Whether more peers of this ring than this host has cores run on this host (by the
-// host the master recorded for each member): they then time-slice the cores, and the
-// ring sends from a second thread (coll::kCrowdedSenderThreadBytesMin). A local choice:
-// the bytes on the wire are the same either way.
-bool Communicator::crowded_host(const std::vector<PeerId>& ring) {
-  const unsigned cores = std::thread::hardware_concurrency();
-  if (cores == 0) return false;  // unknown
+// How many peers of this ring run on this host, by the host the master recorded for
+// each member (0 if this peer is not in the view): with the core count it decides
+// whether the ring sends from a second thread (coll::ring_sender_thread). A local
+// choice: the bytes on the wire are the same either way.
+std::size_t Communicator::peers_on_this_host(const std::vector<PeerId>& ring) {
   std::lock_guard<std::mutex> lock(connections_mutex_);
   const auto self = members_.find(id_);
-  if (self == members_.end()) return false;
+  if (self == members_.end()) return 0;
   std::size_t here = 0;
   for (const PeerId& id : ring) {
     const auto it = members_.find(id);
     if (it != members_.end() && it->second.host == self->second.host) ++here;
   }
-  return here > cores;
+  return here;
 }
 
 // Vote to initiate, wait for the attempt, run the ring, vote to complete, and take
@@ -681,7 +679,9 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   plan.quantization = d.quantization;
   plan.attempt = go.attempt;
   plan.subchunk_bytes = coll::ring_subchunk_bytes(n);
-  if (crowded_host(go.ring)) plan.sender_thread_bytes_min = coll::kCrowdedSenderThreadBytesMin;
+  if (coll::ring_sender_thread(peers_on_this_host(go.ring), std::thread::hardware_concurrency())) {
+    plan.sender_thread_bytes_min = coll::kSenderThreadBytesMin;
+  }
   coll::RingStats stats;
 
   Status local = Status::ok();

@@ -204,9 +204,8 @@ class Communicator {
   Result<std::shared_ptr<AsyncReduce>> start_collective(const ReduceDescriptor& d, bool on_own_thread);
   // The body of one collective, on a worker thread or the caller's.
   Status run_collective(const ReduceDescriptor& d, OpChannel& channel, ReduceInfo* info);
-  // Whether more peers of `ring` than this host has cores run here (the ring then sends
-  // from a second thread).
-  bool crowded_host(const std::vector<PeerId>& ring);
+  // How many peers of `ring` run on this host.
+  std::size_t peers_on_this_host(const std::vector<PeerId>& ring);
   // Ring connections, made on first use and cached per (peer, pool slot).
   // cancel_fd: see transport::connect_tcp (an attempt's abort event, or -1).
   // With encrypt_data, *seal / *open (if given) receive the connection's cipher state.

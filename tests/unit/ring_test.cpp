@@ -204,3 +204,18 @@ INSTANTIATE_TEST_SUITE_P(OneAndTwoThreads, Ring, ::testing::Bool(),
                          [](const auto& param_info) { return param_info.param ? "SenderThread" : "OneThread"; });
 
 }  // namespace
+
+// The sender thread runs where a peer has a spare core for it or where the host's cores
+// are oversubscribed, not where the ring's peers on the host just fill its cores.
+TEST(RingModes, SenderThreadWhereACoreIsSpareOrCoresAreOversubscribed) {
+  using lockstep::coll::ring_sender_thread;
+  EXPECT_FALSE(ring_sender_thread(2, 2));   // a core each
+  EXPECT_FALSE(ring_sender_thread(10, 16));
+  EXPECT_FALSE(ring_sender_thread(16, 16));
+  EXPECT_TRUE(ring_sender_thread(4, 2));    // oversubscribed
+  EXPECT_TRUE(ring_sender_thread(17, 16));
+  EXPECT_TRUE(ring_sender_thread(1, 2));    // a spare core
+  EXPECT_TRUE(ring_sender_thread(8, 16));
+  EXPECT_FALSE(ring_sender_thread(4, 0));   // core count unknown
+  EXPECT_FALSE(ring_sender_thread(0, 16));  // not in the ring's view
+}
