@@ -234,8 +234,6 @@ int worker_allreduce(const Settings& s) {
       for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<std::uint8_t>(i % 3 == 0 ? 0x01 : 0x00);
     }
     json out = {{"size", bytes}};
-    // lockstep, the plain ring and Gloo take turns, round by round, so that all three
-    // medians sample the same moments of a shared machine.
     std::vector<std::uint8_t> raw_buffer(s.peers > 1 ? count * esize * static_cast<std::size_t>(s.concurrency) : 0);
     const std::function<double()> gloo =
         gloo_context && s.concurrency == 1 ? gloo_for(s.dtype, gloo_context, bytes) : std::function<double()>{};
@@ -243,9 +241,9 @@ int worker_allreduce(const Settings& s) {
     std::vector<double> raw_us;
     std::vector<double> gloo_us;
     std::uint64_t wire_bytes = 0;
-    for (int round = 0; round < rounds; ++round) {
-      const bool timed = round >= s.warmup;
-      if (!comm.agree(true).is_ok()) return 1;  // everyone starts together
+    // One round of each; false when a peer failed.
+    const auto lockstep_round = [&](bool timed) {
+      if (!comm.agree(true).is_ok()) return false;  // everyone starts together
       const auto start = Clock::now();
       std::vector<std::shared_ptr<peer::AsyncReduce>> handles;
       for (int k = 0; k < s.concurrency; ++k) {
@@ -254,7 +252,7 @@ int worker_allreduce(const Settings& s) {
         auto h = comm.all_reduce_async(d);
         if (!h.is_ok()) {
           std::fprintf(stderr, "worker %d: %s\n", s.index, h.status().to_string().c_str());
-          return 1;
+          return false;
         }
         handles.push_back(h.value());
       }
@@ -263,7 +261,7 @@ int worker_allreduce(const Settings& s) {
         auto r = comm.await(h);
         if (!r.is_ok()) {
           std::fprintf(stderr, "worker %d: %s\n", s.index, r.status().to_string().c_str());
-          return 1;
+          return false;
         }
         sent += r.value().bytes_sent;
       }
@@ -272,14 +270,37 @@ int worker_allreduce(const Settings& s) {
         lockstep_us.push_back(us);
         wire_bytes = sent;
       }
-      if (s.peers > 1) {
-        if (!raw.barrier()) return 1;
-        const double raw_round = raw.exchange_us(raw_buffer);
-        if (timed) raw_us.push_back(raw_round);
+      return true;
+    };
+    const auto raw_round = [&](bool timed) {
+      if (s.peers <= 1) return true;
+      if (!raw.barrier()) return false;
+      const double us = raw.exchange_us(raw_buffer);
+      if (timed) raw_us.push_back(us);
+      return true;
+    };
+    const auto gloo_round = [&](bool timed) {
+      if (!gloo) return true;
+      const double us = gloo();
+      if (timed) gloo_us.push_back(us);
+      return true;
+    };
+    if (s.in_turns) {
+      // Round by round, so that the three medians sample the same moments of a shared machine.
+      for (int round = 0; round < rounds; ++round) {
+        const bool timed = round >= s.warmup;
+        if (!lockstep_round(timed) || !raw_round(timed) || !gloo_round(timed)) return 1;
       }
-      if (gloo) {
-        const double gloo_round_us = gloo();
-        if (timed) gloo_us.push_back(gloo_round_us);
+    } else {
+      // Each one's rounds back to back: sequential operations of one library.
+      for (int round = 0; round < rounds; ++round) {
+        if (!lockstep_round(round >= s.warmup)) return 1;
+      }
+      for (int round = 0; round < rounds; ++round) {
+        if (!raw_round(round >= s.warmup)) return 1;
+      }
+      for (int round = 0; round < rounds; ++round) {
+        if (!gloo_round(round >= s.warmup)) return 1;
       }
     }
     out["lockstep_us"] = lockstep_us;
@@ -289,6 +310,9 @@ int worker_allreduce(const Settings& s) {
     std::printf("%s\n", out.dump().c_str());
     std::fflush(stdout);
   }
+  // Nobody closes its Gloo connections while another worker is still in its last round
+  // (Gloo throws "Connection closed by peer" there).
+  if (gloo_context && !comm.agree(true).is_ok()) return 1;
   return 0;
 }
 
@@ -353,7 +377,8 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& mode,
                                    "--size", join_sizes(s.sizes), "--dtype", dtype_name(s.dtype),
                                    "--op", std::to_string(static_cast<int>(s.op)), "--concurrency",
                                    std::to_string(s.concurrency), "--pool", std::to_string(s.pool),
-                                   "--iterations", std::to_string(s.iterations), "--warmup", std::to_string(s.warmup)};
+                                   "--iterations", std::to_string(s.iterations), "--warmup", std::to_string(s.warmup),
+                                   "--order", s.in_turns ? "turns" : "blocks"};
   if (s.quant == LOCKSTEP_QUANT_MINMAX_U8) argv.insert(argv.end(), {"--quant", "minmax"});
   if (s.quant == LOCKSTEP_QUANT_ZERO_POINT_U8) argv.insert(argv.end(), {"--quant", "zeropoint"});
   if (!s.gloo_store.empty()) {
@@ -549,6 +574,7 @@ int run_allreduce(const Settings& settings) {
                 {"pool", s.pool},
                 {"encrypt", s.encrypt},
                 {"iterations", s.iterations},
+                {"order", s.in_turns ? "turns" : "blocks"},
                 {"gbytes_s", contribution / (p50 * 1e3)},
                 {"p50_us", p50},
                 {"p99_us", percentile(lockstep_us, 0.99)},

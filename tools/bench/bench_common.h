@@ -36,6 +36,9 @@ struct Settings {
   int pool = 1;
   int iterations = 9;
   int warmup = 2;
+  // allreduce: lockstep, the raw ring and Gloo take turns round by round (true), or each
+  // runs all its rounds back to back (false).
+  bool in_turns = true;
   int trials = 20;
   bool stop_instead_of_kill = false;  // recovery: SIGSTOP (a silent peer) instead of SIGKILL
   std::uint32_t heartbeat_timeout_ms = 5000;

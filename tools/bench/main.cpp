@@ -5,7 +5,7 @@
 //
 //   lockstep-bench allreduce --peers 4 --size 1KiB,16MiB,256MiB [--dtype f32] [--op sum] [--encrypt]
 //                  [--concurrency K] [--pool P] [--iterations N] [--warmup W] [--quant minmax]
-//                  [--compare gloo]
+//                  [--compare gloo] [--order turns|blocks]
 //   lockstep-bench allreduce --master HOST:PORT --peers N [--optimize] ...   (one peer of a run
 //       on several hosts: each host runs it against the same master; see scripts/bench-wan-topology.py)
 //   lockstep-bench recovery --peers 4 --size 16MiB --trials 20 [--stop]
@@ -40,6 +40,12 @@ int main(int argc, char** argv) {
   allreduce->add_option("--pool", s.pool, "p2p connections per neighbour")->check(CLI::Range(1, 256));
   allreduce->add_option("--iterations", s.iterations, "timed repetitions per size")->check(CLI::Range(5, 100000));
   allreduce->add_option("--warmup", s.warmup, "untimed repetitions first")->check(CLI::Range(0, 1000));
+  std::string order = "turns";
+  allreduce
+      ->add_option("--order", order,
+                   "turns: lockstep, the plain ring and Gloo take turns round by round; blocks: each runs its "
+                   "rounds back to back (sequential operations)")
+      ->check(CLI::IsMember({"turns", "blocks"}));
   allreduce->add_option("--quant", quant, "8-bit quantization on the wire")
       ->check(CLI::IsMember({"none", "minmax", "zeropoint"}));
   allreduce->add_flag("--encrypt", s.encrypt,
@@ -88,6 +94,7 @@ int main(int argc, char** argv) {
   worker->add_option("--pool", s.pool);
   worker->add_option("--iterations", s.iterations);
   worker->add_option("--warmup", s.warmup);
+  worker->add_option("--order", order);
   worker->add_option("--gloo-store", s.gloo_store);
   worker->add_option("--quant", quant);
   worker->add_option("--secret-file", s.secret_file);
@@ -113,6 +120,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   s.sizes = *parsed;
+  s.in_turns = order == "turns";
   s.dtype = lockstep::bench::dtype_from_name(dtype);
   s.op = lockstep::bench::op_from_name(op);
   s.quant = lockstep::bench::quant_from_name(quant);
