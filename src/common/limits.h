@@ -33,6 +33,13 @@ inline constexpr std::uint32_t kConnectTimeoutMsDefault = 10'000;
 // How long a peer waits for a p2p connection to a ring neighbour.
 inline constexpr std::uint32_t kP2PConnectTimeoutMsDefault = 5'000;
 inline constexpr std::uint32_t kP2PPoolSizeMax = 256;
+// An unquantized all-reduce of at most this many bytes travels with the votes: each peer
+// sends its contribution with its vote to initiate, the master reduces them in ring order
+// and sends the result with the outcome (one round trip instead of two and a ring).
+inline constexpr std::uint32_t kVoteCarriedBytesMax = 16u << 10;
+// Contributions of one peer that the master holds in votes not yet complete; a vote
+// beyond it is refused.
+inline constexpr std::size_t kVoteCarriedBytesHeldPerPeerMax = 4u << 20;
 // An all-reduce attempt in which no byte moves to or from the ring neighbours for this
 // long fails (a cut between two peers that both still reach the master).
 inline constexpr std::uint32_t kP2PStallTimeoutMsDefault = 30'000;

@@ -3,6 +3,9 @@
 // that a decision is made at exactly one place whatever event made it possible.
 #include "coordinator/coordinator.h"
 
+#include "collectives/reduce.h"
+#include "collectives/vote_carried.h"
+
 #include <algorithm>
 #include <cassert>
 #include <sstream>
@@ -525,11 +528,41 @@ void Coordinator::handle_collective_init(Peer& peer, const proto::CollectiveInit
     return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE,
                   "more than " + std::to_string(config_.collectives_per_group_max) + " collectives in flight", out);
   }
+  // A small all-reduce carries exactly its contribution, a larger one none (the same rule
+  // on both ends); what one peer may park here is bounded.
+  const proto::CollectiveDescriptor& d = init.descriptor;
+  const bool carried = coll::travels_with_votes(d.count, d.dtype, d.quantization);
+  const std::size_t expected = carried ? d.count * coll::dtype_size(static_cast<lockstep_dtype_t>(d.dtype)) : 0;
+  if (init.data.size() != expected) {
+    if (group.empty()) collectives_.erase(peer.group);
+    return refuse(peer, type, LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                  "the vote carries " + std::to_string(init.data.size()) + " bytes of data where its descriptor needs " +
+                      std::to_string(expected),
+                  out);
+  }
+  if (carried && contribution_bytes_held(peer) + expected > limits::kVoteCarriedBytesHeldPerPeerMax) {
+    if (group.empty()) collectives_.erase(peer.group);
+    return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE,
+                  "more than " + std::to_string(limits::kVoteCarriedBytesHeldPerPeerMax) +
+                      " bytes of small all-reduces waiting for other peers' votes",
+                  out);
+  }
   if (it == group.end()) {
     it = group.emplace(init.tag, Collective{}).first;
     it->second.started_ms = peer.last_seen_ms;
   }
   it->second.votes[peer.id] = init.descriptor;
+  if (carried) it->second.contributions[peer.id] = init.data;
+}
+
+std::size_t Coordinator::contribution_bytes_held(const Peer& peer) const {
+  std::size_t held = 0;
+  if (const auto g = collectives_.find(peer.group); g != collectives_.end()) {
+    for (const auto& [tag, c] : g->second) {
+      if (const auto it = c.contributions.find(peer.id); it != c.contributions.end()) held += it->second.size();
+    }
+  }
+  return held;
 }
 
 void Coordinator::handle_collective_done(Peer& peer, const proto::CollectiveDone& done, Outbox& out) {
@@ -560,14 +593,15 @@ void Coordinator::handle_collective_done(Peer& peer, const proto::CollectiveDone
 }
 
 void Coordinator::finish_collective(std::uint32_t group, std::uint64_t tag, std::vector<PeerId> recipients,
-                                    StatusCode status, const std::string& reason, Outbox& out) {
+                                    StatusCode status, const std::string& reason, Outbox& out,
+                                    const std::vector<std::uint8_t>& data) {
   auto& tags = collectives_.at(group);
-  const Collective c = tags.at(tag);
+  const Collective c = std::move(tags.at(tag));  // erased next
   tags.erase(tag);
   if (tags.empty()) collectives_.erase(group);
   const auto world = static_cast<std::uint32_t>(c.participants.size());
   for (const auto& id : recipients) {
-    if (const Peer* p = find_peer(id)) send(*p, proto::CollectiveResult{tag, c.attempt, status, world, reason}, out);
+    if (const Peer* p = find_peer(id)) send(*p, proto::CollectiveResult{tag, c.attempt, status, world, reason, data}, out);
   }
   const bool ok = status == LOCKSTEP_OK;
   out.push_back(Event{.text = "group " + std::to_string(group) + " collective tag " + std::to_string(tag) +
@@ -583,6 +617,24 @@ void Coordinator::finish_collective(std::uint32_t group, std::uint64_t tag, std:
                       .attempt = c.attempt,
                       .round_started_ms = c.started_ms});
 }
+
+namespace {
+
+// The result of an all-reduce that travelled with the votes: the contributions folded
+// in ring order (the first, OP the second, ...), then avg's division once.
+std::vector<std::uint8_t> reduce_in_ring_order(const std::map<PeerId, std::vector<std::uint8_t>>& contributions,
+                                               const std::vector<PeerId>& ring, const proto::CollectiveDescriptor& d) {
+  const auto dtype = static_cast<lockstep_dtype_t>(d.dtype);
+  const auto op = static_cast<lockstep_reduce_op_t>(d.op);
+  std::vector<std::uint8_t> result = contributions.at(ring.front());
+  for (std::size_t k = 1; k < ring.size(); ++k) {
+    coll::reduce(result.data(), contributions.at(ring[k]).data(), d.count, dtype, op);
+  }
+  coll::finalize(result.data(), d.count, dtype, op, static_cast<std::uint32_t>(ring.size()));
+  return result;
+}
+
+}  // namespace
 
 // Starts every collective whose initiate vote is complete: every accepted peer of the
 // group voted for the tag. Differing descriptors fail it for all with a mismatch.
@@ -613,16 +665,22 @@ bool Coordinator::try_start_collectives(Outbox& out) {
                           out);
         continue;
       }
+      const proto::CollectiveDescriptor descriptor = first;
+      const bool carried = !c.contributions.empty();
       c.phase = Collective::Phase::kPerforming;
       c.attempt = next_attempt_++;
       c.participants = members;
-      std::uint16_t pool = 0xffff;
-      for (const auto& id : members) pool = std::min(pool, peers_.at(id).pool_size);
-      c.slot = static_cast<std::uint32_t>(c.attempt % pool);
+      if (!carried) {
+        std::uint16_t pool = 0xffff;
+        for (const auto& id : members) pool = std::min(pool, peers_.at(id).pool_size);
+        c.slot = static_cast<std::uint32_t>(c.attempt % pool);
+      }
       c.votes.clear();
       out.push_back(Event{.text = "group " + std::to_string(group) + " collective tag " + std::to_string(tag) +
-                                  " attempt " + std::to_string(c.attempt) + " starts over " +
-                                  std::to_string(members.size()) + " peer(s) on slot " + std::to_string(c.slot),
+                                  " attempt " + std::to_string(c.attempt) +
+                                  (carried ? " travels with the votes of " + std::to_string(members.size()) + " peer(s)"
+                                           : " starts over " + std::to_string(members.size()) + " peer(s) on slot " +
+                                                 std::to_string(c.slot)),
                           .routine = true,
                           .kind = EventKind::kStarted,
                           .op = Operation::kAllReduce,
@@ -631,6 +689,12 @@ bool Coordinator::try_start_collectives(Outbox& out) {
                           .tag = tag,
                           .attempt = c.attempt,
                           .round_started_ms = c.started_ms});
+      if (carried) {
+        // Every participant receives the same bytes: reduced here once, in ring order.
+        finish_collective(group, tag, members, LOCKSTEP_OK, {}, out,
+                          reduce_in_ring_order(c.contributions, members, descriptor));
+        continue;
+      }
       for (const auto& id : members) {
         send(peers_.at(id), proto::CollectiveGo{tag, c.attempt, c.slot, members}, out);
       }
@@ -677,6 +741,7 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
     if (auto g = collectives_.find(peer.group); g != collectives_.end()) {
       for (auto c = g->second.begin(); c != g->second.end();) {
         c->second.votes.erase(id);
+        c->second.contributions.erase(id);
         auto& who = c->second.participants;
         if (c->second.phase == Collective::Phase::kPerforming && std::find(who.begin(), who.end(), id) != who.end()) {
           std::vector<PeerId> others = who;
@@ -1196,7 +1261,7 @@ std::string Coordinator::digest() const {
   for (const auto& [g, tags] : collectives_) {
     for (const auto& [tag, c] : tags) {
       s << g << "/" << tag << ":" << (c.phase == Collective::Phase::kVoting ? "voting" : "performing") << ":"
-        << c.votes.size() << ":" << c.attempt << ":" << c.done.size() << " ";
+        << c.votes.size() << ":" << c.contributions.size() << ":" << c.attempt << ":" << c.done.size() << " ";
     }
   }
   s << "] next_attempt=" << next_attempt_ << " syncs=[";

@@ -110,6 +110,8 @@ struct Collective {
   Phase phase = Phase::kVoting;
   TimeMs started_ms = 0;
   std::map<PeerId, proto::CollectiveDescriptor> votes;
+  // The voters' contributions when the all-reduce travels with the votes.
+  std::map<PeerId, std::vector<std::uint8_t>> contributions;
   std::uint64_t attempt = 0;
   std::uint32_t slot = 0;
   std::vector<PeerId> participants;  // ring order
@@ -312,9 +314,13 @@ class Coordinator {
   void start_transfers(std::uint32_t group, std::uint64_t revision, PeerId representative, Outbox& out);
   // Ends a group's sync with one outcome for everyone in it; erases it.
   void finish_sync(std::uint32_t group, StatusCode status, const std::string& reason, Outbox& out);
-  // Ends a collective with one outcome sent to `recipients`; erases it.
+  // Ends a collective with one outcome sent to `recipients` (with `data`, the result of
+  // an all-reduce that travelled with the votes); erases it.
   void finish_collective(std::uint32_t group, std::uint64_t tag, std::vector<PeerId> recipients,
-                         StatusCode status, const std::string& reason, Outbox& out);
+                         StatusCode status, const std::string& reason, Outbox& out,
+                         const std::vector<std::uint8_t>& data = {});
+  // Bytes of contributions `peer` has in votes of its group not yet complete.
+  std::size_t contribution_bytes_held(const Peer& peer) const;
 
   Config config_;
   std::uint64_t next_peer_counter_ = 1;

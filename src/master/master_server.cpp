@@ -294,6 +294,10 @@ class MasterServer::Impl {
     if (!peer) return;
     if (const auto* done = std::get_if<proto::CollectiveDone>(&message)) {
       observer_.on_bytes_reported(*peer, true, done->bytes_sent, done->bytes_received, now_ms());
+    } else if (const auto* init = std::get_if<proto::CollectiveInit>(&message); init != nullptr && !init->data.empty()) {
+      // A small all-reduce travels with the votes: the contribution now, the result of the
+      // same size with the outcome.
+      observer_.on_bytes_reported(*peer, true, init->data.size(), init->data.size(), now_ms());
     } else if (const auto* sync = std::get_if<proto::SyncDone>(&message)) {
       observer_.on_bytes_reported(*peer, false, sync->bytes_sent, sync->bytes_received, now_ms());
     }

@@ -413,7 +413,7 @@ std::string Observer::metrics_text(const coord::Coordinator& c, TimeMs now_ms) c
   }
   {
     Family f(out, "lockstep_reported_bytes_total", "counter",
-             "Bytes peers report having moved (all-reduce: ring bytes with headers; sync: tensor bytes).");
+             "Bytes peers report having moved (all-reduce: ring bytes with headers, or a small all-reduce's data with its vote; sync: tensor bytes).");
     f.sample({{"operation", "all_reduce"}, {"direction", "sent"}}, static_cast<double>(all_reduce_sent_));
     f.sample({{"operation", "all_reduce"}, {"direction", "received"}}, static_cast<double>(all_reduce_received_));
     f.sample({{"operation", "shared_state_sync"}, {"direction", "sent"}}, static_cast<double>(sync_sent_));

@@ -4,6 +4,7 @@
 
 #include "collectives/quantize.h"
 #include "collectives/reduce.h"
+#include "collectives/vote_carried.h"
 #include "peer/handshake.h"
 #include "peer/link.h"
 #include "transport/framed.h"
@@ -12,6 +13,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <set>
 
@@ -639,6 +641,14 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   init.tag = d.tag;
   init.descriptor = proto::CollectiveDescriptor{d.count, static_cast<std::uint8_t>(d.dtype),
                                                 static_cast<std::uint8_t>(d.op), static_cast<std::uint8_t>(d.quantization)};
+  // A small all-reduce travels with the votes: the contribution goes with this vote and
+  // the master's outcome brings the result (nothing is written before it).
+  const bool carried = coll::travels_with_votes(d.count, d.dtype, d.quantization);
+  const std::size_t bytes = static_cast<std::size_t>(d.count) * coll::dtype_size(d.dtype);
+  if (carried) {
+    const auto* src = static_cast<const std::uint8_t*>(d.src);
+    init.data.assign(src, src + bytes);
+  }
   LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": vote to initiate");
   link_->send(init);
   auto go_message = channel.wait([](const proto::Message& m) {
@@ -647,7 +657,20 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   });
   if (!go_message.is_ok()) return go_message.status();
   if (const auto* r = std::get_if<proto::Refused>(&go_message.value())) return Status(r->status, "master: " + r->reason);
-  if (const auto* r = std::get_if<proto::CollectiveResult>(&go_message.value())) return Status(r->status, r->reason);
+  if (const auto* r = std::get_if<proto::CollectiveResult>(&go_message.value())) {
+    if (r->status != LOCKSTEP_OK) return Status(r->status, r->reason);
+    if (!carried || r->data.size() != bytes) {
+      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master's result of tag " + std::to_string(d.tag) + " carries " +
+                                                        std::to_string(r->data.size()) + " bytes where " +
+                                                        std::to_string(carried ? bytes : 0) + " were due");
+    }
+    std::memcpy(d.dst, r->data.data(), bytes);
+    info->world_size = r->world_size;
+    info->bytes_sent = bytes;
+    info->bytes_received = bytes;
+    return Status::ok();
+  }
+  if (carried) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master started a ring for a small all-reduce");
   const auto go = std::get<proto::CollectiveGo>(go_message.value());
   LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": attempt " << go.attempt << " over " << go.ring.size()
                                   << " peer(s), slot " << go.slot);

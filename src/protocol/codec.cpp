@@ -36,9 +36,9 @@ class Writer {
     u<std::uint16_t>(static_cast<std::uint16_t>(n));
     out_.insert(out_.end(), value.begin(), value.begin() + static_cast<std::ptrdiff_t>(n));
   }
-  // Byte strings (authentication proofs) are cut at the bound the decoder enforces.
-  void bytes(const std::vector<std::uint8_t>& value) {
-    const std::size_t n = std::min<std::size_t>(value.size(), kAuthBytesMax);
+  // Byte strings are cut at the bound the decoder enforces (a u16 length at most).
+  void bytes(const std::vector<std::uint8_t>& value, std::size_t bytes_max = kAuthBytesMax) {
+    const std::size_t n = std::min<std::size_t>(value.size(), std::min<std::size_t>(bytes_max, 0xffff));
     u<std::uint16_t>(static_cast<std::uint16_t>(n));
     out_.insert(out_.end(), value.begin(), value.begin() + static_cast<std::ptrdiff_t>(n));
   }
@@ -230,8 +230,12 @@ bool get(Reader& r, CollectiveDescriptor* d) {
 void encode_body(Writer& w, const CollectiveInit& m) {
   w.u(m.tag);
   put(w, m.descriptor);
+  w.bytes(m.data, limits::kVoteCarriedBytesMax);
 }
-bool decode_body(Reader& r, CollectiveInit* m) { return r.u(&m->tag, "init.tag") && get(r, &m->descriptor); }
+bool decode_body(Reader& r, CollectiveInit* m) {
+  return r.u(&m->tag, "init.tag") && get(r, &m->descriptor) &&
+         r.bytes(&m->data, limits::kVoteCarriedBytesMax, "init.data");
+}
 void encode_body(Writer& w, const CollectiveDone& m) {
   w.u(m.tag);
   w.u(m.attempt);
@@ -261,10 +265,12 @@ void encode_body(Writer& w, const CollectiveResult& m) {
   w.status(m.status);
   w.u(m.world_size);
   w.str(m.reason);
+  w.bytes(m.data, limits::kVoteCarriedBytesMax);
 }
 bool decode_body(Reader& r, CollectiveResult* m) {
   return r.u(&m->tag, "result.tag") && r.u(&m->attempt, "result.attempt") && r.status(&m->status, "result.status") &&
-         r.u(&m->world_size, "result.world_size") && r.str(&m->reason, limits::kWireStringBytesMax, "result.reason");
+         r.u(&m->world_size, "result.world_size") && r.str(&m->reason, limits::kWireStringBytesMax, "result.reason") &&
+         r.bytes(&m->data, limits::kVoteCarriedBytesMax, "result.data");
 }
 
 void encode_body(Writer& w, const Welcome& m) {
@@ -618,9 +624,7 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kRefused:
     case MsgType::kGoodbye:
     case MsgType::kP2PHello:
-    case MsgType::kCollectiveInit:
     case MsgType::kCollectiveDone:
-    case MsgType::kCollectiveResult:
     case MsgType::kSyncDone:
     case MsgType::kSyncResult:
     case MsgType::kStateRequest:
@@ -628,6 +632,9 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kBandwidthReport:
     case MsgType::kBandwidthTest:
       return kSmallPayloadBytesMax;
+    case MsgType::kCollectiveInit:
+    case MsgType::kCollectiveResult:
+      return kSmallPayloadBytesMax + 2 + limits::kVoteCarriedBytesMax;  // and a small all-reduce's data
     case MsgType::kCollectiveGo:
     case MsgType::kP2PReport:
     case MsgType::kEstablishP2P:

@@ -18,8 +18,9 @@ namespace lockstep::proto {
 
 inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 // 2: pair keys in MemberInfo, bytes in CollectiveDone/SyncDone, sealed frames;
-// 3: P2PHello flags (data-plane encryption)
-inline constexpr std::uint16_t kProtocolVersion = 3;
+// 3: P2PHello flags (data-plane encryption);
+// 4: small all-reduces carried by CollectiveInit and CollectiveResult (data)
+inline constexpr std::uint16_t kProtocolVersion = 4;
 
 enum class MsgType : std::uint16_t {
   // peer -> master
@@ -140,6 +141,9 @@ struct CollectiveInit {
   static constexpr MsgType kType = MsgType::kCollectiveInit;
   std::uint64_t tag = 0;
   CollectiveDescriptor descriptor;
+  // This peer's contribution when the all-reduce travels with the votes
+  // (coll::travels_with_votes: count x dtype size bytes); empty otherwise.
+  std::vector<std::uint8_t> data = {};
   bool operator==(const CollectiveInit&) const = default;
 };
 // Vote to complete: this peer finished its part of the attempt (ok) or failed it.
@@ -282,6 +286,8 @@ struct CollectiveResult {
   StatusCode status = LOCKSTEP_OK;
   std::uint32_t world_size = 0;
   std::string reason;
+  // The result of a successful all-reduce that travelled with the votes; empty otherwise.
+  std::vector<std::uint8_t> data = {};
   bool operator==(const CollectiveResult&) const = default;
 };
 

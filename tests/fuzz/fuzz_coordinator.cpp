@@ -20,6 +20,7 @@
 // Input layout: a 10-byte configuration and a 2-byte start time, then events, each an
 // op byte and its fields (Driver::event); the input ends early when it runs out. The seeds are written by
 // the same layout (Script, LOCKSTEP_FUZZ_WRITE_SEEDS).
+#include "collectives/vote_carried.h"
 #include "coordinator/coordinator.h"
 #include "fuzz_support.h"
 
@@ -33,6 +34,7 @@ namespace {
 
 using namespace lockstep;
 namespace p = lockstep::proto;
+namespace coll = lockstep::coll;
 using coord::ConnId;
 using fuzz::fail;
 
@@ -168,6 +170,12 @@ class Driver {
             init.descriptor.op = in_.byte();
             init.descriptor.quantization = in_.byte();
             break;
+        }
+        // A small all-reduce carries its contribution, now and then one byte short.
+        if (coll::travels_with_votes(init.descriptor.count, init.descriptor.dtype, init.descriptor.quantization)) {
+          const std::size_t bytes =
+              init.descriptor.count * coll::dtype_size(static_cast<lockstep_dtype_t>(init.descriptor.dtype));
+          init.data.assign(in_.byte() % 8 == 0 ? bytes - 1 : bytes, in_.byte());
         }
         return deliver(conn, init);
       }

@@ -118,6 +118,7 @@ std::vector<p::Message> sample_messages() {
   m.emplace_back(p::VotePeersPending{});
   m.emplace_back(p::VoteAgree{true});
   m.emplace_back(p::CollectiveInit{7, d});
+  m.emplace_back(p::CollectiveInit{8, {4, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE}, std::vector<std::uint8_t>(16, 7)});
   m.emplace_back(p::CollectiveDone{7, 4, false, "reset by peer"});
   m.emplace_back(p::SyncVote{p::SyncStrategy::kEnforcePopular, 5,
                              {p::TensorEntry{"weights", LOCKSTEP_F32, 4096, digest(1), false},
@@ -133,6 +134,7 @@ std::vector<p::Message> sample_messages() {
   m.emplace_back(p::Goodbye{LOCKSTEP_STATUS_KICKED, "heartbeat timeout"});
   m.emplace_back(p::CollectiveGo{7, 4, 1, {a, b}});
   m.emplace_back(p::CollectiveResult{7, 4, LOCKSTEP_OK, 2, ""});
+  m.emplace_back(p::CollectiveResult{8, 5, LOCKSTEP_OK, 2, "", std::vector<std::uint8_t>(16, 9)});
   m.emplace_back(p::P2PHello{p::kMagic, p::kProtocolVersion, p::Channel::kSharedState, a, b, 3, 0, {}});
   m.emplace_back(p::P2PHelloAck{LOCKSTEP_OK});
   m.emplace_back(p::SyncPlan{9, 6, {mb}, {p::SyncFetch{0, 0, 16384, 0}}, {p::SyncExpect{0, digest(1)}}});

@@ -91,6 +91,8 @@ std::vector<Message> samples() {
   all.push_back(CollectiveInit{0x1122334455667788ull, CollectiveDescriptor{1ull << 40, LOCKSTEP_BF16, LOCKSTEP_MAX,
                                                                             LOCKSTEP_QUANT_MINMAX_U8}});
   all.push_back(CollectiveInit{});
+  all.push_back(CollectiveInit{7, CollectiveDescriptor{3, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE},
+                               std::vector<std::uint8_t>(12, 0xab)});
   all.push_back(CollectiveDone{5, 9, true, ""});
   all.push_back(CollectiveDone{5, 9, false, "ring neighbour p3 hung up"});
   all.push_back(CollectiveDone{5, 10, true, "", 123456789, 987654321});
@@ -111,6 +113,7 @@ std::vector<Message> samples() {
   all.push_back(CollectiveGo{5, 9, 3, {PeerId{1, 1}, PeerId{1, 2}, PeerId{1, 3}}});
   all.push_back(CollectiveGo{});
   all.push_back(CollectiveResult{5, 9, LOCKSTEP_OK, 3, ""});
+  all.push_back(CollectiveResult{5, 9, LOCKSTEP_OK, 3, "", std::vector<std::uint8_t>(12, 0xcd)});
   all.push_back(CollectiveResult{5, 0, LOCKSTEP_STATUS_OPERATION_MISMATCH, 2, "different descriptors"});
   all.push_back(P2PHello{kMagic, kProtocolVersion, Channel::kSharedState, PeerId{1, 2}, PeerId{3, 4}, 77, 5, {9, 8}});
   all.push_back(P2PHello{kMagic, kProtocolVersion, Channel::kRing, PeerId{1, 2}, PeerId{3, 4}, 78, 0, {7}, kP2PFlagEncryptData});
@@ -327,8 +330,10 @@ TEST(CodecRoundTrip, StringsAndBytesAtTheirBounds) {
       Refused{MsgType::kP2PHelloAck, ~0ull, LOCKSTEP_STATUS_INTERRUPTED, reason1024},
       CollectiveDone{~0ull, ~0ull, false, reason1024, ~0ull, ~0ull},
       SyncDone{~0ull, LOCKSTEP_STATUS_HASH_MISMATCH, reason1024, ~0ull, ~0ull},
-      CollectiveResult{~0ull, ~0ull, LOCKSTEP_STATUS_INTERRUPTED, ~0u, reason1024},
-      CollectiveInit{~0ull, CollectiveDescriptor{~0ull, LOCKSTEP_F64, LOCKSTEP_MIN, LOCKSTEP_QUANT_ZERO_POINT_U8}},
+      CollectiveResult{~0ull, ~0ull, LOCKSTEP_STATUS_INTERRUPTED, ~0u, reason1024,
+                       std::vector<std::uint8_t>(lockstep::limits::kVoteCarriedBytesMax, 0xff)},
+      CollectiveInit{~0ull, CollectiveDescriptor{~0ull, LOCKSTEP_F64, LOCKSTEP_MIN, LOCKSTEP_QUANT_ZERO_POINT_U8},
+                     std::vector<std::uint8_t>(lockstep::limits::kVoteCarriedBytesMax, 0xff)},
       AgreeResult{LOCKSTEP_OK, true, reason1024},
       PeersPendingResult{LOCKSTEP_OK, true, reason1024},
       P2PHello{kMagic, kProtocolVersion, Channel::kRing, PeerId{~0ull, 1}, PeerId{2, ~0ull}, ~0ull, ~0u, auth512, kP2PFlagsKnown},
@@ -514,8 +519,8 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
         "hello.benchmark_port", "hello.advertised_host", "hello.auth"}},
       {P2PReport{1, {PeerId{1, 1}}}, {"p2p_report.epoch", "p2p_report.unreachable"}},
       {VoteAgree{true}, {"vote_agree.flag"}},
-      {CollectiveInit{1, {2, 3, 4, 1}},
-       {"init.tag", "descriptor.count", "descriptor.dtype", "descriptor.op", "descriptor.quantization"}},
+      {CollectiveInit{1, {2, 3, 4, 1}, {5}},
+       {"init.tag", "descriptor.count", "descriptor.dtype", "descriptor.op", "descriptor.quantization", "init.data"}},
       {CollectiveDone{1, 2, true, "r", 3, 4},
        {"done.tag", "done.attempt", "done.ok", "done.reason", "done.bytes_sent", "done.bytes_received"}},
       {Welcome{PeerId{1, 2}, "abc", 7}, {"welcome.id", "welcome.observed_host", "welcome.heartbeat_timeout_ms"}},
@@ -534,8 +539,8 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
        {"refused.request", "refused.tag", "refused.status", "refused.reason"}},
       {Goodbye{LOCKSTEP_STATUS_KICKED, "r"}, {"goodbye.status", "goodbye.reason"}},
       {CollectiveGo{1, 2, 3, {PeerId{4, 5}}}, {"go.tag", "go.attempt", "go.slot", "go.ring"}},
-      {CollectiveResult{1, 2, LOCKSTEP_OK, 3, "r"},
-       {"result.tag", "result.attempt", "result.status", "result.world_size", "result.reason"}},
+      {CollectiveResult{1, 2, LOCKSTEP_OK, 3, "r", {4}},
+       {"result.tag", "result.attempt", "result.status", "result.world_size", "result.reason", "result.data"}},
       {P2PHello{kMagic, kProtocolVersion, Channel::kRing, PeerId{1, 2}, PeerId{3, 4}, 5, 6, {7}},
        {"p2p_hello.magic", "p2p_hello.version", "p2p_hello.channel", "p2p_hello.from", "p2p_hello.to", "p2p_hello.epoch",
         "p2p_hello.pool_index", "p2p_hello.auth", "p2p_hello.flags"}},
@@ -795,6 +800,25 @@ TEST(CodecPayload, StringsAboveTheirBoundAreRejected) {
     EXPECT_TRUE(payload_rejected(MsgType::kCollectiveResult, p, {"result.reason", "longer than 1024"}));
   }
   {
+    const std::size_t data = lockstep::limits::kVoteCarriedBytesMax + 1;
+    Bytes p;
+    put_u64(p, 1);  // tag
+    put_u64(p, 2);  // attempt
+    put_u32(p, LOCKSTEP_OK);
+    put_u32(p, 3);  // world size
+    put_str(p, 0);
+    put_str(p, data);  // the same layout as a byte string: a u16 length, then the bytes
+    EXPECT_TRUE(payload_rejected(MsgType::kCollectiveResult, p, {"result.data", "longer than 16384"}));
+    Bytes q;
+    put_u64(q, 1);  // tag
+    put_u64(q, 3);  // count
+    put_u8(q, LOCKSTEP_F32);
+    put_u8(q, LOCKSTEP_SUM);
+    put_u8(q, LOCKSTEP_QUANT_NONE);
+    put_str(q, data);
+    EXPECT_TRUE(payload_rejected(MsgType::kCollectiveInit, q, {"init.data", "longer than 16384"}));
+  }
+  {
     Bytes p;
     put_u32(p, LOCKSTEP_OK);
     put_u8(p, 1);
@@ -885,7 +909,7 @@ TEST(CodecPayload, WrongMagicOrVersion) {
     p[0] ^= 1;
     EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"Hello", "hello.magic", "not a lockstep peer"}));
   }
-  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{4}, std::uint16_t{0xffff}}) {
+  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}, std::uint16_t{5}, std::uint16_t{0xffff}}) {
     Hello h = hello_of("");
     h.version = version;
     const Bytes p = payload_copy(h);

@@ -130,7 +130,8 @@ struct SimCollective {
   TimeMs voted_ms = 0;
 };
 
-const p::CollectiveDescriptor kDescriptor{4096, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE};
+// Large enough for the ring (smaller all-reduces travel with the votes).
+const p::CollectiveDescriptor kDescriptor{1 << 20, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE};
 
 struct SimPeer {
   ConnId conn = 0;

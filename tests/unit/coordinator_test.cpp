@@ -3,6 +3,7 @@
 // agree, mismatch, vote timeout), failure detection and the handshake rules. Every
 // step goes through a harness that checks the coordinator's structural invariants.
 #include "common/dtype.h"
+#include "common/limits.h"
 #include "coordinator/coordinator.h"
 #include "protocol/codec.h"
 
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <map>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <optional>
@@ -34,6 +36,7 @@ namespace lockstep::coord {
 namespace {
 
 namespace p = lockstep::proto;
+namespace limits = lockstep::limits;
 
 // ---------------------------------------------------------------- outbox helpers
 
@@ -1596,7 +1599,8 @@ TEST(CoordinatorIllegalRequests, RefusalKeepsTheOpenVote) {
 
 // ---------------------------------------------------------------- collectives
 
-const p::CollectiveDescriptor kSum{1024, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE};
+// Large enough for the ring (small all-reduces travel with the votes; tests below).
+const p::CollectiveDescriptor kSum{1 << 20, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE};
 
 TEST(CoordinatorCollective, AllVoteThenAllCompleteWithOneOutcome) {
   Harness h;
@@ -1633,12 +1637,115 @@ TEST(CoordinatorCollective, AllVoteThenAllCompleteWithOneOutcome) {
   EXPECT_TRUE(h.c.collectives().empty());
 }
 
+std::vector<std::uint8_t> floats_bytes(const std::vector<float>& v) {
+  std::vector<std::uint8_t> out(v.size() * sizeof(float));
+  std::memcpy(out.data(), v.data(), out.size());
+  return out;
+}
+
+// A small all-reduce: each vote carries the contribution; once all are in, every
+// participant gets one outcome with the same result, folded in ring order, and no ring
+// is started.
+TEST(CoordinatorCollective, SmallAllReduceTravelsWithTheVotes) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  for (const auto op : {LOCKSTEP_SUM, LOCKSTEP_AVG}) {
+    const p::CollectiveDescriptor small{3, LOCKSTEP_F32, static_cast<std::uint8_t>(op), LOCKSTEP_QUANT_NONE};
+    // Values whose f32 sum depends on the order: 1e8 + 1 + -1e8 is 0 folded left to right.
+    const std::map<PeerId, std::vector<float>> input = {{peers[0].id, {1e8f, 1.0f, 2.0f}},
+                                                         {peers[1].id, {1.0f, 2.0f, 3.0f}},
+                                                         {peers[2].id, {-1e8f, 3.0f, 4.0f}}};
+    const std::uint64_t tag = 40 + static_cast<std::uint64_t>(op);
+    Outbox out;
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      out = h.send(peers[i], p::CollectiveInit{tag, small, floats_bytes(input.at(peers[i].id))});
+      if (i + 1 < peers.size()) {
+        EXPECT_EQ(send_count(out), 0u) << describe(out);
+      }
+    }
+    std::vector<float> expected = input.at(h.c.ring(1)[0]);
+    for (std::size_t k = 1; k < 3; ++k) {
+      for (std::size_t e = 0; e < 3; ++e) expected[e] += input.at(h.c.ring(1)[k])[e];
+    }
+    if (op == LOCKSTEP_AVG) {
+      for (auto& x : expected) x /= 3.0f;
+    }
+    for (const auto& f : peers) {
+      EXPECT_TRUE(all_of<p::CollectiveGo>(out, f.conn).empty()) << describe(out);
+      const auto r = one_of<p::CollectiveResult>(out, f.conn);
+      ASSERT_TRUE(r.has_value()) << describe(out);
+      EXPECT_EQ(r->status, LOCKSTEP_OK);
+      EXPECT_EQ(r->world_size, 3u);
+      EXPECT_EQ(r->data, floats_bytes(expected));
+    }
+    EXPECT_TRUE(h.c.collectives().empty());
+  }
+}
+
+// A small all-reduce's vote must carry exactly count x dtype-size bytes, a larger one
+// none; what one peer parks in votes that wait for others is bounded.
+TEST(CoordinatorCollective, VoteCarriedDataIsCheckedAndBounded) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  const p::CollectiveDescriptor small{4, LOCKSTEP_F64, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE};
+  const std::string before = h.c.digest();
+  for (const auto& init : {p::CollectiveInit{1, small, std::vector<std::uint8_t>(31)},
+                           p::CollectiveInit{1, small, {}},
+                           p::CollectiveInit{1, kSum, std::vector<std::uint8_t>(8)}}) {
+    Outbox out = h.send(peers[0], init);
+    const auto refused = one_of<p::Refused>(out, peers[0].conn);
+    ASSERT_TRUE(refused.has_value()) << describe(out);
+    EXPECT_EQ(refused->status, LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    EXPECT_EQ(h.c.digest(), before);
+  }
+  // Quantized all-reduces take the ring whatever their size.
+  const p::CollectiveDescriptor quantized{4, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_MINMAX_U8};
+  EXPECT_EQ(send_count(h.send(peers[0], p::CollectiveInit{2, quantized})), 0u);
+  Outbox out = h.send(peers[1], p::CollectiveInit{2, quantized});
+  EXPECT_TRUE(one_of<p::CollectiveGo>(out, peers[1].conn).has_value()) << describe(out);
+  // The bound: 16 KiB votes that peer 1 never joins, until the next is refused.
+  const p::CollectiveDescriptor full{limits::kVoteCarriedBytesMax / 4, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE};
+  const std::size_t fit = limits::kVoteCarriedBytesHeldPerPeerMax / limits::kVoteCarriedBytesMax;
+  for (std::size_t t = 0; t < fit; ++t) {
+    out = h.send(peers[0], p::CollectiveInit{100 + t, full, std::vector<std::uint8_t>(limits::kVoteCarriedBytesMax)});
+    ASSERT_EQ(send_count(out), 0u) << t << ": " << describe(out);
+  }
+  out = h.send(peers[0], p::CollectiveInit{99, full, std::vector<std::uint8_t>(limits::kVoteCarriedBytesMax)});
+  const auto refused = one_of<p::Refused>(out, peers[0].conn);
+  ASSERT_TRUE(refused.has_value()) << describe(out);
+  EXPECT_EQ(refused->status, LOCKSTEP_STATUS_INVALID_USAGE);
+  // Peer 1 joins one of them: it completes, and its bytes are free again.
+  out = h.send(peers[1], p::CollectiveInit{100, full, std::vector<std::uint8_t>(limits::kVoteCarriedBytesMax)});
+  ASSERT_TRUE(one_of<p::CollectiveResult>(out, peers[0].conn).has_value()) << describe(out);
+  out = h.send(peers[0], p::CollectiveInit{99, full, std::vector<std::uint8_t>(limits::kVoteCarriedBytesMax)});
+  EXPECT_EQ(send_count(out), 0u) << describe(out);
+}
+
+// A voter lost before the vote completes takes its contribution with it: the survivors'
+// all-reduce completes over them alone.
+TEST(CoordinatorCollective, SmallAllReduceCompletesOverTheSurvivorsOfItsVote) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  const p::CollectiveDescriptor small{2, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE};
+  h.send(peers[0], p::CollectiveInit{7, small, floats_bytes({1.0f, 2.0f})});
+  h.send(peers[2], p::CollectiveInit{7, small, floats_bytes({100.0f, 200.0f})});
+  h.disconnect(peers[2]);
+  Outbox out = h.send(peers[1], p::CollectiveInit{7, small, floats_bytes({10.0f, 20.0f})});
+  for (const auto& f : {peers[0], peers[1]}) {
+    const auto r = one_of<p::CollectiveResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value()) << describe(out);
+    EXPECT_EQ(r->status, LOCKSTEP_OK);
+    EXPECT_EQ(r->world_size, 2u);
+    EXPECT_EQ(r->data, floats_bytes({11.0f, 22.0f}));
+  }
+}
+
 TEST(CoordinatorCollective, DifferentDescriptorsFailForAll) {
   Harness h;
   const auto peers = h.run_of(2);
   h.send(peers[0], p::CollectiveInit{1, kSum});
   p::CollectiveDescriptor other = kSum;
-  other.count = 1023;
+  other.count = kSum.count - 1;
   Outbox out = h.send(peers[1], p::CollectiveInit{1, other});
   for (const auto& f : peers) {
     const auto r = one_of<p::CollectiveResult>(out, f.conn);

@@ -1,0 +1,25 @@
+// Small all-reduces that travel with the votes (docs/architecture.md, "Small
+// all-reduces"): the peer and the master apply the same rule to the descriptor, so every
+// participant of a collective takes the same path.
+#pragma once
+
+#include "collectives/reduce.h"
+#include "common/limits.h"
+
+#include <lockstep/lockstep.h>
+
+#include <cstdint>
+
+namespace lockstep::coll {
+
+// Whether an all-reduce of `count` elements of `dtype` with this quantization travels
+// with the votes: unquantized (quantization is there to save link bytes, and a few
+// kilobytes through the master cost none worth saving), a known dtype, and at most
+// limits::kVoteCarriedBytesMax bytes.
+inline bool travels_with_votes(std::uint64_t count, int dtype, int quantization) {
+  if (quantization != LOCKSTEP_QUANT_NONE || !dtype_valid(dtype)) return false;
+  const std::uint64_t size = dtype_size(static_cast<lockstep_dtype_t>(dtype));
+  return count >= 1 && count <= limits::kVoteCarriedBytesMax / size;
+}
+
+}  // namespace lockstep::coll
