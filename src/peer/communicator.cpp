@@ -670,8 +670,13 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
     info->bytes_received = bytes;
     return Status::ok();
   }
-  if (carried) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master started a ring for a small all-reduce");
   const auto go = std::get<proto::CollectiveGo>(go_message.value());
+  if (carried) {
+    // Not this protocol's master: end the attempt for everyone rather than leave it open.
+    const std::string why = "the master started a ring for a small all-reduce";
+    link_->send(proto::CollectiveDone{d.tag, go.attempt, false, why, 0, 0});
+    return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, why);
+  }
   LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": attempt " << go.attempt << " over " << go.ring.size()
                                   << " peer(s), slot " << go.slot);
 
