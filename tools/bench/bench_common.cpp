@@ -242,7 +242,7 @@ int worker_allreduce(const Settings& s) {
     std::vector<double> gloo_us;
     std::uint64_t wire_bytes = 0;
     // One round of each; false when a peer failed.
-    const auto lockstep_round = [&](bool timed) {
+    const auto lockstep_turn = [&](bool timed) {
       if (!comm.agree(true).is_ok()) return false;  // everyone starts together
       const auto start = Clock::now();
       std::vector<std::shared_ptr<peer::AsyncReduce>> handles;
@@ -272,14 +272,14 @@ int worker_allreduce(const Settings& s) {
       }
       return true;
     };
-    const auto raw_round = [&](bool timed) {
+    const auto raw_turn = [&](bool timed) {
       if (s.peers <= 1) return true;
       if (!raw.barrier()) return false;
       const double us = raw.exchange_us(raw_buffer);
       if (timed) raw_us.push_back(us);
       return true;
     };
-    const auto gloo_round = [&](bool timed) {
+    const auto gloo_turn = [&](bool timed) {
       if (!gloo) return true;
       const double us = gloo();
       if (timed) gloo_us.push_back(us);
@@ -289,18 +289,18 @@ int worker_allreduce(const Settings& s) {
       // Round by round, so that the three medians sample the same moments of a shared machine.
       for (int round = 0; round < rounds; ++round) {
         const bool timed = round >= s.warmup;
-        if (!lockstep_round(timed) || !raw_round(timed) || !gloo_round(timed)) return 1;
+        if (!lockstep_turn(timed) || !raw_turn(timed) || !gloo_turn(timed)) return 1;
       }
     } else {
       // Each one's rounds back to back: sequential operations of one library.
       for (int round = 0; round < rounds; ++round) {
-        if (!lockstep_round(round >= s.warmup)) return 1;
+        if (!lockstep_turn(round >= s.warmup)) return 1;
       }
       for (int round = 0; round < rounds; ++round) {
-        if (!raw_round(round >= s.warmup)) return 1;
+        if (!raw_turn(round >= s.warmup)) return 1;
       }
       for (int round = 0; round < rounds; ++round) {
-        if (!gloo_round(round >= s.warmup)) return 1;
+        if (!gloo_turn(round >= s.warmup)) return 1;
       }
     }
     out["lockstep_us"] = lockstep_us;
