@@ -112,6 +112,19 @@ void BM_RingReduce(benchmark::State& state) {
   count_bytes(state);
 }
 
+// The division of avg, over the whole buffer.
+template <lockstep_dtype_t D>
+void BM_FinalizeAvg(benchmark::State& state) {
+  auto data = make_buffer(D, 2);
+  const std::size_t n = kBytes / coll::dtype_size(D);
+  for (auto _ : state) {
+    coll::finalize(data.data(), n, D, LOCKSTEP_AVG, 4);
+    benchmark::DoNotOptimize(data.data());
+    benchmark::ClobberMemory();
+  }
+  count_bytes(state);
+}
+
 template <lockstep_dtype_t D, lockstep_quantization_t Q>
 void BM_Quantize(benchmark::State& state) {
   const auto src = make_buffer(D, 4);
@@ -166,6 +179,9 @@ BENCHMARK(BM_Reduce<LOCKSTEP_I64, LOCKSTEP_PROD>)->Unit(benchmark::kMillisecond)
 BENCHMARK(BM_RingReduce<LOCKSTEP_F32>)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_RingReduce<LOCKSTEP_BF16>)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_RingReduce<LOCKSTEP_F16>)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_FinalizeAvg<LOCKSTEP_F32>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_FinalizeAvg<LOCKSTEP_BF16>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_FinalizeAvg<LOCKSTEP_F16>)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Quantize<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();

@@ -41,11 +41,12 @@
 #include <cstdint>
 
 // The kernel loops are compiled twice on x86-64 Linux with GCC, for AVX2 and for the
-// baseline, and the dynamic loader picks one per process (ifunc); f16 reduction uses the
-// F16C conversion instructions where the CPU has them. Every variant gives the same bits:
-// the operations are element-wise IEEE and integer operations, AVX2 brings no fused
-// multiply-add, and the F16C conversions equal f16_to_f32/f32_to_f16 below on all 2^16
-// and 2^32 inputs (checked, with and without DAZ/FTZ). Define LOCKSTEP_NO_KERNEL_CLONES
+// baseline, and the dynamic loader picks one per process (ifunc); f16 and bf16 reduce
+// and avg use hand-written AVX2 loops (F16C conversions for f16, integer rounding for
+// bf16) where the CPU has them. Every variant gives the same bits: the operations are
+// element-wise IEEE and integer operations, AVX2 brings no fused multiply-add, and the
+// F16C conversions equal f16_to_f32/f32_to_f16 below on all 2^16 and 2^32 inputs
+// (checked, with and without DAZ/FTZ). Define LOCKSTEP_NO_KERNEL_CLONES
 // to build only the baseline (to test that path on an AVX2 machine).
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(LOCKSTEP_NO_KERNEL_CLONES)
