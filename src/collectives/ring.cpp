@@ -77,6 +77,24 @@ void put_header(std::uint8_t* h, std::uint32_t seq, std::uint64_t attempt) {
   std::memcpy(h + 8, &attempt, 8);
 }
 
+// Whether a thread that could move nothing should retry rather than sleep: for
+// RingPlan::spin_us after the last progress.
+class Spin {
+ public:
+  explicit Spin(std::uint32_t us) : us_(us) {}
+  void moved() { since_ = {}; }
+  bool again() {
+    if (us_ == 0) return false;
+    const auto now = std::chrono::steady_clock::now();
+    if (since_ == std::chrono::steady_clock::time_point{}) since_ = now;
+    return now - since_ < std::chrono::microseconds(us_);
+  }
+
+ private:
+  std::uint32_t us_;
+  std::chrono::steady_clock::time_point since_{};
+};
+
 class Runner {
  public:
   Runner(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats)
@@ -91,6 +109,7 @@ class Runner {
     // The clock is read only while nothing moves.
     bool idle = false;
     std::chrono::steady_clock::time_point idle_since{};
+    Spin spin(p_.spin_us);
     while (send_.step < l_.steps() || recv_.step < l_.steps()) {
       if (io_.abort_flag != nullptr && io_.abort_flag->load(std::memory_order_relaxed)) return aborted();
       bool progress = false;
@@ -100,8 +119,10 @@ class Runner {
       if (!st.is_ok()) return fail(st);
       if (progress) {
         idle = false;
+        spin.moved();
         continue;
       }
+      if (spin.again()) continue;
       int timeout_ms = -1;
       if (io_.stall_timeout_ms > 0) {
         const auto now = std::chrono::steady_clock::now();

@@ -707,9 +707,10 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   plan.quantization = d.quantization;
   plan.attempt = go.attempt;
   plan.subchunk_bytes = coll::ring_subchunk_bytes(n);
-  if (coll::ring_sender_thread(peers_on_this_host(go.ring), std::thread::hardware_concurrency())) {
-    plan.sender_thread_bytes_min = coll::kSenderThreadBytesMin;
-  }
+  const std::size_t peers_here = peers_on_this_host(go.ring);
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (coll::ring_sender_thread(peers_here, cores)) plan.sender_thread_bytes_min = coll::kSenderThreadBytesMin;
+  plan.spin_us = coll::ring_spin_us(peers_here, cores);
   coll::RingStats stats;
 
   Status local = Status::ok();

@@ -40,12 +40,14 @@ struct SocketPair {
 };
 
 // The parameter: whether large buffers get a sender thread (every buffer here is large
-// enough when it is on, none when it is off).
+// enough when it is on, none when it is off). The one-thread ring retries before it
+// sleeps, as it does where each peer has a core.
 class Ring : public ::testing::TestWithParam<bool> {
  protected:
   RingPlan plan_for(std::uint32_t rank, const std::vector<float>& src, std::vector<float>& dst) const {
     RingPlan plan = base_plan(rank, src, dst);
     plan.sender_thread_bytes_min = GetParam() ? 0 : SIZE_MAX;
+    plan.spin_us = GetParam() ? 0 : lockstep::coll::kRingSpinUs;
     return plan;
   }
 
@@ -137,9 +139,10 @@ TEST_P(Ring, AbortRestoresTheDestination) {
 }
 
 // Four peers in threads over socket pairs, random f32 (so any difference in the order of
-// operations would show in the bits), plain and quantized: each mode gives every peer
-// the same bits, both modes give the same bits, and restore() after a successful
-// attempt brings back the input.
+// operations would show in the bits), plain and quantized: each mode (one thread that
+// sleeps at once, one thread that retries first, two threads) gives every peer the same
+// bits, all modes give the same bits, and restore() after a successful attempt brings
+// back the input.
 TEST(RingModes, FourPeersAgreeBitForBit) {
   for (const auto quant : {LOCKSTEP_QUANT_NONE, LOCKSTEP_QUANT_MINMAX_U8}) {
     SCOPED_TRACE(quant == LOCKSTEP_QUANT_NONE ? "unquantized" : "quantized");
@@ -151,7 +154,8 @@ TEST(RingModes, FourPeersAgreeBitForBit) {
     for (auto& v : input) {
       for (auto& x : v) x = d(rng);
     }
-    auto run_all = [&](bool sender_thread, std::vector<std::vector<float>>& data, std::vector<RingScratch>& scratch,
+    enum Mode { kOneThread, kOneThreadRetrying, kSenderThread, kModes };
+    auto run_all = [&](Mode mode, std::vector<std::vector<float>>& data, std::vector<RingScratch>& scratch,
                        std::vector<RingPlan>& plans) {
       std::vector<SocketPair> links(kPeers);  // links[i]: peer i -> peer i+1
       std::vector<lockstep::Status> status(kPeers);
@@ -160,7 +164,8 @@ TEST(RingModes, FourPeersAgreeBitForBit) {
         plans[i] = Ring::base_plan(static_cast<std::uint32_t>(i), data[i], data[i]);
         plans[i].world = kPeers;
         plans[i].quantization = quant;
-        plans[i].sender_thread_bytes_min = sender_thread ? 0 : SIZE_MAX;
+        plans[i].sender_thread_bytes_min = mode == kSenderThread ? 0 : SIZE_MAX;
+        plans[i].spin_us = mode == kOneThreadRetrying ? lockstep::coll::kRingSpinUs : 0;
       }
       for (std::size_t i = 0; i < kPeers; ++i) {
         peers.emplace_back([&, i] {
@@ -174,12 +179,13 @@ TEST(RingModes, FourPeersAgreeBitForBit) {
       for (auto& t : peers) t.join();
       for (std::size_t i = 0; i < kPeers; ++i) ASSERT_TRUE(status[i].is_ok()) << i << ": " << status[i].to_string();
     };
-    std::vector<std::vector<float>> results[2];
-    for (const bool sender_thread : {false, true}) {
+    std::vector<std::vector<float>> results[kModes];
+    for (const Mode mode : {kOneThread, kOneThreadRetrying, kSenderThread}) {
+      SCOPED_TRACE("mode " + std::to_string(mode));
       auto data = input;
       std::vector<RingScratch> scratch(kPeers);
       std::vector<RingPlan> plans(kPeers);
-      run_all(sender_thread, data, scratch, plans);
+      run_all(mode, data, scratch, plans);
       for (std::size_t i = 1; i < kPeers; ++i) {
         ASSERT_EQ(std::memcmp(data[i].data(), data[0].data(), kCount * sizeof(float)), 0) << "peer " << i;
       }
@@ -189,14 +195,16 @@ TEST(RingModes, FourPeersAgreeBitForBit) {
         const float expected = input[0][k] + input[1][k] + input[2][k] + input[3][k];
         EXPECT_NEAR(data[0][k], expected, quant == LOCKSTEP_QUANT_NONE ? 1e-2f : 200.0f) << k;
       }
-      results[sender_thread ? 1 : 0] = data;
+      results[mode] = data;
       for (std::size_t i = 0; i < kPeers; ++i) {
         lockstep::coll::restore(plans[i], scratch[i]);
         ASSERT_EQ(std::memcmp(data[i].data(), input[i].data(), kCount * sizeof(float)), 0) << "restore, peer " << i;
       }
     }
-    EXPECT_EQ(std::memcmp(results[0][0].data(), results[1][0].data(), kCount * sizeof(float)), 0)
-        << "one thread and two must give the same bits";
+    for (const Mode mode : {kOneThreadRetrying, kSenderThread}) {
+      EXPECT_EQ(std::memcmp(results[kOneThread][0].data(), results[mode][0].data(), kCount * sizeof(float)), 0)
+          << "mode " << mode << " must give the bits of one thread";
+    }
   }
 }
 
@@ -218,6 +226,20 @@ TEST(RingModes, SenderThreadWhereACoreIsSpareOrCoresAreOversubscribed) {
   EXPECT_TRUE(ring_sender_thread(8, 16));
   EXPECT_FALSE(ring_sender_thread(4, 0));   // core count unknown
   EXPECT_FALSE(ring_sender_thread(0, 16));  // not in the ring's view
+}
+
+// The one-thread ring retries before it sleeps where the ring's peers on the host have a
+// core each, never where they oversubscribe the cores.
+TEST(RingModes, RetriesBeforeSleepingOnlyWhereNoCoreIsOversubscribed) {
+  using lockstep::coll::kRingSpinUs;
+  using lockstep::coll::ring_spin_us;
+  EXPECT_EQ(ring_spin_us(2, 2), kRingSpinUs);
+  EXPECT_EQ(ring_spin_us(1, 2), kRingSpinUs);
+  EXPECT_EQ(ring_spin_us(16, 16), kRingSpinUs);
+  EXPECT_EQ(ring_spin_us(4, 2), 0u);
+  EXPECT_EQ(ring_spin_us(17, 16), 0u);
+  EXPECT_EQ(ring_spin_us(2, 0), 0u);  // core count unknown
+  EXPECT_EQ(ring_spin_us(0, 2), 0u);  // not in the ring's view
 }
 
 // Counts below the ring size (empty chunks) and just above it: every peer ends with the
