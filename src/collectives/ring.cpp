@@ -77,23 +77,20 @@ void put_header(std::uint8_t* h, std::uint32_t seq, std::uint64_t attempt) {
   std::memcpy(h + 8, &attempt, 8);
 }
 
-// Whether a thread that could move nothing should retry rather than sleep: for
-// RingPlan::spin_us after the last progress.
-class Spin {
- public:
-  explicit Spin(std::uint32_t us) : us_(us) {}
-  void moved() { since_ = {}; }
-  bool again() {
-    if (us_ == 0) return false;
-    const auto now = std::chrono::steady_clock::now();
-    if (since_ == std::chrono::steady_clock::time_point{}) since_ = now;
-    return now - since_ < std::chrono::microseconds(us_);
+// poll(), first retried without sleeping for spin_us: a thread that sleeps each time its
+// neighbour is busy for a moment pays a wake-up each time (RingPlan::spin_us). Polling
+// rather than retrying the sends keeps the kernel's rule of reporting a socket writable
+// only once a good part of its buffer is free, so the spin does not send in crumbs.
+int poll_spinning(pollfd* fds, nfds_t nfds, int timeout_ms, std::uint32_t spin_us) {
+  if (spin_us > 0) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+    do {
+      const int ready = ::poll(fds, nfds, 0);
+      if (ready != 0) return ready;
+    } while (std::chrono::steady_clock::now() < until);
   }
-
- private:
-  std::uint32_t us_;
-  std::chrono::steady_clock::time_point since_{};
-};
+  return ::poll(fds, nfds, timeout_ms);
+}
 
 class Runner {
  public:
@@ -109,7 +106,6 @@ class Runner {
     // The clock is read only while nothing moves.
     bool idle = false;
     std::chrono::steady_clock::time_point idle_since{};
-    Spin spin(p_.spin_us);
     while (send_.step < l_.steps() || recv_.step < l_.steps()) {
       if (io_.abort_flag != nullptr && io_.abort_flag->load(std::memory_order_relaxed)) return aborted();
       bool progress = false;
@@ -119,10 +115,8 @@ class Runner {
       if (!st.is_ok()) return fail(st);
       if (progress) {
         idle = false;
-        spin.moved();
         continue;
       }
-      if (spin.again()) continue;
       int timeout_ms = -1;
       if (io_.stall_timeout_ms > 0) {
         const auto now = std::chrono::steady_clock::now();
@@ -141,7 +135,7 @@ class Runner {
       if (send_ready()) fds[nfds++] = pollfd{io_.tx_fd, POLLOUT, 0};
       if (recv_.step < l_.steps()) fds[nfds++] = pollfd{io_.rx_fd, POLLIN, 0};
       fds[nfds++] = pollfd{io_.abort_fd, POLLIN, 0};
-      if (::poll(fds, nfds, timeout_ms) < 0 && errno != EINTR) {
+      if (poll_spinning(fds, nfds, timeout_ms, p_.spin_us) < 0 && errno != EINTR) {
         return fail(Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll"));
       }
       if (fds[nfds - 1].revents != 0) return aborted();

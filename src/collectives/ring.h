@@ -57,8 +57,9 @@ struct RingPlan {
   // Buffers of at least this many bytes are sent by a second thread (ring.cpp says
   // why); the default: never.
   std::size_t sender_thread_bytes_min = std::numeric_limits<std::size_t>::max();
-  // Microseconds the one-thread ring keeps retrying when it can move nothing before it
-  // sleeps in poll (ring_spin_us); 0: it sleeps at once. The two-thread ring ignores it.
+  // Microseconds the one-thread ring polls without sleeping, when it can move nothing,
+  // before it sleeps in poll (ring_spin_us); 0: it sleeps at once. The two-thread ring
+  // ignores it.
   std::uint32_t spin_us = 0;
 };
 
@@ -83,13 +84,14 @@ inline bool ring_sender_thread(std::size_t peers_on_host, unsigned cores) {
   return peers_on_host > cores || 2 * peers_on_host <= cores;
 }
 
-// How long the one-thread ring retries before it sleeps, given the same facts. Measured
-// on the 2-core host (BENCHMARKS.md), 2 peers, 256 MiB: each peer slept in poll for
-// 12-17 ms of every 90, whenever its neighbour was busy reducing for a moment, and paid
-// a wake-up each time. Retrying for 50 us first took the peers from 2.8-2.9 GB/s to
-// 3.1-3.3 in most runs. Where the cores are oversubscribed a retrying thread would hold
-// a core that a neighbour needs: no retrying. (On the 16-core host, where the ring runs
-// two threads, retrying there too changed nothing measurable.)
+// How long the one-thread ring polls without sleeping before it sleeps in poll, given
+// the same facts. Measured on the 2-core host (BENCHMARKS.md), 2 peers, 256 MiB: each
+// peer slept for 12-17 ms of every 90, whenever its neighbour was busy reducing for a
+// moment, and paid a wake-up each time; 50 us of polling first took the peers from
+// 2.8-2.9 GB/s to 3.0-3.2 (and in the host's slow spells from 2.3-2.4 to 2.5-2.7). Where
+// the cores are oversubscribed a polling thread would hold a core that a neighbour
+// needs: no spinning. (On the 16-core host, where the ring runs two threads, spinning
+// there too changed nothing measurable.)
 inline constexpr std::uint32_t kRingSpinUs = 50;
 inline std::uint32_t ring_spin_us(std::size_t peers_on_host, unsigned cores) {
   if (cores == 0 || peers_on_host == 0 || peers_on_host > cores) return 0;

@@ -40,7 +40,7 @@ struct SocketPair {
 };
 
 // The parameter: whether large buffers get a sender thread (every buffer here is large
-// enough when it is on, none when it is off). The one-thread ring retries before it
+// enough when it is on, none when it is off). The one-thread ring spins before it
 // sleeps, as it does where each peer has a core.
 class Ring : public ::testing::TestWithParam<bool> {
  protected:
@@ -140,7 +140,7 @@ TEST_P(Ring, AbortRestoresTheDestination) {
 
 // Four peers in threads over socket pairs, random f32 (so any difference in the order of
 // operations would show in the bits), plain and quantized: each mode (one thread that
-// sleeps at once, one thread that retries first, two threads) gives every peer the same
+// sleeps at once, one thread that spins first, two threads) gives every peer the same
 // bits, all modes give the same bits, and restore() after a successful attempt brings
 // back the input.
 TEST(RingModes, FourPeersAgreeBitForBit) {
@@ -154,7 +154,7 @@ TEST(RingModes, FourPeersAgreeBitForBit) {
     for (auto& v : input) {
       for (auto& x : v) x = d(rng);
     }
-    enum Mode { kOneThread, kOneThreadRetrying, kSenderThread, kModes };
+    enum Mode { kOneThread, kOneThreadSpinning, kSenderThread, kModes };
     auto run_all = [&](Mode mode, std::vector<std::vector<float>>& data, std::vector<RingScratch>& scratch,
                        std::vector<RingPlan>& plans) {
       std::vector<SocketPair> links(kPeers);  // links[i]: peer i -> peer i+1
@@ -165,7 +165,7 @@ TEST(RingModes, FourPeersAgreeBitForBit) {
         plans[i].world = kPeers;
         plans[i].quantization = quant;
         plans[i].sender_thread_bytes_min = mode == kSenderThread ? 0 : SIZE_MAX;
-        plans[i].spin_us = mode == kOneThreadRetrying ? lockstep::coll::kRingSpinUs : 0;
+        plans[i].spin_us = mode == kOneThreadSpinning ? lockstep::coll::kRingSpinUs : 0;
       }
       for (std::size_t i = 0; i < kPeers; ++i) {
         peers.emplace_back([&, i] {
@@ -180,7 +180,7 @@ TEST(RingModes, FourPeersAgreeBitForBit) {
       for (std::size_t i = 0; i < kPeers; ++i) ASSERT_TRUE(status[i].is_ok()) << i << ": " << status[i].to_string();
     };
     std::vector<std::vector<float>> results[kModes];
-    for (const Mode mode : {kOneThread, kOneThreadRetrying, kSenderThread}) {
+    for (const Mode mode : {kOneThread, kOneThreadSpinning, kSenderThread}) {
       SCOPED_TRACE("mode " + std::to_string(mode));
       auto data = input;
       std::vector<RingScratch> scratch(kPeers);
@@ -201,7 +201,7 @@ TEST(RingModes, FourPeersAgreeBitForBit) {
         ASSERT_EQ(std::memcmp(data[i].data(), input[i].data(), kCount * sizeof(float)), 0) << "restore, peer " << i;
       }
     }
-    for (const Mode mode : {kOneThreadRetrying, kSenderThread}) {
+    for (const Mode mode : {kOneThreadSpinning, kSenderThread}) {
       EXPECT_EQ(std::memcmp(results[kOneThread][0].data(), results[mode][0].data(), kCount * sizeof(float)), 0)
           << "mode " << mode << " must give the bits of one thread";
     }
@@ -228,9 +228,9 @@ TEST(RingModes, SenderThreadWhereACoreIsSpareOrCoresAreOversubscribed) {
   EXPECT_FALSE(ring_sender_thread(0, 16));  // not in the ring's view
 }
 
-// The one-thread ring retries before it sleeps where the ring's peers on the host have a
+// The one-thread ring spins before it sleeps where the ring's peers on the host have a
 // core each, never where they oversubscribe the cores.
-TEST(RingModes, RetriesBeforeSleepingOnlyWhereNoCoreIsOversubscribed) {
+TEST(RingModes, SpinsBeforeSleepingOnlyWhereNoCoreIsOversubscribed) {
   using lockstep::coll::kRingSpinUs;
   using lockstep::coll::ring_spin_us;
   EXPECT_EQ(ring_spin_us(2, 2), kRingSpinUs);

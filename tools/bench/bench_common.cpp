@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -93,6 +94,40 @@ bool join(peer::Communicator& comm, int world) {
 namespace {
 
 // A plain TCP ring among the workers, in index order, for the transport bound.
+// Every third element 1, the others 0, in the element type: sums stay small exact
+// integers in every dtype, and no float is subnormal (real gradients seldom are, and a
+// CPU may take a slow path for them).
+void fill_ones_and_zeros(std::uint8_t* data, std::uint64_t count, lockstep_dtype_t dtype) {
+  const std::size_t esize = coll::dtype_size(dtype);
+  std::uint8_t one[8] = {};
+  switch (dtype) {
+    case LOCKSTEP_F16: {
+      const std::uint16_t v = coll::f64_to_f16(1.0);
+      std::memcpy(one, &v, sizeof v);
+      break;
+    }
+    case LOCKSTEP_BF16: {
+      const std::uint16_t v = coll::f64_to_bf16(1.0);
+      std::memcpy(one, &v, sizeof v);
+      break;
+    }
+    case LOCKSTEP_F32: {
+      const float v = 1.0f;
+      std::memcpy(one, &v, sizeof v);
+      break;
+    }
+    case LOCKSTEP_F64: {
+      const double v = 1.0;
+      std::memcpy(one, &v, sizeof v);
+      break;
+    }
+    default: one[0] = 1;  // integers, little-endian
+  }
+  for (std::uint64_t i = 0; i < count; ++i) {
+    std::memcpy(data + i * esize, i % 3 == 0 ? one : std::array<std::uint8_t, 8>{}.data(), esize);
+  }
+}
+
 class RawRing {
  public:
   bool setup(int index, int peers) {
@@ -229,10 +264,7 @@ int worker_allreduce(const Settings& s) {
     const std::uint64_t count = std::max<std::uint64_t>(1, bytes / esize);
     std::vector<std::vector<std::uint8_t>> buffers(static_cast<std::size_t>(s.concurrency),
                                                    std::vector<std::uint8_t>(count * esize));
-    for (auto& b : buffers) {
-      // Small integers in every dtype: sums stay finite and exact.
-      for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<std::uint8_t>(i % 3 == 0 ? 0x01 : 0x00);
-    }
+    for (auto& b : buffers) fill_ones_and_zeros(b.data(), count, s.dtype);
     json out = {{"size", bytes}};
     std::vector<std::uint8_t> raw_buffer(s.peers > 1 ? count * esize * static_cast<std::size_t>(s.concurrency) : 0);
     const std::function<double()> gloo =
