@@ -317,14 +317,13 @@ template <typename Op>
 // f16: the F16C conversions, elements 0-7 and 8-15. bf16: without crossing 128-bit
 // lanes, the even elements (low halves of 32-bit words, shifted up) and the odd ones
 // (high halves, masked); back by f32_to_bf16's integer rounding.
-template <typename E>
 struct Group {
   __m256 lo;
   __m256 hi;
 };
 
 template <typename E>
-[[LOCKSTEP_AVX2]] inline Group<E> load16(const std::uint16_t* p) {
+[[LOCKSTEP_AVX2]] inline Group load16(const std::uint16_t* p) {
   if constexpr (std::is_same_v<E, Half>) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
@@ -343,7 +342,7 @@ template <typename E>
 }
 
 template <typename E>
-[[LOCKSTEP_AVX2]] inline void store16(std::uint16_t* p, Group<E> g) {
+[[LOCKSTEP_AVX2]] inline void store16(std::uint16_t* p, Group g) {
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   if constexpr (std::is_same_v<E, Half>) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(canonical8(g.lo), kNearest));
@@ -374,8 +373,8 @@ template <typename E, typename Op>
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(saved + k),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + k)));
       }
-      const Group<E> x = load16<E>(a + k);
-      const Group<E> y = load16<E>(b + k);
+      const Group x = load16<E>(a + k);
+      const Group y = load16<E>(b + k);
       store16<E>(out + k, {apply8<Op>(x.lo, y.lo), apply8<Op>(x.hi, y.hi)});
     }
   }
@@ -393,7 +392,7 @@ template <typename E>
   for (; i + kHalfPerLine <= n; i += kHalfPerLine) {
     ahead_for_write(data + i);
     for (std::size_t k = i; k < i + kHalfPerLine; k += 16) {
-      const Group<E> x = load16<E>(data + k);
+      const Group x = load16<E>(data + k);
       store16<E>(data + k, {_mm256_div_ps(x.lo, vw), _mm256_div_ps(x.hi, vw)});
     }
   }

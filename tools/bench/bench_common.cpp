@@ -19,7 +19,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -93,41 +92,22 @@ bool join(peer::Communicator& comm, int world) {
 
 namespace {
 
-// A plain TCP ring among the workers, in index order, for the transport bound.
 // Every third element 1, the others 0, in the element type: sums stay small exact
 // integers in every dtype, and no float is subnormal (real gradients seldom are, and a
 // CPU may take a slow path for them).
 void fill_ones_and_zeros(std::uint8_t* data, std::uint64_t count, lockstep_dtype_t dtype) {
   const std::size_t esize = coll::dtype_size(dtype);
-  std::uint8_t one[8] = {};
-  switch (dtype) {
-    case LOCKSTEP_F16: {
-      const std::uint16_t v = coll::f64_to_f16(1.0);
-      std::memcpy(one, &v, sizeof v);
-      break;
-    }
-    case LOCKSTEP_BF16: {
-      const std::uint16_t v = coll::f64_to_bf16(1.0);
-      std::memcpy(one, &v, sizeof v);
-      break;
-    }
-    case LOCKSTEP_F32: {
-      const float v = 1.0f;
-      std::memcpy(one, &v, sizeof v);
-      break;
-    }
-    case LOCKSTEP_F64: {
-      const double v = 1.0;
-      std::memcpy(one, &v, sizeof v);
-      break;
-    }
-    default: one[0] = 1;  // integers, little-endian
-  }
-  for (std::uint64_t i = 0; i < count; ++i) {
-    std::memcpy(data + i * esize, i % 3 == 0 ? one : std::array<std::uint8_t, 8>{}.data(), esize);
-  }
+  std::uint8_t one[8] = {1};  // integers: 1, little-endian
+  const auto put = [&](auto value) { std::memcpy(one, &value, sizeof value); };
+  if (dtype == LOCKSTEP_F16) put(coll::f64_to_f16(1.0));
+  if (dtype == LOCKSTEP_BF16) put(coll::f64_to_bf16(1.0));
+  if (dtype == LOCKSTEP_F32) put(1.0f);
+  if (dtype == LOCKSTEP_F64) put(1.0);
+  static constexpr std::uint8_t kZero[8] = {};
+  for (std::uint64_t i = 0; i < count; ++i) std::memcpy(data + i * esize, i % 3 == 0 ? one : kZero, esize);
 }
 
+// A plain TCP ring among the workers, in index order, for the transport bound.
 class RawRing {
  public:
   bool setup(int index, int peers) {
