@@ -12,9 +12,14 @@
 
 #include <benchmark/benchmark.h>
 
+#include <pthread.h>
+#include <sched.h>
+
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -222,6 +227,56 @@ void BM_Seal(benchmark::State& state) {
 }
 
 BENCHMARK(BM_Seal)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// Not a kernel but the host under them: a cache line handed from core 0 to core 1 and
+// back, time per one-way hand-over. Where two cores share an L3 cache this is tens of
+// nanoseconds; where they do not (a VM whose two vCPUs the hypervisor placed on
+// different L3 caches) it is several times that, and every byte one peer of a ring
+// receives from the other costs more (BENCHMARKS.md, "Receive tuning").
+void BM_CoreToCoreHandoff(benchmark::State& state) {
+  const auto pin = [](int core) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(static_cast<std::size_t>(core), &set);
+    return pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0;
+  };
+  cpu_set_t before;
+  pthread_getaffinity_np(pthread_self(), sizeof before, &before);
+  if (!pin(0)) {
+    state.SkipWithError("cannot run on core 0");
+    return;
+  }
+  alignas(64) std::atomic<std::uint64_t> line{0};
+  std::atomic<bool> pinned{true};
+  constexpr std::uint64_t kStop = ~std::uint64_t{0};
+  std::thread echo([&] {
+    if (!pin(1)) pinned = false;
+    for (std::uint64_t seen = 0;;) {
+      const std::uint64_t v = line.load(std::memory_order_acquire);
+      if (v == kStop || !pinned) return;
+      if (v != seen && v % 2 == 1) {
+        seen = v + 1;
+        line.store(seen, std::memory_order_release);
+      }
+    }
+  });
+  std::uint64_t v = 0;
+  for (auto _ : state) {
+    if (!pinned) break;
+    line.store(++v, std::memory_order_release);
+    while (line.load(std::memory_order_acquire) != v + 1) {
+    }
+    ++v;
+  }
+  line.store(kStop, std::memory_order_release);
+  echo.join();
+  pthread_setaffinity_np(pthread_self(), sizeof before, &before);
+  if (!pinned) state.SkipWithError("cannot run on core 1");
+  state.counters["per_handoff"] =
+      benchmark::Counter(static_cast<double>(state.iterations()) * 2, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
+BENCHMARK(BM_CoreToCoreHandoff)->UseRealTime()->MinTime(0.2);
 
 }  // namespace
 

@@ -100,6 +100,10 @@ class Runner {
   Status run() {
     prepare();
     if (p_.world == 1) return single();
+    if (p_.rx_buffer_bytes > 0) {
+      // A tuning: where the kernel refuses it, the ring runs as it would without it.
+      (void)::setsockopt(io_.rx_fd, SOL_SOCKET, SO_RCVBUF, &p_.rx_buffer_bytes, sizeof p_.rx_buffer_bytes);
+    }
     skip_empty(send_, true);
     skip_empty(recv_, false);
     if (p_.count * l_.esize() >= p_.sender_thread_bytes_min && start_sender()) return run_receiver();
@@ -130,6 +134,7 @@ class Runner {
         }
         timeout_ms = static_cast<int>(io_.stall_timeout_ms - idle_ms);
       }
+      set_lowat(wanted_lowat());
       pollfd fds[3];
       nfds_t nfds = 0;
       if (send_ready()) fds[nfds++] = pollfd{io_.tx_fd, POLLOUT, 0};
@@ -140,7 +145,23 @@ class Runner {
       }
       if (fds[nfds - 1].revents != 0) return aborted();
     }
+    set_lowat(1);
     return Status::ok();
+  }
+
+  // The receive low-water mark for the next poll: RingPlan::rx_lowat_bytes, but never
+  // more than the bytes of the current sub-chunk still due (the previous peer may send
+  // nothing more until it has them back). 1: none.
+  std::size_t wanted_lowat() const {
+    if (p_.rx_lowat_bytes == 0 || recv_.step >= l_.steps()) return 1;
+    const std::size_t c = l_.recv_chunk(recv_.step);
+    const std::size_t due = kRingHeaderBytes + on_wire(l_.wire_bytes(c, recv_.sub, p_.quantization)) - recv_.bytes;
+    return std::max<std::size_t>(1, std::min(p_.rx_lowat_bytes, due));
+  }
+  void set_lowat(std::size_t bytes) {
+    if (bytes == lowat_) return;
+    const int value = static_cast<int>(bytes);
+    if (::setsockopt(io_.rx_fd, SOL_SOCKET, SO_RCVLOWAT, &value, sizeof value) == 0) lowat_ = bytes;
   }
 
   // ---------------------------------------------------------------- two threads
@@ -489,6 +510,7 @@ class Runner {
   }
 
   Status fail(Status st) {
+    set_lowat(1);
     restore(p_, s_);
     return st;
   }
@@ -502,6 +524,7 @@ class Runner {
   Cursor send_;
   Cursor recv_;
   const std::uint8_t* send_source_ = nullptr;
+  std::size_t lowat_ = 1;  // the receive socket's low-water mark, as this attempt set it
   // Two threads (see start_sender).
   bool threaded_ = false;
   int wake_fd_ = -1;
@@ -515,6 +538,16 @@ class Runner {
 };
 
 }  // namespace
+
+void tune_same_host_receive(RingPlan& plan, bool previous_peer_on_this_host) {
+  const std::size_t bytes = plan.count * dtype_size(plan.dtype);
+  if (!previous_peer_on_this_host || plan.spin_us == 0 || bytes >= plan.sender_thread_bytes_min ||
+      bytes < kRingReceiveTuningBytesMin) {
+    return;
+  }
+  plan.rx_buffer_bytes = kRingSameHostRcvBufBytes;
+  plan.rx_lowat_bytes = kRingRcvLowatBytes;
+}
 
 Status run_ring_all_reduce(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats) {
   return Runner(plan, io, scratch, stats).run();

@@ -7,7 +7,9 @@
 #include "collectives/ring.h"
 
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -208,6 +210,143 @@ TEST(RingModes, FourPeersAgreeBitForBit) {
   }
 }
 
+// A TCP connection over loopback, both ends non-blocking: the receive tuning's poll
+// waits for the low-water mark only on TCP (a Unix socket reports any byte).
+struct TcpPair {
+  int fds[2] = {-1, -1};  // fds[0] sends, fds[1] receives
+  TcpPair() {
+    const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    EXPECT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    EXPECT_EQ(::listen(listener, 1), 0);
+    EXPECT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+    fds[0] = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    EXPECT_EQ(::connect(fds[0], reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    fds[1] = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    ::close(listener);
+    for (const int fd : fds) EXPECT_EQ(::fcntl(fd, F_SETFL, O_NONBLOCK), 0);
+  }
+  ~TcpPair() {
+    for (int fd : fds) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+};
+
+int socket_option(int fd, int name) {
+  int value = 0;
+  socklen_t len = sizeof value;
+  EXPECT_EQ(::getsockopt(fd, SOL_SOCKET, name, &value, &len), 0);
+  return value;
+}
+
+// The same-host receive tuning over TCP, three peers: sub-chunks smaller than the
+// low-water mark (which must then wait only for what is due) and larger ones, plain and
+// quantized; the tuned ring gives the bits of the untuned one, sets the receive buffer,
+// and leaves the low-water mark at one byte.
+TEST(RingTuning, TunedReceiveGivesTheSameBitsAndLeavesTheLowWaterMarkAtOneByte) {
+  constexpr std::size_t kPeers = 3;
+  constexpr std::size_t kCount = 300'007;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> d(-1000.0f, 1000.0f);
+  std::vector<std::vector<float>> input(kPeers, std::vector<float>(kCount));
+  for (auto& v : input) {
+    for (auto& x : v) x = d(rng);
+  }
+  for (const std::size_t subchunk : {std::size_t{4096}, std::size_t{256 * 1024}}) {
+    for (const auto quant : {LOCKSTEP_QUANT_NONE, LOCKSTEP_QUANT_MINMAX_U8}) {
+      SCOPED_TRACE(std::to_string(subchunk) + "-byte sub-chunks, " + (quant == LOCKSTEP_QUANT_NONE ? "plain" : "quantized"));
+      std::vector<std::vector<float>> results[2];
+      for (const bool tuned : {false, true}) {
+        std::vector<std::vector<float>> data = input;
+        std::vector<TcpPair> links(kPeers);  // links[i]: peer i -> peer i+1
+        std::vector<RingScratch> scratch(kPeers);
+        std::vector<lockstep::Status> status(kPeers);
+        std::vector<std::thread> peers;
+        for (std::size_t i = 0; i < kPeers; ++i) {
+          peers.emplace_back([&, i] {
+            RingPlan plan = Ring::base_plan(static_cast<std::uint32_t>(i), data[i], data[i]);
+            plan.world = kPeers;
+            plan.quantization = quant;
+            plan.subchunk_bytes = subchunk;
+            plan.spin_us = lockstep::coll::kRingSpinUs;
+            if (tuned) {
+              plan.rx_buffer_bytes = lockstep::coll::kRingSameHostRcvBufBytes;
+              plan.rx_lowat_bytes = lockstep::coll::kRingRcvLowatBytes;
+            }
+            RingIo io;
+            io.tx_fd = links[i].fds[0];
+            io.rx_fd = links[(i + kPeers - 1) % kPeers].fds[1];
+            io.stall_timeout_ms = 30'000;
+            status[i] = lockstep::coll::run_ring_all_reduce(plan, io, scratch[i], nullptr);
+          });
+        }
+        for (auto& t : peers) t.join();
+        for (std::size_t i = 0; i < kPeers; ++i) {
+          ASSERT_TRUE(status[i].is_ok()) << i << ": " << status[i].to_string();
+          ASSERT_EQ(std::memcmp(data[i].data(), data[0].data(), kCount * sizeof(float)), 0) << "peer " << i;
+          const int rx = links[(i + kPeers - 1) % kPeers].fds[1];
+          EXPECT_EQ(socket_option(rx, SO_RCVLOWAT), 1) << "peer " << i;
+          // Linux reports twice the size asked for (its bookkeeping overhead).
+          if (tuned) {
+            EXPECT_EQ(socket_option(rx, SO_RCVBUF), 2 * lockstep::coll::kRingSameHostRcvBufBytes);
+          }
+        }
+        results[tuned ? 1 : 0] = data;
+      }
+      EXPECT_EQ(std::memcmp(results[0][0].data(), results[1][0].data(), kCount * sizeof(float)), 0)
+          << "the tuned ring must give the bits of the untuned one";
+    }
+  }
+}
+
+// An attempt that waits with a raised low-water mark and is aborted restores the
+// destination and puts the mark back to one byte.
+TEST(RingTuning, AbortedTunedAttemptPutsTheLowWaterMarkBack) {
+  TcpPair a_to_b, b_to_a;  // peer b never runs
+  std::vector<float> buffer(300'000, 0.5f);
+  const std::vector<float> before = buffer;
+  RingScratch scratch;
+  const int abort_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  ASSERT_GE(abort_fd, 0);
+  std::atomic<bool> abort_flag{false};
+  RingPlan plan = Ring::base_plan(0, buffer, buffer);
+  plan.subchunk_bytes = 256 * 1024;
+  plan.spin_us = lockstep::coll::kRingSpinUs;
+  plan.rx_buffer_bytes = lockstep::coll::kRingSameHostRcvBufBytes;
+  plan.rx_lowat_bytes = lockstep::coll::kRingRcvLowatBytes;
+  RingIo io;
+  io.tx_fd = a_to_b.fds[0];
+  io.rx_fd = b_to_a.fds[1];
+  io.abort_fd = abort_fd;
+  io.abort_flag = &abort_flag;
+  std::thread aborter([&] {
+    // The first sub-chunk's header and fewer bytes of it than the mark: a waits for more.
+    std::vector<std::uint8_t> some(lockstep::coll::kRingHeaderBytes + 1000, 0);
+    const std::uint32_t magic = lockstep::coll::kRingMagic;
+    const std::uint32_t seq = 0;
+    const std::uint64_t attempt = plan.attempt;
+    std::memcpy(some.data(), &magic, 4);
+    std::memcpy(some.data() + 4, &seq, 4);
+    std::memcpy(some.data() + 8, &attempt, 8);
+    EXPECT_EQ(::write(b_to_a.fds[0], some.data(), some.size()), static_cast<ssize_t>(some.size()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    EXPECT_EQ(socket_option(b_to_a.fds[1], SO_RCVLOWAT), static_cast<int>(lockstep::coll::kRingRcvLowatBytes));
+    abort_flag.store(true);
+    const std::uint64_t one = 1;
+    EXPECT_EQ(::write(abort_fd, &one, sizeof one), static_cast<ssize_t>(sizeof one));
+  });
+  const auto s = lockstep::coll::run_ring_all_reduce(plan, io, scratch, nullptr);
+  aborter.join();
+  ::close(abort_fd);
+  EXPECT_EQ(s.code(), LOCKSTEP_STATUS_PEER_CONNECTION_LOST) << s.to_string();
+  EXPECT_EQ(buffer, before) << "an aborted attempt must leave the buffer as it was";
+  EXPECT_EQ(socket_option(io.rx_fd, SO_RCVLOWAT), 1);
+}
+
 INSTANTIATE_TEST_SUITE_P(OneAndTwoThreads, Ring, ::testing::Bool(),
                          [](const auto& param_info) { return param_info.param ? "SenderThread" : "OneThread"; });
 
@@ -240,6 +379,29 @@ TEST(RingModes, SpinsBeforeSleepingOnlyWhereNoCoreIsOversubscribed) {
   EXPECT_EQ(ring_spin_us(17, 16), 0u);
   EXPECT_EQ(ring_spin_us(2, 0), 0u);  // core count unknown
   EXPECT_EQ(ring_spin_us(0, 2), 0u);  // not in the ring's view
+}
+
+// The receive tuning is for the one-thread spinning ring, a previous peer on this host
+// and large buffers only.
+TEST(RingModes, TunesTheReceiveOnlyFromAPeerOnThisHostInTheSpinningOneThreadRing) {
+  using lockstep::coll::RingPlan;
+  const auto tuned = [](bool on_host, std::uint32_t spin_us, std::size_t thread_min, std::size_t count) {
+    RingPlan plan;
+    plan.count = count;  // f32
+    plan.spin_us = spin_us;
+    plan.sender_thread_bytes_min = thread_min;
+    lockstep::coll::tune_same_host_receive(plan, on_host);
+    EXPECT_EQ(plan.rx_buffer_bytes > 0, plan.rx_lowat_bytes > 0);
+    return plan.rx_lowat_bytes > 0;
+  };
+  constexpr std::size_t kLarge = 64 * 1024 * 1024 / 4;
+  constexpr std::uint32_t kSpin = lockstep::coll::kRingSpinUs;
+  EXPECT_TRUE(tuned(true, kSpin, SIZE_MAX, kLarge));
+  EXPECT_TRUE(tuned(true, kSpin, SIZE_MAX, lockstep::coll::kRingReceiveTuningBytesMin / 4));
+  EXPECT_FALSE(tuned(true, kSpin, SIZE_MAX, lockstep::coll::kRingReceiveTuningBytesMin / 4 - 1));  // small
+  EXPECT_FALSE(tuned(false, kSpin, SIZE_MAX, kLarge));  // the previous peer on another host
+  EXPECT_FALSE(tuned(true, 0, SIZE_MAX, kLarge));       // cores oversubscribed
+  EXPECT_FALSE(tuned(true, kSpin, lockstep::coll::kSenderThreadBytesMin, kLarge));  // a sender thread
 }
 
 // Counts below the ring size (empty chunks) and just above it: every peer ends with the
