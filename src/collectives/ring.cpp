@@ -100,8 +100,11 @@ class Runner {
   Status run() {
     prepare();
     if (p_.world == 1) return single();
+    // Tunings: where the kernel refuses one, the ring runs as it would without it.
+    if (p_.tx_buffer_bytes > 0) {
+      (void)::setsockopt(io_.tx_fd, SOL_SOCKET, SO_SNDBUF, &p_.tx_buffer_bytes, sizeof p_.tx_buffer_bytes);
+    }
     if (p_.rx_buffer_bytes > 0) {
-      // A tuning: where the kernel refuses it, the ring runs as it would without it.
       (void)::setsockopt(io_.rx_fd, SOL_SOCKET, SO_RCVBUF, &p_.rx_buffer_bytes, sizeof p_.rx_buffer_bytes);
     }
     skip_empty(send_, true);
@@ -539,14 +542,14 @@ class Runner {
 
 }  // namespace
 
-void tune_same_host_receive(RingPlan& plan, bool previous_peer_on_this_host) {
+void tune_same_host(RingPlan& plan, bool previous_peer_on_this_host, bool next_peer_on_this_host) {
   const std::size_t bytes = plan.count * dtype_size(plan.dtype);
-  if (!previous_peer_on_this_host || plan.spin_us == 0 || bytes >= plan.sender_thread_bytes_min ||
-      bytes < kRingReceiveTuningBytesMin) {
-    return;
+  if (plan.spin_us == 0 || bytes >= plan.sender_thread_bytes_min || bytes < kRingSameHostTuningBytesMin) return;
+  if (next_peer_on_this_host) plan.tx_buffer_bytes = kRingSameHostSndBufBytes;
+  if (previous_peer_on_this_host) {
+    plan.rx_buffer_bytes = kRingSameHostRcvBufBytes;
+    plan.rx_lowat_bytes = kRingRcvLowatBytes;
   }
-  plan.rx_buffer_bytes = kRingSameHostRcvBufBytes;
-  plan.rx_lowat_bytes = kRingRcvLowatBytes;
 }
 
 Status run_ring_all_reduce(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats) {

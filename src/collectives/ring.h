@@ -61,11 +61,13 @@ struct RingPlan {
   // before it sleeps in poll (ring_spin_us); 0: it sleeps at once. The two-thread ring
   // ignores it.
   std::uint32_t spin_us = 0;
-  // Receive tuning of the one-thread ring (tune_same_host_receive): the receive buffer
-  // of the connection from the previous peer in bytes (0: the kernel sizes it), and how
-  // many bytes of the current sub-chunk must have arrived before poll reports it
+  // Tuning of the one-thread ring for neighbours on the same host (tune_same_host):
+  // the send buffer of the connection to the next peer and the receive buffer of the
+  // connection from the previous one, in bytes (0: the kernel sizes them), and how many
+  // bytes of the current sub-chunk must have arrived before poll reports it
   // (SO_RCVLOWAT, never more than the bytes still due; 0: one byte). The low-water mark
   // goes back to one byte before the attempt returns.
+  int tx_buffer_bytes = 0;
   int rx_buffer_bytes = 0;
   std::size_t rx_lowat_bytes = 0;
 };
@@ -105,22 +107,25 @@ inline std::uint32_t ring_spin_us(std::size_t peers_on_host, unsigned cores) {
   return kRingSpinUs;
 }
 
-// Where the one-thread spinning ring receives from a peer on the same host, its
-// connection gets a receive buffer of 1 MiB and poll waits for 64 KiB (one loopback
+// Where the one-thread spinning ring sends to or receives from a peer on the same host,
+// the connection to the next peer gets a send buffer of 512 KiB, the one from the
+// previous peer a receive buffer of 1 MiB, and poll waits for 64 KiB (one loopback
 // segment) of the current sub-chunk. Measured on the 2-core host, 2 peers, 256 MiB
-// (BENCHMARKS.md): a peer then keeps at most about one sub-chunk in flight towards it,
-// which stays in the caches, and it wakes once per segment rather than per packet
-// fragment; 3.0-3.4 GB/s where it had 3.0-3.3, and in the host's slow spells (when its
-// two cores sit on different L3 caches) 2.8-3.4 where it had 2.5-2.7. Not with a second
-// thread or oversubscribed cores (4 peers on 2 cores lost 30% with the fixed buffer), nor
-// between hosts, where the buffer must grow to the link's bandwidth-delay product. The
-// kernel keeps a buffer size set by hand for the connection's life.
+// (BENCHMARKS.md, "Same-host buffers"): at most about a sub-chunk is then on its way
+// between two peers, and stays in the caches, and a peer wakes once per segment rather
+// than per fragment; 3.2-3.6 GB/s where it had 3.0-3.3, and in the host's slow spells
+// (when its two cores sit on different L3 caches) 3.0-3.5 where it had 2.5-2.7. Not with a
+// second thread or oversubscribed cores (4 peers on 2 cores lost 30% with a fixed 1 MiB
+// receive buffer), nor between hosts, where the buffers must grow to the link's
+// bandwidth-delay product. The kernel keeps a buffer size set by hand for the
+// connection's life.
+inline constexpr int kRingSameHostSndBufBytes = 512 * 1024;
 inline constexpr int kRingSameHostRcvBufBytes = 1024 * 1024;
 inline constexpr std::size_t kRingRcvLowatBytes = 64 * 1024;
-inline constexpr std::size_t kRingReceiveTuningBytesMin = 4 * 1024 * 1024;
-// Sets both on a plan whose spin and sender thread are already chosen, for buffers of
-// kRingReceiveTuningBytesMin or more.
-void tune_same_host_receive(RingPlan& plan, bool previous_peer_on_this_host);
+inline constexpr std::size_t kRingSameHostTuningBytesMin = 4 * 1024 * 1024;
+// Sets them on a plan whose spin and sender thread are already chosen, for buffers of
+// kRingSameHostTuningBytesMin or more.
+void tune_same_host(RingPlan& plan, bool previous_peer_on_this_host, bool next_peer_on_this_host);
 
 // From this size on, where ring_sender_thread says so. A judgement rather than a
 // measurement: a thread per attempt costs tens of microseconds, which weighs on small

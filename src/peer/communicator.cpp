@@ -711,7 +711,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   const unsigned cores = std::thread::hardware_concurrency();
   if (coll::ring_sender_thread(peers_here, cores)) plan.sender_thread_bytes_min = coll::kSenderThreadBytesMin;
   plan.spin_us = coll::ring_spin_us(peers_here, cores);
-  coll::tune_same_host_receive(plan, n > 1 && peers_on_this_host({prev}) == 1);
+  coll::tune_same_host(plan, n > 1 && peers_on_this_host({prev}) == 1, n > 1 && peers_on_this_host({next}) == 1);
   coll::RingStats stats;
 
   Status local = Status::ok();

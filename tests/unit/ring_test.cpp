@@ -243,11 +243,11 @@ int socket_option(int fd, int name) {
   return value;
 }
 
-// The same-host receive tuning over TCP, three peers: sub-chunks smaller than the
-// low-water mark (which must then wait only for what is due) and larger ones, plain and
-// quantized; the tuned ring gives the bits of the untuned one, sets the receive buffer,
-// and leaves the low-water mark at one byte.
-TEST(RingTuning, TunedReceiveGivesTheSameBitsAndLeavesTheLowWaterMarkAtOneByte) {
+// The same-host tuning over TCP, three peers: sub-chunks smaller than the low-water
+// mark (which must then wait only for what is due) and larger ones, plain and
+// quantized; the tuned ring gives the bits of the untuned one, sets the send and
+// receive buffers, and leaves the low-water mark at one byte.
+TEST(RingTuning, TunedRingGivesTheSameBitsAndLeavesTheLowWaterMarkAtOneByte) {
   constexpr std::size_t kPeers = 3;
   constexpr std::size_t kCount = 300'007;
   std::mt19937 rng(11);
@@ -274,6 +274,7 @@ TEST(RingTuning, TunedReceiveGivesTheSameBitsAndLeavesTheLowWaterMarkAtOneByte) 
             plan.subchunk_bytes = subchunk;
             plan.spin_us = lockstep::coll::kRingSpinUs;
             if (tuned) {
+              plan.tx_buffer_bytes = lockstep::coll::kRingSameHostSndBufBytes;
               plan.rx_buffer_bytes = lockstep::coll::kRingSameHostRcvBufBytes;
               plan.rx_lowat_bytes = lockstep::coll::kRingRcvLowatBytes;
             }
@@ -293,6 +294,7 @@ TEST(RingTuning, TunedReceiveGivesTheSameBitsAndLeavesTheLowWaterMarkAtOneByte) 
           // Linux reports twice the size asked for (its bookkeeping overhead).
           if (tuned) {
             EXPECT_EQ(socket_option(rx, SO_RCVBUF), 2 * lockstep::coll::kRingSameHostRcvBufBytes);
+            EXPECT_EQ(socket_option(links[i].fds[0], SO_SNDBUF), 2 * lockstep::coll::kRingSameHostSndBufBytes);
           }
         }
         results[tuned ? 1 : 0] = data;
@@ -381,27 +383,39 @@ TEST(RingModes, SpinsBeforeSleepingOnlyWhereNoCoreIsOversubscribed) {
   EXPECT_EQ(ring_spin_us(0, 2), 0u);  // not in the ring's view
 }
 
-// The receive tuning is for the one-thread spinning ring, a previous peer on this host
-// and large buffers only.
-TEST(RingModes, TunesTheReceiveOnlyFromAPeerOnThisHostInTheSpinningOneThreadRing) {
+// The same-host tuning is for the one-thread spinning ring and large buffers only, and
+// for each connection only where the peer at its other end runs on this host.
+TEST(RingModes, TunesConnectionsToPeersOnThisHostInTheSpinningOneThreadRing) {
   using lockstep::coll::RingPlan;
-  const auto tuned = [](bool on_host, std::uint32_t spin_us, std::size_t thread_min, std::size_t count) {
+  struct Tuned {
+    bool tx, rx;
+  };
+  const auto tune = [](bool prev_here, bool next_here, std::uint32_t spin_us, std::size_t thread_min, std::size_t count) {
     RingPlan plan;
     plan.count = count;  // f32
     plan.spin_us = spin_us;
     plan.sender_thread_bytes_min = thread_min;
-    lockstep::coll::tune_same_host_receive(plan, on_host);
+    lockstep::coll::tune_same_host(plan, prev_here, next_here);
     EXPECT_EQ(plan.rx_buffer_bytes > 0, plan.rx_lowat_bytes > 0);
-    return plan.rx_lowat_bytes > 0;
+    return Tuned{plan.tx_buffer_bytes > 0, plan.rx_buffer_bytes > 0};
   };
   constexpr std::size_t kLarge = 64 * 1024 * 1024 / 4;
+  constexpr std::size_t kMin = lockstep::coll::kRingSameHostTuningBytesMin / 4;
   constexpr std::uint32_t kSpin = lockstep::coll::kRingSpinUs;
-  EXPECT_TRUE(tuned(true, kSpin, SIZE_MAX, kLarge));
-  EXPECT_TRUE(tuned(true, kSpin, SIZE_MAX, lockstep::coll::kRingReceiveTuningBytesMin / 4));
-  EXPECT_FALSE(tuned(true, kSpin, SIZE_MAX, lockstep::coll::kRingReceiveTuningBytesMin / 4 - 1));  // small
-  EXPECT_FALSE(tuned(false, kSpin, SIZE_MAX, kLarge));  // the previous peer on another host
-  EXPECT_FALSE(tuned(true, 0, SIZE_MAX, kLarge));       // cores oversubscribed
-  EXPECT_FALSE(tuned(true, kSpin, lockstep::coll::kSenderThreadBytesMin, kLarge));  // a sender thread
+  auto t = tune(true, true, kSpin, SIZE_MAX, kLarge);
+  EXPECT_TRUE(t.tx && t.rx);
+  t = tune(true, true, kSpin, SIZE_MAX, kMin);
+  EXPECT_TRUE(t.tx && t.rx);
+  t = tune(true, false, kSpin, SIZE_MAX, kLarge);  // the next peer on another host
+  EXPECT_TRUE(!t.tx && t.rx);
+  t = tune(false, true, kSpin, SIZE_MAX, kLarge);  // the previous peer on another host
+  EXPECT_TRUE(t.tx && !t.rx);
+  t = tune(true, true, kSpin, SIZE_MAX, kMin - 1);  // small
+  EXPECT_TRUE(!t.tx && !t.rx);
+  t = tune(true, true, 0, SIZE_MAX, kLarge);  // cores oversubscribed
+  EXPECT_TRUE(!t.tx && !t.rx);
+  t = tune(true, true, kSpin, lockstep::coll::kSenderThreadBytesMin, kLarge);  // a sender thread
+  EXPECT_TRUE(!t.tx && !t.rx);
 }
 
 // Counts below the ring size (empty chunks) and just above it: every peer ends with the
