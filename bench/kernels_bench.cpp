@@ -2,7 +2,8 @@
 // on the same machine. The counters count the bytes of ONE 64 MiB buffer per iteration
 // for every benchmark (for a reduce that is the destination; it also reads the
 // source, so memory traffic is 3x that, against 2x for memcpy). Buffers are written
-// before timing, so no page faults are measured.
+// before timing, so no page faults are measured. One case, BM_CoreToCoreHandoff,
+// probes the host rather than a kernel.
 //
 // Medians as BENCHMARKS.md reports them:
 //   lockstep-kernels-bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
@@ -232,7 +233,7 @@ BENCHMARK(BM_Seal)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()
 // back, time per one-way hand-over. Where two cores share an L3 cache this is tens of
 // nanoseconds; where they do not (a VM whose two vCPUs the hypervisor placed on
 // different L3 caches) it is several times that, and every byte one peer of a ring
-// receives from the other costs more (BENCHMARKS.md, "Receive tuning").
+// receives from the other costs more (BENCHMARKS.md, "Same-host buffers").
 void BM_CoreToCoreHandoff(benchmark::State& state) {
   const auto pin = [](int core) {
     cpu_set_t set;

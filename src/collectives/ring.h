@@ -113,8 +113,8 @@ inline std::uint32_t ring_spin_us(std::size_t peers_on_host, unsigned cores) {
 // segment) of the current sub-chunk. Measured on the 2-core host, 2 peers, 256 MiB
 // (BENCHMARKS.md, "Same-host buffers"): at most about a sub-chunk is then on its way
 // between two peers, and stays in the caches, and a peer wakes once per segment rather
-// than per fragment; 3.2-3.6 GB/s where it had 3.0-3.3, and in the host's slow spells
-// (when its two cores sit on different L3 caches) 3.0-3.5 where it had 2.5-2.7. Not with a
+// than per fragment; medians of 3.50 GB/s where it had 3.14, and in the host's slow spells
+// (when its two cores sit on different L3 caches) 3.19 where it had 2.66. Not with a
 // second thread or oversubscribed cores (4 peers on 2 cores lost 30% with a fixed 1 MiB
 // receive buffer), nor between hosts, where the buffers must grow to the link's
 // bandwidth-delay product. The kernel keeps a buffer size set by hand for the
