@@ -153,8 +153,8 @@ class Runner {
   }
 
   // The receive low-water mark for the next poll: RingPlan::rx_lowat_bytes, but never
-  // more than the bytes of the current sub-chunk still due (the previous peer may send
-  // nothing more until it has them back). 1: none.
+  // more than the bytes of the current sub-chunk still due (beyond them the previous
+  // peer may send nothing until this one has sent it more). 1: none.
   std::size_t wanted_lowat() const {
     if (p_.rx_lowat_bytes == 0 || recv_.step >= l_.steps()) return 1;
     const std::size_t c = l_.recv_chunk(recv_.step);

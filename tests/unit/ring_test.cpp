@@ -41,6 +41,79 @@ struct SocketPair {
   }
 };
 
+// A TCP connection over loopback, both ends non-blocking: the receive tuning's poll
+// waits for the low-water mark only on TCP (a Unix socket reports any byte).
+struct TcpPair {
+  int fds[2] = {-1, -1};  // fds[0] sends, fds[1] receives
+  TcpPair() {
+    const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    EXPECT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    EXPECT_EQ(::listen(listener, 1), 0);
+    EXPECT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+    fds[0] = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    EXPECT_EQ(::connect(fds[0], reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    fds[1] = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+    ::close(listener);
+    for (const int fd : fds) EXPECT_EQ(::fcntl(fd, F_SETFL, O_NONBLOCK), 0);
+  }
+  ~TcpPair() {
+    for (int fd : fds) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+};
+
+int socket_option(int fd, int name) {
+  int value = 0;
+  socklen_t len = sizeof value;
+  EXPECT_EQ(::getsockopt(fd, SOL_SOCKET, name, &value, &len), 0);
+  return value;
+}
+
+// An attempt's abort as the communicator raises it: the flag, then the event.
+struct AbortSignal {
+  int fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  std::atomic<bool> flag{false};
+  AbortSignal() { EXPECT_GE(fd, 0); }
+  ~AbortSignal() {
+    if (fd >= 0) ::close(fd);
+  }
+  void attach(RingIo& io) {
+    io.abort_fd = fd;
+    io.abort_flag = &flag;
+  }
+  void raise() {
+    flag.store(true);
+    const std::uint64_t one = 1;
+    EXPECT_EQ(::write(fd, &one, sizeof one), static_cast<ssize_t>(sizeof one));
+  }
+};
+
+// One attempt per plan, each peer on its own thread, links[i] from peer i to peer i+1;
+// the peers' statuses.
+template <typename Link>
+std::vector<lockstep::Status> run_ring(const std::vector<RingPlan>& plans, std::vector<Link>& links,
+                                       std::vector<RingScratch>& scratch) {
+  const std::size_t n = plans.size();
+  std::vector<lockstep::Status> status(n);
+  std::vector<std::thread> peers;
+  for (std::size_t i = 0; i < n; ++i) {
+    peers.emplace_back([&, i] {
+      RingIo io;
+      io.tx_fd = links[i].fds[0];
+      io.rx_fd = links[(i + n - 1) % n].fds[1];
+      io.stall_timeout_ms = 30'000;
+      status[i] = lockstep::coll::run_ring_all_reduce(plans[i], io, scratch[i], nullptr);
+    });
+  }
+  for (auto& t : peers) t.join();
+  return status;
+}
+
 // The parameter: whether large buffers get a sender thread (every buffer here is large
 // enough when it is on, none when it is off). The one-thread ring spins before it
 // sleeps, as it does where each peer has a core.
@@ -119,23 +192,17 @@ TEST_P(Ring, AbortRestoresTheDestination) {
   for (std::size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<float>(i % 977) * 0.25f;
   const std::vector<float> before = buffer;
   RingScratch scratch;
-  const int abort_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  ASSERT_GE(abort_fd, 0);
-  std::atomic<bool> abort_flag{false};
+  AbortSignal abort;
   RingIo io;
   io.tx_fd = a_to_b.fds[0];
   io.rx_fd = b_to_a.fds[1];
-  io.abort_fd = abort_fd;
-  io.abort_flag = &abort_flag;
+  abort.attach(io);
   std::thread aborter([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    abort_flag.store(true);
-    const std::uint64_t one = 1;
-    EXPECT_EQ(::write(abort_fd, &one, sizeof one), static_cast<ssize_t>(sizeof one));
+    abort.raise();
   });
   const auto s = lockstep::coll::run_ring_all_reduce(plan_for(0, buffer, buffer), io, scratch, nullptr);
   aborter.join();
-  ::close(abort_fd);
   EXPECT_EQ(s.code(), LOCKSTEP_STATUS_PEER_CONNECTION_LOST) << s.to_string();
   EXPECT_EQ(buffer, before) << "an aborted attempt must leave the buffer as it was";
 }
@@ -159,9 +226,6 @@ TEST(RingModes, FourPeersAgreeBitForBit) {
     enum Mode { kOneThread, kOneThreadSpinning, kSenderThread, kModes };
     auto run_all = [&](Mode mode, std::vector<std::vector<float>>& data, std::vector<RingScratch>& scratch,
                        std::vector<RingPlan>& plans) {
-      std::vector<SocketPair> links(kPeers);  // links[i]: peer i -> peer i+1
-      std::vector<lockstep::Status> status(kPeers);
-      std::vector<std::thread> peers;
       for (std::size_t i = 0; i < kPeers; ++i) {
         plans[i] = Ring::base_plan(static_cast<std::uint32_t>(i), data[i], data[i]);
         plans[i].world = kPeers;
@@ -169,16 +233,8 @@ TEST(RingModes, FourPeersAgreeBitForBit) {
         plans[i].sender_thread_bytes_min = mode == kSenderThread ? 0 : SIZE_MAX;
         plans[i].spin_us = mode == kOneThreadSpinning ? lockstep::coll::kRingSpinUs : 0;
       }
-      for (std::size_t i = 0; i < kPeers; ++i) {
-        peers.emplace_back([&, i] {
-          RingIo io;
-          io.tx_fd = links[i].fds[0];
-          io.rx_fd = links[(i + kPeers - 1) % kPeers].fds[1];
-          io.stall_timeout_ms = 30'000;
-          status[i] = lockstep::coll::run_ring_all_reduce(plans[i], io, scratch[i], nullptr);
-        });
-      }
-      for (auto& t : peers) t.join();
+      std::vector<SocketPair> links(kPeers);
+      const auto status = run_ring(plans, links, scratch);
       for (std::size_t i = 0; i < kPeers; ++i) ASSERT_TRUE(status[i].is_ok()) << i << ": " << status[i].to_string();
     };
     std::vector<std::vector<float>> results[kModes];
@@ -210,39 +266,6 @@ TEST(RingModes, FourPeersAgreeBitForBit) {
   }
 }
 
-// A TCP connection over loopback, both ends non-blocking: the receive tuning's poll
-// waits for the low-water mark only on TCP (a Unix socket reports any byte).
-struct TcpPair {
-  int fds[2] = {-1, -1};  // fds[0] sends, fds[1] receives
-  TcpPair() {
-    const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof addr;
-    EXPECT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-    EXPECT_EQ(::listen(listener, 1), 0);
-    EXPECT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-    fds[0] = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    EXPECT_EQ(::connect(fds[0], reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-    fds[1] = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-    ::close(listener);
-    for (const int fd : fds) EXPECT_EQ(::fcntl(fd, F_SETFL, O_NONBLOCK), 0);
-  }
-  ~TcpPair() {
-    for (int fd : fds) {
-      if (fd >= 0) ::close(fd);
-    }
-  }
-};
-
-int socket_option(int fd, int name) {
-  int value = 0;
-  socklen_t len = sizeof value;
-  EXPECT_EQ(::getsockopt(fd, SOL_SOCKET, name, &value, &len), 0);
-  return value;
-}
-
 // The same-host tuning over TCP, three peers: sub-chunks smaller than the low-water
 // mark (which must then wait only for what is due) and larger ones, plain and
 // quantized; the tuned ring gives the bits of the untuned one, sets the send and
@@ -262,30 +285,22 @@ TEST(RingTuning, TunedRingGivesTheSameBitsAndLeavesTheLowWaterMarkAtOneByte) {
       std::vector<std::vector<float>> results[2];
       for (const bool tuned : {false, true}) {
         std::vector<std::vector<float>> data = input;
-        std::vector<TcpPair> links(kPeers);  // links[i]: peer i -> peer i+1
-        std::vector<RingScratch> scratch(kPeers);
-        std::vector<lockstep::Status> status(kPeers);
-        std::vector<std::thread> peers;
+        std::vector<RingPlan> plans(kPeers);
         for (std::size_t i = 0; i < kPeers; ++i) {
-          peers.emplace_back([&, i] {
-            RingPlan plan = Ring::base_plan(static_cast<std::uint32_t>(i), data[i], data[i]);
-            plan.world = kPeers;
-            plan.quantization = quant;
-            plan.subchunk_bytes = subchunk;
-            plan.spin_us = lockstep::coll::kRingSpinUs;
-            if (tuned) {
-              plan.tx_buffer_bytes = lockstep::coll::kRingSameHostSndBufBytes;
-              plan.rx_buffer_bytes = lockstep::coll::kRingSameHostRcvBufBytes;
-              plan.rx_lowat_bytes = lockstep::coll::kRingRcvLowatBytes;
-            }
-            RingIo io;
-            io.tx_fd = links[i].fds[0];
-            io.rx_fd = links[(i + kPeers - 1) % kPeers].fds[1];
-            io.stall_timeout_ms = 30'000;
-            status[i] = lockstep::coll::run_ring_all_reduce(plan, io, scratch[i], nullptr);
-          });
+          plans[i] = Ring::base_plan(static_cast<std::uint32_t>(i), data[i], data[i]);
+          plans[i].world = kPeers;
+          plans[i].quantization = quant;
+          plans[i].subchunk_bytes = subchunk;
+          plans[i].spin_us = lockstep::coll::kRingSpinUs;
+          if (tuned) {
+            plans[i].tx_buffer_bytes = lockstep::coll::kRingSameHostSndBufBytes;
+            plans[i].rx_buffer_bytes = lockstep::coll::kRingSameHostRcvBufBytes;
+            plans[i].rx_lowat_bytes = lockstep::coll::kRingRcvLowatBytes;
+          }
         }
-        for (auto& t : peers) t.join();
+        std::vector<TcpPair> links(kPeers);
+        std::vector<RingScratch> scratch(kPeers);
+        const auto status = run_ring(plans, links, scratch);
         for (std::size_t i = 0; i < kPeers; ++i) {
           ASSERT_TRUE(status[i].is_ok()) << i << ": " << status[i].to_string();
           ASSERT_EQ(std::memcmp(data[i].data(), data[0].data(), kCount * sizeof(float)), 0) << "peer " << i;
@@ -312,9 +327,7 @@ TEST(RingTuning, AbortedTunedAttemptPutsTheLowWaterMarkBack) {
   std::vector<float> buffer(300'000, 0.5f);
   const std::vector<float> before = buffer;
   RingScratch scratch;
-  const int abort_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  ASSERT_GE(abort_fd, 0);
-  std::atomic<bool> abort_flag{false};
+  AbortSignal abort;
   RingPlan plan = Ring::base_plan(0, buffer, buffer);
   plan.subchunk_bytes = 256 * 1024;
   plan.spin_us = lockstep::coll::kRingSpinUs;
@@ -323,8 +336,7 @@ TEST(RingTuning, AbortedTunedAttemptPutsTheLowWaterMarkBack) {
   RingIo io;
   io.tx_fd = a_to_b.fds[0];
   io.rx_fd = b_to_a.fds[1];
-  io.abort_fd = abort_fd;
-  io.abort_flag = &abort_flag;
+  abort.attach(io);
   std::thread aborter([&] {
     // The first sub-chunk's header and fewer bytes of it than the mark: a waits for more.
     std::vector<std::uint8_t> some(lockstep::coll::kRingHeaderBytes + 1000, 0);
@@ -337,13 +349,10 @@ TEST(RingTuning, AbortedTunedAttemptPutsTheLowWaterMarkBack) {
     EXPECT_EQ(::write(b_to_a.fds[0], some.data(), some.size()), static_cast<ssize_t>(some.size()));
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     EXPECT_EQ(socket_option(b_to_a.fds[1], SO_RCVLOWAT), static_cast<int>(lockstep::coll::kRingRcvLowatBytes));
-    abort_flag.store(true);
-    const std::uint64_t one = 1;
-    EXPECT_EQ(::write(abort_fd, &one, sizeof one), static_cast<ssize_t>(sizeof one));
+    abort.raise();
   });
   const auto s = lockstep::coll::run_ring_all_reduce(plan, io, scratch, nullptr);
   aborter.join();
-  ::close(abort_fd);
   EXPECT_EQ(s.code(), LOCKSTEP_STATUS_PEER_CONNECTION_LOST) << s.to_string();
   EXPECT_EQ(buffer, before) << "an aborted attempt must leave the buffer as it was";
   EXPECT_EQ(socket_option(io.rx_fd, SO_RCVLOWAT), 1);
@@ -433,22 +442,14 @@ TEST(RingModes, CountsBelowAndJustAboveTheRingSize) {
     for (std::size_t i = 0; i < kPeers; ++i) {
       for (std::size_t k = 0; k < count; ++k) data[i].push_back(static_cast<float>((i + 1) * (k + 1)));
     }
+    std::vector<RingPlan> plans(kPeers);
+    for (std::size_t i = 0; i < kPeers; ++i) {
+      plans[i] = Ring::base_plan(static_cast<std::uint32_t>(i), data[i], data[i]);
+      plans[i].world = kPeers;
+    }
     std::vector<SocketPair> links(kPeers);
     std::vector<RingScratch> scratch(kPeers);
-    std::vector<lockstep::Status> status(kPeers);
-    std::vector<std::thread> peers;
-    for (std::size_t i = 0; i < kPeers; ++i) {
-      peers.emplace_back([&, i] {
-        RingPlan plan = Ring::base_plan(static_cast<std::uint32_t>(i), data[i], data[i]);
-        plan.world = kPeers;
-        RingIo io;
-        io.tx_fd = links[i].fds[0];
-        io.rx_fd = links[(i + kPeers - 1) % kPeers].fds[1];
-        io.stall_timeout_ms = 30'000;
-        status[i] = lockstep::coll::run_ring_all_reduce(plan, io, scratch[i], nullptr);
-      });
-    }
-    for (auto& t : peers) t.join();
+    const auto status = run_ring(plans, links, scratch);
     for (std::size_t i = 0; i < kPeers; ++i) {
       ASSERT_TRUE(status[i].is_ok()) << i << ": " << status[i].to_string();
       for (std::size_t k = 0; k < count; ++k) EXPECT_EQ(data[i][k], static_cast<float>(10 * (k + 1))) << i << "/" << k;
