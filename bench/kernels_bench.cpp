@@ -248,22 +248,24 @@ void BM_CoreToCoreHandoff(benchmark::State& state) {
     return;
   }
   alignas(64) std::atomic<std::uint64_t> line{0};
-  std::atomic<bool> pinned{true};
+  std::atomic<int> echo_core{0};  // 1: the echo thread runs on core 1; -1: it cannot
   constexpr std::uint64_t kStop = ~std::uint64_t{0};
   std::thread echo([&] {
-    if (!pin(1)) pinned = false;
-    for (std::uint64_t seen = 0;;) {
+    echo_core = pin(1) ? 1 : -1;
+    for (std::uint64_t seen = 0; echo_core == 1;) {
       const std::uint64_t v = line.load(std::memory_order_acquire);
-      if (v == kStop || !pinned) return;
+      if (v == kStop) return;
       if (v != seen && v % 2 == 1) {
         seen = v + 1;
         line.store(seen, std::memory_order_release);
       }
     }
   });
+  while (echo_core == 0) {
+  }
   std::uint64_t v = 0;
   for (auto _ : state) {
-    if (!pinned) break;
+    if (echo_core != 1) break;
     line.store(++v, std::memory_order_release);
     while (line.load(std::memory_order_acquire) != v + 1) {
     }
@@ -272,7 +274,7 @@ void BM_CoreToCoreHandoff(benchmark::State& state) {
   line.store(kStop, std::memory_order_release);
   echo.join();
   pthread_setaffinity_np(pthread_self(), sizeof before, &before);
-  if (!pinned) state.SkipWithError("cannot run on core 1");
+  if (echo_core != 1) state.SkipWithError("cannot run on core 1");
   state.counters["per_handoff"] =
       benchmark::Counter(static_cast<double>(state.iterations()) * 2, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
