@@ -667,14 +667,10 @@ bool Coordinator::try_start_collectives(Outbox& out) {
       }
       const proto::CollectiveDescriptor descriptor = first;
       const bool carried = !c.contributions.empty();
+      if (!carried) c.slot = choose_slot(group, members);  // before this one counts as busy
       c.phase = Collective::Phase::kPerforming;
       c.attempt = next_attempt_++;
       c.participants = members;
-      if (!carried) {
-        std::uint16_t pool = 0xffff;
-        for (const auto& id : members) pool = std::min(pool, peers_.at(id).pool_size);
-        c.slot = static_cast<std::uint32_t>(c.attempt % pool);
-      }
       c.votes.clear();
       out.push_back(Event{.text = "group " + std::to_string(group) + " collective tag " + std::to_string(tag) +
                                   " attempt " + std::to_string(c.attempt) +
@@ -701,6 +697,22 @@ bool Coordinator::try_start_collectives(Outbox& out) {
     }
   }
   return changed;
+}
+
+// The pool slot of a ring attempt: the lowest slot that no attempt of the group is
+// performing on, so that concurrent collectives get their own connections while slots
+// are free; when every slot is busy, the one with the fewest attempts on it (the lowest
+// of those), where the peers take turns in the order of the CollectiveGo messages.
+std::uint32_t Coordinator::choose_slot(std::uint32_t group, const std::vector<PeerId>& members) const {
+  std::uint16_t pool = 0xffff;
+  for (const auto& id : members) pool = std::min(pool, peers_.at(id).pool_size);
+  std::vector<std::uint32_t> busy(pool, 0);
+  if (auto g = collectives_.find(group); g != collectives_.end()) {
+    for (const auto& [tag, c] : g->second) {
+      if (c.phase == Collective::Phase::kPerforming && c.contributions.empty() && c.slot < pool) ++busy[c.slot];
+    }
+  }
+  return static_cast<std::uint32_t>(std::min_element(busy.begin(), busy.end()) - busy.begin());
 }
 
 // ---------------------------------------------------------------- removal

@@ -292,6 +292,7 @@ class Coordinator {
   void handle_collective_init(Peer& peer, const proto::CollectiveInit& init, Outbox& out);
   void handle_collective_done(Peer& peer, const proto::CollectiveDone& done, Outbox& out);
   bool try_start_collectives(Outbox& out);
+  std::uint32_t choose_slot(std::uint32_t group, const std::vector<PeerId>& members) const;
   // ---- optimize topology (optimize.cpp)
   bool try_complete_optimize_vote(TimeMs now_ms, Outbox& out);
   void start_measurement(TimeMs now_ms, Outbox& out);

@@ -49,6 +49,10 @@ Counters Communicator::counters() const {
   out.optimize_topology_us = get(Counter::kOptimizeTopologyUs);
   out.sync_us = get(Counter::kSyncUs);
   out.all_reduce_us = get(Counter::kAllReduceUs);
+  for (std::uint32_t k = 0; k < options_.p2p_pool_size; ++k) {
+    out.slot_bytes_sent.push_back(slot_bytes_[k].sent.load(std::memory_order_relaxed));
+    out.slot_bytes_received.push_back(slot_bytes_[k].received.load(std::memory_order_relaxed));
+  }
   return out;
 }
 
@@ -132,6 +136,7 @@ Status Communicator::connect() {
   }
   proto::Hello hello;
   hello.group = options_.peer_group;
+  hello.pool_size = static_cast<std::uint16_t>(options_.p2p_pool_size);  // at most kP2PPoolSizeMax
   hello.p2p_port = link_->port(proto::Channel::kRing);
   hello.shared_state_port = link_->port(proto::Channel::kSharedState);
   hello.benchmark_port = link_->port(proto::Channel::kBenchmark);
@@ -679,6 +684,13 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   }
   LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": attempt " << go.attempt << " over " << go.ring.size()
                                   << " peer(s), slot " << go.slot);
+  if (go.slot >= options_.p2p_pool_size) {
+    const std::string why = "the master gave slot " + std::to_string(go.slot) + " of a pool of " +
+                            std::to_string(options_.p2p_pool_size);
+    link_->release_slot(go.slot, go.attempt);
+    link_->send(proto::CollectiveDone{d.tag, go.attempt, false, why, 0, 0});
+    return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, why);
+  }
 
   const auto self = std::find(go.ring.begin(), go.ring.end(), id_);
   if (self == go.ring.end()) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master's ring does not include this peer");
@@ -778,6 +790,8 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   if (!final_status.is_ok() && ran && local.is_ok()) coll::restore(plan, *scratch);  // we had finished: undo
   if (!final_status.is_ok() && had_turn) drop_connections(next, prev, go.slot);
   link_->release_slot(go.slot, go.attempt);
+  slot_bytes_[go.slot].sent.fetch_add(stats.bytes_sent, std::memory_order_relaxed);
+  slot_bytes_[go.slot].received.fetch_add(stats.bytes_received, std::memory_order_relaxed);
   info->bytes_sent = stats.bytes_sent;
   info->bytes_received = stats.bytes_received;
   {

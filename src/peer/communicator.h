@@ -118,6 +118,10 @@ struct Counters {
   std::uint64_t optimize_topology_us = 0;
   std::uint64_t sync_us = 0;
   std::uint64_t all_reduce_us = 0;
+  // Ring bytes (headers included) per p2p pool slot: entry k is slot k, one per slot
+  // of the pool. Concurrent all-reduces run on different slots while slots are free.
+  std::vector<std::uint64_t> slot_bytes_sent;
+  std::vector<std::uint64_t> slot_bytes_received;
 };
 
 // An all-reduce in flight on a worker thread. Awaited on the thread that launched it.
@@ -276,6 +280,11 @@ class Communicator {
   }
   class OperationScope;  // times one operation and counts its outcome
   std::array<std::atomic<std::uint64_t>, static_cast<std::size_t>(Counter::kCount)> counters_{};
+  struct SlotBytes {
+    std::atomic<std::uint64_t> sent{0};
+    std::atomic<std::uint64_t> received{0};
+  };
+  std::array<SlotBytes, limits::kP2PPoolSizeMax> slot_bytes_{};
   // Whether the last operation of each kind failed (owning thread only), and the
   // all-reduce tags whose last attempt failed (ops_mutex_), for the retry count.
   bool update_failed_ = false;

@@ -385,6 +385,16 @@ TEST(AllReduce, ManyConcurrentOverAPool) {
             ASSERT_EQ(buffers[k][i], static_cast<std::int32_t>(3 * (k * 1000 + i) + 0 + 1 + 2));
           }
         }
+        // The 32 were launched at once: every connection of the pool carried a share.
+        const auto counters = comm.counters();
+        ASSERT_EQ(counters.slot_bytes_sent.size(), 8u);
+        std::uint64_t total = 0;
+        for (std::size_t slot = 0; slot < 8; ++slot) {
+          EXPECT_GT(counters.slot_bytes_sent[slot], 0u) << "slot " << slot;
+          EXPECT_GT(counters.slot_bytes_received[slot], 0u) << "slot " << slot;
+          total += counters.slot_bytes_sent[slot];
+        }
+        EXPECT_EQ(total, counters.all_reduce_bytes_sent);
       },
       /*pool_size=*/8);
 }

@@ -164,6 +164,7 @@ class Harness {
   Coordinator c;
   TimeMs now = 1'000'000;
   ConnId next_conn = 1;
+  std::uint16_t pool_size = 1;  // the p2p pool size in the Hellos of join()
 
   void check() {
     const auto broken = c.check_invariants();
@@ -232,7 +233,9 @@ class Harness {
     peer.host = host.empty() ? "10.0." + std::to_string(peer.conn / 256) + "." + std::to_string(peer.conn % 256) : host;
     auto out = connect(peer.conn, peer.host);
     EXPECT_TRUE(out.empty()) << describe(out);
-    out = send(peer.conn, hello(group, static_cast<std::uint16_t>(20000 + 3 * peer.conn)));
+    p::Hello greeting = hello(group, static_cast<std::uint16_t>(20000 + 3 * peer.conn));
+    greeting.pool_size = pool_size;
+    out = send(peer.conn, greeting);
     auto welcome = one_of<p::Welcome>(out, peer.conn);
     if (welcome) {
       peer.id = welcome->id;
@@ -1781,6 +1784,39 @@ TEST(CoordinatorCollective, ParticipantLostFailsTheAttemptForTheOthers) {
   ASSERT_TRUE(retry.has_value());
   EXPECT_GT(retry->attempt, go->attempt);
   EXPECT_EQ(retry->ring, (std::vector<PeerId>{peers[0].id, peers[1].id}));
+}
+
+// Concurrent collectives get a pool slot each while slots are free (the smallest pool
+// of the group counts); once all are busy they share the least busy ones, and a slot
+// freed by a finished attempt is the next one given.
+TEST(CoordinatorCollective, ConcurrentCollectivesSpreadOverThePoolSlots) {
+  Harness h;
+  h.pool_size = 4;
+  auto peers = h.run_of(2);
+  h.pool_size = 3;  // the group's pool is its smallest
+  const FakePeer third = h.join(1);
+  h.update(peers, {third});
+  peers.push_back(third);
+  std::map<std::uint64_t, p::CollectiveGo> gos;
+  const auto start = [&](std::uint64_t tag) {
+    Outbox out;
+    for (const auto& f : peers) out = h.send(f, p::CollectiveInit{tag, kSum});
+    const auto go = one_of<p::CollectiveGo>(out, peers[0].conn);
+    EXPECT_TRUE(go.has_value()) << describe(out);
+    if (go) gos[tag] = *go;
+    return go ? go->slot : ~0u;
+  };
+  EXPECT_EQ(start(10), 0u);
+  EXPECT_EQ(start(11), 1u);
+  EXPECT_EQ(start(12), 2u);
+  EXPECT_EQ(start(13), 0u);  // all busy: the least busy, lowest first
+  EXPECT_EQ(start(14), 1u);
+  // Tag 11 ends: its slot is free again and goes to the next collective.
+  for (const auto& f : peers) h.send(f, p::CollectiveDone{11, gos[11].attempt, true, {}});
+  EXPECT_EQ(start(15), 1u);
+  // Tag 12 ends: slot 2 (now the only one with one attempt) before 0 and 1 (two each).
+  for (const auto& f : peers) h.send(f, p::CollectiveDone{12, gos[12].attempt, true, {}});
+  EXPECT_EQ(start(16), 2u);
 }
 
 TEST(CoordinatorCollective, TopologyVoteWithACollectiveInFlightIsRefused) {
