@@ -50,19 +50,6 @@ std::vector<std::string> peer_flags(const SecretFile& secret, bool encrypt) {
   return flags;
 }
 
-// /usr/bin/env with the tamper shim preloaded and armed (AddressSanitizer builds: the
-// shim comes before the sanitizer runtime, which must be told that this is fine).
-// call: the function whose first large call is altered (sendmsg: the ring; send:
-// shared-state transfers).
-std::vector<std::string> tamper_launcher(const std::string& call = "sendmsg") {
-  std::string asan = "verify_asan_link_order=0";
-  if (const char* existing = std::getenv("ASAN_OPTIONS"); existing != nullptr && *existing != '\0') {
-    asan = std::string(existing) + ":" + asan;
-  }
-  return {"/usr/bin/env", "LD_PRELOAD=" LOCKSTEP_TAMPER_SHIM, "LOCKSTEP_TAMPER_MIN_BYTES=65536",
-          "LOCKSTEP_TAMPER_CALL=" + call, "ASAN_OPTIONS=" + asan};
-}
-
 struct Run {
   std::unique_ptr<Master> master;
   std::vector<std::unique_ptr<Peer>> peers;

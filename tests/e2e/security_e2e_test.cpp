@@ -233,6 +233,51 @@ TEST(MasterAuth, FakeMasterWithAMadeUpProofIsRefused) {
   EXPECT_FALSE(got_proof.load());
 }
 
+// The master's own check: a peer that takes whatever the master proves and answers with
+// a proof it cannot make (another secret's, over the right transcript and nonces; or
+// random bytes) is refused with AUTHENTICATION_FAILED and never registered.
+TEST(MasterAuth, PeerThatIgnoresTheMastersProofAndProvesWronglyIsRefusedAndNeverRegistered) {
+  auto master = start_master(kSecret);
+  for (const bool random_proof : {false, true}) {
+    SCOPED_TRACE(random_proof ? "random proof" : "another secret's proof");
+    transport::Fd fd(connect_to(master->port()));
+    ASSERT_GE(fd.get(), 0);
+    proto::Hello hello;
+    hello.p2p_port = 40000;
+    hello.shared_state_port = 40001;
+    hello.benchmark_port = 40002;
+    const auto client_nonce = security::random_nonce();
+    hello.auth = security::to_bytes(client_nonce);
+    const auto frame = proto::encode_frame(hello);
+    ASSERT_TRUE(send_bytes(fd.get(), frame));
+    auto challenge = transport::recv_message(fd.get(), 5000);
+    ASSERT_TRUE(challenge.is_ok()) << challenge.status().to_string();
+    const auto* c = std::get_if<proto::AuthChallenge>(&challenge.value());
+    ASSERT_NE(c, nullptr);
+    security::Nonce server_nonce{};
+    ASSERT_TRUE(security::to_nonce(c->nonce, &server_nonce));
+    const std::span<const std::uint8_t> transcript(frame.data() + proto::kFrameHeaderBytes,
+                                                   frame.size() - proto::kFrameHeaderBytes);
+    const auto wrong = random_proof ? security::to_bytes(security::random_nonce())
+                                    : security::to_bytes(security::proof(kOtherSecret, security::kPeerRole, client_nonce,
+                                                                         server_nonce, transcript));
+    ASSERT_TRUE(send_bytes(fd.get(), proto::encode_frame(proto::AuthProof{wrong})));
+    auto verdict = transport::recv_message(fd.get(), 5000);
+    ASSERT_TRUE(verdict.is_ok()) << verdict.status().to_string();
+    const auto* bye = std::get_if<proto::Goodbye>(&verdict.value());
+    ASSERT_NE(bye, nullptr);
+    EXPECT_EQ(bye->status, LOCKSTEP_STATUS_AUTHENTICATION_FAILED);
+    EXPECT_TRUE(closed_by_other_side(fd.get(), 5s * kScale));
+  }
+  // A member that joins afterwards is alone: neither was ever registered.
+  auto member = make_peer(master->port(), kSecret);
+  ASSERT_TRUE(member->connect().is_ok()) << member->last_error();
+  EXPECT_EQ(member->attributes().value().global_world_size, 1u);
+  auto pending = member->are_peers_pending();
+  ASSERT_TRUE(pending.is_ok());
+  EXPECT_FALSE(pending.value());
+}
+
 // A TCP relay between a peer and the master that records what the peer sends, frame
 // by frame, and can flip a byte of one of those frames.
 class Relay {

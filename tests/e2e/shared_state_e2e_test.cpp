@@ -316,6 +316,42 @@ bool kill_distributor_mid_transfer(std::uint32_t seed) {
   return failed;
 }
 
+// Without a run secret nothing but the tree hash guards a transfer: a byte altered on
+// the way (the tamper shim on both holders alters the first large send of each) fails
+// the sync for all with HASH_MISMATCH, the holders' state is untouched, and the retry
+// (the shims pass everything after their first) gives the newcomer the holders' bytes.
+TEST(SharedState, TamperedTransferWithoutASecretFailsWithHashMismatchAndTheRetrySucceeds) {
+  Master master;
+  constexpr std::uint64_t kBig = 12'000'000;  // above the piece size: both holders serve
+  std::vector<std::unique_ptr<Peer>> holders;
+  for (const char* name : {"h0", "h1"}) {
+    holders.push_back(std::make_unique<Peer>(master, name, 0, std::vector<std::string>{}, tamper_launcher("send")));
+  }
+  Peer newcomer(master, "new");
+  std::vector<Peer*> members;
+  admit(members, {holders[0].get(), holders[1].get()});
+  for (auto& h : holders) define_model(*h, 5, kBig);
+  for (auto& h : holders) set_revision(*h, 1);
+  define_model(newcomer, 90, kBig);
+  admit(members, {&newcomer});
+  ASSERT_EQ(members.size(), 3u);
+  const json before = holders[0]->call("hashes");
+  ASSERT_EQ(code(before), 0) << before.dump();
+  const auto sync = [&] { return sync_all(members, {"popular", "popular", "receive"}); };
+  const auto failed = sync();
+  for (const auto& r : failed) EXPECT_EQ(code(r), LOCKSTEP_STATUS_HASH_MISMATCH) << r.dump();
+  EXPECT_NE(failed[2].value("error", "").find("after transfer"), std::string::npos) << failed[2].dump();
+  // The holders served and kept their content.
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_EQ(failed[i]["hashes"], before["hashes"]) << failed[i].dump();
+  EXPECT_NE(failed[2]["hashes"], before["hashes"]);
+  const auto retried = sync();
+  for (const auto& r : retried) ASSERT_EQ(code(r), 0) << r.dump();
+  expect_identical(retried);
+  EXPECT_EQ(retried[0]["hashes"], before["hashes"]);
+  EXPECT_EQ(retried[2]["revision"], 1);
+  EXPECT_EQ(retried[2]["bytes_received"], kBig);  // the tensors that verified stay
+}
+
 TEST(SharedState, DistributorKilledMidTransfer) {
   int failed = 0;
   int trials = 0;

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -37,6 +38,21 @@ inline long rss_kib(pid_t pid) {
   }
   return -1;
 }
+
+#ifdef LOCKSTEP_TAMPER_SHIM
+// /usr/bin/env with the tamper shim (tests/support/tamper_shim.c) preloaded and armed
+// (AddressSanitizer builds: the shim comes before the sanitizer runtime, which must be
+// told that this is fine). call: the function whose first large call is altered
+// (sendmsg: the ring; send: shared-state transfers).
+inline std::vector<std::string> tamper_launcher(const std::string& call = "sendmsg") {
+  std::string asan = "verify_asan_link_order=0";
+  if (const char* existing = std::getenv("ASAN_OPTIONS"); existing != nullptr && *existing != '\0') {
+    asan = std::string(existing) + ":" + asan;
+  }
+  return {"/usr/bin/env", "LD_PRELOAD=" LOCKSTEP_TAMPER_SHIM, "LOCKSTEP_TAMPER_MIN_BYTES=65536",
+          "LOCKSTEP_TAMPER_CALL=" + call, "ASAN_OPTIONS=" + asan};
+}
+#endif
 
 class Master {
  public:

@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <poll.h>
+#include <sys/ioctl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -19,6 +21,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -205,6 +208,149 @@ TEST_P(Ring, AbortRestoresTheDestination) {
   aborter.join();
   EXPECT_EQ(s.code(), LOCKSTEP_STATUS_PEER_CONNECTION_LOST) << s.to_string();
   EXPECT_EQ(buffer, before) << "an aborted attempt must leave the buffer as it was";
+}
+
+// Peer a (rank 0) of a two-peer ring whose neighbour stops midway: peer b runs for
+// real, but a relay passes only the first `forwarded` bytes b sends on to a, so that a
+// reduces part of b's data into its destination before its attempt fails. Once a has
+// taken every forwarded byte, `fail_a` runs (raise a's abort, or nothing for the stall
+// timeout). b is aborted at the end. Returns a's status; *stats_a its byte counts.
+lockstep::Status run_against_partial_neighbour(const RingPlan& plan_a, const RingPlan& plan_b, RingIo io_a,
+                                               std::size_t forwarded, const std::function<void()>& fail_a,
+                                               lockstep::coll::RingStats* stats_a) {
+  SocketPair a_to_b, b_out, relay_to_a;
+  io_a.tx_fd = a_to_b.fds[0];
+  io_a.rx_fd = relay_to_a.fds[1];
+  AbortSignal abort_b;
+  RingIo io_b;
+  io_b.tx_fd = b_out.fds[0];
+  io_b.rx_fd = a_to_b.fds[1];
+  io_b.stall_timeout_ms = 30'000;
+  abort_b.attach(io_b);
+  RingScratch scratch_a, scratch_b;
+  std::thread b([&] { [[maybe_unused]] const auto s = lockstep::coll::run_ring_all_reduce(plan_b, io_b, scratch_b, nullptr); });
+  std::thread relay([&] {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    std::vector<std::uint8_t> bytes(4096);
+    std::size_t passed = 0;
+    while (passed < forwarded && std::chrono::steady_clock::now() < deadline) {
+      pollfd in{b_out.fds[1], POLLIN, 0};
+      if (::poll(&in, 1, 100) <= 0) continue;
+      const ssize_t n = ::read(b_out.fds[1], bytes.data(), std::min(bytes.size(), forwarded - passed));
+      if (n <= 0) continue;
+      for (ssize_t at = 0; at < n;) {
+        pollfd out{relay_to_a.fds[0], POLLOUT, 0};
+        ::poll(&out, 1, 100);
+        const ssize_t w = ::write(relay_to_a.fds[0], bytes.data() + at, static_cast<std::size_t>(n - at));
+        if (w > 0) at += w;
+      }
+      passed += static_cast<std::size_t>(n);
+    }
+    EXPECT_EQ(passed, forwarded);
+    // a has read everything forwarded (and reduced all but at most the last sub-chunk).
+    int queued = 1;
+    while (std::chrono::steady_clock::now() < deadline && ::ioctl(relay_to_a.fds[1], FIONREAD, &queued) == 0 && queued > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_EQ(queued, 0);
+    fail_a();
+  });
+  const auto status = lockstep::coll::run_ring_all_reduce(plan_a, io_a, scratch_a, stats_a);
+  relay.join();
+  abort_b.raise();
+  b.join();
+  return status;
+}
+
+// The destination had been partly overwritten by reduced sub-chunks when the abort came:
+// every one of them is put back.
+TEST_P(Ring, AbortAfterPartOfTheDataRestoresTheDestination) {
+  std::vector<float> a(300'000), b(300'000, 1.0f);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(i % 977) * 0.25f;
+  const std::vector<float> before = a;
+  constexpr std::size_t kForwarded = 10 * (4096 + 64);  // about ten sub-chunks
+  AbortSignal abort;
+  RingIo io;
+  io.stall_timeout_ms = 30'000;
+  abort.attach(io);
+  lockstep::coll::RingStats stats;
+  const auto s = run_against_partial_neighbour(plan_for(0, a, a), plan_for(1, b, b), io, kForwarded,
+                                               [&] { abort.raise(); }, &stats);
+  EXPECT_EQ(s.code(), LOCKSTEP_STATUS_PEER_CONNECTION_LOST) << s.to_string();
+  EXPECT_GT(stats.bytes_received, 4u * 4096u);  // a reduced several of b's sub-chunks
+  EXPECT_EQ(a, before) << "an aborted attempt must leave the buffer as it was";
+}
+
+// The same with a neighbour that falls silent midway: the stall timeout ends the attempt
+// and the reduced sub-chunks are put back.
+TEST_P(Ring, NeighbourSilentMidwayFailsAtTheStallTimeoutAndRestores) {
+  std::vector<float> a(300'000, 1.5f), b(300'000, 2.0f);
+  const std::vector<float> before = a;
+  constexpr std::size_t kForwarded = 10 * (4096 + 64);
+  RingIo io;
+  io.stall_timeout_ms = 200;
+  lockstep::coll::RingStats stats;
+  const auto s = run_against_partial_neighbour(plan_for(0, a, a), plan_for(1, b, b), io, kForwarded, [] {}, &stats);
+  EXPECT_EQ(s.code(), LOCKSTEP_STATUS_PEER_CONNECTION_LOST) << s.to_string();
+  EXPECT_GT(stats.bytes_received, 4u * 4096u);  // a reduced several of b's sub-chunks
+  EXPECT_EQ(a, before) << "a failed attempt must leave the buffer as it was";
+}
+
+// Semantics rule 3: bytes of another attempt (a neighbour still in an aborted one, or
+// already in the next) are never mixed into this one: the attempt fails and the
+// destination is put back.
+TEST_P(Ring, FrameOfAnotherAttemptFailsTheAttemptAndRestores) {
+  SocketPair a_to_b, b_to_a;
+  std::vector<float> a(300'000, 1.0f), b(300'000, 2.0f);
+  const std::vector<float> before = a;
+  RingPlan plan_a = plan_for(0, a, a);
+  RingPlan plan_b = plan_for(1, b, b);
+  plan_b.attempt = plan_a.attempt + 1;
+  RingScratch scratch_a, scratch_b;
+  RingIo io_a, io_b;
+  io_a.tx_fd = a_to_b.fds[0];
+  io_a.rx_fd = b_to_a.fds[1];
+  io_b.tx_fd = b_to_a.fds[0];
+  io_b.rx_fd = a_to_b.fds[1];
+  io_a.stall_timeout_ms = io_b.stall_timeout_ms = 5'000;
+  lockstep::Status sb;
+  std::thread peer_b([&] { sb = lockstep::coll::run_ring_all_reduce(plan_b, io_b, scratch_b, nullptr); });
+  const auto sa = lockstep::coll::run_ring_all_reduce(plan_a, io_a, scratch_a, nullptr);
+  peer_b.join();
+  EXPECT_EQ(sa.code(), LOCKSTEP_STATUS_PROTOCOL_ERROR) << sa.to_string();
+  EXPECT_NE(sa.message().find("during attempt"), std::string::npos) << sa.to_string();
+  EXPECT_EQ(sb.code(), LOCKSTEP_STATUS_PROTOCOL_ERROR) << sb.to_string();
+  EXPECT_EQ(a, before);
+  EXPECT_EQ(b, std::vector<float>(300'000, 2.0f));
+}
+
+// A neighbour whose frame header is wrong (no magic number; a frame out of sequence)
+// fails the attempt with PROTOCOL_ERROR, whatever else it sends.
+TEST_P(Ring, MalformedFrameHeaderFailsTheAttempt) {
+  for (const bool bad_magic : {true, false}) {
+    SCOPED_TRACE(bad_magic ? "bad magic" : "out of sequence");
+    SocketPair a_to_b, b_to_a;
+    std::vector<float> a(300'000, 1.0f);
+    const std::vector<float> before = a;
+    const RingPlan plan = plan_for(0, a, a);
+    std::uint8_t header[lockstep::coll::kRingHeaderBytes] = {};
+    const std::uint32_t magic = bad_magic ? 0x12345678u : lockstep::coll::kRingMagic;
+    const std::uint32_t seq = bad_magic ? 0u : 7u;
+    std::memcpy(header, &magic, 4);
+    std::memcpy(header + 4, &seq, 4);
+    std::memcpy(header + 8, &plan.attempt, 8);
+    std::vector<std::uint8_t> frame(header, header + sizeof header);
+    frame.resize(frame.size() + 4096, 0x3f);
+    ASSERT_EQ(::write(b_to_a.fds[0], frame.data(), frame.size()), static_cast<ssize_t>(frame.size()));
+    RingScratch scratch;
+    RingIo io;
+    io.tx_fd = a_to_b.fds[0];
+    io.rx_fd = b_to_a.fds[1];
+    io.stall_timeout_ms = 5'000;
+    const auto s = lockstep::coll::run_ring_all_reduce(plan, io, scratch, nullptr);
+    EXPECT_EQ(s.code(), LOCKSTEP_STATUS_PROTOCOL_ERROR) << s.to_string();
+    EXPECT_EQ(a, before);
+  }
 }
 
 // Four peers in threads over socket pairs, random f32 (so any difference in the order of
