@@ -5,6 +5,7 @@
 #      test bed's (which measure rates), with timeouts scaled up so slow peers live;
 #   3. the fuzz build (Clang, libFuzzer + ASan + UBSan): each fuzzer for 20 s;
 #   4. the ThreadSanitizer build: the same tests again.
+# After the first pass, the mutation suite's stage (scripts/mutants.sh --changed).
 # Options: --quick (skip the sanitizer and fuzz passes), --no-tsan (skip the ThreadSanitizer pass).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -22,13 +23,21 @@ jobs="$(nproc)"
 start=$SECONDS
 stamp() { echo "=== $1 ($((SECONDS - start)) s)"; }
 
+# The main build goes through ccache (shared with the mutation suite's scratch build,
+# which compiles the same sources with the same flags in build-mutants/).
+export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
+main_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo)
 stamp "build"
-cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake -S . -B build "${main_flags[@]}" -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache >/dev/null
 cmake --build build -j"$jobs"
 stamp "tests"
 ctest --test-dir build --output-on-failure -j"$jobs" -LE testbed
 stamp "test-bed tests (one at a time: they measure rates)"
 ctest --test-dir build --output-on-failure -L testbed
+# The mutation suite (docs/testing.md): the mutants of the files changed since the last
+# landing, then a rotating sample of the others, within 8 minutes.
+stamp "mutants"
+./scripts/mutants.sh --changed --budget-s 480 "${main_flags[@]/#/--cmake-arg=}"
 
 if [ "$quick" = 0 ]; then
   stamp "ASan+UBSan build"
