@@ -228,7 +228,9 @@ lockstep::Status run_against_partial_neighbour(const RingPlan& plan_a, const Rin
   io_b.stall_timeout_ms = 30'000;
   abort_b.attach(io_b);
   RingScratch scratch_a, scratch_b;
-  std::thread b([&] { [[maybe_unused]] const auto s = lockstep::coll::run_ring_all_reduce(plan_b, io_b, scratch_b, nullptr); });
+  std::thread b([&] {
+    [[maybe_unused]] const auto s = lockstep::coll::run_ring_all_reduce(plan_b, io_b, scratch_b, nullptr);
+  });
   std::thread relay([&] {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
     std::vector<std::uint8_t> bytes(4096);
