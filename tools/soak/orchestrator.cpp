@@ -7,7 +7,12 @@
 // 0, the workers round-robin in hosts 1..N-1, and a fourth event, the partition: a worker
 // host cut off from every other host, or the link between two worker hosts cut both
 // ways, for 0.5-3 s, then healed. The bed is always taken down at the end.
+// Which event happens when is the chaos schedule's decision (schedule.h); this file
+// carries it out on the processes and the bed (bed.h) and prints the report (report.h).
+#include "bed.h"
 #include "checker.h"
+#include "report.h"
+#include "schedule.h"
 #include "soak.h"
 #include "subprocess.h"
 
@@ -44,71 +49,6 @@ std::atomic<bool> g_interrupted{false};
 // a ring across a healed cut may wait this long before its attempt fails and is retried.
 constexpr std::int64_t kP2pConnectTimeoutMs = 5000;
 
-// A lockstep-testbed bed (docs/testbed.md) that the soak brings up and always takes
-// down, also when the run fails or is interrupted (its destructor). Commands run
-// synchronously; their stderr goes to LOG_DIR/testbed.log.
-class Bed {
- public:
-  Bed(std::string command, std::string prefix, std::string log_path)
-      : command_(std::move(command)), prefix_(std::move(prefix)), log_path_(std::move(log_path)) {}
-  Bed(const Bed&) = delete;
-  Bed& operator=(const Bed&) = delete;
-  ~Bed() {
-    if (up_) run({"down"});
-  }
-
-  bool up(std::uint32_t hosts) {
-    up_ = true;  // from here on, down at the end (up may have made part of the bed)
-    return run({"up", std::to_string(hosts), "--owner", std::to_string(::getpid())});
-  }
-
-  // Runs `lockstep-testbed --prefix P ARGS...`; its stdout (lines joined) goes to *out.
-  bool run(const std::vector<std::string>& args, std::string* out = nullptr) {
-    std::vector<std::string> argv = {command_, "--prefix", prefix_};
-    argv.insert(argv.end(), args.begin(), args.end());
-    auto p = Subprocess::spawn(argv, log_path_);
-    if (!p) return false;
-    std::string text;
-    while (auto line = p->read_line(std::chrono::seconds(60))) text += *line;
-    const auto status = p->wait(std::chrono::seconds(60));
-    if (out != nullptr) *out = text;
-    return status && *status == 0;
-  }
-
-  // The argv that runs argv inside a host: `ip netns exec` execs the program, so the
-  // pid is the program's own, and SIGKILL/SIGSTOP reach it.
-  std::vector<std::string> in_host(std::uint32_t host, const std::vector<std::string>& argv) const {
-    std::vector<std::string> full = {command_, "--prefix", prefix_, "exec", std::to_string(host)};
-    full.insert(full.end(), argv.begin(), argv.end());
-    return full;
-  }
-
-  const std::string& prefix() const { return prefix_; }
-
- private:
-  std::string command_;
-  std::string prefix_;
-  std::string log_path_;
-  bool up_ = false;
-};
-
-// A field of /proc/PID/status in KiB: VmRSS (resident) or RssAnon (its anonymous part:
-// the heap, which is what a leak grows; file-backed pages come and go under memory
-// pressure).
-long status_kib(pid_t pid, const std::string& field = "VmRSS") {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind(field + ":", 0) == 0) return std::stol(line.substr(field.size() + 1));
-  }
-  return -1;
-}
-
-void print(const json& j) {
-  std::fputs((j.dump() + "\n").c_str(), stdout);
-  std::fflush(stdout);
-}
-
 struct WorkerProc {
   std::string name;
   std::unique_ptr<Subprocess> proc;
@@ -131,7 +71,7 @@ struct Partition {
 
 class Soak {
  public:
-  Soak(const RunOptions& o, std::string self) : o_(o), self_(std::move(self)), rng_(o.seed) {}
+  Soak(const RunOptions& o, std::string self) : o_(o), self_(std::move(self)), schedule_(schedule_config(o), o.seed) {}
 
   int run() {
     start_ms_ = now_ms();
@@ -152,7 +92,6 @@ class Soak {
     for (std::uint32_t i = 0; i < o_.peers_initial; ++i) spawn(/*bootstrap=*/true);
 
     const auto end_ms = start_ms_ + static_cast<std::int64_t>(o_.seconds * 1000);
-    std::int64_t next_event_ms = 0;
     std::int64_t next_progress_ms = start_ms_ + 10'000;
     std::int64_t next_rss_ms = start_ms_;
     std::optional<std::int64_t> first_violation_ms;
@@ -164,16 +103,7 @@ class Soak {
       if (!master_alive(now)) break;
       resume_due(now);
       heal_due(now);
-      // Events start once the run holds a state (the first revision is reported).
-      if (checker_->max_revision() > 0) {
-        if (next_event_ms == 0) next_event_ms = now;
-        if (checker_->active().size() < o_.peers_min) {
-          spawn(false);
-        } else if (now >= next_event_ms) {
-          event(now);
-          next_event_ms = now + uniform(o_.event_min_ms, o_.event_max_ms);
-        }
-      }
+      carry_out(schedule_.next(now, schedule_state()), now);
       if (now >= next_rss_ms) {
         next_rss_ms = now + 1000;
         const long rss = status_kib(master_->pid());
@@ -226,22 +156,7 @@ class Soak {
     }
     port_ = std::stoi(first->substr(first->rfind(':') + 1));
     master_address_ = master_host + ":" + std::to_string(port_);
-    json start;
-    start["soak"] = "start";
-    start["seed"] = o_.seed;
-    start["seconds"] = o_.seconds;
-    start["peers"] = std::to_string(o_.peers_initial) + ".." + std::to_string(o_.peers_max);
-    start["heartbeat_timeout_ms"] = o_.heartbeat_timeout_ms;
-    start["master"] = master_address_;
-    if (wan()) {
-      start["testbed"] = {{"hosts", o_.testbed_hosts},
-                          {"prefix", bed_->prefix()},
-                          {"rate", o_.testbed_rate},
-                          {"delay_ms", o_.testbed_delay_ms},
-                          {"p2p_stall_timeout_ms", o_.worker.p2p_stall_timeout_ms}};
-    }
-    start["master_pid"] = master_->pid();
-    start["log_dir"] = o_.log_dir;
+    const json start = start_report(o_, master_address_, master_->pid(), wan() ? bed_->prefix() : std::string());
     print(start);
     log("start: " + start.dump());
     return true;
@@ -280,8 +195,32 @@ class Soak {
     return true;
   }
 
-  std::int64_t uniform(std::int64_t lo, std::int64_t hi) {
-    return std::uniform_int_distribution<std::int64_t>(lo, std::max(lo, hi))(rng_);
+  static ScheduleConfig schedule_config(const RunOptions& o) {
+    ScheduleConfig c;
+    c.peers_min = o.peers_min;
+    c.peers_max = o.peers_max;
+    c.event_min_ms = o.event_min_ms;
+    c.event_max_ms = o.event_max_ms;
+    c.heartbeat_timeout_ms = o.heartbeat_timeout_ms;
+    c.partitions = o.testbed_hosts > 0;
+    c.partition_min_ms = o.partition_min_ms;
+    c.partition_max_ms = o.partition_max_ms;
+    return c;
+  }
+
+  // The run as the schedule sees it.
+  ScheduleState schedule_state() const {
+    ScheduleState s;
+    s.started = checker_->max_revision() > 0;
+    if (!s.started) return s;
+    s.active = checker_->active();
+    s.holders = checker_->active_holders();
+    if (wan()) {
+      for (const auto& name : s.active) s.hosts[name] = workers_.at(name)->host;
+    }
+    for (auto& [name, w] : workers_) s.stop_in_flight = s.stop_in_flight || (!w->gone && (w->stopped || w->resumed));
+    s.partition_in_flight = partition_.has_value();
+    return s;
   }
 
   double t_s(std::int64_t now) const { return static_cast<double>(now - start_ms_) / 1000.0; }
@@ -349,7 +288,7 @@ class Soak {
         (bootstrap ? ", bootstrap)" : ")"));
     checker_->spawned(name, now_ms());
     workers_[name] = std::move(w);
-    if (!bootstrap) ++spawns_;
+    if (!bootstrap) ++counts_.spawns;
   }
 
   // Reads every worker's lines and notices exits. Returns whether any line was read.
@@ -430,45 +369,51 @@ class Soak {
                         : "hosts " + std::to_string(p.a) + " <-> " + std::to_string(p.b) + " cut";
   }
 
-  // The worker hosts that hold at least one active worker, with those workers.
-  std::map<std::uint32_t, std::vector<std::string>> active_by_host() const {
-    std::map<std::uint32_t, std::vector<std::string>> out;
-    for (const auto& name : checker_->active()) out[workers_.at(name)->host].push_back(name);
-    return out;
-  }
-
-  // The partitions possible now: hosts that may be cut off (active holders remain
-  // elsewhere, so the state survives their eviction), and pairs of hosts with workers.
-  void partition_choices(std::vector<std::uint32_t>* hosts, std::vector<std::pair<std::uint32_t, std::uint32_t>>* pairs) {
-    const auto by_host = active_by_host();
-    const auto holders = checker_->active_holders();
-    for (const auto& [host, names] : by_host) {
-      std::size_t inside = 0;
-      for (const auto& n : names) inside += holders.count(n);
-      if (holders.size() > inside) hosts->push_back(host);
-      for (const auto& [other, unused] : by_host) {
-        if (other > host) pairs->emplace_back(host, other);
-      }
+  // Carries out what the schedule decided.
+  void carry_out(const Fault& f, std::int64_t now) {
+    switch (f.kind) {
+      case Fault::Kind::kNone:
+        return;
+      case Fault::Kind::kTopUp:
+      case Fault::Kind::kSpawn:
+        spawn(false);
+        return;
+      case Fault::Kind::kPartition:
+        partition(f, now);
+        return;
+      case Fault::Kind::kKill:
+      case Fault::Kind::kStop:
+        break;
     }
-  }
-
-  void partition(std::int64_t now) {
-    std::vector<std::uint32_t> hosts;
-    std::vector<std::pair<std::uint32_t, std::uint32_t>> pairs;
-    partition_choices(&hosts, &pairs);
-    Partition p;
-    const bool whole = !hosts.empty() && (pairs.empty() || uniform(0, 1) == 0);
-    std::vector<std::string> cut_off;
-    if (whole) {
-      p.whole_host = true;
-      p.a = hosts[static_cast<std::size_t>(uniform(0, static_cast<std::int64_t>(hosts.size()) - 1))];
-      cut_off = active_by_host()[p.a];
+    const std::string& victim = f.victim;
+    WorkerProc& w = *workers_.at(victim);
+    if (f.kind == Fault::Kind::kKill) {
+      drain(w);
+      w.proc->kill();
+      drain(w);
+      w.gone = true;
+      ++counts_.kills;
+      log("SIGKILL " + victim);
+      checker_->killed(victim, now);
+      drop_empty_log(victim);
     } else {
-      const auto& pair = pairs[static_cast<std::size_t>(uniform(0, static_cast<std::int64_t>(pairs.size()) - 1))];
-      p.a = pair.first;
-      p.b = pair.second;
+      w.proc->signal(SIGSTOP);
+      w.stopped = true;
+      stop_ms_[victim] = now;
+      w.resume_at_ms = now + f.resume_after_ms;
+      ++counts_.stops;
+      log("SIGSTOP " + victim + " until +" + std::to_string(w.resume_at_ms - now) + " ms");
+      checker_->stopped(victim, now);
     }
-    const std::int64_t duration = uniform(o_.partition_min_ms, o_.partition_max_ms);
+  }
+
+  void partition(const Fault& f, std::int64_t now) {
+    Partition p;
+    p.whole_host = f.whole_host;
+    p.a = f.a;
+    p.b = f.b;
+    const std::vector<std::string>& cut_off = f.cut_off;
+    const std::int64_t duration = f.duration_ms;
     partition_start_ms_ = now;
     checker_->partition_started(cut_off, now);
     bool ok = true;
@@ -476,10 +421,10 @@ class Soak {
       for (std::uint32_t j = 0; j < o_.testbed_hosts; ++j) {
         if (j != p.a) ok = bed_->run({"cut", std::to_string(p.a), std::to_string(j), "--both"}) && ok;
       }
-      ++host_partitions_;
+      ++counts_.host_partitions;
     } else {
       ok = bed_->run({"cut", std::to_string(p.a), std::to_string(p.b), "--both"});
-      ++pair_partitions_;
+      ++counts_.pair_partitions;
     }
     if (!ok) checker_->fail("testbed", "lockstep-testbed cut failed (see testbed.log)", now_ms());
     p.heal_at_ms = now_ms() + duration;
@@ -490,66 +435,6 @@ class Soak {
     partition_ = p;
   }
 
-  void event(std::int64_t now) {
-    const auto active = checker_->active();
-    const auto holders = checker_->active_holders();
-    std::vector<std::string> victims;
-    // Never the last active holder of the state: a newcomer could not get it back.
-    for (const auto& name : active) {
-      if (holders.size() >= 2 || holders.count(name) == 0) victims.push_back(name);
-    }
-    if (holders.empty()) victims.clear();
-    bool in_flight_stop = false;
-    for (auto& [name, w] : workers_) in_flight_stop = in_flight_stop || (!w->gone && (w->stopped || w->resumed));
-    const bool can_spawn = active.size() < o_.peers_max;
-    const bool can_kill = active.size() > o_.peers_min && !victims.empty();
-    // A stop and a partition are never in flight at once (their stalls would add up).
-    const bool can_stop = can_kill && !in_flight_stop && !partition_ && (stops_ + 1) * 5 <= events_ + 1;
-    bool can_partition = false;
-    if (wan() && !partition_ && !in_flight_stop) {
-      std::vector<std::uint32_t> hosts;
-      std::vector<std::pair<std::uint32_t, std::uint32_t>> pairs;
-      partition_choices(&hosts, &pairs);
-      can_partition = !hosts.empty() || !pairs.empty();
-    }
-    const int w_kill = can_kill ? 2 : 0;
-    const int w_spawn = can_spawn ? 2 : 0;
-    const int w_stop = can_stop ? 1 : 0;
-    const int w_partition = can_partition ? 2 : 0;
-    if (w_kill + w_spawn + w_stop + w_partition == 0) return;
-    const auto pick = uniform(0, w_kill + w_spawn + w_stop + w_partition - 1);
-    ++events_;
-    if (pick < w_spawn) {
-      spawn(false);
-      return;
-    }
-    if (pick >= w_spawn + w_kill + w_stop) {
-      partition(now);
-      return;
-    }
-    const std::string victim = victims[static_cast<std::size_t>(uniform(0, static_cast<std::int64_t>(victims.size()) - 1))];
-    WorkerProc& w = *workers_.at(victim);
-    if (pick < w_spawn + w_kill) {
-      drain(w);
-      w.proc->kill();
-      drain(w);
-      w.gone = true;
-      ++kills_;
-      log("SIGKILL " + victim);
-      checker_->killed(victim, now);
-      drop_empty_log(victim);
-    } else {
-      w.proc->signal(SIGSTOP);
-      w.stopped = true;
-      stop_ms_[victim] = now;
-      // Past the heartbeat timeout, so that the master has evicted it when it resumes.
-      w.resume_at_ms = now + o_.heartbeat_timeout_ms + uniform(500, 2000);
-      ++stops_;
-      log("SIGSTOP " + victim + " until +" + std::to_string(w.resume_at_ms - now) + " ms");
-      checker_->stopped(victim, now);
-    }
-  }
-
   // Prints the violations found since the last call; returns whether there were any.
   bool report_violations(std::int64_t now) {
     const auto& all = checker_->violations();
@@ -557,12 +442,7 @@ class Soak {
     for (; reported_ < all.size(); ++reported_) {
       any = true;
       const Violation& v = all[reported_];
-      json j;
-      j["soak"] = "violation";
-      j["t_s"] = t_s(v.t_ms);
-      j["kind"] = v.kind;
-      j["text"] = v.text;
-      j["seed"] = o_.seed;
+      const json j = violation_report(o_, v, t_s(v.t_ms));
       print(j);
       log("VIOLATION " + j.dump());
       if (reported_ == 0) dump_context(v, now);
@@ -592,19 +472,7 @@ class Soak {
   }
 
   void progress(std::int64_t now) {
-    json j;
-    j["soak"] = "progress";
-    j["t_s"] = static_cast<std::int64_t>(t_s(now));
-    j["active"] = checker_->active().size();
-    j["revision"] = checker_->max_revision();
-    j["allreduces"] = checker_->allreduces_completed();
-    j["kills"] = kills_;
-    j["stops"] = stops_;
-    j["spawns"] = spawns_;
-    if (wan()) j["partitions"] = host_partitions_ + pair_partitions_;
-    j["longest_stall_ms"] = checker_->longest_stall_ms();
-    j["master_rss_kib"] = status_kib(master_->pid());
-    j["violations"] = checker_->violations().size();
+    const json j = progress_report(o_, *checker_, counts_, t_s(now), status_kib(master_->pid()));
     print(j);
     log("progress " + j.dump());
   }
@@ -696,72 +564,29 @@ class Soak {
     }
     report_violations(now_ms());
 
-    const auto& violations = checker_->violations();
-    json s;
-    s["soak"] = "summary";
-    s["seed"] = o_.seed;
-    s["seconds"] = static_cast<double>(static_cast<std::int64_t>(seconds * 10)) / 10.0;
-    s["peers"] = std::to_string(o_.peers_initial) + ".." + std::to_string(o_.peers_max);
-    s["heartbeat_timeout_ms"] = o_.heartbeat_timeout_ms;
-    s["events"] = {{"kills", kills_}, {"stops", stops_}, {"spawns", spawns_}};
-    if (wan()) {
-      s["events"]["partitions"] = host_partitions_ + pair_partitions_;
-      s["events"]["host_partitions"] = host_partitions_;
-      s["events"]["pair_partitions"] = pair_partitions_;
-      s["testbed_hosts"] = o_.testbed_hosts;
-      s["partitioned_workers_returned"] = checker_->partitioned_returned();
-      s["partitioned_workers_evicted"] = checker_->partitioned_evicted();
-      s["longest_heal_settle_ms"] = checker_->longest_heal_settle_ms();
-    }
-    s["workers_started"] = spawned_;
-    s["revisions"] = checker_->max_revision();
-    s["syncs_reported"] = checker_->syncs_reported();
-    s["newcomer_syncs"] = checker_->newcomer_syncs();
-    s["allreduces_completed"] = checker_->allreduces_completed();
-    s["allreduce_failures_reported"] = checker_->allreduce_failures_reported();
-    s["longest_stall_ms"] = checker_->longest_stall_ms();
-    s["longest_stall_worker"] = checker_->longest_stall_worker();
-    s["longest_stall_from_s"] = static_cast<double>(checker_->longest_stall_from_ms()) / 1000.0;
-    s["longest_revision_gap_ms"] = longest_gap;
-    s["outcome_skews"] = checker_->outcome_skews();
-    s["largest_outcome_skew_ms"] = checker_->largest_outcome_skew_ms();
-    s["longest_resume_to_exit_ms"] = checker_->longest_resume_exit_ms();
-    json rss;
-    rss["after_s"] = (rss_base_at_ms_ - start_ms_) / 1000;
-    rss["base_kib"] = rss_base_ ? *rss_base_ : -1;
-    rss["end_kib"] = rss_end;
-    rss["max_kib"] = rss_max_;
-    rss["growth_kib"] = rss_base_ && rss_end >= 0 ? rss_end - *rss_base_ : 0;
-    rss["anon_base_kib"] = anon_base_;
-    rss["anon_end_kib"] = anon_end;
-    rss["anon_growth_kib"] = anon_end >= 0 && anon_base_ >= 0 ? anon_end - anon_base_ : 0;
-    s["master_rss"] = rss;
-    s["unexpected_exits"] = checker_->unexpected_exits().size();
-    if (!checker_->unexpected_exits().empty()) s["unexpected_exit_first"] = checker_->unexpected_exits().front();
-    s["violations"] = violations.size();
-    if (violations.empty()) {
-      s["first_violation"] = nullptr;
-    } else {
-      s["first_violation"] = {{"t_s", t_s(violations[0].t_ms)}, {"kind", violations[0].kind}, {"text", violations[0].text}};
-    }
-    s["log_dir"] = o_.log_dir;
-    s["ok"] = violations.empty();
+    MasterMemory memory;
+    memory.after_s = (rss_base_at_ms_ - start_ms_) / 1000;
+    memory.base_kib = rss_base_;
+    memory.end_kib = rss_end;
+    memory.max_kib = rss_max_;
+    memory.anon_base_kib = anon_base_;
+    memory.anon_end_kib = anon_end;
+    counts_.workers_started = spawned_;
+    const json s = summary_report(o_, *checker_, counts_, seconds, start_ms_, longest_gap, memory);
     log("summary " + s.dump());
     print(s);
-    return violations.empty() ? 0 : 1;
+    return checker_->violations().empty() ? 0 : 1;
   }
 
   RunOptions o_;
   std::string self_;
-  std::mt19937_64 rng_;
+  ChaosSchedule schedule_;
   // Declared before every process: destroyed after them, it takes the bed down last.
   std::unique_ptr<Bed> bed_;
   std::vector<std::string> addrs_;  // of the bed's hosts
   std::optional<Partition> partition_;
   std::int64_t partition_start_ms_ = 0;
   std::uint64_t next_host_ = 0;
-  std::uint64_t host_partitions_ = 0;
-  std::uint64_t pair_partitions_ = 0;
   std::string master_address_;
   std::unique_ptr<Subprocess> master_;
   bool master_dead_ = false;
@@ -779,10 +604,7 @@ class Soak {
   long rss_max_ = -1;
   long anon_base_ = -1;
   std::uint64_t spawned_ = 0;
-  std::uint64_t events_ = 0;
-  std::uint64_t kills_ = 0;
-  std::uint64_t stops_ = 0;
-  std::uint64_t spawns_ = 0;
+  EventCounts counts_;
 };
 
 }  // namespace
