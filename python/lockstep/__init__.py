@@ -30,21 +30,21 @@ is awaited on the thread that launched it (WrongThreadError otherwise).
 """
 
 from . import _lockstep
-from ._core import (
-    DEFAULT_MASTER_PORT,
+from ._communicator import (
     AsyncHandle,
     Communicator,
-    DType,
-    LogLevel,
-    Master,
     Member,
-    Quantization,
     ReduceInfo,
-    ReduceOp,
     SharedState,
     SyncInfo,
-    SyncStrategy,
     TensorInfo,
+)
+from ._enums import (
+    DType,
+    LogLevel,
+    Quantization,
+    ReduceOp,
+    SyncStrategy,
     set_log_level,
     status_string,
 )
@@ -80,13 +80,17 @@ from ._errors import (
     WrongThreadError,
     error_for_status,
 )
+from ._master import DEFAULT_MASTER_PORT, Master
+
+# A failing status of the C module raises this package's exception classes.
+_lockstep._set_error_factory(error_for_status)
 
 #: The version of the loaded C library ("MAJOR.MINOR.PATCH").
 __version__: str = _lockstep.version_string()
 
 #: :func:`lockstep.hash` -- the content digest (``lockstep_hash``) of an array's,
 #: tensor's or buffer's bytes as 32 lowercase hex digits.
-from ._core import content_hash as hash  # noqa: E402  (shadows the builtin inside this module only)
+from ._buffers import content_hash as hash  # noqa: E402  (shadows the builtin inside this module only)
 
 __all__ = [
     "__version__",

@@ -1,0 +1,134 @@
+"""The in-process master (:class:`Master`) and the parsing of "host:port" addresses."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional, Tuple
+
+from . import _lockstep
+from ._enums import _check_uint
+from ._errors import InvalidArgumentError
+
+DEFAULT_MASTER_PORT = 48148
+
+
+def _split_address(address: str, default_port: int, what: str) -> Tuple[str, int]:
+    if not isinstance(address, str):
+        raise InvalidArgumentError(f"{what} must be a 'host:port' string, not {type(address).__name__}")
+    host, sep, port_text = address.rpartition(":")
+    if not sep:
+        return address, default_port
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise InvalidArgumentError(f"{what} {address!r}: the port is not a number") from None
+    if not 0 <= port <= 65535:
+        raise InvalidArgumentError(f"{what} {address!r}: the port must be in 0..65535")
+    return host, port
+
+
+# ---------------------------------------------------------------------- master
+
+
+class Master:
+    """An in-process master (``lockstep_master_*``). It serves on background threads.
+
+    Use it as a context manager (``with Master() as m:``): it starts listening on
+    ``__enter__`` (unless already running) and stops on ``__exit__``. Or call
+    :meth:`run` and :meth:`close` yourself.
+
+    Args:
+        listen: ``"host:port"`` to listen on; port 0 picks an ephemeral port (see
+            :attr:`port`); an empty host means all interfaces.
+        heartbeat_timeout_ms: a peer silent this long is removed; 0 means 5000.
+        vote_timeout_ms: an accepted peer that has not joined an open vote after this
+            long is removed; 0 turns it off.
+        peers_max: the maximum number of peers; 0 means 1024.
+        secret_file: path of the run secret (at least 16 bytes; trailing line breaks
+            ignored). Peers must prove the same secret; control messages are encrypted and
+            p2p connections authenticated (docs/security.md). None: the environment
+            variable LOCKSTEP_SECRET_FILE if set, else none (the master admits anyone who
+            can reach it, and logs a warning).
+        handshake_timeout_ms: a connection that has not finished its handshake after this
+            long is closed; 0 means 10000.
+        pending_handshakes_max: connections that may be in their handshake at once; 0
+            means 256.
+    """
+
+    def __init__(self, listen: str = "127.0.0.1:0", heartbeat_timeout_ms: int = 0, vote_timeout_ms: int = 0,
+                 peers_max: int = 0, secret_file: Optional[str] = None, handshake_timeout_ms: int = 0,
+                 pending_handshakes_max: int = 0) -> None:
+        host, port = _split_address(listen, DEFAULT_MASTER_PORT, "listen")
+        if secret_file is not None and not isinstance(secret_file, str):
+            raise InvalidArgumentError("secret_file must be a str or None")
+        self._host = host
+        self._impl = _lockstep.Master(
+            host, port, _check_uint("heartbeat_timeout_ms", heartbeat_timeout_ms, 32),
+            _check_uint("vote_timeout_ms", vote_timeout_ms, 32), _check_uint("peers_max", peers_max, 32),
+            secret_file or "", _check_uint("handshake_timeout_ms", handshake_timeout_ms, 32),
+            _check_uint("pending_handshakes_max", pending_handshakes_max, 32))
+        self._running = False
+
+    def run(self) -> None:
+        """Binds the listening socket and starts serving; returns once it listens.
+        Raises MasterConnectionFailedError if it cannot bind."""
+        self._impl.run()
+        self._running = True
+
+    @property
+    def running(self) -> bool:
+        """Whether :meth:`run` succeeded and the master was not closed."""
+        return self._running and not self._impl.closed
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (after :meth:`run`)."""
+        return self._impl.port()
+
+    @property
+    def address(self) -> str:
+        """``"host:port"`` for :class:`Communicator` (127.0.0.1 when it listens on all interfaces)."""
+        host = self._host if self._host not in ("", "0.0.0.0") else "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    def interrupt(self) -> None:
+        """Asks the master to stop (thread-safe, returns at once)."""
+        self._impl.interrupt()
+
+    def wait(self) -> None:
+        """Blocks until the master has stopped: :meth:`interrupt` from another thread, or
+        Ctrl-C (KeyboardInterrupt, which stops the master and propagates)."""
+        done = threading.Event()
+
+        def waiter() -> None:
+            try:
+                self._impl.wait()
+            finally:
+                done.set()
+
+        # The C call runs on a helper thread so that this one stays interruptible by signals.
+        threading.Thread(target=waiter, name="lockstep-master-wait", daemon=True).start()
+        try:
+            while not done.wait(0.2):
+                pass
+        except BaseException:
+            self._impl.interrupt()
+            raise
+
+    def close(self) -> None:
+        """Stops the master and frees it (idempotent). The peers lose their master."""
+        self._impl.close()
+        self._running = False
+
+    def __enter__(self) -> "Master":
+        if not self.running:
+            self.run()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self.running:
+            return f"<lockstep.Master {self.address}>"
+        return "<lockstep.Master (not running)>"
