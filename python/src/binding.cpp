@@ -3,7 +3,7 @@
 // The pure-Python package (python/lockstep) validates arrays and tensors and passes
 // raw addresses, element counts and dtypes here; this layer calls the C API with the
 // GIL released around every call that may block, and turns a failing status into the
-// package's exception classes (a factory registered by lockstep/_errors.py).
+// package's exception classes (the factory of lockstep/_errors.py, registered by lockstep/__init__.py).
 //
 // Lifetime rules kept here:
 //  * A communicator is destroyed only when no call on it is running on another thread
