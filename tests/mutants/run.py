@@ -170,15 +170,23 @@ class Build:
         sync_tree(self.tree)
         subprocess.run(["cmake", "-S", str(self.tree), "-B", str(self.dir)] + self.cmake_args, check=True,
                        env=self.env, stdout=subprocess.DEVNULL)
+
+    def load_tests(self):
+        """The CTests and their commands (ctest lists a command only once its executable is built)."""
         shown = subprocess.run(["ctest", "--test-dir", str(self.dir), "--show-only=json-v1"], check=True,
                                capture_output=True, text=True, env=self.env).stdout
         self.tests = {}
         for t in json.loads(shown)["tests"]:
+            if "command" not in t:
+                continue  # its executable is not built (yet)
             env = {}
+            cwd = str(self.dir)
             for prop in t.get("properties", []):
                 if prop["name"] == "ENVIRONMENT":
                     env.update(v.split("=", 1) for v in prop["value"])
-            self.tests[t["name"]] = {"command": t["command"], "env": env}
+                elif prop["name"] == "WORKING_DIRECTORY":
+                    cwd = prop["value"]
+            self.tests[t["name"]] = {"command": t["command"], "env": env, "cwd": cwd}
 
     def build(self, targets, timeout):
         cmd = ["cmake", "--build", str(self.dir), "-j", str(self.jobs)]
@@ -196,22 +204,25 @@ class Build:
             cmd = ["ctest", "--test-dir", str(self.dir), "-R", "^" + spec[6:] + "$", "--output-on-failure",
                    "--timeout", str(timeout)]
             env = self.env
+            cwd = str(self.dir)
         else:
             target, _, flt = spec.partition(":")
+            if self.tests is None or target not in self.tests:
+                self.load_tests()
             if target not in self.tests:
                 raise MutantError(f"no test named {target}")
             cmd = list(self.tests[target]["command"])
             if flt:
                 cmd.append("--gtest_filter=" + flt)
             env = dict(self.env, **self.tests[target]["env"])
+            cwd = self.tests[target]["cwd"]
         try:
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                               cwd=str(self.dir))
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
         except subprocess.TimeoutExpired:
             return False, "timeout"
         if spec.startswith("ctest:") and "No tests were found" in r.stdout + r.stderr:
             raise MutantError(f"no CTest named {spec[6:]}")
-        if not spec.startswith("ctest:") and flt and "[  PASSED  ] 0 tests" in r.stdout:
+        if not spec.startswith("ctest:") and flt and "[==========] 0 tests from 0 test suites ran" in r.stdout:
             raise MutantError(f"the filter of {spec} selects no test")
         return r.returncode == 0, "failed"
 

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <csignal>
+#include <filesystem>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -27,7 +28,12 @@ using namespace std::chrono_literals;
 inline constexpr int kTimeScale = LOCKSTEP_TEST_TIME_SCALE;
 inline std::chrono::milliseconds scaled(std::chrono::milliseconds ms) { return ms * kTimeScale; }
 
-inline std::string bin(const std::string& name) { return std::string(LOCKSTEP_BIN_DIR) + "/" + name; }
+// A path relative to the directory of this test executable (LOCKSTEP_BIN_DIR is one).
+inline std::string beside_test(const std::string& relative) {
+  static const std::filesystem::path dir = std::filesystem::canonical("/proc/self/exe").parent_path();
+  return (dir / relative).lexically_normal().string();
+}
+inline std::string bin(const std::string& name) { return beside_test(std::string(LOCKSTEP_BIN_DIR) + "/" + name); }
 
 // Resident memory of a process in KiB, from /proc.
 inline long rss_kib(pid_t pid) {
@@ -49,7 +55,7 @@ inline std::vector<std::string> tamper_launcher(const std::string& call = "sendm
   if (const char* existing = std::getenv("ASAN_OPTIONS"); existing != nullptr && *existing != '\0') {
     asan = std::string(existing) + ":" + asan;
   }
-  return {"/usr/bin/env", "LD_PRELOAD=" LOCKSTEP_TAMPER_SHIM, "LOCKSTEP_TAMPER_MIN_BYTES=65536",
+  return {"/usr/bin/env", "LD_PRELOAD=" + beside_test(LOCKSTEP_TAMPER_SHIM), "LOCKSTEP_TAMPER_MIN_BYTES=65536",
           "LOCKSTEP_TAMPER_CALL=" + call, "ASAN_OPTIONS=" + asan};
 }
 #endif

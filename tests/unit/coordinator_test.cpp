@@ -1786,6 +1786,49 @@ TEST(CoordinatorCollective, ParticipantLostFailsTheAttemptForTheOthers) {
   EXPECT_EQ(retry->ring, (std::vector<PeerId>{peers[0].id, peers[1].id}));
 }
 
+// Guarantee 1: one participant that reports its part failed (a neighbour it could not
+// reach, a stall, a bad frame) fails the attempt at once for every participant, those
+// that completed included; a later report of that attempt changes nothing.
+TEST(CoordinatorCollective, OneFailedReportFailsTheAttemptForAll) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::CollectiveInit{4, kSum});
+  const auto go = one_of<p::CollectiveGo>(out, peers[0].conn);
+  ASSERT_TRUE(go.has_value()) << describe(out);
+  EXPECT_EQ(send_count(h.send(peers[0], p::CollectiveDone{4, go->attempt, true, {}})), 0u);
+  out = h.send(peers[1], p::CollectiveDone{4, go->attempt, false, "ring stalled"});
+  for (const auto& f : peers) {
+    const auto r = one_of<p::CollectiveResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value()) << describe(out);
+    EXPECT_EQ(r->status, LOCKSTEP_STATUS_PEER_CONNECTION_LOST);
+    EXPECT_EQ(r->attempt, go->attempt);
+    EXPECT_NE(r->reason.find("ring stalled"), std::string::npos) << r->reason;
+  }
+  EXPECT_TRUE(h.c.collectives().empty());
+  EXPECT_EQ(send_count(h.send(peers[2], p::CollectiveDone{4, go->attempt, true, {}})), 0u);
+}
+
+// Bad input: the collectives one group may have in flight are bounded; a vote for one
+// more tag is refused and changes nothing, a vote for a tag already open is not.
+TEST(CoordinatorCollective, CollectivesInFlightPerGroupAreBounded) {
+  Config config = test_config();
+  config.collectives_per_group_max = 2;
+  Harness h(config);
+  const auto peers = h.run_of(2);
+  EXPECT_EQ(send_count(h.send(peers[0], p::CollectiveInit{1, kSum})), 0u);
+  EXPECT_EQ(send_count(h.send(peers[0], p::CollectiveInit{2, kSum})), 0u);
+  const std::string before = h.c.digest();
+  Outbox out = h.send(peers[0], p::CollectiveInit{3, kSum});
+  const auto r = one_of<p::Refused>(out, peers[0].conn);
+  ASSERT_TRUE(r.has_value()) << describe(out);
+  EXPECT_EQ(r->status, LOCKSTEP_STATUS_INVALID_USAGE);
+  EXPECT_NE(r->reason.find("more than 2 collectives in flight"), std::string::npos) << r->reason;
+  EXPECT_EQ(h.c.digest(), before);
+  out = h.send(peers[1], p::CollectiveInit{1, kSum});
+  EXPECT_TRUE(one_of<p::CollectiveGo>(out, peers[1].conn).has_value()) << describe(out);
+}
+
 // Concurrent collectives get a pool slot each while slots are free (the smallest pool
 // of the group counts); once all are busy they share the least busy ones, and a slot
 // freed by a finished attempt is the next one given.
