@@ -21,6 +21,7 @@
 
 #include <array>
 #include <chrono>
+#include <cstdlib>
 #include <deque>
 #include <future>
 #include <map>
@@ -300,7 +301,17 @@ class MasterServer::Impl {
     }
   }
 
+  // Runs after every event the coordinator takes. Debug builds first check its
+  // invariants (a walk over every peer, too slow for release builds): a broken one is a
+  // bug, logged with the whole decision state, and the master aborts at the event that
+  // broke it.
   void apply(coord::Outbox& out) {
+#ifndef NDEBUG
+    if (const auto broken = coordinator_.check_invariants()) {
+      LOG_ERROR(kLog, "coordinator invariant broken: " << *broken << "; state: " << coordinator_.digest());
+      std::abort();
+    }
+#endif
     for (auto& command : out) {
       if (auto* send = std::get_if<coord::Send>(&command)) {
         enqueue(send->conn, send->message);
