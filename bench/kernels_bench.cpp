@@ -8,7 +8,7 @@
 // Medians as BENCHMARKS.md reports them:
 //   lockstep-kernels-bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 #include "collectives/quantize.h"
-#include "collectives/reduce.h"
+#include "kernels/reduce.h"
 #include "security/crypto.h"
 
 #include <benchmark/benchmark.h>

@@ -24,7 +24,7 @@ _StrategyLike = Union[str, int, "SyncStrategy"]
 # ---------------------------------------------------------------- enums
 
 class Status(enum.IntEnum):
-    """The C API's status codes (lockstep_status_t), 0..23."""
+    """The C API's status codes (lockstep_status_t), 0..24."""
 
     OK = 0
     NOT_INITIALIZED = 1

@@ -3,7 +3,7 @@
 // decoder's "min + code * scale" must not become a fused multiply-add on some builds.
 #include "collectives/quantize.h"
 
-#include "collectives/reduce.h"
+#include "kernels/reduce.h"
 
 #include <bit>
 #include <cmath>

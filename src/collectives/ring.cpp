@@ -4,7 +4,7 @@
 #include "collectives/ring.h"
 
 #include "collectives/quantize.h"
-#include "collectives/reduce.h"
+#include "kernels/reduce.h"
 
 #include <poll.h>
 #include <sys/eventfd.h>

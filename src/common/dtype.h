@@ -1,5 +1,6 @@
-// Element sizes of the public dtypes, for layers that must not depend on the kernels
-// (the coordinator sizes shared-state transfers with it).
+// Element sizes of the public dtypes, constexpr and in common/ so that every layer may
+// use them (the coordinator and the peer size shared-state transfers with them).
+// kernels/reduce.h has its own dtype_size, with the same values, beside the kernels.
 #pragma once
 
 #include <lockstep/lockstep.h>

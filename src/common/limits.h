@@ -1,6 +1,7 @@
 // Every bound driven by remote input or time, in one place. Units last in names.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 
@@ -13,10 +14,24 @@ inline constexpr std::uint32_t kControlFramePayloadBytesMax = 1u << 20;
 inline constexpr std::uint32_t kWireStringBytesMax = 1024;
 // Members listed in one membership message.
 inline constexpr std::uint32_t kMembersPerMessageMax = 4096;
+// Per-field bounds of the codec (docs/protocol.md, "Frames"): host names, the `auth`
+// field of Hello and P2PHello, and the payload of the small message types.
+inline constexpr std::uint32_t kHostBytesMax = 255;
+inline constexpr std::uint32_t kAuthBytesMax = 512;
+// Nonces, proofs and pair keys are 32 bytes; the decoder allows up to this.
+inline constexpr std::uint32_t kAuthFieldBytesMax = 64;
+inline constexpr std::uint32_t kSmallPayloadBytesMax = 4096;
 // Peers (registered + accepted) a master serves, unless configured otherwise.
 inline constexpr std::uint32_t kPeersMaxDefault = 1024;
 // Bytes queued for sending to one connection before it is dropped as too slow.
 inline constexpr std::size_t kSendQueueBytesMax = 16u << 20;
+// The master closes a connection gracefully: after its queued messages and the
+// shutdown of the send side, at most kDrainBytesMax further bytes are read, for at most
+// kCloseGrace, before the socket is closed.
+inline constexpr std::size_t kDrainBytesMax = 64 * 1024;
+// A payload buffer larger than this is freed after use rather than kept.
+inline constexpr std::size_t kKeptPayloadBytesMax = 64 * 1024;
+inline constexpr auto kCloseGrace = std::chrono::milliseconds(1000);
 // Connections that have not finished the handshake, and how long they may take
 // (master: lockstep-master --handshake-timeout-ms, --max-pending-handshakes).
 inline constexpr std::uint32_t kHandshakeTimeoutMsDefault = 10'000;
@@ -30,6 +45,12 @@ inline constexpr std::uint32_t kHeartbeatTimeoutMsDefault = 5'000;
 inline constexpr std::uint32_t kHeartbeatTimeoutMsMin = 100;
 inline constexpr std::uint32_t kHeartbeatTimeoutMsMax = 3'600'000;
 inline constexpr std::uint32_t kConnectTimeoutMsDefault = 10'000;
+// The coordinator's defaults (coord::Config, where each is described): how long the
+// participants of a p2p establishment may take to report, the collectives (tags) in
+// flight per group, and how long a bandwidth measurement round may take.
+inline constexpr std::uint32_t kEstablishTimeoutMsDefault = 30'000;
+inline constexpr std::uint32_t kCollectivesPerGroupMaxDefault = 4096;
+inline constexpr std::uint32_t kMeasureRoundTimeoutMsDefault = 30'000;
 // How long a peer waits for a p2p connection to a ring neighbour.
 inline constexpr std::uint32_t kP2PConnectTimeoutMsDefault = 5'000;
 inline constexpr std::uint32_t kP2PPoolSizeMax = 256;
@@ -53,6 +74,11 @@ inline constexpr std::uint32_t kSyncFetchesMax = 16384;
 inline constexpr std::uint64_t kSyncPieceBytesMin = 4u << 20;
 // A shared-state transfer that makes no progress for this long fails.
 inline constexpr std::uint32_t kStateTransferStallMsDefault = 60'000;
+// Shared-state transfers (peer/shared_state.cpp). Plain bytes per sealed chunk of
+// tensor data (encrypt_data): the buffer each connection holds is this plus a tag.
+inline constexpr std::size_t kSealedChunkBytes = std::size_t{1} << 20;
+// Connections one distributor serves at once; more are closed.
+inline constexpr std::size_t kServeConnectionsMax = 256;
 
 // The master's observability (docs/observability.md): the recent events it keeps for
 // its status page (notable ones and everyday successes apart, so that routine traffic

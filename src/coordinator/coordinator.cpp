@@ -3,8 +3,8 @@
 // that a decision is made at exactly one place whatever event made it possible.
 #include "coordinator/coordinator.h"
 
-#include "collectives/reduce.h"
-#include "collectives/vote_carried.h"
+#include "kernels/reduce.h"
+#include "kernels/vote_carried.h"
 
 #include <algorithm>
 #include <cassert>

@@ -50,18 +50,18 @@ struct Config {
   std::uint32_t handshake_timeout_ms = limits::kHandshakeTimeoutMsDefault;
   // Participants of a p2p establishment that have not reported after this long are
   // blamed for the failure (a newcomer is rejected, an accepted peer removed).
-  std::uint32_t establish_timeout_ms = 30'000;
+  std::uint32_t establish_timeout_ms = limits::kEstablishTimeoutMsDefault;
   std::uint32_t peers_max = limits::kPeersMaxDefault;
   std::uint32_t pending_handshakes_max = limits::kPendingHandshakesMax;
   // Collectives (tags) in flight per group; more initiate votes are refused.
-  std::uint32_t collectives_per_group_max = 4096;
+  std::uint32_t collectives_per_group_max = limits::kCollectivesPerGroupMaxDefault;
   // Optimize topology: length of one bandwidth test (both directions at once), the
   // connections it uses (at most the pair's smaller pool), how long a round may take
   // before its silent peers are blamed, and the solver's work budget per optimization
   // and per tick of the background search (deterministic step counts, not time).
   std::uint32_t bandwidth_test_ms = 1000;
   std::uint32_t bandwidth_streams_max = 4;
-  std::uint32_t measure_round_timeout_ms = 30'000;
+  std::uint32_t measure_round_timeout_ms = limits::kMeasureRoundTimeoutMsDefault;
   std::uint64_t solver_steps = 20'000'000;
   std::uint64_t background_solver_steps_per_tick = 200'000;
   // Random bits from the shell: the high half of every PeerId this master gives out.

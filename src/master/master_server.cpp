@@ -1,8 +1,8 @@
 // Master event loop. Each connection is a Session with a header-then-payload read
 // loop (payload buffers never exceed the codec's per-type bound) and a bounded write
 // queue. Closing is graceful: queued messages (a Goodbye) are flushed, the send side
-// is shut down, and at most kDrainBytesMax further bytes are read before the socket
-// is closed, so that the other side reads the reason rather than a reset.
+// is shut down, and at most limits::kDrainBytesMax further bytes are read before the
+// socket is closed, so that the other side reads the reason rather than a reset.
 //
 // With a run secret the shell also runs the challenge-response of docs/security.md
 // before a connection's Hello reaches the coordinator (which knows nothing of keys),
@@ -11,6 +11,7 @@
 // coordinator's unfinished handshakes, so its timeout and cap apply to it.
 #include "master/master_server.h"
 
+#include "common/limits.h"
 #include "common/log.h"
 #include "master/observer.h"
 #include "protocol/codec.h"
@@ -20,6 +21,7 @@
 
 #include <array>
 #include <chrono>
+#include <cstdlib>
 #include <deque>
 #include <future>
 #include <map>
@@ -28,10 +30,6 @@
 namespace lockstep::master {
 namespace {
 
-constexpr std::size_t kDrainBytesMax = 64 * 1024;
-// A payload buffer larger than this is freed after use rather than kept.
-constexpr std::size_t kKeptPayloadBytesMax = 64 * 1024;
-constexpr auto kCloseGrace = std::chrono::milliseconds(1000);
 constexpr const char* kLog = "master";
 // Stalls are looked for every this many ticks (about four times a second).
 constexpr std::uint64_t kStallCheckTicks = 12;
@@ -174,7 +172,7 @@ class MasterServer::Impl {
       } else if (type != proto::MsgType::kHello && !coordinator_.peer_of(s->conn)) {
         return violation(s, std::string("expected Hello, got ") + proto::msg_type_name(type));
       }
-      if (s->payload.capacity() > kKeptPayloadBytesMax) std::vector<std::uint8_t>().swap(s->payload);
+      if (s->payload.capacity() > limits::kKeptPayloadBytesMax) std::vector<std::uint8_t>().swap(s->payload);
       s->payload.resize(header.value().payload_bytes);
       if (s->payload.empty()) return on_frame(s, type);
       asio::async_read(s->socket, asio::buffer(s->payload), [this, s, type](const asio::error_code& ec2, std::size_t) {
@@ -303,7 +301,17 @@ class MasterServer::Impl {
     }
   }
 
+  // Runs after every event the coordinator takes. Debug builds first check its
+  // invariants (a walk over every peer, too slow for release builds): a broken one is a
+  // bug, logged with the whole decision state, and the master aborts at the event that
+  // broke it.
   void apply(coord::Outbox& out) {
+#ifndef NDEBUG
+    if (const auto broken = coordinator_.check_invariants()) {
+      LOG_ERROR(kLog, "coordinator invariant broken: " << *broken << "; state: " << coordinator_.digest());
+      std::abort();
+    }
+#endif
     for (auto& command : out) {
       if (auto* send = std::get_if<coord::Send>(&command)) {
         enqueue(send->conn, send->message);
@@ -368,7 +376,7 @@ class MasterServer::Impl {
   void begin_close(const SessionPtr& s) {
     if (s->closed || s->closing) return;
     s->closing = true;
-    s->close_timer.expires_after(kCloseGrace);
+    s->close_timer.expires_after(limits::kCloseGrace);
     s->close_timer.async_wait([this, s](const asio::error_code& ec) {
       if (!ec) destroy(s);
     });
@@ -388,7 +396,7 @@ class MasterServer::Impl {
     s->socket.async_read_some(asio::buffer(*buffer), [this, s, buffer](const asio::error_code& ec, std::size_t n) {
       if (s->closed) return;
       s->drained_bytes += n;
-      if (ec || s->drained_bytes >= kDrainBytesMax) return destroy(s);
+      if (ec || s->drained_bytes >= limits::kDrainBytesMax) return destroy(s);
       drain(s);
     });
   }

@@ -3,8 +3,8 @@
 #include "peer/communicator.h"
 
 #include "collectives/quantize.h"
-#include "collectives/reduce.h"
-#include "collectives/vote_carried.h"
+#include "kernels/reduce.h"
+#include "kernels/vote_carried.h"
 #include "peer/handshake.h"
 #include "peer/link.h"
 #include "transport/framed.h"

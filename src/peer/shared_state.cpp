@@ -11,8 +11,8 @@
 // tensor into the receiver's tensor, and a receiver never accepts more bytes than its
 // own descriptor of the tensor holds.
 // With encrypt_data, every frame of a transfer connection is sealed (security/frames.h)
-// and tensor bytes travel as sealed chunks of at most kSealedChunkBytes, each opened
-// into the tensor only once it verifies; one chunk buffer per connection.
+// and tensor bytes travel as sealed chunks of at most limits::kSealedChunkBytes, each
+// opened into the tensor only once it verifies; one chunk buffer per connection.
 #include "common/dtype.h"
 #include "peer/communicator.h"
 #include "peer/handshake.h"
@@ -32,11 +32,6 @@ namespace {
 constexpr std::size_t kRequestsInFlight = 16;
 // Bytes per send/receive call of tensor data (each bounded by the stall timeout).
 constexpr std::size_t kTransferChunkBytes = std::size_t{4} << 20;
-// Plain bytes per sealed chunk of tensor data (encrypt_data): the buffer each
-// connection holds is this plus a tag.
-constexpr std::size_t kSealedChunkBytes = std::size_t{1} << 20;
-// Connections one distributor serves at once; more are closed.
-constexpr std::size_t kServeConnectionsMax = 256;
 
 struct LocalTensor {
   std::uint8_t* data = nullptr;
@@ -95,7 +90,7 @@ Status recv_bytes(int fd, std::uint8_t* data, std::uint64_t bytes, std::atomic<s
 // and the buffer of one sealed chunk.
 struct SealedStream {
   SealedStream(const security::SessionKeys& keys, bool client)
-      : crypto(keys, client), chunk(kSealedChunkBytes + security::kTagBytes) {}
+      : crypto(keys, client), chunk(limits::kSealedChunkBytes + security::kTagBytes) {}
   security::FrameCrypto crypto;
   std::vector<std::uint8_t> chunk;
 };
@@ -103,7 +98,7 @@ struct SealedStream {
 Status send_bytes(int fd, const std::uint8_t* data, std::uint64_t bytes, SealedStream* sealed) {
   if (sealed == nullptr) return send_bytes(fd, data, bytes);
   for (std::uint64_t at = 0; at < bytes;) {
-    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kSealedChunkBytes, bytes - at));
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(limits::kSealedChunkBytes, bytes - at));
     sealed->crypto.seal_bytes(std::span<const std::uint8_t>(data + at, n), sealed->chunk.data());
     Status s = transport::send_all(fd, std::span<const std::uint8_t>(sealed->chunk.data(), n + security::kTagBytes),
                                    limits::kStateTransferStallMsDefault);
@@ -117,7 +112,7 @@ Status recv_bytes(int fd, std::uint8_t* data, std::uint64_t bytes, std::atomic<s
                   SealedStream* sealed) {
   if (sealed == nullptr) return recv_bytes(fd, data, bytes, counter);
   for (std::uint64_t at = 0; at < bytes;) {
-    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(kSealedChunkBytes, bytes - at));
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(limits::kSealedChunkBytes, bytes - at));
     const std::span<std::uint8_t> box(sealed->chunk.data(), n + security::kTagBytes);
     Status s = transport::recv_exact(fd, box, limits::kStateTransferStallMsDefault);
     if (!s.is_ok()) return s;
@@ -160,7 +155,7 @@ class StateServer {
                                               Clock::now() + std::chrono::seconds(1));
       if (!connection) continue;
       if (encrypt_ && !connection->keys) continue;  // cannot happen: encrypt_data needs the secret
-      if (handlers_.size() >= kServeConnectionsMax || !sockets_.add(connection->fd.get())) {
+      if (handlers_.size() >= limits::kServeConnectionsMax || !sockets_.add(connection->fd.get())) {
         LOG_WARN(kLog, "shared-state server: too many connections; closing one from " << connection->from.to_string());
         continue;
       }

@@ -12,12 +12,6 @@
 namespace lockstep::proto {
 namespace {
 
-constexpr std::uint32_t kHostBytesMax = 255;
-constexpr std::uint32_t kAuthBytesMax = 512;
-// Nonces, proofs and pair keys are 32 bytes; the decoder allows up to this.
-constexpr std::uint32_t kAuthFieldBytesMax = 64;
-constexpr std::uint32_t kSmallPayloadBytesMax = 4096;
-
 Status protocol_error(std::string what) { return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, std::move(what)); }
 
 class Writer {
@@ -37,7 +31,7 @@ class Writer {
     out_.insert(out_.end(), value.begin(), value.begin() + static_cast<std::ptrdiff_t>(n));
   }
   // Byte strings are cut at the bound the decoder enforces (a u16 length at most).
-  void bytes(const std::vector<std::uint8_t>& value, std::size_t bytes_max = kAuthBytesMax) {
+  void bytes(const std::vector<std::uint8_t>& value, std::size_t bytes_max = limits::kAuthBytesMax) {
     const std::size_t n = std::min<std::size_t>(value.size(), std::min<std::size_t>(bytes_max, 0xffff));
     u<std::uint16_t>(static_cast<std::uint16_t>(n));
     out_.insert(out_.end(), value.begin(), value.begin() + static_cast<std::ptrdiff_t>(n));
@@ -138,9 +132,9 @@ void put(Writer& w, const MemberInfo& m) {
   w.bytes(m.key);
 }
 bool get(Reader& r, MemberInfo* m) {
-  return r.id(&m->id, "member.id") && r.str(&m->host, kHostBytesMax, "member.host") &&
+  return r.id(&m->id, "member.id") && r.str(&m->host, limits::kHostBytesMax, "member.host") &&
          r.u(&m->p2p_port, "member.p2p_port") && r.u(&m->shared_state_port, "member.shared_state_port") &&
-         r.u(&m->benchmark_port, "member.benchmark_port") && r.bytes(&m->key, kAuthFieldBytesMax, "member.key");
+         r.u(&m->benchmark_port, "member.benchmark_port") && r.bytes(&m->key, limits::kAuthFieldBytesMax, "member.key");
 }
 constexpr std::size_t kMemberBytesMin = 16 + 2 + 6 + 2;
 
@@ -178,7 +172,8 @@ bool decode_body(Reader& r, Hello* m) {
   if (m->pool_size == 0 || m->pool_size > limits::kP2PPoolSizeMax) return r.fail("hello.pool_size: out of range");
   return r.u(&m->p2p_port, "hello.p2p_port") &&
          r.u(&m->shared_state_port, "hello.shared_state_port") && r.u(&m->benchmark_port, "hello.benchmark_port") &&
-         r.str(&m->advertised_host, kHostBytesMax, "hello.advertised_host") && r.bytes(&m->auth, kAuthBytesMax, "hello.auth");
+         r.str(&m->advertised_host, limits::kHostBytesMax, "hello.advertised_host") &&
+         r.bytes(&m->auth, limits::kAuthBytesMax, "hello.auth");
 }
 void encode_body(Writer&, const Heartbeat&) {}
 bool decode_body(Reader&, Heartbeat*) { return true; }
@@ -279,7 +274,7 @@ void encode_body(Writer& w, const Welcome& m) {
   w.u(m.heartbeat_timeout_ms);
 }
 bool decode_body(Reader& r, Welcome* m) {
-  return r.id(&m->id, "welcome.id") && r.str(&m->observed_host, kHostBytesMax, "welcome.observed_host") &&
+  return r.id(&m->id, "welcome.id") && r.str(&m->observed_host, limits::kHostBytesMax, "welcome.observed_host") &&
          r.u(&m->heartbeat_timeout_ms, "welcome.heartbeat_timeout_ms");
 }
 void encode_body(Writer&, const HeartbeatAck&) {}
@@ -366,7 +361,7 @@ bool decode_body(Reader& r, P2PHello* m) {
   if (channel < 1 || channel > 3) return r.fail("p2p_hello.channel: unknown channel");
   m->channel = static_cast<Channel>(channel);
   return r.id(&m->from, "p2p_hello.from") && r.id(&m->to, "p2p_hello.to") && r.u(&m->epoch, "p2p_hello.epoch") &&
-         r.u(&m->pool_index, "p2p_hello.pool_index") && r.bytes(&m->auth, kAuthBytesMax, "p2p_hello.auth") &&
+         r.u(&m->pool_index, "p2p_hello.pool_index") && r.bytes(&m->auth, limits::kAuthBytesMax, "p2p_hello.auth") &&
          r.u(&m->flags, "p2p_hello.flags") &&
          ((m->flags & ~kP2PFlagsKnown) == 0 || r.fail("p2p_hello.flags: unknown flag"));
 }
@@ -509,11 +504,11 @@ void encode_body(Writer& w, const AuthChallenge& m) {
   w.bytes(m.proof);
 }
 bool decode_body(Reader& r, AuthChallenge* m) {
-  return r.bytes(&m->nonce, kAuthFieldBytesMax, "auth_challenge.nonce") &&
-         r.bytes(&m->proof, kAuthFieldBytesMax, "auth_challenge.proof");
+  return r.bytes(&m->nonce, limits::kAuthFieldBytesMax, "auth_challenge.nonce") &&
+         r.bytes(&m->proof, limits::kAuthFieldBytesMax, "auth_challenge.proof");
 }
 void encode_body(Writer& w, const AuthProof& m) { w.bytes(m.proof); }
-bool decode_body(Reader& r, AuthProof* m) { return r.bytes(&m->proof, kAuthFieldBytesMax, "auth_proof.proof"); }
+bool decode_body(Reader& r, AuthProof* m) { return r.bytes(&m->proof, limits::kAuthFieldBytesMax, "auth_proof.proof"); }
 
 // ---- topology optimization
 void encode_body(Writer&, const VoteOptimizeTopology&) {}
@@ -614,8 +609,8 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
       return kEmptyPayload;
     case MsgType::kVoteAgree: return 1;
     case MsgType::kP2PHelloAck: return 4;
-    case MsgType::kAuthChallenge: return 2 + kAuthFieldBytesMax + 2 + kAuthFieldBytesMax;
-    case MsgType::kAuthProof: return 2 + kAuthFieldBytesMax;
+    case MsgType::kAuthChallenge: return 2 + limits::kAuthFieldBytesMax + 2 + limits::kAuthFieldBytesMax;
+    case MsgType::kAuthProof: return 2 + limits::kAuthFieldBytesMax;
     case MsgType::kSealed: return kSealedPayloadBytesMax;
     case MsgType::kHello:
     case MsgType::kWelcome:
@@ -631,10 +626,10 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kStateResponse:
     case MsgType::kBandwidthReport:
     case MsgType::kBandwidthTest:
-      return kSmallPayloadBytesMax;
+      return limits::kSmallPayloadBytesMax;
     case MsgType::kCollectiveInit:
     case MsgType::kCollectiveResult:
-      return kSmallPayloadBytesMax + 2 + limits::kVoteCarriedBytesMax;  // and a small all-reduce's data
+      return limits::kSmallPayloadBytesMax + 2 + limits::kVoteCarriedBytesMax;  // and a small all-reduce's data
     case MsgType::kCollectiveGo:
     case MsgType::kP2PReport:
     case MsgType::kEstablishP2P:

@@ -190,7 +190,7 @@ TEST(Agree, OneFalseMakesEveryAnswerFalse) {
 }
 
 TEST(Agree, PeerKilledDuringAgreeGivesEverySurvivorTheSameOutcome) {
-  Master master;
+  Master master({"--http", "127.0.0.1:0"});
   std::vector<std::unique_ptr<Peer>> peers;
   std::vector<Peer*> newcomers;
   for (int i = 0; i < 5; ++i) {
@@ -202,7 +202,15 @@ TEST(Agree, PeerKilledDuringAgreeGivesEverySurvivorTheSameOutcome) {
   ASSERT_EQ(members.size(), 5u);
   std::vector<Peer*> survivors(members.begin(), members.begin() + 4);
   for (auto* p : survivors) p->send("agree 1");
-  std::this_thread::sleep_for(50ms);  // let the votes reach the master (not needed for correctness)
+  // The fifth peer dies with the round open: the survivors' four votes are in and the
+  // round waits for the fifth alone.
+  const bool open = master.wait_for_state([](const json& state) {
+    for (const auto& op : state["operations"]) {
+      if (op["operation"] == "agree" && op["done"].size() == 4 && op["waiting"].size() == 1) return true;
+    }
+    return false;
+  });
+  ASSERT_TRUE(open) << "the four votes never reached the master: " << master.state().dump();
   members[4]->proc().kill();
   std::vector<json> replies;
   for (auto* p : survivors) replies.push_back(p->reply());

@@ -20,9 +20,9 @@
 // Input layout: a 10-byte configuration and a 2-byte start time, then events, each an
 // op byte and its fields (Driver::event); the input ends early when it runs out. The seeds are written by
 // the same layout (Script, LOCKSTEP_FUZZ_WRITE_SEEDS).
-#include "collectives/vote_carried.h"
 #include "coordinator/coordinator.h"
 #include "fuzz_support.h"
+#include "kernels/vote_carried.h"
 
 #include <array>
 #include <map>

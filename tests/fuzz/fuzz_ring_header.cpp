@@ -13,8 +13,8 @@
 //  - a valid finite header decodes to finite values only;
 //  - dequantize_reduce gives exactly the bits of dequantize followed by reduce.
 #include "collectives/quantize.h"
-#include "collectives/reduce.h"
 #include "fuzz_support.h"
+#include "kernels/reduce.h"
 
 #include <array>
 #include <cstring>

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -180,9 +181,28 @@ def test_master_lifecycle_and_errors():
 def test_master_wait_returns_after_interrupt():
     master = lockstep.Master("127.0.0.1:0")
     master.run()
-    timer = threading.Timer(0.2, master.interrupt)
+    port = master.port
+    interrupted = threading.Event()
+
+    def interrupt() -> None:
+        interrupted.set()
+        master.interrupt()
+
+    timer = threading.Timer(0.2, interrupt)
     timer.start()
+    started = time.monotonic()
     master.wait()  # releases the GIL: the timer thread runs
+    waited = time.monotonic() - started
+    returned_after_interrupt = interrupted.is_set()
+    timer.join()
+    # wait() returned because of the interrupt, soon after it, and the master has
+    # stopped: it has no port and nothing listens on the one it had.
+    assert returned_after_interrupt, "wait() returned before the interrupt"
+    assert waited < 5, f"wait() returned {waited:.1f} s after it was called"
+    with pytest.raises(lockstep.InvalidUsageError, match="not running"):
+        _ = master.port
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
     master.close()
 
 

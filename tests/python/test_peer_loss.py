@@ -17,6 +17,7 @@ import pytest
 
 import lockstep
 from conftest import CALL_TIMEOUT_S, Cluster, Peer, join_group
+from observed_run import MasterProcess
 
 # The build's LOCKSTEP_TEST_TIME_SCALE (slower builds give live peers more time).
 TIME_SCALE = float(os.environ.get("LOCKSTEP_TEST_TIME_SCALE", "1"))
@@ -62,9 +63,20 @@ def read_line(proc: subprocess.Popen) -> str:
     return line.strip()
 
 
+def wait_for_round(master: MasterProcess, tag: int, predicate, what: str) -> None:
+    """Polls /api/state until the open all-reduce of this tag satisfies the predicate."""
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while True:
+        rounds = [op for op in master.state()["operations"] if op["operation"] == "all_reduce" and op["tag"] == tag]
+        if rounds and predicate(rounds[0]):
+            return
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {rounds}"
+        time.sleep(0.01)
+
+
 def test_killed_peer_fails_the_all_reduce_for_every_survivor_then_retry_succeeds():
-    master = lockstep.Master("127.0.0.1:0")
-    master.run()
+    # A master process with its HTTP endpoint: the test follows the round on /api/state.
+    master = MasterProcess()
     peers = [Peer(master.address, f"p{i}") for i in range(2)]
     proc = None
     try:
@@ -92,10 +104,11 @@ def test_killed_peer_fails_the_all_reduce_for_every_survivor_then_retry_succeeds
         proc.stdin.write("reduce\n")
         proc.stdin.flush()
         assert read_line(proc) == "reducing"
-        time.sleep(0.3)
+        wait_for_round(master, 1, lambda r: r["phase"] == "voting" and len(r["done"]) == 1,
+                       "the third peer's vote to start tag 1")
         proc.send_signal(signal.SIGSTOP)
         running = [p.submit(lambda c, i=i: reduce_once(i, c)) for i, p in enumerate(peers)]
-        time.sleep(0.5)
+        wait_for_round(master, 1, lambda r: r["phase"] == "performing", "the master to let the three peers go")
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         outcomes = [f.result(CALL_TIMEOUT_S) for f in running]

@@ -8,11 +8,19 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <filesystem>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -60,8 +68,38 @@ inline std::vector<std::string> tamper_launcher(const std::string& call = "sendm
 }
 #endif
 
+// The body of GET http://127.0.0.1:port/path when the answer is 200; nothing otherwise
+// (each socket call bounded by five seconds).
+inline std::optional<std::string> http_get(std::uint16_t port, const std::string& path) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return std::nullopt;
+  const timeval timeout{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sa.sin_port = htons(port);
+  std::string answer;
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) == 0) {
+    const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    if (::send(fd, request.data(), request.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(request.size())) {
+      char buffer[4096];
+      for (ssize_t n; (n = ::recv(fd, buffer, sizeof buffer, 0)) > 0;) answer.append(buffer, static_cast<std::size_t>(n));
+    }
+  }
+  ::close(fd);
+  const auto body = answer.find("\r\n\r\n");
+  if (body == std::string::npos || answer.compare(0, 7, "HTTP/1.") != 0 || answer.compare(8, 5, " 200 ") != 0) {
+    return std::nullopt;
+  }
+  return answer.substr(body + 4);
+}
+
 class Master {
  public:
+  // With "--http", "127.0.0.1:0" among the extra words the master also serves its HTTP
+  // endpoint, and state() / wait_for_state() read /api/state.
   explicit Master(std::vector<std::string> extra = {}) {
     std::vector<std::string> argv = {bin("lockstep-master"), "--listen", "127.0.0.1:0"};
     argv.insert(argv.end(), extra.begin(), extra.end());
@@ -71,8 +109,29 @@ class Master {
     auto line = proc_->read_line(scaled(10s));
     if (!line) throw std::runtime_error("lockstep-master printed no address");
     port_ = static_cast<std::uint16_t>(std::stoi(line->substr(line->rfind(':') + 1)));
+    if (std::find(extra.begin(), extra.end(), "--http") != extra.end()) {
+      line = proc_->read_line(scaled(10s));
+      if (!line) throw std::runtime_error("lockstep-master printed no http address");
+      http_port_ = static_cast<std::uint16_t>(std::stoi(line->substr(line->rfind(':') + 1)));
+    }
   }
   std::uint16_t port() const { return port_; }
+  // The master's /api/state; a null json if it cannot be read.
+  json state() const {
+    if (http_port_ == 0) ADD_FAILURE() << "state() needs a master started with --http";
+    auto body = http_port_ == 0 ? std::nullopt : http_get(http_port_, "/api/state");
+    return body ? json::parse(*body, nullptr, false) : json();
+  }
+  // Polls /api/state until done(state) holds (true) or the timeout passes (false).
+  bool wait_for_state(const std::function<bool(const json&)>& done, std::chrono::milliseconds timeout = scaled(30s)) const {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (true) {
+      const json s = state();
+      if (s.is_object() && done(s)) return true;
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(10ms);
+    }
+  }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   tools::Subprocess& proc() { return *proc_; }
   // Asks for a clean shutdown (SIGTERM) and returns the exit status (-1: it hung), so
@@ -85,6 +144,7 @@ class Master {
  private:
   std::unique_ptr<tools::Subprocess> proc_;
   std::uint16_t port_ = 0;
+  std::uint16_t http_port_ = 0;  // 0: no --http
 };
 
 class Peer {

@@ -4,7 +4,7 @@
 // bit-identical on every peer. LOCKSTEP_FULL_MATRIX=1 adds 8 peers and larger sizes.
 #include "cluster.h"
 
-#include "collectives/reduce.h"
+#include "kernels/reduce.h"
 
 #include <gtest/gtest.h>
 

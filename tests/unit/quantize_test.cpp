@@ -4,7 +4,7 @@
 // header layout, the fused dequantize-and-reduce against dequantize-then-reduce, and
 // non-finite or garbage input handled as quantize.h documents.
 #include "collectives/quantize.h"
-#include "collectives/reduce.h"
+#include "kernels/reduce.h"
 
 #include <gtest/gtest.h>
 

@@ -7,7 +7,7 @@
 // 2^bits; f16/bf16/f32 in double, rounded to the dtype by a table search (a correctly
 // rounded double result rounded again to f32, f16 or bf16 is the correctly rounded
 // result, since double has more than twice their precision plus two bits).
-#include "collectives/reduce.h"
+#include "kernels/reduce.h"
 
 #include <gtest/gtest.h>
 

@@ -7,8 +7,8 @@
 //  - a relay between two neighbours that flips one byte of one frame: with encryption the
 //    receiver fails with PROTOCOL_ERROR and both destinations are restored; without it
 //    the same flip goes unnoticed and corrupts the sum (what the encryption is for).
-#include "collectives/reduce.h"
 #include "collectives/ring.h"
+#include "kernels/reduce.h"
 #include "security/crypto.h"
 
 #include <gtest/gtest.h>

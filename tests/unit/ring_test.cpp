@@ -495,8 +495,14 @@ TEST(RingTuning, AbortedTunedAttemptPutsTheLowWaterMarkBack) {
     std::memcpy(some.data() + 4, &seq, 4);
     std::memcpy(some.data() + 8, &attempt, 8);
     EXPECT_EQ(::write(b_to_a.fds[0], some.data(), some.size()), static_cast<ssize_t>(some.size()));
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    EXPECT_EQ(socket_option(b_to_a.fds[1], SO_RCVLOWAT), static_cast<int>(lockstep::coll::kRingRcvLowatBytes));
+    // The abort comes once a waits with the mark raised (or after ten seconds, and the
+    // check fails).
+    const int lowat = static_cast<int>(lockstep::coll::kRingRcvLowatBytes);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (socket_option(b_to_a.fds[1], SO_RCVLOWAT) != lowat && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_EQ(socket_option(b_to_a.fds[1], SO_RCVLOWAT), lowat) << "a never raised the low-water mark";
     abort.raise();
   });
   const auto s = lockstep::coll::run_ring_all_reduce(plan, io, scratch, nullptr);

@@ -3,8 +3,8 @@
 // same bytes, and Gloo's ring all-reduce, in the same process and run).
 #include "bench_common.h"
 
-#include "collectives/reduce.h"
 #include "common/log.h"
+#include "kernels/reduce.h"
 #include "master/master_server.h"
 #include "peer/communicator.h"
 #include "security/crypto.h"

@@ -7,8 +7,8 @@
 // figures; a run's figure is the slowest peer's (scripts/bench-wan-topology.py).
 #include "bench_common.h"
 
-#include "collectives/reduce.h"
 #include "common/log.h"
+#include "kernels/reduce.h"
 #include "peer/communicator.h"
 
 #include <chrono>

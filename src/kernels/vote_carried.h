@@ -3,7 +3,7 @@
 // participant of a collective takes the same path.
 #pragma once
 
-#include "collectives/reduce.h"
+#include "kernels/reduce.h"
 #include "common/limits.h"
 
 #include <lockstep/lockstep.h>

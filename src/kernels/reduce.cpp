@@ -1,7 +1,7 @@
 // Reduction kernels: one loop per (dtype, op), instantiated from templates, over
 // __restrict pointers so that GCC vectorizes them. Compiled with -ffp-contract=off and
 // without -ffast-math (see reduce.h).
-#include "collectives/reduce.h"
+#include "kernels/reduce.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -1,6 +1,10 @@
 // Element-wise reduction kernels of the ring all-reduce, and the f16/bf16 conversions
 // they use. Pure functions: no IO, no threads, no allocation.
 //
+// A bottom layer (src/kernels/, with vote_carried.h): the collectives use it and so does
+// the coordinator, which reduces the small all-reduces that travel with the votes; it
+// includes neither. Its names are in lockstep::coll, beside the collectives' own.
+//
 // Arithmetic (PRODUCT.md, binding semantics rule 8):
 //  - Integer sum and prod wrap around modulo 2^bits. The arithmetic is done in an
 //    unsigned type of at least the same width (at least `unsigned int`, so that u8/u16
