@@ -5,6 +5,8 @@
 #include "collectives/quantize.h"
 #include "collectives/reduce.h"
 #include "collectives/vote_carried.h"
+#include "common/limits.h"
+#include "common/log.h"
 #include "peer/handshake.h"
 #include "peer/link.h"
 #include "transport/framed.h"
