@@ -40,6 +40,13 @@ inline constexpr std::uint32_t kPendingHandshakesMax = 256;
 // inbound_handshake_timeout_ms, inbound_handshakes_max); more are closed at once.
 inline constexpr std::uint32_t kInboundHandshakeTimeoutMsDefault = 5'000;
 inline constexpr std::uint32_t kInboundHandshakesMaxDefault = 256;
+// A peer's messages from the master that no call has taken yet, in the master link's
+// mailbox (peer::Session) and in each in-flight collective's (peer::OpChannel); one more
+// is a PROTOCOL_ERROR that ends the link (or that collective's waits).
+inline constexpr std::size_t kMailboxMessagesMax = 256;
+// Accepted p2p, shared-state or benchmark connections waiting to be claimed, per
+// channel; the oldest is closed to make room.
+inline constexpr std::size_t kInboundMax = 1024;
 
 inline constexpr std::uint32_t kHeartbeatTimeoutMsDefault = 5'000;
 inline constexpr std::uint32_t kHeartbeatTimeoutMsMin = 100;

@@ -4,6 +4,7 @@
 // the first third of the test (TCP's slow start is over by then on the links this is
 // for) and reports that rate. Senders keep going a little past the end so that the
 // partner's window, which may have started slightly later, is still fed.
+#include "common/log.h"
 #include "peer/communicator.h"
 #include "peer/handshake.h"
 #include "peer/link.h"

@@ -3,6 +3,8 @@
 #include "peer/communicator.h"
 
 #include "collectives/quantize.h"
+#include "common/limits.h"
+#include "common/log.h"
 #include "kernels/reduce.h"
 #include "kernels/vote_carried.h"
 #include "peer/handshake.h"

@@ -1,5 +1,5 @@
 // The connector's side of the p2p handshake (handshake.h); the acceptor's side is in
-// Link::handshake (link.h).
+// InboundListener::handshake (inbound.cpp).
 #include "peer/handshake.h"
 
 #include "transport/framed.h"

@@ -14,6 +14,8 @@
 // and tensor bytes travel as sealed chunks of at most limits::kSealedChunkBytes, each
 // opened into the tensor only once it verifies; one chunk buffer per connection.
 #include "common/dtype.h"
+#include "common/limits.h"
+#include "common/log.h"
 #include "peer/communicator.h"
 #include "peer/handshake.h"
 #include "peer/link.h"

@@ -1,0 +1,365 @@
+// peer::Session with injected time: heartbeats and the silence check, what each of the
+// master's messages means (Goodbye, routing by tag, the slots' turns, the mailbox and
+// its bound, the establishment's cancellation, pair keys), the sticky first fatal status
+// and the forward-only lifecycle. Links lockstep_session only: no Asio, no threads.
+#include "common/limits.h"
+#include "peer/session.h"
+#include "protocol/codec.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace lockstep::peer {
+namespace {
+
+namespace p = lockstep::proto;
+using std::chrono::milliseconds;
+using State = Session::State;
+using Turn = Session::Turn;
+
+// An arbitrary origin: the session never reads a clock, so any time point will do.
+const Session::Time kT0 = Session::Time{} + std::chrono::hours(1);
+Session::Time at(std::int64_t ms) { return kT0 + milliseconds(ms); }
+
+template <typename T>
+std::vector<T> all_of(const Commands& commands) {
+  std::vector<T> out;
+  for (const auto& c : commands) {
+    if (const auto* t = std::get_if<T>(&c)) out.push_back(*t);
+  }
+  return out;
+}
+
+// The heartbeat frame the session sends.
+bool is_heartbeat(const cmd::SendFrame& send) { return send.frame == p::encode_frame(p::Heartbeat{}); }
+
+// A session attached at kT0 with this heartbeat timeout.
+Session attached(std::uint32_t heartbeat_timeout_ms, bool learns_pair_keys = false) {
+  Session s(learns_pair_keys);
+  s.set_identity(PeerId{1, 2});
+  const Commands c = s.attach(kT0, heartbeat_timeout_ms);
+  EXPECT_EQ(s.state(), State::kConnected);
+  EXPECT_EQ(c.size(), 1u);
+  return s;
+}
+
+p::MemberInfo member(std::uint64_t lo, std::uint8_t key_byte) {
+  p::MemberInfo m;
+  m.id = PeerId{7, lo};
+  m.key = std::vector<std::uint8_t>(32, key_byte);
+  return m;
+}
+
+TEST(SessionTest, HeartbeatsEveryQuarterOfTheTimeout) {
+  Session s(false);
+  const Commands first = s.attach(kT0, 400);
+  ASSERT_EQ(all_of<cmd::ArmTimer>(first).size(), 1u);
+  EXPECT_EQ(all_of<cmd::ArmTimer>(first)[0].at, at(100));
+  EXPECT_TRUE(all_of<cmd::SendFrame>(first).empty());
+
+  // Each tick sends one heartbeat and arms the next a quarter of the timeout later,
+  // counted from when the tick ran.
+  for (std::int64_t tick : {100, 203, 305}) {
+    const Commands c = s.on_message(at(tick - 1), p::HeartbeatAck{});
+    EXPECT_TRUE(c.empty());
+    const Commands t = s.on_timer(at(tick));
+    ASSERT_EQ(all_of<cmd::SendFrame>(t).size(), 1u) << tick;
+    EXPECT_TRUE(is_heartbeat(all_of<cmd::SendFrame>(t)[0]));
+    ASSERT_EQ(all_of<cmd::ArmTimer>(t).size(), 1u);
+    EXPECT_EQ(all_of<cmd::ArmTimer>(t)[0].at, at(tick + 100));
+  }
+  EXPECT_EQ(s.state(), State::kConnected);
+}
+
+TEST(SessionTest, HeartbeatIntervalHasAFloorOfTenMilliseconds) {
+  Session s(false);
+  const Commands c = s.attach(kT0, 20);
+  ASSERT_EQ(all_of<cmd::ArmTimer>(c).size(), 1u);
+  EXPECT_EQ(all_of<cmd::ArmTimer>(c)[0].at, at(10));
+}
+
+TEST(SessionTest, SilenceIsSuspectedThenFailsAfterTheRecheck) {
+  Session s = attached(100);
+  // Silent for exactly the timeout: not yet silence.
+  Commands c = s.on_timer(at(100));
+  EXPECT_EQ(all_of<cmd::SendFrame>(c).size(), 1u);
+  // Silent for longer: suspected, no heartbeat, looked at again 20 ms later.
+  c = s.on_timer(at(101));
+  EXPECT_TRUE(all_of<cmd::SendFrame>(c).empty());
+  EXPECT_TRUE(all_of<cmd::CloseMaster>(c).empty());
+  ASSERT_EQ(all_of<cmd::ArmTimer>(c).size(), 1u);
+  EXPECT_EQ(all_of<cmd::ArmTimer>(c)[0].at, at(121));
+  EXPECT_EQ(s.state(), State::kConnected);
+  // Still silent at the recheck: the link fails.
+  c = s.on_timer(at(121));
+  ASSERT_EQ(all_of<cmd::CloseMaster>(c).size(), 1u);
+  EXPECT_TRUE(all_of<cmd::SendFrame>(c).empty());
+  EXPECT_TRUE(all_of<cmd::ArmTimer>(c).empty());
+  EXPECT_EQ(s.state(), State::kEnded);
+  EXPECT_EQ(s.status().code(), LOCKSTEP_STATUS_MASTER_CONNECTION_LOST);
+  EXPECT_EQ(s.status().message(), "no message from the master for 121 ms");
+  EXPECT_EQ(all_of<cmd::CloseMaster>(c)[0].status.message(), s.status().message());
+}
+
+TEST(SessionTest, AFrameDuringTheSuspicionSavesTheLink) {
+  Session s = attached(100);
+  Commands c = s.on_timer(at(150));
+  ASSERT_EQ(all_of<cmd::ArmTimer>(c).size(), 1u);
+  EXPECT_TRUE(all_of<cmd::SendFrame>(c).empty());
+  // Any frame counts, even one that is dropped.
+  EXPECT_TRUE(s.on_message(at(160), p::HeartbeatAck{}).empty());
+  c = s.on_timer(at(170));
+  EXPECT_EQ(s.state(), State::kConnected);
+  ASSERT_EQ(all_of<cmd::SendFrame>(c).size(), 1u);
+  EXPECT_TRUE(is_heartbeat(all_of<cmd::SendFrame>(c)[0]));
+  EXPECT_EQ(all_of<cmd::ArmTimer>(c)[0].at, at(195));
+  // The suspicion was cleared: a new silence is suspected afresh before it fails.
+  c = s.on_timer(at(261));
+  EXPECT_TRUE(all_of<cmd::CloseMaster>(c).empty());
+  EXPECT_EQ(all_of<cmd::ArmTimer>(c)[0].at, at(281));
+  c = s.on_timer(at(281));
+  EXPECT_EQ(all_of<cmd::CloseMaster>(c).size(), 1u);
+  EXPECT_EQ(s.status().message(), "no message from the master for 121 ms");
+}
+
+TEST(SessionTest, GoodbyeEndsWithItsStatus) {
+  Session s = attached(1000);
+  s.register_op(3);
+  const Commands c = s.on_message(at(5), p::Goodbye{LOCKSTEP_STATUS_KICKED, "removed by the operator"});
+  EXPECT_EQ(s.state(), State::kEnded);
+  EXPECT_EQ(s.status().code(), LOCKSTEP_STATUS_KICKED);
+  EXPECT_EQ(s.status().message(), "master: removed by the operator");
+  ASSERT_EQ(all_of<cmd::CloseMaster>(c).size(), 1u);
+  ASSERT_EQ(all_of<cmd::AbortOp>(c).size(), 1u);
+  EXPECT_EQ(all_of<cmd::AbortOp>(c)[0].status.code(), LOCKSTEP_STATUS_KICKED);
+  EXPECT_EQ(s.mailbox_size(), 0u);
+}
+
+TEST(SessionTest, HeartbeatAckIsDroppedOtherMessagesWaitInTheMailbox) {
+  Session s = attached(1000);
+  EXPECT_TRUE(s.on_message(at(1), p::HeartbeatAck{}).empty());
+  EXPECT_EQ(s.mailbox_size(), 0u);
+  EXPECT_TRUE(s.on_message(at(2), p::PeersPendingResult{LOCKSTEP_OK, true, ""}).empty());
+  EXPECT_TRUE(s.on_message(at(3), p::AgreeResult{LOCKSTEP_OK, true, ""}).empty());
+  EXPECT_EQ(s.mailbox_size(), 2u);
+  // A call takes the first message its predicate accepts; the others stay.
+  auto agree = s.take([](const p::Message& m) { return std::holds_alternative<p::AgreeResult>(m); });
+  ASSERT_TRUE(agree.has_value());
+  EXPECT_TRUE(std::get<p::AgreeResult>(*agree).value);
+  EXPECT_FALSE(s.take([](const p::Message& m) { return std::holds_alternative<p::AgreeResult>(m); }).has_value());
+  EXPECT_EQ(s.mailbox_size(), 1u);
+}
+
+TEST(SessionTest, CollectiveMessagesAreRoutedByTag) {
+  Session s = attached(1000);
+  EXPECT_TRUE(s.register_op(7).empty());
+
+  Commands c = s.on_message(at(1), p::CollectiveGo{7, 1, 0, {}});
+  ASSERT_EQ(all_of<cmd::RouteToOp>(c).size(), 1u);
+  EXPECT_EQ(all_of<cmd::RouteToOp>(c)[0].tag, 7u);
+  EXPECT_TRUE(std::holds_alternative<p::CollectiveGo>(all_of<cmd::RouteToOp>(c)[0].message));
+
+  p::CollectiveResult result;
+  result.tag = 7;
+  result.attempt = 1;
+  c = s.on_message(at(2), result);
+  ASSERT_EQ(all_of<cmd::RouteToOp>(c).size(), 1u);
+  EXPECT_EQ(all_of<cmd::RouteToOp>(c)[0].tag, 7u);
+
+  c = s.on_message(at(3), p::Refused{p::MsgType::kCollectiveInit, 7, LOCKSTEP_STATUS_INVALID_USAGE, "no"});
+  ASSERT_EQ(all_of<cmd::RouteToOp>(c).size(), 1u);
+  EXPECT_EQ(all_of<cmd::RouteToOp>(c)[0].tag, 7u);
+  EXPECT_EQ(s.mailbox_size(), 0u);
+
+  // A refusal of anything else is for the mailbox, whatever its tag field says.
+  c = s.on_message(at(4), p::Refused{p::MsgType::kVoteAgree, 7, LOCKSTEP_STATUS_INVALID_USAGE, "no"});
+  EXPECT_TRUE(all_of<cmd::RouteToOp>(c).empty());
+  EXPECT_EQ(s.mailbox_size(), 1u);
+
+  // Nobody waits for tag 8: dropped, neither routed nor queued.
+  c = s.on_message(at(5), p::CollectiveGo{8, 2, 0, {}});
+  EXPECT_TRUE(c.empty());
+  result.tag = 8;
+  EXPECT_TRUE(s.on_message(at(6), result).empty());
+  EXPECT_EQ(s.mailbox_size(), 1u);
+
+  // Unregistered: dropped from then on.
+  s.unregister_op(7);
+  EXPECT_TRUE(s.on_message(at(7), p::CollectiveGo{7, 3, 0, {}}).empty());
+  EXPECT_EQ(s.slot_turn(0, 3), Turn::kNotQueued);
+}
+
+TEST(SessionTest, SlotsAreTakenInTheOrderOfTheGoMessages) {
+  Session s = attached(1000);
+  (void)s.register_op(1);
+  (void)s.register_op(2);
+  (void)s.on_message(at(1), p::CollectiveGo{2, 11, 3, {}});
+  (void)s.on_message(at(2), p::CollectiveGo{1, 10, 3, {}});
+  (void)s.on_message(at(3), p::CollectiveGo{1, 12, 4, {}});
+  // A Go for an op nobody registered does not queue its attempt.
+  (void)s.on_message(at(4), p::CollectiveGo{9, 13, 3, {}});
+
+  EXPECT_EQ(s.slot_turn(3, 11), Turn::kMine);
+  EXPECT_EQ(s.slot_turn(3, 10), Turn::kWaiting);
+  EXPECT_EQ(s.slot_turn(4, 12), Turn::kMine);  // another slot: its own queue
+  EXPECT_EQ(s.slot_turn(3, 13), Turn::kNotQueued);
+  EXPECT_EQ(s.slot_turn(5, 10), Turn::kNotQueued);
+
+  s.release_slot(3, 11);
+  EXPECT_EQ(s.slot_turn(3, 11), Turn::kNotQueued);
+  EXPECT_EQ(s.slot_turn(3, 10), Turn::kMine);
+  s.release_slot(3, 10);
+  EXPECT_EQ(s.slot_turn(3, 10), Turn::kNotQueued);
+}
+
+TEST(SessionTest, TheMailboxIsBounded) {
+  Session s = attached(1000);
+  for (std::size_t i = 0; i < limits::kMailboxMessagesMax; ++i) {
+    ASSERT_TRUE(s.on_message(at(1), p::AgreeResult{LOCKSTEP_OK, true, ""}).empty()) << i;
+  }
+  EXPECT_EQ(s.mailbox_size(), limits::kMailboxMessagesMax);
+  EXPECT_EQ(s.state(), State::kConnected);
+  const Commands c = s.on_message(at(2), p::AgreeResult{LOCKSTEP_OK, true, ""});
+  ASSERT_EQ(all_of<cmd::CloseMaster>(c).size(), 1u);
+  EXPECT_EQ(s.state(), State::kEnded);
+  EXPECT_EQ(s.status().code(), LOCKSTEP_STATUS_PROTOCOL_ERROR);
+  EXPECT_EQ(s.status().message(), "the master sent more unanswered messages than allowed");
+  EXPECT_EQ(s.mailbox_size(), 0u);
+}
+
+TEST(SessionTest, TheFirstFatalStatusSticksAndAbortsEverything) {
+  Session s = attached(1000);
+  (void)s.register_op(1);
+  (void)s.register_op(2);
+  EXPECT_TRUE(s.set_establishment(5, true).empty());
+
+  Commands c = s.fail(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master closed the connection"));
+  const auto aborts = all_of<cmd::AbortOp>(c);
+  ASSERT_EQ(aborts.size(), 2u);
+  EXPECT_EQ(aborts[0].tag, 1u);
+  EXPECT_EQ(aborts[1].tag, 2u);
+  for (const auto& a : aborts) EXPECT_EQ(a.status.code(), LOCKSTEP_STATUS_MASTER_CONNECTION_LOST);
+  EXPECT_EQ(all_of<cmd::CancelEstablishment>(c).size(), 1u);
+  ASSERT_EQ(all_of<cmd::CloseMaster>(c).size(), 1u);
+  // Closing comes last, after every waiter has its status.
+  EXPECT_TRUE(std::holds_alternative<cmd::CloseMaster>(c.back()));
+
+  // A later failure changes nothing.
+  EXPECT_TRUE(s.fail(Status(LOCKSTEP_STATUS_INTERRUPTED, "the communicator is being destroyed")).empty());
+  EXPECT_EQ(s.status().code(), LOCKSTEP_STATUS_MASTER_CONNECTION_LOST);
+
+  // Ops and establishments that start afterwards end at once, with the first status.
+  c = s.register_op(3);
+  ASSERT_EQ(all_of<cmd::AbortOp>(c).size(), 1u);
+  EXPECT_EQ(all_of<cmd::AbortOp>(c)[0].tag, 3u);
+  EXPECT_EQ(all_of<cmd::AbortOp>(c)[0].status.message(), "the master closed the connection");
+  EXPECT_EQ(all_of<cmd::CancelEstablishment>(s.set_establishment(6, true)).size(), 1u);
+  EXPECT_TRUE(s.set_establishment(0, false).empty());
+}
+
+TEST(SessionTest, AFailedTopologyResultCancelsOnlyItsOwnEstablishment) {
+  Session s = attached(1000);
+  (void)s.set_establishment(5, true);
+  p::TopologyResult failed;
+  failed.epoch = 4;
+  failed.status = LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED;
+  EXPECT_TRUE(all_of<cmd::CancelEstablishment>(s.on_message(at(1), failed)).empty());
+  p::TopologyResult ok;
+  ok.epoch = 5;
+  EXPECT_TRUE(all_of<cmd::CancelEstablishment>(s.on_message(at(2), ok)).empty());
+  failed.epoch = 5;
+  EXPECT_EQ(all_of<cmd::CancelEstablishment>(s.on_message(at(3), failed)).size(), 1u);
+  // The outcomes still reach the mailbox (the establishing call waits for its own).
+  EXPECT_EQ(s.mailbox_size(), 3u);
+  // No establishment in progress: nothing to cancel.
+  (void)s.set_establishment(0, false);
+  EXPECT_TRUE(all_of<cmd::CancelEstablishment>(s.on_message(at(4), failed)).empty());
+  EXPECT_EQ(s.state(), State::kConnected);
+}
+
+TEST(SessionTest, PairKeysAreLearnedOnlyWithASecret) {
+  Session s = attached(1000, true);
+  p::EstablishP2P establish;
+  establish.epoch = 1;
+  establish.ring = {member(1, 0xa1), member(2, 0xa2)};
+  Commands c = s.on_message(at(1), establish);
+  ASSERT_EQ(all_of<cmd::LearnPairKeys>(c).size(), 1u);
+  auto learn = all_of<cmd::LearnPairKeys>(c)[0];
+  EXPECT_FALSE(learn.forget_others);
+  ASSERT_EQ(learn.keys.size(), 2u);
+  EXPECT_EQ(learn.keys[1].first, (PeerId{7, 2}));
+  EXPECT_EQ(learn.keys[1].second, std::vector<std::uint8_t>(32, 0xa2));
+
+  // A successful outcome names the whole view: the keys of everyone else are forgotten.
+  p::TopologyResult ok;
+  ok.epoch = 1;
+  ok.ring = {member(2, 0xa2)};
+  c = s.on_message(at(2), ok);
+  ASSERT_EQ(all_of<cmd::LearnPairKeys>(c).size(), 1u);
+  EXPECT_TRUE(all_of<cmd::LearnPairKeys>(c)[0].forget_others);
+  EXPECT_EQ(all_of<cmd::LearnPairKeys>(c)[0].keys.size(), 1u);
+  // A failed one names nobody.
+  p::TopologyResult failed;
+  failed.status = LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED;
+  EXPECT_TRUE(all_of<cmd::LearnPairKeys>(s.on_message(at(3), failed)).empty());
+
+  p::BandwidthTest test;
+  test.partner = member(3, 0xa3);
+  c = s.on_message(at(4), test);
+  ASSERT_EQ(all_of<cmd::LearnPairKeys>(c).size(), 1u);
+  EXPECT_EQ(all_of<cmd::LearnPairKeys>(c)[0].keys[0].first, (PeerId{7, 3}));
+  p::SyncPlan plan;
+  plan.sources = {member(4, 0xa4)};
+  EXPECT_EQ(all_of<cmd::LearnPairKeys>(s.on_message(at(5), plan)).size(), 1u);
+
+  Session plain = attached(1000, false);
+  EXPECT_TRUE(all_of<cmd::LearnPairKeys>(plain.on_message(at(1), establish)).empty());
+}
+
+TEST(SessionTest, TheLifecycleOnlyMovesForward) {
+  Session s(false);
+  EXPECT_EQ(s.state(), State::kCreated);
+  EXPECT_TRUE(s.identity().is_nil());
+  // Before the master connection is attached there is nothing to time or receive.
+  EXPECT_TRUE(s.on_timer(at(10'000)).empty());
+  EXPECT_TRUE(s.on_message(at(1), p::AgreeResult{}).empty());
+  EXPECT_EQ(s.mailbox_size(), 0u);
+  s.set_identity(PeerId{1, 2});
+  EXPECT_EQ(s.identity(), (PeerId{1, 2}));
+
+  (void)s.attach(kT0, 1000);
+  EXPECT_EQ(s.state(), State::kConnected);
+  // A second attach is no way back to the start.
+  EXPECT_TRUE(s.attach(at(5), 1000).empty());
+  ASSERT_EQ(all_of<cmd::SendFrame>(s.send(p::encode_frame(p::VoteAgree{true}))).size(), 1u);
+
+  (void)s.on_message(at(10), p::Goodbye{LOCKSTEP_STATUS_KICKED, "bye"});
+  ASSERT_EQ(s.state(), State::kEnded);
+  // An ended session never sends, times, routes, queues or attaches again.
+  EXPECT_TRUE(s.send(p::encode_frame(p::VoteAgree{true})).empty());
+  EXPECT_TRUE(s.on_timer(at(20)).empty());
+  EXPECT_TRUE(s.on_timer(at(100'000)).empty());
+  EXPECT_TRUE(s.on_message(at(30), p::AgreeResult{}).empty());
+  EXPECT_TRUE(s.on_message(at(31), p::Goodbye{LOCKSTEP_STATUS_INTERNAL_ERROR, "again"}).empty());
+  EXPECT_EQ(s.mailbox_size(), 0u);
+  EXPECT_TRUE(s.attach(at(40), 1000).empty());
+  EXPECT_EQ(s.state(), State::kEnded);
+  EXPECT_EQ(s.status().code(), LOCKSTEP_STATUS_KICKED);
+}
+
+TEST(SessionTest, ItCanEndBeforeItIsAttached) {
+  Session s(false);
+  const Commands c = s.fail(Status(LOCKSTEP_STATUS_INTERRUPTED, "the communicator is being destroyed"));
+  ASSERT_EQ(all_of<cmd::CloseMaster>(c).size(), 1u);
+  EXPECT_EQ(s.state(), State::kEnded);
+  EXPECT_TRUE(s.attach(kT0, 1000).empty());
+  EXPECT_EQ(s.state(), State::kEnded);
+}
+
+}  // namespace
+}  // namespace lockstep::peer
