@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Installs dependencies, builds, and runs every test:
-#   1. the RelWithDebInfo build: unit, simulation, end-to-end, C API and test-bed tests;
+#   1. the Release build (g++ at -O3, as users build): unit, simulation, end-to-end,
+#      C API and test-bed tests;
 #   2. the AddressSanitizer + UndefinedBehaviorSanitizer build: the same tests but the
 #      test bed's (which measure rates), with timeouts scaled up so slow peers live;
 #   3. the fuzz build (Clang, libFuzzer + ASan + UBSan): each fuzzer for 20 s;
 #   4. the ThreadSanitizer build: the same tests again.
 # After the first pass, the mutation suite's stage (scripts/mutants.sh --changed).
+# Every build treats warnings as errors (-DLOCKSTEP_WERROR=ON; off by default for users).
 # Options: --quick (skip the sanitizer and fuzz passes), --no-tsan (skip the ThreadSanitizer pass).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -26,7 +28,7 @@ stamp() { echo "=== $1 ($((SECONDS - start)) s)"; }
 # The main build goes through ccache (shared with the mutation suite's scratch build,
 # which compiles the same sources with the same flags in build-mutants/).
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
-main_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo)
+main_flags=(-DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_WERROR=ON)
 stamp "build"
 cmake -S . -B build "${main_flags[@]}" -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache >/dev/null
 cmake --build build -j"$jobs"
@@ -41,7 +43,7 @@ stamp "mutants"
 
 if [ "$quick" = 0 ]; then
   stamp "ASan+UBSan build"
-  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DLOCKSTEP_SANITIZE_ADDRESS=ON \
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DLOCKSTEP_WERROR=ON -DLOCKSTEP_SANITIZE_ADDRESS=ON \
     -DLOCKSTEP_SANITIZE_UNDEFINED=ON -DLOCKSTEP_BUILD_TESTBED=OFF -DLOCKSTEP_TEST_TIME_SCALE=4 >/dev/null
   cmake --build build-asan -j"$jobs"
   stamp "ASan+UBSan tests"
@@ -53,7 +55,7 @@ if [ "$quick" = 0 ]; then
   # directory of their own; each runs LOCKSTEP_FUZZ_SECONDS (default 20) over its corpus.
   stamp "fuzz build (Clang, libFuzzer + ASan + UBSan)"
   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOCKSTEP_BUILD_FUZZERS=ON -DLOCKSTEP_SANITIZE_ADDRESS=ON \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOCKSTEP_WERROR=ON -DLOCKSTEP_BUILD_FUZZERS=ON -DLOCKSTEP_SANITIZE_ADDRESS=ON \
     -DLOCKSTEP_SANITIZE_UNDEFINED=ON -DLOCKSTEP_BUILD_TESTS=OFF -DLOCKSTEP_BUILD_TOOLS=OFF \
     -DLOCKSTEP_BUILD_TESTBED=OFF -DLOCKSTEP_BUILD_BENCH=OFF >/dev/null
   cmake --build build-fuzz -j"$jobs" --target lockstep_fuzzers
@@ -62,7 +64,7 @@ if [ "$quick" = 0 ]; then
 fi
 if [ "$quick" = 0 ] && [ "$tsan" = 1 ]; then
   stamp "TSan build"
-  cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DLOCKSTEP_SANITIZE_THREAD=ON \
+  cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DLOCKSTEP_WERROR=ON -DLOCKSTEP_SANITIZE_THREAD=ON \
     -DLOCKSTEP_BUILD_TESTBED=OFF -DLOCKSTEP_TEST_TIME_SCALE=6 >/dev/null
   cmake --build build-tsan -j"$jobs"
   stamp "TSan tests"

@@ -8,6 +8,17 @@
  *
  * Threading: a communicator belongs to the thread that created it. Only the
  * calls documented as thread-safe may be made from other threads.
+ *
+ * ABI (docs/abi.md): the library reads and writes a public struct only as far as the
+ * caller's sizeof of it, so that a program built against an older header keeps working
+ * with a newer library of the same soname; fields are only ever appended, and the fields
+ * a caller's struct lacks take their defaults. The sizeof travels with the struct where
+ * the struct is handed over later (the configs' struct_size, set by their init function;
+ * the counters' struct_size, set by the caller), and as an argument of the exported
+ * *_sized function for the per-call structs (descriptors, results, tensors, members):
+ * the functions of the documented names are static inline and pass sizeof of each
+ * struct as this header declares it. A binding that cannot call inline functions calls
+ * the *_sized ones with its own sizes.
  */
 #ifndef LOCKSTEP_LOCKSTEP_H
 #define LOCKSTEP_LOCKSTEP_H
@@ -20,7 +31,7 @@ extern "C" {
 #endif
 
 #define LOCKSTEP_VERSION_MAJOR 0
-#define LOCKSTEP_VERSION_MINOR 1
+#define LOCKSTEP_VERSION_MINOR 2
 #define LOCKSTEP_VERSION_PATCH 0
 #define LOCKSTEP_VERSION_HEX \
   ((LOCKSTEP_VERSION_MAJOR << 16) | (LOCKSTEP_VERSION_MINOR << 8) | LOCKSTEP_VERSION_PATCH)
@@ -148,6 +159,9 @@ typedef enum lockstep_quantization {
 typedef struct lockstep_master lockstep_master_t;
 
 typedef struct lockstep_master_config {
+  /* sizeof(lockstep_master_config_t) as the caller's header declares it; set by
+   * lockstep_master_config_init. Fields beyond it take their defaults (docs/abi.md). */
+  uint32_t struct_size;
   /* IPv4 address to listen on; NULL or "" means 0.0.0.0. */
   const char* listen_host;
   /* Port to listen on; 0 picks an ephemeral port (see lockstep_master_port). */
@@ -175,10 +189,23 @@ typedef struct lockstep_master_config {
   uint32_t pending_handshakes_max;
 } lockstep_master_config_t;
 
-/* Fills a config with the defaults (port 48148, all interfaces). */
-LOCKSTEP_EXPORT lockstep_status_t lockstep_master_config_init(lockstep_master_config_t* config);
+/* Fills the struct_size bytes of a config with the defaults (port 48148, all interfaces)
+ * and sets config->struct_size = struct_size; the bytes beyond are not touched. Call it
+ * through lockstep_master_config_init, which passes sizeof *config. INVALID_ARGUMENT if
+ * struct_size is not the size of any version of the struct (see lockstep_master_create). */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_master_config_init_sized(lockstep_master_config_t* config,
+                                                                    size_t struct_size);
+/* Fills a config with the defaults, for the struct as this header declares it. */
+static inline lockstep_status_t lockstep_master_config_init(lockstep_master_config_t* config) {
+  return lockstep_master_config_init_sized(config, sizeof *config);
+}
 
-/* Creates a master; it does not listen until lockstep_master_run. */
+/* Creates a master; it does not listen until lockstep_master_run. Reads the config's
+ * first config->struct_size bytes; fields beyond take their defaults. INVALID_ARGUMENT
+ * (and a log line saying why) if struct_size is not the size of any version of the
+ * struct: below the first field's end, above 65536, not a multiple of the struct's
+ * alignment, or larger than this library's struct with a non-zero byte beyond it (a
+ * field of a newer header that this library does not know was set). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_create(const lockstep_master_config_t* config,
                                                           lockstep_master_t** out_master);
 /* Binds the listening socket and starts serving on a background thread; returns
@@ -200,6 +227,9 @@ LOCKSTEP_EXPORT lockstep_status_t lockstep_master_destroy(lockstep_master_t* mas
 typedef struct lockstep_comm lockstep_comm_t;
 
 typedef struct lockstep_comm_config {
+  /* sizeof(lockstep_comm_config_t) as the caller's header declares it; set by
+   * lockstep_comm_config_init. Fields beyond it take their defaults (docs/abi.md). */
+  uint32_t struct_size;
   /* Address of the master (IPv4 literal or host name). */
   const char* master_host;
   /* Port of the master; 0 means LOCKSTEP_DEFAULT_MASTER_PORT. */
@@ -247,11 +277,22 @@ typedef struct lockstep_comm_config {
   int encrypt_data;
 } lockstep_comm_config_t;
 
-/* Fills a config with the defaults; master_host defaults to "127.0.0.1". */
-LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_config_init(lockstep_comm_config_t* config);
+/* Fills the struct_size bytes of a config with the defaults (master_host "127.0.0.1")
+ * and sets config->struct_size = struct_size; the bytes beyond are not touched. Call it
+ * through lockstep_comm_config_init, which passes sizeof *config. INVALID_ARGUMENT if
+ * struct_size is not the size of any version of the struct (see lockstep_comm_create). */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_config_init_sized(lockstep_comm_config_t* config,
+                                                                  size_t struct_size);
+/* Fills a config with the defaults, for the struct as this header declares it. */
+static inline lockstep_status_t lockstep_comm_config_init(lockstep_comm_config_t* config) {
+  return lockstep_comm_config_init_sized(config, sizeof *config);
+}
 
 /* Creates a communicator owned by the calling thread. It binds its listening
- * sockets but does not contact the master yet. */
+ * sockets but does not contact the master yet. Reads the config's first
+ * config->struct_size bytes; fields beyond take their defaults. INVALID_ARGUMENT (and a
+ * log line saying why) for a struct_size that is not the size of any version of the
+ * struct, as for lockstep_master_create. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* config,
                                                         lockstep_comm_t** out_comm);
 /* Connects to the master and blocks until this peer is accepted into the run
@@ -308,10 +349,15 @@ typedef struct lockstep_member {
 /* Copies the group's membership view (ordered by rank) as of the last completed
  * update topology. *out_count receives the number of members; if capacity is too
  * small, nothing is copied and INVALID_ARGUMENT is returned with *out_count set. */
-LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_membership(const lockstep_comm_t* comm,
-                                                                lockstep_member_t* out_members,
-                                                                size_t capacity,
-                                                                size_t* out_count);
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_membership_sized(const lockstep_comm_t* comm,
+                                                                      lockstep_member_t* out_members,
+                                                                      size_t member_size, size_t capacity,
+                                                                      size_t* out_count);
+static inline lockstep_status_t lockstep_comm_get_membership(const lockstep_comm_t* comm,
+                                                             lockstep_member_t* out_members, size_t capacity,
+                                                             size_t* out_count) {
+  return lockstep_comm_get_membership_sized(comm, out_members, sizeof *out_members, capacity, out_count);
+}
 /* This peer's own rank in the membership view and identity. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_rank(const lockstep_comm_t* comm,
                                                           uint32_t* out_rank);
@@ -392,27 +438,49 @@ typedef struct lockstep_async lockstep_async_t;
  * On failure (PEER_CONNECTION_LOST: a participant died or went silent; every
  * survivor gets it) dst holds exactly what it held before the call, and the same
  * call can be retried with the survivors. out_info may be NULL. */
-LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_reduce(lockstep_comm_t* comm, const lockstep_reduce_desc_t* desc,
-                                                            lockstep_reduce_info_t* out_info);
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_reduce_sized(lockstep_comm_t* comm,
+                                                                  const lockstep_reduce_desc_t* desc, size_t desc_size,
+                                                                  lockstep_reduce_info_t* out_info, size_t info_size);
+static inline lockstep_status_t lockstep_comm_all_reduce(lockstep_comm_t* comm, const lockstep_reduce_desc_t* desc,
+                                                         lockstep_reduce_info_t* out_info) {
+  return lockstep_comm_all_reduce_sized(comm, desc, sizeof *desc, out_info, sizeof *out_info);
+}
 /* Starts an all-reduce and returns at once. May be called from the owning thread or
  * from one other thread (while the owning thread calls only are_peers_pending). The
  * buffers must stay valid until the handle is awaited. */
-LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_reduce_async(lockstep_comm_t* comm,
-                                                                  const lockstep_reduce_desc_t* desc,
-                                                                  lockstep_async_t** out_handle);
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_reduce_async_sized(lockstep_comm_t* comm,
+                                                                        const lockstep_reduce_desc_t* desc,
+                                                                        size_t desc_size,
+                                                                        lockstep_async_t** out_handle);
+static inline lockstep_status_t lockstep_comm_all_reduce_async(lockstep_comm_t* comm,
+                                                               const lockstep_reduce_desc_t* desc,
+                                                               lockstep_async_t** out_handle) {
+  return lockstep_comm_all_reduce_async_sized(comm, desc, sizeof *desc, out_handle);
+}
 /* Non-blocking: *out_done = 1 once the operation has ended (successfully or not). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_async_poll(const lockstep_async_t* handle, int* out_done);
 /* Waits for the operation, returns its status, fills out_info (may be NULL) and frees
- * the handle. Must be called on the thread that launched it. */
-LOCKSTEP_EXPORT lockstep_status_t lockstep_async_wait(lockstep_async_t* handle, lockstep_reduce_info_t* out_info);
+ * the handle. Must be called on the thread that launched it. (An info_size that no
+ * version of the struct has: INVALID_ARGUMENT, and the handle is kept.) */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_async_wait_sized(lockstep_async_t* handle, lockstep_reduce_info_t* out_info,
+                                                             size_t info_size);
+static inline lockstep_status_t lockstep_async_wait(lockstep_async_t* handle, lockstep_reduce_info_t* out_info) {
+  return lockstep_async_wait_sized(handle, out_info, sizeof *out_info);
+}
 /* Runs `count` all-reduces with at most max_in_flight at once; those that fail because
  * a peer was lost are retried with the survivors after every outstanding one ended.
  * Returns when all succeeded (out_infos, if not NULL, has `count` entries), or the
  * first error that is not a lost peer. */
-LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry(lockstep_comm_t* comm,
-                                                                                const lockstep_reduce_desc_t* descs,
-                                                                                size_t count, size_t max_in_flight,
-                                                                                lockstep_reduce_info_t* out_infos);
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry_sized(
+    lockstep_comm_t* comm, const lockstep_reduce_desc_t* descs, size_t desc_size, size_t count, size_t max_in_flight,
+    lockstep_reduce_info_t* out_infos, size_t info_size);
+static inline lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry(lockstep_comm_t* comm,
+                                                                             const lockstep_reduce_desc_t* descs,
+                                                                             size_t count, size_t max_in_flight,
+                                                                             lockstep_reduce_info_t* out_infos) {
+  return lockstep_comm_all_reduce_multiple_with_retry_sized(comm, descs, sizeof *descs, count, max_in_flight,
+                                                            out_infos, sizeof *out_infos);
+}
 
 /* ---------------------------------------------------------- shared state */
 
@@ -464,10 +532,18 @@ typedef struct lockstep_sync_info {
  * NO_SHARED_STATE_AVAILABLE; the same for every peer of the group) tensors that were
  * being received may hold partial content: call it again. out_info may be NULL.
  * Collectives must not be in flight (PENDING_ASYNC_OPERATIONS). */
-LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_sync_shared_state(lockstep_comm_t* comm,
-                                                                   lockstep_shared_state_t* state,
-                                                                   lockstep_sync_strategy_t strategy,
-                                                                   lockstep_sync_info_t* out_info);
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_sync_shared_state_sized(lockstep_comm_t* comm,
+                                                                         lockstep_shared_state_t* state,
+                                                                         size_t state_size, size_t tensor_size,
+                                                                         lockstep_sync_strategy_t strategy,
+                                                                         lockstep_sync_info_t* out_info,
+                                                                         size_t info_size);
+static inline lockstep_status_t lockstep_comm_sync_shared_state(lockstep_comm_t* comm, lockstep_shared_state_t* state,
+                                                                lockstep_sync_strategy_t strategy,
+                                                                lockstep_sync_info_t* out_info) {
+  return lockstep_comm_sync_shared_state_sized(comm, state, sizeof *state, sizeof(lockstep_tensor_t), strategy,
+                                               out_info, sizeof *out_info);
+}
 
 /* The content digest the shared state uses for a buffer (32 lowercase hex digits and a
  * NUL in out_hex). The same for any number of threads; see docs/protocol.md. */

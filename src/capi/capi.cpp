@@ -36,6 +36,9 @@ struct lockstep_async {
   std::shared_ptr<bool> alive;
 };
 
+#define LOCKSTEP_STR2(x) #x
+#define LOCKSTEP_STR(x) LOCKSTEP_STR2(x)
+
 namespace {
 
 template <typename F>
@@ -80,6 +83,106 @@ lockstep::Result<std::optional<lockstep::security::Key>> load_secret(const char*
   return std::optional<lockstep::security::Key>(key.value());
 }
 
+// The library reads and writes a public struct only as far as the caller's sizeof of it
+// (docs/abi.md): the configs carry it in struct_size, the per-call structs get it as an
+// argument of the *_sized entry points. A size is possible if some version of the struct
+// can have it: it holds the struct's first field (after struct_size, if it has one), is a
+// multiple of the struct's alignment (every sizeof is), and stays below a bound that no
+// struct of a few fields reaches.
+constexpr std::size_t kStructSizeMax = 65536;
+
+// The end of a struct's first field: the smallest size a version of it may have.
+#define LOCKSTEP_FIELD_END(T, field) (offsetof(T, field) + sizeof(T::field))
+
+template <typename T>
+lockstep::Status check_struct_size(std::size_t size, std::size_t first_field_end, const char* size_name) {
+  if (size >= first_field_end && size <= kStructSizeMax && size % alignof(T) == 0) return lockstep::Status::ok();
+  return lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                          std::string(size_name) + " is " + std::to_string(size) +
+                              ", which no version of the struct has (at least " + std::to_string(first_field_end) +
+                              ", at most " + std::to_string(kStructSizeMax) + ", a multiple of " +
+                              std::to_string(alignof(T)) + ")");
+}
+
+// Reads the caller's struct of `size` bytes over `out`, which holds the defaults: the
+// fields beyond the caller's size keep them. A caller built against a newer header may
+// pass more bytes than this library knows, as long as they are all zero (its new fields
+// left at their defaults); a set one is refused, not ignored.
+template <typename T>
+lockstep::Status read_prefix(const void* in, std::size_t size, std::size_t first_field_end, const char* size_name, T& out) {
+  lockstep::Status valid = check_struct_size<T>(size, first_field_end, size_name);
+  if (!valid.is_ok()) return valid;
+  const auto* bytes = static_cast<const unsigned char*>(in);
+  for (std::size_t i = sizeof(T); i < size; ++i) {
+    if (bytes[i] != 0) {
+      return lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                              std::string(size_name) + " is " + std::to_string(size) + " but this liblockstep " +
+                                  LOCKSTEP_STR(LOCKSTEP_VERSION_MAJOR) "." LOCKSTEP_STR(LOCKSTEP_VERSION_MINOR) " knows " +
+                                  std::to_string(sizeof(T)) + " bytes of the struct, and byte " + std::to_string(i) +
+                                  " is set: a field of a newer lockstep.h that this library does not have");
+    }
+  }
+  std::memcpy(&out, in, std::min(size, sizeof(T)));
+  return lockstep::Status::ok();
+}
+
+// Writes the first `size` bytes of the caller's struct: those this library knows from
+// `value`, zeros beyond them (a newer header's fields, whose zero is their default).
+template <typename T>
+void write_prefix(void* out, std::size_t size, const T& value) {
+  std::memcpy(out, &value, std::min(size, sizeof value));
+  if (size > sizeof value) std::memset(static_cast<unsigned char*>(out) + sizeof value, 0, size - sizeof value);
+}
+
+// The configs: struct_size is the caller's size; read into a struct of this library's.
+template <typename T>
+lockstep::Status read_config(const T* in, std::size_t first_field_end, const char* size_name, T& out) {
+  lockstep::Status read = read_prefix(in, in->struct_size, first_field_end, size_name, out);
+  out.struct_size = static_cast<uint32_t>(sizeof(T));
+  return read;
+}
+
+template <typename T>
+void write_config(T* out, T defaults, std::size_t size) {
+  defaults.struct_size = static_cast<uint32_t>(size);
+  write_prefix(out, size, defaults);
+}
+
+// Logs why a call was refused and returns its code.
+lockstep_status_t refuse(const char* function, const lockstep::Status& status) {
+  LOG_ERROR("capi", function << ": " << status.to_string());
+  return status.code();
+}
+
+lockstep_master_config_t master_config_defaults() {
+  lockstep_master_config_t config{};
+  config.struct_size = sizeof config;
+  config.listen_port = LOCKSTEP_DEFAULT_MASTER_PORT;
+  config.heartbeat_timeout_ms = lockstep::limits::kHeartbeatTimeoutMsDefault;
+  return config;
+}
+
+lockstep_comm_config_t comm_config_defaults() {
+  lockstep_comm_config_t config{};
+  config.struct_size = sizeof config;
+  config.master_host = "127.0.0.1";
+  config.master_port = LOCKSTEP_DEFAULT_MASTER_PORT;
+  config.p2p_pool_size = 1;
+  config.base_port = -1;
+  config.connect_timeout_ms = lockstep::limits::kConnectTimeoutMsDefault;
+  config.p2p_stall_timeout_ms = lockstep::limits::kP2PStallTimeoutMsDefault;
+  return config;
+}
+
+constexpr std::size_t kMasterConfigFirstFieldEnd = LOCKSTEP_FIELD_END(lockstep_master_config_t, listen_host);
+constexpr std::size_t kCommConfigFirstFieldEnd = LOCKSTEP_FIELD_END(lockstep_comm_config_t, master_host);
+constexpr std::size_t kMemberFirstFieldEnd = LOCKSTEP_FIELD_END(lockstep_member_t, id);
+constexpr std::size_t kDescFirstFieldEnd = LOCKSTEP_FIELD_END(lockstep_reduce_desc_t, src);
+constexpr std::size_t kReduceInfoFirstFieldEnd = LOCKSTEP_FIELD_END(lockstep_reduce_info_t, world_size);
+constexpr std::size_t kStateFirstFieldEnd = LOCKSTEP_FIELD_END(lockstep_shared_state_t, revision);
+constexpr std::size_t kTensorFirstFieldEnd = LOCKSTEP_FIELD_END(lockstep_tensor_t, key);
+constexpr std::size_t kSyncInfoFirstFieldEnd = LOCKSTEP_FIELD_END(lockstep_sync_info_t, bytes_sent);
+
 }  // namespace
 
 extern "C" {
@@ -87,23 +190,26 @@ extern "C" {
 uint32_t lockstep_version(void) { return LOCKSTEP_VERSION_HEX; }
 
 const char* lockstep_version_string(void) {
-#define LOCKSTEP_STR2(x) #x
-#define LOCKSTEP_STR(x) LOCKSTEP_STR2(x)
   return LOCKSTEP_STR(LOCKSTEP_VERSION_MAJOR) "." LOCKSTEP_STR(LOCKSTEP_VERSION_MINOR) "." LOCKSTEP_STR(
       LOCKSTEP_VERSION_PATCH);
 }
 
-lockstep_status_t lockstep_master_config_init(lockstep_master_config_t* config) {
+lockstep_status_t lockstep_master_config_init_sized(lockstep_master_config_t* config, size_t struct_size) {
   if (config == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
-  std::memset(config, 0, sizeof *config);
-  config->listen_port = LOCKSTEP_DEFAULT_MASTER_PORT;
-  config->heartbeat_timeout_ms = lockstep::limits::kHeartbeatTimeoutMsDefault;
+  lockstep::Status valid =
+      check_struct_size<lockstep_master_config_t>(struct_size, kMasterConfigFirstFieldEnd, "lockstep_master_config_t.struct_size");
+  if (!valid.is_ok()) return refuse("lockstep_master_config_init", valid);
+  write_config(config, master_config_defaults(), struct_size);
   return LOCKSTEP_OK;
 }
 
-lockstep_status_t lockstep_master_create(const lockstep_master_config_t* config, lockstep_master_t** out_master) {
-  if (config == nullptr || out_master == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+lockstep_status_t lockstep_master_create(const lockstep_master_config_t* caller_config, lockstep_master_t** out_master) {
+  if (caller_config == nullptr || out_master == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   return guarded([&] {
+    lockstep_master_config_t full = master_config_defaults();
+    lockstep::Status read = read_config(caller_config, kMasterConfigFirstFieldEnd, "lockstep_master_config_t.struct_size", full);
+    if (!read.is_ok()) return refuse("lockstep_master_create", read);
+    const lockstep_master_config_t* config = &full;
     lockstep::master::Options options;
     if (config->listen_host != nullptr && config->listen_host[0] != '\0') options.listen_host = config->listen_host;
     options.listen_port = config->listen_port;
@@ -165,21 +271,23 @@ lockstep_status_t lockstep_master_destroy(lockstep_master_t* master) {
   return LOCKSTEP_OK;
 }
 
-lockstep_status_t lockstep_comm_config_init(lockstep_comm_config_t* config) {
+lockstep_status_t lockstep_comm_config_init_sized(lockstep_comm_config_t* config, size_t struct_size) {
   if (config == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
-  std::memset(config, 0, sizeof *config);
-  config->master_host = "127.0.0.1";
-  config->master_port = LOCKSTEP_DEFAULT_MASTER_PORT;
-  config->p2p_pool_size = 1;
-  config->base_port = -1;
-  config->connect_timeout_ms = lockstep::limits::kConnectTimeoutMsDefault;
-  config->p2p_stall_timeout_ms = lockstep::limits::kP2PStallTimeoutMsDefault;
+  lockstep::Status valid =
+      check_struct_size<lockstep_comm_config_t>(struct_size, kCommConfigFirstFieldEnd, "lockstep_comm_config_t.struct_size");
+  if (!valid.is_ok()) return refuse("lockstep_comm_config_init", valid);
+  write_config(config, comm_config_defaults(), struct_size);
   return LOCKSTEP_OK;
 }
 
-lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* config, lockstep_comm_t** out_comm) {
-  if (config == nullptr || out_comm == nullptr || config->master_host == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* caller_config, lockstep_comm_t** out_comm) {
+  if (caller_config == nullptr || out_comm == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   return guarded([&] {
+    lockstep_comm_config_t full = comm_config_defaults();
+    lockstep::Status read = read_config(caller_config, kCommConfigFirstFieldEnd, "lockstep_comm_config_t.struct_size", full);
+    if (!read.is_ok()) return refuse("lockstep_comm_create", read);
+    const lockstep_comm_config_t* config = &full;
+    if (config->master_host == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
     lockstep::peer::Options options;
     options.master_host = config->master_host;
     options.master_port = config->master_port == 0 ? LOCKSTEP_DEFAULT_MASTER_PORT : config->master_port;
@@ -263,11 +371,13 @@ lockstep_status_t lockstep_comm_get_attribute(const lockstep_comm_t* comm, locks
   return LOCKSTEP_STATUS_INVALID_ARGUMENT;
 }
 
-lockstep_status_t lockstep_comm_get_membership(const lockstep_comm_t* comm, lockstep_member_t* out_members,
-                                               size_t capacity, size_t* out_count) {
+lockstep_status_t lockstep_comm_get_membership_sized(const lockstep_comm_t* comm, lockstep_member_t* out_members,
+                                                     size_t member_size, size_t capacity, size_t* out_count) {
   if (comm == nullptr || out_count == nullptr || (capacity > 0 && out_members == nullptr)) {
     return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   }
+  lockstep::Status valid = check_struct_size<lockstep_member_t>(member_size, kMemberFirstFieldEnd, "member_size (sizeof lockstep_member_t)");
+  if (!valid.is_ok()) return refuse("lockstep_comm_get_membership", valid);
   return guarded([&] {
     auto view = comm->comm->membership();
     if (!view.is_ok()) return view.status().code();
@@ -275,8 +385,7 @@ lockstep_status_t lockstep_comm_get_membership(const lockstep_comm_t* comm, lock
     if (capacity < view.value().size()) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
     for (size_t i = 0; i < view.value().size(); ++i) {
       const auto& m = view.value()[i];
-      lockstep_member_t& out = out_members[i];
-      std::memset(&out, 0, sizeof out);
+      lockstep_member_t out{};
       for (int b = 0; b < 8; ++b) {
         out.id[b] = static_cast<uint8_t>(m.id.hi >> (56 - 8 * b));
         out.id[8 + b] = static_cast<uint8_t>(m.id.lo >> (56 - 8 * b));
@@ -286,6 +395,8 @@ lockstep_status_t lockstep_comm_get_membership(const lockstep_comm_t* comm, lock
       out.p2p_port = m.p2p_port;
       out.shared_state_port = m.shared_state_port;
       out.benchmark_port = m.benchmark_port;
+      // The caller's array has its own element size (an older or newer header's).
+      write_prefix(reinterpret_cast<unsigned char*>(out_members) + i * member_size, member_size, out);
     }
     return LOCKSTEP_OK;
   });
@@ -368,33 +479,62 @@ lockstep::peer::ReduceDescriptor to_descriptor(const lockstep_reduce_desc_t& d) 
   return out;
 }
 
-void to_info(const lockstep::peer::ReduceInfo& in, lockstep_reduce_info_t* out) {
+// Writes an all-reduce's info into the caller's struct of info_size bytes (if any).
+void to_info(const lockstep::peer::ReduceInfo& in, void* out, std::size_t info_size) {
   if (out == nullptr) return;
-  out->world_size = in.world_size;
-  out->bytes_sent = in.bytes_sent;
-  out->bytes_received = in.bytes_received;
+  lockstep_reduce_info_t info{};
+  info.world_size = in.world_size;
+  info.bytes_sent = in.bytes_sent;
+  info.bytes_received = in.bytes_received;
+  write_prefix(out, info_size, info);
+}
+
+// The caller's descriptor of desc_size bytes; the fields it lacks are zero (their defaults).
+lockstep::Result<lockstep_reduce_desc_t> read_desc(const void* in, std::size_t desc_size) {
+  lockstep_reduce_desc_t desc{};
+  lockstep::Status read = read_prefix(in, desc_size, kDescFirstFieldEnd, "desc_size (sizeof lockstep_reduce_desc_t)", desc);
+  if (!read.is_ok()) return read;
+  if (!valid_descriptor(desc)) return lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
+  return desc;
+}
+
+// The size of the caller's info struct, when there is one (out_info may be NULL).
+lockstep::Status check_info_size(const void* out_info, std::size_t info_size) {
+  if (out_info == nullptr) return lockstep::Status::ok();
+  return check_struct_size<lockstep_reduce_info_t>(info_size, kReduceInfoFirstFieldEnd, "info_size (sizeof lockstep_reduce_info_t)");
+}
+
+// Refuses a call for an argument: logs why, unless the reason is only the code (a bad
+// enum value, as before the sizes existed).
+lockstep_status_t refuse_quietly(const char* function, const lockstep::Status& status) {
+  if (status.message().empty()) return status.code();
+  return refuse(function, status);
 }
 
 }  // namespace
 
-lockstep_status_t lockstep_comm_all_reduce(lockstep_comm_t* comm, const lockstep_reduce_desc_t* desc,
-                                           lockstep_reduce_info_t* out_info) {
-  if (comm == nullptr || desc == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+lockstep_status_t lockstep_comm_all_reduce_sized(lockstep_comm_t* comm, const lockstep_reduce_desc_t* caller_desc,
+                                                 size_t desc_size, lockstep_reduce_info_t* out_info, size_t info_size) {
+  if (comm == nullptr || caller_desc == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   return guarded([&] {
-    if (!valid_descriptor(*desc)) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
-    auto r = comm->comm->all_reduce(to_descriptor(*desc));
+    auto desc = read_desc(caller_desc, desc_size);
+    if (!desc.is_ok()) return refuse_quietly("lockstep_comm_all_reduce", desc.status());
+    lockstep::Status info_valid = check_info_size(out_info, info_size);
+    if (!info_valid.is_ok()) return refuse("lockstep_comm_all_reduce", info_valid);
+    auto r = comm->comm->all_reduce(to_descriptor(desc.value()));
     if (!r.is_ok()) return r.status().code();
-    to_info(r.value(), out_info);
+    to_info(r.value(), out_info, info_size);
     return LOCKSTEP_OK;
   });
 }
 
-lockstep_status_t lockstep_comm_all_reduce_async(lockstep_comm_t* comm, const lockstep_reduce_desc_t* desc,
-                                                 lockstep_async_t** out_handle) {
-  if (comm == nullptr || desc == nullptr || out_handle == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+lockstep_status_t lockstep_comm_all_reduce_async_sized(lockstep_comm_t* comm, const lockstep_reduce_desc_t* caller_desc,
+                                                       size_t desc_size, lockstep_async_t** out_handle) {
+  if (comm == nullptr || caller_desc == nullptr || out_handle == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   return guarded([&] {
-    if (!valid_descriptor(*desc)) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
-    auto r = comm->comm->all_reduce_async(to_descriptor(*desc));
+    auto desc = read_desc(caller_desc, desc_size);
+    if (!desc.is_ok()) return refuse_quietly("lockstep_comm_all_reduce_async", desc.status());
+    auto r = comm->comm->all_reduce_async(to_descriptor(desc.value()));
     if (!r.is_ok()) return r.status().code();
     *out_handle = new lockstep_async{comm->comm.get(), r.value(), comm->alive};
     return LOCKSTEP_OK;
@@ -407,8 +547,11 @@ lockstep_status_t lockstep_async_poll(const lockstep_async_t* handle, int* out_d
   return LOCKSTEP_OK;
 }
 
-lockstep_status_t lockstep_async_wait(lockstep_async_t* handle, lockstep_reduce_info_t* out_info) {
+lockstep_status_t lockstep_async_wait_sized(lockstep_async_t* handle, lockstep_reduce_info_t* out_info,
+                                            size_t info_size) {
   if (handle == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  lockstep::Status info_valid = check_info_size(out_info, info_size);
+  if (!info_valid.is_ok()) return refuse("lockstep_async_wait", info_valid);  // handle kept
   if (!*handle->alive) {
     // The communicator is gone; its destruction ended and joined the operation.
     delete handle;
@@ -419,41 +562,64 @@ lockstep_status_t lockstep_async_wait(lockstep_async_t* handle, lockstep_reduce_
     if (!r.is_ok() && r.status().code() == LOCKSTEP_STATUS_WRONG_THREAD) return r.status().code();  // handle kept
     delete handle;
     if (!r.is_ok()) return r.status().code();
-    to_info(r.value(), out_info);
+    to_info(r.value(), out_info, info_size);
     return LOCKSTEP_OK;
   });
 }
 
-lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry(lockstep_comm_t* comm, const lockstep_reduce_desc_t* descs,
-                                                               size_t count, size_t max_in_flight,
-                                                               lockstep_reduce_info_t* out_infos) {
+lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry_sized(lockstep_comm_t* comm,
+                                                                     const lockstep_reduce_desc_t* descs,
+                                                                     size_t desc_size, size_t count,
+                                                                     size_t max_in_flight,
+                                                                     lockstep_reduce_info_t* out_infos,
+                                                                     size_t info_size) {
   if (comm == nullptr || (count > 0 && descs == nullptr)) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   return guarded([&] {
+    lockstep::Status info_valid = check_info_size(out_infos, info_size);
+    if (!info_valid.is_ok()) return refuse("lockstep_comm_all_reduce_multiple_with_retry", info_valid);
+    // The caller's arrays step by its own struct sizes (an older or newer header's).
     std::vector<lockstep::peer::ReduceDescriptor> list;
     for (size_t i = 0; i < count; ++i) {
-      if (!valid_descriptor(descs[i])) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
-      list.push_back(to_descriptor(descs[i]));
+      auto desc = read_desc(reinterpret_cast<const unsigned char*>(descs) + i * desc_size, desc_size);
+      if (!desc.is_ok()) return refuse_quietly("lockstep_comm_all_reduce_multiple_with_retry", desc.status());
+      list.push_back(to_descriptor(desc.value()));
     }
     std::vector<lockstep::peer::ReduceInfo> infos;
     lockstep::Status s = comm->comm->all_reduce_multiple_with_retry(list, max_in_flight, &infos);
     if (!s.is_ok()) return s.code();
-    for (size_t i = 0; out_infos != nullptr && i < count; ++i) to_info(infos[i], &out_infos[i]);
+    for (size_t i = 0; out_infos != nullptr && i < count; ++i) {
+      to_info(infos[i], reinterpret_cast<unsigned char*>(out_infos) + i * info_size, info_size);
+    }
     return LOCKSTEP_OK;
   });
 }
 
-lockstep_status_t lockstep_comm_sync_shared_state(lockstep_comm_t* comm, lockstep_shared_state_t* state,
-                                                  lockstep_sync_strategy_t strategy, lockstep_sync_info_t* out_info) {
-  if (comm == nullptr || state == nullptr || (state->count > 0 && state->tensors == nullptr)) {
-    return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+lockstep_status_t lockstep_comm_sync_shared_state_sized(lockstep_comm_t* comm, lockstep_shared_state_t* caller_state,
+                                                        size_t state_size, size_t tensor_size,
+                                                        lockstep_sync_strategy_t strategy,
+                                                        lockstep_sync_info_t* out_info, size_t info_size) {
+  if (comm == nullptr || caller_state == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  lockstep_shared_state_t state{};
+  lockstep::Status valid = read_prefix(caller_state, state_size, kStateFirstFieldEnd, "state_size (sizeof lockstep_shared_state_t)", state);
+  if (valid.is_ok()) {
+    valid = check_struct_size<lockstep_tensor_t>(tensor_size, kTensorFirstFieldEnd, "tensor_size (sizeof lockstep_tensor_t)");
   }
+  if (valid.is_ok() && out_info != nullptr) {
+    valid = check_struct_size<lockstep_sync_info_t>(info_size, kSyncInfoFirstFieldEnd, "info_size (sizeof lockstep_sync_info_t)");
+  }
+  if (!valid.is_ok()) return refuse("lockstep_comm_sync_shared_state", valid);
+  if (state.count > 0 && state.tensors == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   if (raw(strategy) < LOCKSTEP_SYNC_ENFORCE_POPULAR || raw(strategy) > LOCKSTEP_SYNC_SEND_ONLY) {
     return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   }
   return guarded([&] {
     std::vector<lockstep::peer::SharedTensor> tensors;
-    for (size_t i = 0; i < state->count; ++i) {
-      const lockstep_tensor_t& t = state->tensors[i];
+    for (size_t i = 0; i < state.count; ++i) {
+      // The caller's array steps by its own struct size (an older or newer header's).
+      lockstep_tensor_t t{};
+      lockstep::Status read = read_prefix(reinterpret_cast<const unsigned char*>(state.tensors) + i * tensor_size,
+                                          tensor_size, kTensorFirstFieldEnd, "tensor_size (sizeof lockstep_tensor_t)", t);
+      if (!read.is_ok()) return refuse("lockstep_comm_sync_shared_state", read);
       if (t.key == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
       if (raw(t.dtype) < LOCKSTEP_U8 || raw(t.dtype) > LOCKSTEP_F64 || raw(t.device) != LOCKSTEP_DEVICE_CPU) {
         return LOCKSTEP_STATUS_INVALID_ARGUMENT;
@@ -461,13 +627,15 @@ lockstep_status_t lockstep_comm_sync_shared_state(lockstep_comm_t* comm, lockste
       tensors.push_back(lockstep::peer::SharedTensor{std::string(t.key, strnlen(t.key, 256)), t.data, t.count, t.dtype,
                                                      t.allow_content_inequality != 0});
     }
-    std::uint64_t revision = state->revision;
+    std::uint64_t revision = state.revision;
     auto r = comm->comm->sync_shared_state(tensors, &revision, static_cast<lockstep::proto::SyncStrategy>(strategy));
     if (!r.is_ok()) return r.status().code();
-    state->revision = revision;
+    caller_state->revision = revision;  // the first field: within every valid state_size
     if (out_info != nullptr) {
-      out_info->bytes_sent = r.value().bytes_sent;
-      out_info->bytes_received = r.value().bytes_received;
+      lockstep_sync_info_t info{};
+      info.bytes_sent = r.value().bytes_sent;
+      info.bytes_received = r.value().bytes_received;
+      write_prefix(out_info, info_size, info);
     }
     return LOCKSTEP_OK;
   });

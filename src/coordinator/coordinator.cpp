@@ -106,7 +106,10 @@ Event rejected(std::string text, std::string reason, StatusCode status) {
 
 std::string id_list(const std::vector<PeerId>& ids) {
   std::string out;
-  for (const auto& id : ids) out += (out.empty() ? "" : " ") + id.to_string();
+  for (const auto& id : ids) {
+    if (!out.empty()) out += ' ';
+    out += id.to_string();
+  }
   return out;
 }
 
@@ -1017,7 +1020,10 @@ bool Coordinator::try_complete_establish(Outbox& out) {
   std::vector<PeerId> everyone;
   for (const auto& [group, ids] : rings_) {
     summary += " group " + std::to_string(group) + " ring [";
-    for (std::size_t i = 0; i < ids.size(); ++i) summary += (i ? " " : "") + ids[i].to_string();
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (i != 0) summary += ' ';
+      summary += ids[i].to_string();
+    }
     summary += "]";
     everyone.insert(everyone.end(), ids.begin(), ids.end());
   }

@@ -179,7 +179,8 @@ std::map<std::uint32_t, std::vector<PeerId>> Coordinator::solve_rings(Outbox& ou
     std::string names;
     for (const int i : best.ring) {
       ring.push_back(ids[static_cast<std::size_t>(i)]);
-      names += (names.empty() ? "" : " ") + ids[static_cast<std::size_t>(i)].to_string();
+      if (!names.empty()) names += ' ';
+      names += ids[static_cast<std::size_t>(i)].to_string();
     }
     const std::string why = "bottleneck " + mbit(best.bottleneck) + " (" + (best.optimal ? "optimal" : "heuristic") +
                             "), previous order " + mbit(topo::ring_bottleneck(matrix, join_order));

@@ -169,7 +169,10 @@ std::vector<std::string> Observer::check_stalls(const coord::Coordinator& coordi
     reported_stalls_.insert(key);
     ++stalls_;
     std::string waiting;
-    for (const auto& id : r.waiting) waiting += (waiting.empty() ? "" : " ") + id.to_string();
+    for (const auto& id : r.waiting) {
+      if (!waiting.empty()) waiting += ' ';
+      waiting += id.to_string();
+    }
     std::string line = std::string("stall: ") + coord::to_string(r.op) +
                        (r.group ? " of group " + std::to_string(*r.group) : std::string()) +
                        (r.tag != 0 || r.op == Operation::kAllReduce ? " tag " + std::to_string(r.tag) : std::string()) +

@@ -52,6 +52,7 @@ int main(void) {
 
   CHECK(lockstep_master_config_init(&master_config) == LOCKSTEP_OK);
   CHECK(master_config.listen_port == LOCKSTEP_DEFAULT_MASTER_PORT);
+  CHECK(master_config.struct_size == sizeof master_config);
   master_config.listen_host = "127.0.0.1";
   master_config.listen_port = 0;
   CHECK(lockstep_master_create(&master_config, &master) == LOCKSTEP_OK);
@@ -60,6 +61,7 @@ int main(void) {
   CHECK(port != 0);
 
   CHECK(lockstep_comm_config_init(&comm_config) == LOCKSTEP_OK);
+  CHECK(comm_config.struct_size == sizeof comm_config); /* docs/abi.md */
   comm_config.master_port = port;
   comm_config.base_port = 0;
   CHECK(comm_config.encrypt_data == 0);

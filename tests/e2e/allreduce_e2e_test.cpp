@@ -25,7 +25,7 @@ Run start(std::size_t n, std::vector<std::string> master_flags = {}) {
   run.master = std::make_unique<Master>(std::move(master_flags));
   std::vector<Peer*> newcomers;
   for (std::size_t i = 0; i < n; ++i) {
-    run.peers.push_back(std::make_unique<Peer>(*run.master, "r" + std::to_string(i)));
+    run.peers.push_back(std::make_unique<Peer>(*run.master, numbered("r", i)));
     newcomers.push_back(run.peers.back().get());
   }
   admit(run.members, newcomers);

@@ -63,7 +63,7 @@ Run start(const SecretFile& secret, std::size_t n, bool encrypt, std::size_t tam
   run.master = std::make_unique<Master>(std::vector<std::string>{"--secret-file", secret.path()});
   std::vector<Peer*> newcomers;
   for (std::size_t i = 0; i < n; ++i) {
-    run.peers.push_back(std::make_unique<Peer>(*run.master, "p" + std::to_string(i), 0, peer_flags(secret, encrypt),
+    run.peers.push_back(std::make_unique<Peer>(*run.master, numbered("p", i), 0, peer_flags(secret, encrypt),
                                                i == tampered ? tamper_launcher() : std::vector<std::string>{}));
     newcomers.push_back(run.peers.back().get());
   }

@@ -55,7 +55,7 @@ TEST(Membership, EightPeersJoinInWavesAcrossTwoGroups) {
   for (int wave : waves) {
     std::vector<Peer*> newcomers;
     for (int i = 0; i < wave; ++i, ++index) {
-      const std::string name = "p" + std::to_string(index);
+      const std::string name = numbered("p", index);
       const int group = index % 2;
       peers.push_back(std::make_unique<Peer>(master, name, static_cast<std::uint32_t>(group)));
       group_of[name] = group;
@@ -85,7 +85,7 @@ TEST(Membership, KilledPeerIsGoneFromEverySurvivorsView) {
   std::map<std::string, int> group_of;
   std::vector<Peer*> newcomers;
   for (int i = 0; i < 4; ++i) {
-    peers.push_back(std::make_unique<Peer>(master, "k" + std::to_string(i)));
+    peers.push_back(std::make_unique<Peer>(master, numbered("k", i)));
     group_of[peers.back()->name()] = 0;
     newcomers.push_back(peers.back().get());
   }
@@ -117,7 +117,7 @@ TEST(Membership, StoppedPeerIsRemovedAfterHeartbeatTimeoutAndRejoinsAsNewPeer) {
   std::vector<std::unique_ptr<Peer>> peers;
   std::vector<Peer*> newcomers;
   for (int i = 0; i < 3; ++i) {
-    peers.push_back(std::make_unique<Peer>(master, "s" + std::to_string(i)));
+    peers.push_back(std::make_unique<Peer>(master, numbered("s", i)));
     newcomers.push_back(peers.back().get());
   }
   std::vector<Peer*> members;
@@ -169,7 +169,7 @@ TEST(Agree, OneFalseMakesEveryAnswerFalse) {
   std::vector<std::unique_ptr<Peer>> peers;
   std::vector<Peer*> newcomers;
   for (int i = 0; i < 5; ++i) {
-    peers.push_back(std::make_unique<Peer>(master, "a" + std::to_string(i)));
+    peers.push_back(std::make_unique<Peer>(master, numbered("a", i)));
     newcomers.push_back(peers.back().get());
   }
   std::vector<Peer*> members;
@@ -194,7 +194,7 @@ TEST(Agree, PeerKilledDuringAgreeGivesEverySurvivorTheSameOutcome) {
   std::vector<std::unique_ptr<Peer>> peers;
   std::vector<Peer*> newcomers;
   for (int i = 0; i < 5; ++i) {
-    peers.push_back(std::make_unique<Peer>(master, "d" + std::to_string(i)));
+    peers.push_back(std::make_unique<Peer>(master, numbered("d", i)));
     newcomers.push_back(peers.back().get());
   }
   std::vector<Peer*> members;

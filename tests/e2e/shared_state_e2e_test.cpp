@@ -30,7 +30,7 @@ Run start(std::size_t n, std::vector<std::string> master_flags = {}) {
   Run run;
   run.master = std::make_unique<Master>(std::move(master_flags));
   std::vector<Peer*> newcomers;
-  for (std::size_t i = 0; i < n; ++i) newcomers.push_back(run.add("s" + std::to_string(i)));
+  for (std::size_t i = 0; i < n; ++i) newcomers.push_back(run.add(numbered("s", i)));
   admit(run.members, newcomers);
   return run;
 }

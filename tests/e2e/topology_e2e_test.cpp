@@ -25,7 +25,7 @@ Run start(std::size_t n) {
       std::to_string(scaled(2000ms).count())});
   std::vector<Peer*> newcomers;
   for (std::size_t i = 0; i < n; ++i) {
-    run.peers.push_back(std::make_unique<Peer>(*run.master, "t" + std::to_string(i)));
+    run.peers.push_back(std::make_unique<Peer>(*run.master, numbered("t", i)));
     newcomers.push_back(run.peers.back().get());
   }
   admit(run.members, newcomers);

@@ -150,7 +150,7 @@ TEST(SoakChecker, AStallCountsOnlyWhileTwoWorkersAreActive) {
   EXPECT_EQ(c.longest_stall_ms(), 5000);
   // b stops making progress while a goes on.
   for (std::int64_t t = 36'000; t <= 46'000; t += 1000) {
-    c.line("a", sync_line("a", static_cast<std::uint64_t>(3 + (t - 36'000) / 1000), "h" + std::to_string(t)),
+    c.line("a", sync_line("a", static_cast<std::uint64_t>(3 + (t - 36'000) / 1000), std::string("h").append(std::to_string(t))),
            kStart + t);
     c.tick(kStart + t);
   }

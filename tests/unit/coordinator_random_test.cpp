@@ -193,7 +193,8 @@ class Sim {
       std::vector<p::TensorEntry>& shape = shapes_[group];
       for (std::size_t i = 0; i < tensors; ++i) {
         p::TensorEntry t;
-        t.key = "w" + std::to_string(i);
+        t.key = "w";
+        t.key += std::to_string(i);
         t.dtype = dtype;
         t.count = 1 + rng_() % 5000;
         if (i == 0 && chance(50)) t.count = (2 + rng_() % 5) << 21;
@@ -1629,7 +1630,10 @@ class Sim {
     const Election e = elect(group, voters);
     const auto list = [&](const std::set<ConnId>& conns) {
       std::string s;
-      for (const ConnId conn : conns) s += " " + name(peers_.at(conn));
+      for (const ConnId conn : conns) {
+        s += ' ';
+        s += name(peers_.at(conn));
+      }
       return "[" + s + " ]";
     };
     require(b.violators == e.violators, g + ": removed for revision violations " + list(b.violators) +

@@ -94,12 +94,18 @@ state::Digest digest_of(const std::string& key, std::uint64_t value) {
 
 std::string ids(const std::vector<PeerId>& v) {
   std::string s;
-  for (const auto& id : v) s += (s.empty() ? "" : " ") + id.to_string();
+  for (const auto& id : v) {
+    if (!s.empty()) s += ' ';
+    s += id.to_string();
+  }
   return s;
 }
 std::string ids(const std::vector<p::MemberInfo>& v) {
   std::string s;
-  for (const auto& m : v) s += (s.empty() ? "" : " ") + m.id.to_string();
+  for (const auto& m : v) {
+    if (!s.empty()) s += ' ';
+    s += m.id.to_string();
+  }
   return s;
 }
 
@@ -379,7 +385,8 @@ class Sim {
       auto& shape = shapes_[group];
       for (std::size_t i = 0; i < tensors; ++i) {
         p::TensorEntry t;
-        t.key = "w" + std::to_string(i);
+        t.key = "w";
+        t.key += std::to_string(i);
         t.dtype = dtype;
         t.count = 1 + rng_.below(5000);
         if (i == 0 && rng_.chance(40)) t.count = (2 + rng_.below(5)) << 21;

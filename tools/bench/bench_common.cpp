@@ -64,7 +64,10 @@ std::int64_t now_ns() {
 
 std::string join_sizes(const std::vector<std::uint64_t>& sizes) {
   std::string out;
-  for (auto s : sizes) out += (out.empty() ? "" : ",") + std::to_string(s);
+  for (auto s : sizes) {
+    if (!out.empty()) out += ',';
+    out += std::to_string(s);
+  }
   return out;
 }
 
