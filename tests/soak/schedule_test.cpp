@@ -238,7 +238,9 @@ struct Model {
     Worker w;
     w.since = now;
     w.host = hosts == 0 ? 0 : 1 + static_cast<std::uint32_t>(spawned % (hosts - 1));
-    workers["w" + std::to_string(++spawned)] = w;
+    std::string name = "w";  // appended: "w" + to_string() draws a false -Wrestrict from g++ 12 at -O3
+    name += std::to_string(++spawned);
+    workers[name] = w;
   }
 
   ScheduleState state(std::int64_t now) {
