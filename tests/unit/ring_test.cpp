@@ -314,14 +314,21 @@ TEST_P(Ring, FrameOfAnotherAttemptFailsTheAttemptAndRestores) {
   io_a.rx_fd = b_to_a.fds[1];
   io_b.tx_fd = b_to_a.fds[0];
   io_b.rx_fd = a_to_b.fds[1];
-  io_a.stall_timeout_ms = io_b.stall_timeout_ms = 5'000;
+  io_a.stall_timeout_ms = io_b.stall_timeout_ms = 1'000;
   lockstep::Status sb;
   std::thread peer_b([&] { sb = lockstep::coll::run_ring_all_reduce(plan_b, io_b, scratch_b, nullptr); });
   const auto sa = lockstep::coll::run_ring_all_reduce(plan_a, io_a, scratch_a, nullptr);
   peer_b.join();
-  EXPECT_EQ(sa.code(), LOCKSTEP_STATUS_PROTOCOL_ERROR) << sa.to_string();
-  EXPECT_NE(sa.message().find("during attempt"), std::string::npos) << sa.to_string();
-  EXPECT_EQ(sb.code(), LOCKSTEP_STATUS_PROTOCOL_ERROR) << sb.to_string();
+  // Whichever reads the other's first frame ends at once; the other may have stopped
+  // sending by then and ends at its stall timeout. Neither succeeds.
+  const auto refused = [](const lockstep::Status& st) {
+    return st.code() == LOCKSTEP_STATUS_PROTOCOL_ERROR && st.message().find("during attempt") != std::string::npos;
+  };
+  EXPECT_TRUE(refused(sa) || refused(sb)) << sa.to_string() << " / " << sb.to_string();
+  for (const lockstep::Status& st : {sa, sb}) {
+    EXPECT_TRUE(st.code() == LOCKSTEP_STATUS_PROTOCOL_ERROR || st.code() == LOCKSTEP_STATUS_PEER_CONNECTION_LOST)
+        << st.to_string();
+  }
   EXPECT_EQ(a, before);
   EXPECT_EQ(b, std::vector<float>(300'000, 2.0f));
 }
