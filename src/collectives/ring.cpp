@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -59,23 +60,19 @@ class Layout {
   std::vector<std::size_t> sub_offset_;
 };
 
-// Position in the item sequence: step, sub-chunk, and bytes of the item done.
+// Position of one stream in the item sequence: step, sub-chunk, and bytes of the item
+// done. A stream takes the sub-chunks first, first + stride, ... of each step's chunk.
 struct Cursor {
   std::size_t step = 0;
   std::size_t sub = 0;
-  std::size_t item = 0;  // running item number (the frame's sequence number)
+  std::size_t item = 0;  // running item number of the stream (the frame's sequence number)
   std::size_t bytes = 0;
+  std::size_t first = 0;
+  std::size_t stride = 1;
 };
 
 std::uint8_t* bytes_of(void* p) { return static_cast<std::uint8_t*>(p); }
 const std::uint8_t* bytes_of(const void* p) { return static_cast<const std::uint8_t*>(p); }
-
-void put_header(std::uint8_t* h, std::uint32_t seq, std::uint64_t attempt) {
-  const std::uint32_t magic = kRingMagic;
-  std::memcpy(h, &magic, 4);
-  std::memcpy(h + 4, &seq, 4);
-  std::memcpy(h + 8, &attempt, 8);
-}
 
 // poll(), first retried without sleeping for spin_us: a thread that sleeps each time its
 // neighbour is busy for a moment pays a wake-up each time (RingPlan::spin_us). Polling
@@ -92,33 +89,76 @@ int poll_spinning(pollfd* fds, nfds_t nfds, int timeout_ms, std::uint32_t spin_u
   return ::poll(fds, nfds, timeout_ms);
 }
 
+std::uint64_t pack(std::size_t step, std::size_t sub) {
+  return (static_cast<std::uint64_t>(step) << 32) | static_cast<std::uint64_t>(sub);
+}
+
+struct TxStream {
+  int fd = -1;
+  security::Aead* seal = nullptr;
+  Cursor cur;
+  std::uint8_t header[kRingHeaderBytes] = {};
+  // The current item's header and bytes are made (and sealed: that advances the
+  // cipher's counter) once, before its first byte goes; a send that the socket refuses
+  // at once must not make them again.
+  bool prepared = false;
+  const std::uint8_t* source = nullptr;
+};
+
+struct RxStream {
+  int fd = -1;
+  security::Aead* open = nullptr;
+  Cursor cur;
+  std::uint8_t header[kRingHeaderBytes] = {};
+  std::size_t lowat = 1;  // the socket's low-water mark, as this attempt set it
+  // pack(cur.step, cur.sub): everything before it has been received (and reduced);
+  // published by the receiving thread for the sending one.
+  std::atomic<std::uint64_t> pos{0};
+};
+
+constexpr std::uint64_t kStopped = std::uint64_t{1} << 63;
+
 class Runner {
  public:
   Runner(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats)
       : p_(plan), io_(io), s_(scratch), stats_(stats), l_(plan) {}
 
   Status run() {
+    if (p_.world == 1) {
+      prepare();
+      return single();
+    }
+    if (io_.tx_more.size() + 1 > kRingStreamsMax) {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "more than " + std::to_string(kRingStreamsMax) + " ring streams");
+    }
+    ntx_ = 1 + io_.tx_more.size();
+    tx_[0].fd = io_.tx_fd;
+    tx_[0].seal = io_.seal;
+    for (std::size_t k = 1; k < ntx_; ++k) {
+      tx_[k].fd = io_.tx_more[k - 1].fd;
+      tx_[k].seal = io_.tx_more[k - 1].aead;
+    }
+    for (std::size_t k = 0; k < ntx_; ++k) start_cursor(tx_[k].cur, k, ntx_, true);
+    // Until stream 0's first header names the previous peer's stream count, stream 0's
+    // cursor runs as if alone: its first item is the same either way.
+    rx_[0].fd = io_.rx_fd;
+    rx_[0].open = io_.open;
+    start_cursor(rx_[0].cur, 0, 1, false);
+    publish(rx_[0]);
     prepare();
-    if (p_.world == 1) return single();
     // Tunings: where the kernel refuses one, the ring runs as it would without it.
-    if (p_.tx_buffer_bytes > 0) {
-      (void)::setsockopt(io_.tx_fd, SOL_SOCKET, SO_SNDBUF, &p_.tx_buffer_bytes, sizeof p_.tx_buffer_bytes);
-    }
-    if (p_.rx_buffer_bytes > 0) {
-      (void)::setsockopt(io_.rx_fd, SOL_SOCKET, SO_RCVBUF, &p_.rx_buffer_bytes, sizeof p_.rx_buffer_bytes);
-    }
-    skip_empty(send_, true);
-    skip_empty(recv_, false);
+    for (std::size_t k = 0; k < ntx_; ++k) set_buffer(tx_[k].fd, SO_SNDBUF, p_.tx_buffer_bytes);
+    set_buffer(rx_[0].fd, SO_RCVBUF, p_.rx_buffer_bytes);
     if (p_.count * l_.esize() >= p_.sender_thread_bytes_min && start_sender()) return run_receiver();
     // The clock is read only while nothing moves.
     bool idle = false;
     std::chrono::steady_clock::time_point idle_since{};
-    while (send_.step < l_.steps() || recv_.step < l_.steps()) {
-      if (io_.abort_flag != nullptr && io_.abort_flag->load(std::memory_order_relaxed)) return aborted();
+    while (!sending_done() || !receiving_done()) {
+      if (abort_requested()) return aborted();
       bool progress = false;
-      Status st = pump_send(&progress);
+      Status st = pump_sends(&progress);
       if (!st.is_ok()) return fail(st);
-      st = pump_recv(&progress);
+      st = pump_recvs(&progress);
       if (!st.is_ok()) return fail(st);
       if (progress) {
         idle = false;
@@ -130,55 +170,40 @@ class Runner {
         if (!idle) idle_since = now;
         idle = true;
         const auto idle_ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - idle_since).count();
-        if (idle_ms >= io_.stall_timeout_ms) {
-          return fail(Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
-                             "no data moved to or from the ring neighbours for " +
-                                 std::to_string(io_.stall_timeout_ms) + " ms (a cut link?)"));
-        }
+        if (idle_ms >= io_.stall_timeout_ms) return fail(stalled());
         timeout_ms = static_cast<int>(io_.stall_timeout_ms - idle_ms);
       }
-      set_lowat(wanted_lowat());
-      pollfd fds[3];
+      pollfd fds[2 * kRingStreamsMax + 1];
       nfds_t nfds = 0;
-      if (send_ready()) fds[nfds++] = pollfd{io_.tx_fd, POLLOUT, 0};
-      if (recv_.step < l_.steps()) fds[nfds++] = pollfd{io_.rx_fd, POLLIN, 0};
+      for (std::size_t k = 0; k < ntx_; ++k) {
+        if (send_ready(tx_[k])) fds[nfds++] = pollfd{tx_[k].fd, POLLOUT, 0};
+      }
+      for (std::size_t k = 0; k < nrx(); ++k) {
+        if (rx_[k].cur.step < l_.steps()) {
+          set_lowat(rx_[k], wanted_lowat(rx_[k]));
+          fds[nfds++] = pollfd{rx_[k].fd, POLLIN, 0};
+        }
+      }
       fds[nfds++] = pollfd{io_.abort_fd, POLLIN, 0};
       if (poll_spinning(fds, nfds, timeout_ms, p_.spin_us) < 0 && errno != EINTR) {
         return fail(Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll"));
       }
       if (fds[nfds - 1].revents != 0) return aborted();
     }
-    set_lowat(1);
+    reset_lowats();
     return Status::ok();
   }
 
-  // The receive low-water mark for the next poll: RingPlan::rx_lowat_bytes, but never
-  // more than the bytes of the current sub-chunk still due (beyond them the previous
-  // peer may send nothing until this one has sent it more). 1: none.
-  std::size_t wanted_lowat() const {
-    if (p_.rx_lowat_bytes == 0 || recv_.step >= l_.steps()) return 1;
-    const std::size_t c = l_.recv_chunk(recv_.step);
-    const std::size_t due = kRingHeaderBytes + on_wire(l_.wire_bytes(c, recv_.sub, p_.quantization)) - recv_.bytes;
-    return std::max<std::size_t>(1, std::min(p_.rx_lowat_bytes, due));
-  }
-  void set_lowat(std::size_t bytes) {
-    if (bytes == lowat_) return;
-    const int value = static_cast<int>(bytes);
-    if (::setsockopt(io_.rx_fd, SOL_SOCKET, SO_RCVLOWAT, &value, sizeof value) == 0) lowat_ = bytes;
-  }
-
   // ---------------------------------------------------------------- two threads
-  // A second thread runs pump_send while this one runs pump_recv: on a machine where
+  // A second thread runs the sends while this one runs the receives: on a machine where
   // the peers share few cores, a peer then holds a fair share of the CPU while its
   // neighbours compete for it, and sending goes on while a sub-chunk is reduced. The
-  // sender learns how far the receiver got from recv_pos_ (release/acquire orders the
-  // reduced bytes before the send that reads them); wake_fd_ stops whichever side is
-  // still waiting when the other fails. The destination is restored only after the
-  // sender has been joined.
+  // sender learns how far the receiver got from the receiving streams' positions
+  // (release/acquire orders the reduced bytes before the send that reads them) and
+  // sleeps on progress_, which the receiver bumps after every item; wake_fd_ stops
+  // whichever side is still waiting when the other fails. The destination is restored
+  // only after the sender has been joined.
 
-  static std::uint64_t pack(std::size_t step, std::size_t sub) {
-    return (static_cast<std::uint64_t>(step) << 32) | static_cast<std::uint64_t>(sub);
-  }
   static std::int64_t now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch())
@@ -202,8 +227,8 @@ class Runner {
   }
   void stop_other_side() {
     stop_.store(true, std::memory_order_release);
-    recv_pos_.fetch_or(std::uint64_t{1} << 63, std::memory_order_acq_rel);  // a waiting sender wakes
-    recv_pos_.notify_all();
+    progress_.fetch_or(kStopped, std::memory_order_acq_rel);  // a waiting sender wakes
+    progress_.notify_all();
     const std::uint64_t one = 1;
     (void)!::write(wake_fd_, &one, sizeof one);
   }
@@ -213,7 +238,6 @@ class Runner {
     wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (wake_fd_ < 0) return false;
     threaded_ = true;
-    recv_pos_.store(pack(recv_.step, recv_.sub), std::memory_order_release);
     last_move_ns_.store(now_ns(), std::memory_order_relaxed);
     try {
       sender_ = std::thread([this] {
@@ -237,41 +261,48 @@ class Runner {
     wake_fd_ = -1;
     if (!st.is_ok()) return fail(st);
     if (!send_status_.is_ok()) return fail(send_status_);
+    reset_lowats();
     return Status::ok();
   }
 
   Status send_loop() {
-    while (send_.step < l_.steps()) {
+    while (!sending_done()) {
       if (stop_.load(std::memory_order_acquire)) return Status::ok();  // the receiver's status counts
       if (abort_requested()) return abort_status();
-      const std::uint64_t seen = recv_pos_.load(std::memory_order_acquire);
-      if (!send_ready()) {
-        recv_pos_.wait(seen, std::memory_order_acquire);
+      const std::uint64_t seen = progress_.load(std::memory_order_acquire);
+      if (!any_send_ready()) {
+        if ((seen & kStopped) == 0) progress_.wait(seen, std::memory_order_acquire);
         continue;
       }
       bool progress = false;
-      Status st = pump_send(&progress);
+      Status st = pump_sends(&progress);
       if (!st.is_ok()) return st;
       if (progress) {
         last_move_ns_.store(now_ns(), std::memory_order_relaxed);
         continue;
       }
-      if (!send_ready()) continue;
+      if (!any_send_ready()) continue;
       const int timeout_ms = stall_left_ms();
       if (timeout_ms == 0) return stalled();
-      pollfd fds[3] = {{io_.tx_fd, POLLOUT, 0}, {io_.abort_fd, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-      if (::poll(fds, 3, timeout_ms) < 0 && errno != EINTR) return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll");
-      if (fds[1].revents != 0) return abort_status();
+      pollfd fds[kRingStreamsMax + 2];
+      nfds_t nfds = 0;
+      for (std::size_t k = 0; k < ntx_; ++k) {
+        if (send_ready(tx_[k])) fds[nfds++] = pollfd{tx_[k].fd, POLLOUT, 0};
+      }
+      fds[nfds++] = pollfd{io_.abort_fd, POLLIN, 0};
+      fds[nfds++] = pollfd{wake_fd_, POLLIN, 0};
+      if (::poll(fds, nfds, timeout_ms) < 0 && errno != EINTR) return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll");
+      if (fds[nfds - 2].revents != 0) return abort_status();
     }
     return Status::ok();
   }
 
   Status recv_loop() {
-    while (recv_.step < l_.steps()) {
+    while (!receiving_done()) {
       if (stop_.load(std::memory_order_acquire)) return Status::ok();  // the sender's status counts
       if (abort_requested()) return abort_status();
       bool progress = false;
-      Status st = pump_recv(&progress);
+      Status st = pump_recvs(&progress);
       if (!st.is_ok()) return st;
       if (progress) {
         last_move_ns_.store(now_ns(), std::memory_order_relaxed);
@@ -279,29 +310,95 @@ class Runner {
       }
       const int timeout_ms = stall_left_ms();
       if (timeout_ms == 0) return stalled();
-      pollfd fds[3] = {{io_.rx_fd, POLLIN, 0}, {io_.abort_fd, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-      if (::poll(fds, 3, timeout_ms) < 0 && errno != EINTR) return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll");
-      if (fds[1].revents != 0) return abort_status();
+      pollfd fds[kRingStreamsMax + 2];
+      nfds_t nfds = 0;
+      for (std::size_t k = 0; k < nrx(); ++k) {
+        if (rx_[k].cur.step < l_.steps()) fds[nfds++] = pollfd{rx_[k].fd, POLLIN, 0};
+      }
+      fds[nfds++] = pollfd{io_.abort_fd, POLLIN, 0};
+      fds[nfds++] = pollfd{wake_fd_, POLLIN, 0};
+      if (::poll(fds, nfds, timeout_ms) < 0 && errno != EINTR) return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll");
+      if (fds[nfds - 2].revents != 0) return abort_status();
     }
     return Status::ok();
   }
 
  private:
+  // Receiving streams known so far: 1 until stream 0's first header names the count.
+  std::size_t nrx() const {
+    const std::size_t n = nrx_.load(std::memory_order_acquire);
+    return n == 0 ? 1 : n;
+  }
+  bool sending_done() const {
+    for (std::size_t k = 0; k < ntx_; ++k) {
+      if (tx_[k].cur.step < l_.steps()) return false;
+    }
+    return true;
+  }
+  bool receiving_done() const {
+    if (nrx_.load(std::memory_order_relaxed) == 0 && rx_[0].cur.step < l_.steps()) return false;
+    for (std::size_t k = 0; k < nrx(); ++k) {
+      if (rx_[k].cur.step < l_.steps()) return false;
+    }
+    return true;
+  }
+
+  void set_buffer(int fd, int option, int bytes) {
+    if (bytes > 0) (void)::setsockopt(fd, SOL_SOCKET, option, &bytes, sizeof bytes);
+  }
+
+  // The receive low-water mark for the next poll: RingPlan::rx_lowat_bytes, but never
+  // more than the bytes of the stream's current sub-chunk still due (beyond them the
+  // previous peer may send nothing until this one has sent it more). 1: none.
+  std::size_t wanted_lowat(const RxStream& r) const {
+    if (p_.rx_lowat_bytes == 0 || r.cur.step >= l_.steps()) return 1;
+    const std::size_t c = l_.recv_chunk(r.cur.step);
+    const std::size_t due = kRingHeaderBytes + on_wire(l_.wire_bytes(c, r.cur.sub, p_.quantization)) - r.cur.bytes;
+    return std::max<std::size_t>(1, std::min(p_.rx_lowat_bytes, due));
+  }
+  static void set_lowat(RxStream& r, std::size_t bytes) {
+    if (bytes == r.lowat) return;
+    const int value = static_cast<int>(bytes);
+    if (::setsockopt(r.fd, SOL_SOCKET, SO_RCVLOWAT, &value, sizeof value) == 0) r.lowat = bytes;
+  }
+  void reset_lowats() {
+    for (std::size_t k = 0; k < nrx(); ++k) set_lowat(rx_[k], 1);
+  }
+
+  std::size_t staging_bytes() const {
+    return std::min(p_.count * l_.esize(), std::max<std::size_t>(p_.subchunk_bytes, l_.esize())) + kQuantHeaderBytes;
+  }
+
   void prepare() {
     const std::size_t total = p_.count * l_.esize();
     if (s_.backup.size() < total) s_.backup.resize(total);
     s_.touched.assign(l_.total_subs() + 1, 0);
-    const std::size_t staging =
-        std::min(total, std::max<std::size_t>(p_.subchunk_bytes, l_.esize())) + kQuantHeaderBytes;
-    if (s_.staging.size() < staging) s_.staging.resize(staging);
+    grow_receive_scratch(1);
+    const std::size_t staging = staging_bytes();
     if (quantized()) {
-      if (s_.encoded_send.size() < staging) s_.encoded_send.resize(staging);
+      if (s_.encoded_send.size() < ntx_ * staging) s_.encoded_send.resize(ntx_ * staging);
       if (s_.encoded_gather.size() < l_.encoded_total()) s_.encoded_gather.resize(l_.encoded_total());
     }
-    if (encrypted()) {
-      if (s_.sealed_send.size() < staging + security::kTagBytes) s_.sealed_send.resize(staging + security::kTagBytes);
-      if (s_.sealed_recv.size() < staging + security::kTagBytes) s_.sealed_recv.resize(staging + security::kTagBytes);
+    if (encrypted() && s_.sealed_send.size() < ntx_ * (staging + security::kTagBytes)) {
+      s_.sealed_send.resize(ntx_ * (staging + security::kTagBytes));
     }
+  }
+  // Staging (and sealed) room for `streams` receiving streams; only the receiving
+  // thread uses these buffers.
+  void grow_receive_scratch(std::size_t streams) {
+    const std::size_t staging = staging_bytes();
+    if (s_.staging.size() < streams * staging) s_.staging.resize(streams * staging);
+    if (encrypted() && s_.sealed_recv.size() < streams * (staging + security::kTagBytes)) {
+      s_.sealed_recv.resize(streams * (staging + security::kTagBytes));
+    }
+  }
+  std::uint8_t* staging_of(std::size_t k) { return s_.staging.data() + k * staging_bytes(); }
+  std::uint8_t* sealed_recv_of(std::size_t k) {
+    return s_.sealed_recv.data() + k * (staging_bytes() + security::kTagBytes);
+  }
+  std::uint8_t* encoded_send_of(std::size_t k) { return s_.encoded_send.data() + k * staging_bytes(); }
+  std::uint8_t* sealed_send_of(std::size_t k) {
+    return s_.sealed_send.data() + k * (staging_bytes() + security::kTagBytes);
   }
 
   // Backs up destination elements [start, start+len) of sub-chunk g before the first write.
@@ -327,116 +424,151 @@ class Runner {
   // The bytes of a send item. Quantized: reduce-scatter encodes the partial sum; the
   // first all-gather step encodes this peer's final chunk and replaces its own copy
   // with the decoded form; later steps forward what was received, unchanged.
-  const std::uint8_t* send_data(std::size_t c, std::size_t start) {
-    const std::uint8_t* raw = (send_.step == 0 ? bytes_of(p_.src) : bytes_of(p_.dst)) + start * l_.esize();
+  const std::uint8_t* send_data(std::size_t k, std::size_t c, std::size_t start) {
+    const Cursor& cur = tx_[k].cur;
+    const std::uint8_t* raw = (cur.step == 0 ? bytes_of(p_.src) : bytes_of(p_.dst)) + start * l_.esize();
     if (!quantized()) return raw;
-    const std::size_t elems = l_.sub_len(c, send_.sub);
-    if (send_.step + 1 < l_.n()) {
-      quantize(raw, elems, p_.dtype, p_.quantization, s_.encoded_send.data());
-      return s_.encoded_send.data();
+    const std::size_t elems = l_.sub_len(c, cur.sub);
+    if (cur.step + 1 < l_.n()) {
+      quantize(raw, elems, p_.dtype, p_.quantization, encoded_send_of(k));
+      return encoded_send_of(k);
     }
-    std::uint8_t* kept = s_.encoded_gather.data() + l_.encoded_offset(c, send_.sub);
-    if (send_.step + 1 == l_.n()) {
+    std::uint8_t* kept = s_.encoded_gather.data() + l_.encoded_offset(c, cur.sub);
+    if (cur.step + 1 == l_.n()) {
       quantize(raw, elems, p_.dtype, p_.quantization, kept);
-      touch(l_.sub_index(c, send_.sub), start, elems);
+      touch(l_.sub_index(c, cur.sub), start, elems);
       dequantize(kept, elems, p_.dtype, p_.quantization, bytes_of(p_.dst) + start * l_.esize());
     }
     return kept;
   }
 
-  void skip_empty(Cursor& c, bool sending) {
+  void start_cursor(Cursor& c, std::size_t first, std::size_t stride, bool sending) const {
+    c = Cursor{};
+    c.first = first;
+    c.sub = first;
+    c.stride = stride;
+    skip_empty(c, sending);
+  }
+  void skip_empty(Cursor& c, bool sending) const {
     while (c.step < l_.steps() && c.sub >= l_.nsub(sending ? l_.send_chunk(c.step) : l_.recv_chunk(c.step))) {
       ++c.step;
-      c.sub = 0;
+      c.sub = c.first;
     }
   }
-
-  void advance(Cursor& c, bool sending) {
-    ++c.sub;
+  void advance(Cursor& c, bool sending) const {
+    c.sub += c.stride;
     ++c.item;
     c.bytes = 0;
     skip_empty(c, sending);
   }
+  static void publish(RxStream& r) { r.pos.store(pack(r.cur.step, r.cur.sub), std::memory_order_release); }
 
-  bool send_ready() const {
-    if (send_.step >= l_.steps()) return false;
-    if (send_.step == 0) return true;
-    // The receive of this sub-chunk at the previous step must be complete.
-    if (threaded_) {
-      const std::uint64_t received = recv_pos_.load(std::memory_order_acquire);
-      return received >> 63 == 0 && received > pack(send_.step - 1, send_.sub);  // bit 63: stopped
+  bool send_ready(const TxStream& t) const {
+    if (t.cur.step >= l_.steps()) return false;
+    if (t.cur.step == 0) return true;
+    // The receive of this sub-chunk at the previous step must be complete, on the
+    // receiving stream that carries it.
+    const std::size_t streams = nrx_.load(std::memory_order_acquire);
+    if (streams == 0) return false;
+    return rx_[t.cur.sub % streams].pos.load(std::memory_order_acquire) > pack(t.cur.step - 1, t.cur.sub);
+  }
+  bool any_send_ready() const {
+    for (std::size_t k = 0; k < ntx_; ++k) {
+      if (send_ready(tx_[k])) return true;
     }
-    return recv_.step > send_.step - 1 || (recv_.step == send_.step - 1 && recv_.sub > send_.sub);
+    return false;
   }
 
-  Status pump_send(bool* progress) {
-    while (send_ready()) {
-      const std::size_t c = l_.send_chunk(send_.step);
-      const std::size_t start = l_.sub_start(c, send_.sub);
-      const std::size_t plain = l_.wire_bytes(c, send_.sub, p_.quantization);
+  Status pump_sends(bool* progress) {
+    for (std::size_t k = 0; k < ntx_; ++k) {
+      Status st = pump_send(k, progress);
+      if (!st.is_ok()) return st;
+    }
+    return Status::ok();
+  }
+  Status pump_recvs(bool* progress) {
+    for (std::size_t k = 0; k < nrx(); ++k) {
+      Status st = pump_recv(k, progress);
+      if (!st.is_ok()) return st;
+    }
+    return Status::ok();
+  }
+
+  Status pump_send(std::size_t k, bool* progress) {
+    TxStream& t = tx_[k];
+    while (send_ready(t)) {
+      const std::size_t c = l_.send_chunk(t.cur.step);
+      const std::size_t start = l_.sub_start(c, t.cur.sub);
+      const std::size_t plain = l_.wire_bytes(c, t.cur.sub, p_.quantization);
       const std::size_t payload = on_wire(plain);
       // Step 0 sends this peer's own input; later steps send what was reduced or received.
-      if (send_.bytes == 0) {
-        put_header(send_header_, static_cast<std::uint32_t>(send_.item), p_.attempt);
-        send_source_ = send_data(c, start);
+      if (!t.prepared) {
+        t.prepared = true;
+        put_ring_header(t.header, RingHeader{static_cast<std::uint8_t>(k), static_cast<std::uint8_t>(ntx_),
+                                             static_cast<std::uint32_t>(t.cur.item), p_.attempt});
+        t.source = send_data(k, c, start);
         if (encrypted()) {
-          io_.seal->seal(std::span<const std::uint8_t>(send_source_, plain),
-                         std::span<const std::uint8_t>(send_header_, kRingHeaderBytes), s_.sealed_send.data());
-          send_source_ = s_.sealed_send.data();
+          t.seal->seal(std::span<const std::uint8_t>(t.source, plain),
+                       std::span<const std::uint8_t>(t.header, kRingHeaderBytes), sealed_send_of(k));
+          t.source = sealed_send_of(k);
         }
       }
-      const std::uint8_t* data = send_source_;
+      const std::uint8_t* data = t.source;
       iovec iov[2];
       int n = 0;
-      if (send_.bytes < kRingHeaderBytes) {
-        iov[n++] = iovec{send_header_ + send_.bytes, kRingHeaderBytes - send_.bytes};
+      if (t.cur.bytes < kRingHeaderBytes) {
+        iov[n++] = iovec{t.header + t.cur.bytes, kRingHeaderBytes - t.cur.bytes};
         iov[n++] = iovec{const_cast<std::uint8_t*>(data), payload};
       } else {
-        const std::size_t off = send_.bytes - kRingHeaderBytes;
+        const std::size_t off = t.cur.bytes - kRingHeaderBytes;
         iov[n++] = iovec{const_cast<std::uint8_t*>(data) + off, payload - off};
       }
       msghdr msg{};
       msg.msg_iov = iov;
       msg.msg_iovlen = static_cast<std::size_t>(n);
-      const ssize_t sent = ::sendmsg(io_.tx_fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      const ssize_t sent = ::sendmsg(t.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (sent < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return Status::ok();
         return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
                       std::string("sending to the next ring peer: ") + std::strerror(errno));
       }
       *progress = true;
-      send_.bytes += static_cast<std::size_t>(sent);
+      t.cur.bytes += static_cast<std::size_t>(sent);
       if (stats_ != nullptr) stats_->bytes_sent += static_cast<std::uint64_t>(sent);
-      if (send_.bytes == kRingHeaderBytes + payload) advance(send_, true);
+      if (t.cur.bytes == kRingHeaderBytes + payload) {
+        advance(t.cur, true);
+        t.prepared = false;
+      }
     }
     return Status::ok();
   }
 
-  Status pump_recv(bool* progress) {
-    while (recv_.step < l_.steps()) {
-      const std::size_t c = l_.recv_chunk(recv_.step);
-      const std::size_t start = l_.sub_start(c, recv_.sub);
-      const std::size_t elems = l_.sub_len(c, recv_.sub);
-      const std::size_t plain = l_.wire_bytes(c, recv_.sub, p_.quantization);
+  Status pump_recv(std::size_t k, bool* progress) {
+    RxStream& r = rx_[k];
+    while (r.cur.step < l_.steps()) {
+      const std::size_t c = l_.recv_chunk(r.cur.step);
+      const std::size_t start = l_.sub_start(c, r.cur.sub);
+      const std::size_t elems = l_.sub_len(c, r.cur.sub);
+      const std::size_t plain = l_.wire_bytes(c, r.cur.sub, p_.quantization);
       const std::size_t payload = on_wire(plain);
-      const bool reducing = recv_.step < l_.n() - 1;
-      const std::size_t g = l_.sub_index(c, recv_.sub);
-      // All-gather writes straight into the destination: back it up first.
-      if (!reducing && recv_.bytes == 0) touch(g, start, elems);
-      std::uint8_t* target = reducing ? s_.staging.data() : bytes_of(p_.dst) + start * l_.esize();
-      if (quantized() && !reducing) target = s_.encoded_gather.data() + l_.encoded_offset(c, recv_.sub);
-      // Encrypted: the sealed bytes wait in scratch until they verify.
-      std::uint8_t* landing = encrypted() ? s_.sealed_recv.data() : target;
-      iovec iov[2];
-      int n = 0;
-      if (recv_.bytes < kRingHeaderBytes) {
-        iov[n++] = iovec{recv_header_ + recv_.bytes, kRingHeaderBytes - recv_.bytes};
+      const bool reducing = r.cur.step < l_.n() - 1;
+      const std::size_t g = l_.sub_index(c, r.cur.sub);
+      std::uint8_t* iov_base = nullptr;
+      std::size_t iov_len = 0;
+      if (r.cur.bytes < kRingHeaderBytes) {
         // Read no further than the header until it is checked.
+        iov_base = r.header + r.cur.bytes;
+        iov_len = kRingHeaderBytes - r.cur.bytes;
       } else {
-        const std::size_t off = recv_.bytes - kRingHeaderBytes;
-        iov[n++] = iovec{landing + off, payload - off};
+        // All-gather writes straight into the destination: back it up first.
+        if (!reducing && r.cur.bytes == kRingHeaderBytes) touch(g, start, elems);
+        // Encrypted: the sealed bytes wait in scratch until they verify.
+        std::uint8_t* landing = encrypted() ? sealed_recv_of(k) : target_of(k, c, start, reducing);
+        const std::size_t off = r.cur.bytes - kRingHeaderBytes;
+        iov_base = landing + off;
+        iov_len = payload - off;
       }
-      const ssize_t got = ::readv(io_.rx_fd, iov, n);
+      const ssize_t got = ::read(r.fd, iov_base, iov_len);
       if (got < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return Status::ok();
         return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
@@ -444,18 +576,20 @@ class Runner {
       }
       if (got == 0) return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the previous ring peer closed the connection");
       *progress = true;
-      const std::size_t before = recv_.bytes;
-      recv_.bytes += static_cast<std::size_t>(got);
+      const std::size_t before = r.cur.bytes;
+      r.cur.bytes += static_cast<std::size_t>(got);
       if (stats_ != nullptr) stats_->bytes_received += static_cast<std::uint64_t>(got);
-      if (before < kRingHeaderBytes && recv_.bytes == kRingHeaderBytes) {
-        Status h = check_header();
+      if (before < kRingHeaderBytes && r.cur.bytes == kRingHeaderBytes) {
+        Status h = check_header(k);
         if (!h.is_ok()) return h;
+        continue;  // the stream count may have changed the buffers: look again
       }
-      if (recv_.bytes == kRingHeaderBytes + payload) {
-        if (encrypted() && !io_.open->open(std::span<const std::uint8_t>(landing, payload),
-                                           std::span<const std::uint8_t>(recv_header_, kRingHeaderBytes), target)) {
+      if (r.cur.bytes == kRingHeaderBytes + payload) {
+        std::uint8_t* target = target_of(k, c, start, reducing);
+        if (encrypted() && !r.open->open(std::span<const std::uint8_t>(sealed_recv_of(k), payload),
+                                         std::span<const std::uint8_t>(r.header, kRingHeaderBytes), target)) {
           return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR,
-                        "ring sub-chunk " + std::to_string(recv_.item) +
+                        "ring sub-chunk " + std::to_string(r.cur.item) + " of stream " + std::to_string(k) +
                             " from the previous peer does not verify (altered on the way, or sent with another key)");
         }
         if (quantized() && !quantized_header_valid(target, p_.dtype, p_.quantization)) {
@@ -464,83 +598,159 @@ class Runner {
         if (!reducing && quantized()) {
           dequantize(target, elems, p_.dtype, p_.quantization, bytes_of(p_.dst) + start * l_.esize());
         }
-        if (reducing) {
-          std::uint8_t* dst = bytes_of(p_.dst) + start * l_.esize();
-          const std::uint8_t* src = bytes_of(p_.src) + start * l_.esize();
-          if (quantized()) {
-            touch(g, start, elems);
-            if (src != dst) std::memcpy(dst, src, elems * l_.esize());
-            dequantize_reduce(dst, s_.staging.data(), elems, p_.dtype, p_.quantization, p_.op);
-          } else if (s_.touched[g] == 0) {
-            // The reduce takes the backup itself, reading the destination once.
-            s_.touched[g] = 1;
-            reduce3_saving(dst, s_.backup.data() + start * l_.esize(), src, s_.staging.data(), elems, p_.dtype,
-                           p_.op);
-          } else {
-            touch(g, start, elems);
-            reduce3(dst, src, s_.staging.data(), elems, p_.dtype, p_.op);
-          }
-          // The last reduce-scatter step completes this peer's chunk: finish it here,
-          // once, so that the all-gather hands every peer the same bytes.
-          if (recv_.step == l_.n() - 2) finalize(dst, elems, p_.dtype, p_.op, static_cast<std::uint32_t>(p_.world));
-        }
-        advance(recv_, false);
+        if (reducing) reduce_into(g, start, elems, target, r.cur.step);
+        advance(r.cur, false);
+        publish(r);
         if (threaded_) {
-          recv_pos_.store(pack(recv_.step, recv_.sub), std::memory_order_release);
-          recv_pos_.notify_one();
+          progress_.fetch_add(1, std::memory_order_acq_rel);
+          progress_.notify_one();
         }
       }
     }
     return Status::ok();
   }
 
-  Status check_header() const {
-    std::uint32_t magic = 0;
-    std::uint32_t seq = 0;
-    std::uint64_t attempt = 0;
-    std::memcpy(&magic, recv_header_, 4);
-    std::memcpy(&seq, recv_header_ + 4, 4);
-    std::memcpy(&attempt, recv_header_ + 8, 8);
-    if (magic != kRingMagic) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring frame with a bad magic number");
-    if (attempt != p_.attempt) {
-      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring frame of attempt " + std::to_string(attempt) +
+  // Where a received sub-chunk's payload (decrypted) goes: the stream's staging buffer
+  // for a reduce, the destination for the all-gather, or the kept encoded form when quantized.
+  std::uint8_t* target_of(std::size_t k, std::size_t c, std::size_t start, bool reducing) {
+    if (reducing) return staging_of(k);
+    if (quantized()) return s_.encoded_gather.data() + l_.encoded_offset(c, rx_[k].cur.sub);
+    return bytes_of(p_.dst) + start * l_.esize();
+  }
+
+  void reduce_into(std::size_t g, std::size_t start, std::size_t elems, const std::uint8_t* staged, std::size_t step) {
+    std::uint8_t* dst = bytes_of(p_.dst) + start * l_.esize();
+    const std::uint8_t* src = bytes_of(p_.src) + start * l_.esize();
+    if (quantized()) {
+      touch(g, start, elems);
+      if (src != dst) std::memcpy(dst, src, elems * l_.esize());
+      dequantize_reduce(dst, staged, elems, p_.dtype, p_.quantization, p_.op);
+    } else if (s_.touched[g] == 0) {
+      // The reduce takes the backup itself, reading the destination once.
+      s_.touched[g] = 1;
+      reduce3_saving(dst, s_.backup.data() + start * l_.esize(), src, staged, elems, p_.dtype, p_.op);
+    } else {
+      touch(g, start, elems);
+      reduce3(dst, src, staged, elems, p_.dtype, p_.op);
+    }
+    // The last reduce-scatter step completes this peer's chunk: finish it here, once,
+    // so that the all-gather hands every peer the same bytes.
+    if (step == l_.n() - 2) finalize(dst, elems, p_.dtype, p_.op, static_cast<std::uint32_t>(p_.world));
+  }
+
+  Status check_header(std::size_t k) {
+    RxStream& r = rx_[k];
+    auto parsed = parse_ring_header(r.header);
+    if (!parsed.is_ok()) return parsed.status();
+    const RingHeader& h = parsed.value();
+    if (h.attempt != p_.attempt) {
+      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring frame of attempt " + std::to_string(h.attempt) +
                                                         " during attempt " + std::to_string(p_.attempt));
     }
-    if (seq != static_cast<std::uint32_t>(recv_.item)) {
+    if (h.stream != k) {
+      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring frame of stream " + std::to_string(h.stream) +
+                                                        " on the connection of stream " + std::to_string(k));
+    }
+    const std::size_t known = nrx_.load(std::memory_order_relaxed);
+    if (known == 0) {
+      Status st = open_streams(h.streams);
+      if (!st.is_ok()) return st;
+    } else if (h.streams != known) {
+      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring frame announcing " + std::to_string(h.streams) +
+                                                        " streams where the attempt began with " + std::to_string(known));
+    }
+    if (h.seq != static_cast<std::uint32_t>(r.cur.item)) {
       return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring frame out of sequence");
     }
     return Status::ok();
   }
 
+  // The previous peer's first header named its stream count: take the other streams'
+  // connections and start their cursors.
+  Status open_streams(std::size_t streams) {
+    if (streams > 1) {
+      if (!io_.rx_more) {
+        return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR,
+                      "the previous ring peer announced " + std::to_string(streams) + " streams where one is accepted");
+      }
+      std::vector<RingStream> more;
+      Status st = io_.rx_more(streams, &more);
+      if (!st.is_ok()) return st;
+      if (more.size() != streams - 1) {
+        return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the previous ring peer opened " + std::to_string(more.size() + 1) +
+                                                          " of the " + std::to_string(streams) + " streams it announced");
+      }
+      grow_receive_scratch(streams);
+      for (std::size_t k = 1; k < streams; ++k) {
+        rx_[k].fd = more[k - 1].fd;
+        rx_[k].open = more[k - 1].aead;
+        start_cursor(rx_[k].cur, k, streams, false);
+        publish(rx_[k]);
+        set_buffer(rx_[k].fd, SO_RCVBUF, p_.rx_buffer_bytes);
+      }
+      // Stream 0 is at its first item, the same with any stride.
+      rx_[0].cur.stride = streams;
+    }
+    nrx_.store(streams, std::memory_order_release);
+    return Status::ok();
+  }
+
   Status fail(Status st) {
-    set_lowat(1);
+    reset_lowats();
     restore(p_, s_);
     return st;
   }
-  Status aborted() { return fail(Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the attempt was aborted")); }
+  Status aborted() { return fail(abort_status()); }
 
   const RingPlan& p_;
   const RingIo& io_;
   RingScratch& s_;
   RingStats* stats_;
   Layout l_;
-  Cursor send_;
-  Cursor recv_;
-  const std::uint8_t* send_source_ = nullptr;
-  std::size_t lowat_ = 1;  // the receive socket's low-water mark, as this attempt set it
+  std::array<TxStream, kRingStreamsMax> tx_;
+  std::size_t ntx_ = 1;
+  std::array<RxStream, kRingStreamsMax> rx_;
+  std::atomic<std::size_t> nrx_{0};  // 0 until stream 0's first header names the count
   // Two threads (see start_sender).
   bool threaded_ = false;
   int wake_fd_ = -1;
   std::thread sender_;
   Status send_status_ = Status::ok();
   std::atomic<bool> stop_{false};
-  std::atomic<std::uint64_t> recv_pos_{0};  // pack(recv_.step, recv_.sub), published by the receiver
+  std::atomic<std::uint64_t> progress_{0};  // items received; kStopped once a side stopped
   std::atomic<std::int64_t> last_move_ns_{0};
-  std::uint8_t send_header_[kRingHeaderBytes] = {};
-  std::uint8_t recv_header_[kRingHeaderBytes] = {};
 };
 
 }  // namespace
+
+void put_ring_header(std::uint8_t* out, const RingHeader& h) {
+  const std::uint16_t magic = kRingMagic;
+  std::memcpy(out, &magic, 2);
+  out[2] = h.stream;
+  out[3] = h.streams;
+  std::memcpy(out + 4, &h.seq, 4);
+  std::memcpy(out + 8, &h.attempt, 8);
+}
+
+Result<RingHeader> parse_ring_header(const std::uint8_t* in) {
+  std::uint16_t magic = 0;
+  std::memcpy(&magic, in, 2);
+  if (magic != kRingMagic) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring frame with a bad magic number");
+  RingHeader h;
+  h.stream = in[2];
+  h.streams = in[3];
+  std::memcpy(&h.seq, in + 4, 4);
+  std::memcpy(&h.attempt, in + 8, 8);
+  if (h.streams == 0 || h.streams > kRingStreamsMax) {
+    return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring frame announcing " + std::to_string(h.streams) +
+                                                      " streams (1 to " + std::to_string(kRingStreamsMax) + ")");
+  }
+  if (h.stream >= h.streams) {
+    return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring frame of stream " + std::to_string(h.stream) + " of " +
+                                                      std::to_string(h.streams));
+  }
+  return h;
+}
 
 void tune_same_host(RingPlan& plan, bool previous_peer_on_this_host, bool next_peer_on_this_host) {
   const std::size_t bytes = plan.count * dtype_size(plan.dtype);

@@ -28,6 +28,16 @@
 // not open. The sender seals from the source into a scratch buffer; the receiver reads
 // into another and opens into the real target only once the tag verifies (a failure
 // fails the attempt with PROTOCOL_ERROR and restores the destination like any other).
+//
+// Striped (streams): the sender of each hop may spread the sub-chunks over up to
+// kRingStreamsMax connections to its next peer: sub-chunk j of every chunk travels on
+// stream j mod S, each stream in the order of the unstriped ring. The chunks, sub-chunks,
+// reduction order and quantization are those of the unstriped ring, so the results are
+// the same bits. Every frame header names its stream and the hop's stream count S; the
+// receiver learns S from the first header on stream 0 and then takes the other streams'
+// connections (RingIo::rx_more). Each hop chooses its own S (peer/streams.h); a send of
+// step s waits for the receive of the same sub-chunk at step s-1, on whichever stream it
+// came.
 #pragma once
 
 #include "common/status.h"
@@ -38,6 +48,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -133,9 +144,22 @@ void tune_same_host(RingPlan& plan, bool previous_peer_on_this_host, bool next_p
 // out from the run-to-run spread.
 inline constexpr std::size_t kSenderThreadBytesMin = 4 * 1024 * 1024;
 
+// One more connection of a striped hop, and its cipher when encrypted.
+struct RingStream {
+  int fd = -1;
+  security::Aead* aead = nullptr;
+};
+
 struct RingIo {
-  int tx_fd = -1;                                 // to the next peer (non-blocking)
-  int rx_fd = -1;                                 // from the previous peer (non-blocking)
+  int tx_fd = -1;                                 // to the next peer (non-blocking): stream 0
+  int rx_fd = -1;                                 // from the previous peer (non-blocking): stream 0
+  // Streams 1.. to the next peer (at most kRingStreamsMax - 1): this hop's stripes.
+  std::vector<RingStream> tx_more;
+  // Called at most once, when the previous peer's first header announces `streams` > 1:
+  // the connections of its streams 1..streams-1 (non-blocking), in order, or why they
+  // cannot be had (the attempt then fails with that status). Unset: only one stream is
+  // accepted.
+  std::function<Status(std::size_t streams, std::vector<RingStream>* out)> rx_more;
   int abort_fd = -1;                              // readable when the attempt must stop
   const std::atomic<bool>* abort_flag = nullptr;  // checked between sub-chunks
   // The attempt fails when no byte moves in either direction for this long (0: never):
@@ -157,19 +181,33 @@ struct RingStats {
 // Reused across attempts so that the steady state allocates nothing.
 struct RingScratch {
   std::vector<std::uint8_t> backup;   // the destination's previous content
-  std::vector<std::uint8_t> staging;  // one received sub-chunk before it is reduced
+  std::vector<std::uint8_t> staging;  // per receiving stream: one sub-chunk before it is reduced
   std::vector<std::uint8_t> touched;  // per sub-chunk of the destination: backed up
-  // Quantized attempts: one encoded sub-chunk on its way out, and every encoded
-  // sub-chunk of the all-gather, forwarded verbatim so that all peers decode the same bytes.
+  // Quantized attempts: per sending stream one encoded sub-chunk on its way out, and
+  // every encoded sub-chunk of the all-gather, forwarded verbatim so that all peers
+  // decode the same bytes.
   std::vector<std::uint8_t> encoded_send;
   std::vector<std::uint8_t> encoded_gather;
-  // Encrypted attempts: one sealed sub-chunk (ciphertext and tag) in each direction.
+  // Encrypted attempts: per stream one sealed sub-chunk (ciphertext and tag) in each direction.
   std::vector<std::uint8_t> sealed_send;
   std::vector<std::uint8_t> sealed_recv;
 };
 
+// The frame header: magic (2 bytes, "LS"), stream index, stream count (1 byte each),
+// the stream's sequence number (4 bytes) and the attempt (8 bytes), little-endian.
 inline constexpr std::size_t kRingHeaderBytes = 16;
-inline constexpr std::uint32_t kRingMagic = 0x4452414c;  // "LARD"
+inline constexpr std::uint16_t kRingMagic = 0x534c;  // "LS"
+inline constexpr std::size_t kRingStreamsMax = 16;
+struct RingHeader {
+  std::uint8_t stream = 0;
+  std::uint8_t streams = 1;
+  std::uint32_t seq = 0;
+  std::uint64_t attempt = 0;
+};
+void put_ring_header(std::uint8_t* out, const RingHeader& h);
+// The header's fields, or why it cannot be one: a bad magic, a stream count of 0 or
+// above kRingStreamsMax, a stream index not below the count.
+Result<RingHeader> parse_ring_header(const std::uint8_t* in);
 
 // Runs the attempt. On failure (a socket error, a bad header, an abort) the
 // destination is restored before returning. On success the backup is kept in

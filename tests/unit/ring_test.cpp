@@ -343,11 +343,8 @@ TEST_P(Ring, MalformedFrameHeaderFailsTheAttempt) {
     const std::vector<float> before = a;
     const RingPlan plan = plan_for(0, a, a);
     std::uint8_t header[lockstep::coll::kRingHeaderBytes] = {};
-    const std::uint32_t magic = bad_magic ? 0x12345678u : lockstep::coll::kRingMagic;
-    const std::uint32_t seq = bad_magic ? 0u : 7u;
-    std::memcpy(header, &magic, 4);
-    std::memcpy(header + 4, &seq, 4);
-    std::memcpy(header + 8, &plan.attempt, 8);
+    lockstep::coll::put_ring_header(header, {0, 1, bad_magic ? 0u : 7u, plan.attempt});
+    if (bad_magic) header[0] ^= 0x5a;
     std::vector<std::uint8_t> frame(header, header + sizeof header);
     frame.resize(frame.size() + 4096, 0x3f);
     ASSERT_EQ(::write(b_to_a.fds[0], frame.data(), frame.size()), static_cast<ssize_t>(frame.size()));
