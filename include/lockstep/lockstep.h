@@ -275,6 +275,16 @@ typedef struct lockstep_comm_config {
    * every peer (PEER_CONNECTION_LOST; retry it). Costs throughput: see BENCHMARKS.md.
    * 0 (default): the data plane travels in clear (docs/security.md). */
   int encrypt_data;
+  /* Connections one all-reduce stripes over towards each ring neighbour (streams): 0
+   * (default) adapts the count to the path, from 1 up to 8, keeping more only while
+   * they raise the throughput (docs/wan.md); 1 to 16 fixes it. Above 16:
+   * INVALID_ARGUMENT. The results are the same bits with any count. */
+  uint32_t p2p_streams;
+  /* TCP congestion control of the p2p connections (Linux TCP_CONGESTION, e.g. "bbr",
+   * "cubic", "reno"); NULL or "" (default): the system's. A name that is not one (1 to
+   * 15 of a-z, 0-9, _ and -): INVALID_ARGUMENT; one the kernel refuses (not loaded, or
+   * not allowed for this user): one warning in the log and the system's default. */
+  const char* tcp_congestion;
 } lockstep_comm_config_t;
 
 /* Fills the struct_size bytes of a config with the defaults (master_host "127.0.0.1")
@@ -430,6 +440,7 @@ typedef struct lockstep_reduce_info {
   uint32_t world_size;     /* peers that took part in the successful attempt */
   uint64_t bytes_sent;     /* bytes this peer put on the wire (headers and, encrypted, tags included) */
   uint64_t bytes_received;
+  uint32_t streams;        /* connections this peer's sends were striped over (1: one; p2p_streams) */
 } lockstep_reduce_info_t;
 
 typedef struct lockstep_async lockstep_async_t;

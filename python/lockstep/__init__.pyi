@@ -316,7 +316,8 @@ class Communicator:
                  bind_host: Optional[str] = None, secret_file: Optional[str] = None,
                  secret: Optional[Union[bytes, str]] = None, inbound_handshake_timeout_ms: int = 0,
                  inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
-                 encrypt_data: bool = False) -> None:
+                 encrypt_data: bool = False, p2p_streams: int = 0,
+                 tcp_congestion: Optional[str] = None) -> None:
         """master: "host:port" (port 48148 if omitted). group: the peer group. pool_size: p2p
         connections per neighbour and direction. base_port: -1 first free ports above
         48148, 0 ephemeral, else the first port tried. connect_timeout_ms: 0 means 10000.
@@ -328,7 +329,10 @@ class Communicator:
         attempt in which no byte moves to or from the ring neighbours for this long fails
         (PeerConnectionLostError); 0 means 30000. encrypt_data: seal the data plane
         (all-reduce sub-chunks, shared-state transfers) with ChaCha20-Poly1305; needs a
-        secret (else InvalidArgumentError); every peer of the run must set the same."""
+        secret (else InvalidArgumentError); every peer of the run must set the same.
+        p2p_streams: connections one all-reduce stripes over per neighbour (0 adapts, 1 to
+        16 fixes). tcp_congestion: the p2p connections' congestion control (None: the
+        system's)."""
     def connect(self) -> None:
         """Connects and blocks until accepted (the accepted peers' update_topology admits it)."""
     def update_topology(self) -> None:

@@ -208,6 +208,13 @@ class Communicator:
             connections between peers that differ are refused). An altered sub-chunk
             fails the all-reduce on every peer (PeerConnectionLostError). Costs
             throughput (BENCHMARKS.md).
+        p2p_streams: connections one all-reduce stripes over towards each ring
+            neighbour: 0 adapts the count to the path (1 up to 8, more only while they
+            raise the throughput: docs/wan.md); 1 to 16 fixes it. The results are the
+            same bits with any count.
+        tcp_congestion: TCP congestion control of the p2p connections (e.g. ``"bbr"``);
+            None: the system's default. One the kernel refuses is logged once and the
+            default used.
     """
 
     def __init__(self, master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}", group: int = 0, pool_size: int = 1,
@@ -215,14 +222,15 @@ class Communicator:
                  bind_host: Optional[str] = None, secret_file: Optional[str] = None,
                  secret: Optional[Union[bytes, str]] = None, inbound_handshake_timeout_ms: int = 0,
                  inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
-                 encrypt_data: bool = False) -> None:
+                 encrypt_data: bool = False, p2p_streams: int = 0,
+                 tcp_congestion: Optional[str] = None) -> None:
         host, port = _split_address(master, DEFAULT_MASTER_PORT, "master")
         if not host:
             raise InvalidArgumentError(f"master {master!r}: the host is empty")
         if isinstance(base_port, bool) or not isinstance(base_port, int) or not -1 <= base_port <= 65535:
             raise InvalidArgumentError(f"base_port must be -1, 0 or a port number, got {base_port!r}")
         for name, value in (("advertised_host", advertised_host), ("bind_host", bind_host),
-                            ("secret_file", secret_file)):
+                            ("secret_file", secret_file), ("tcp_congestion", tcp_congestion)):
             if value is not None and not isinstance(value, str):
                 raise InvalidArgumentError(f"{name} must be a str or None")
         if isinstance(secret, str):
@@ -235,7 +243,8 @@ class Communicator:
             secret_file or "", None if secret is None else bytes(secret),
             _check_uint("inbound_handshake_timeout_ms", inbound_handshake_timeout_ms, 32),
             _check_uint("inbound_handshakes_max", inbound_handshakes_max, 32),
-            _check_uint("p2p_stall_timeout_ms", p2p_stall_timeout_ms, 32), bool(encrypt_data))
+            _check_uint("p2p_stall_timeout_ms", p2p_stall_timeout_ms, 32), bool(encrypt_data),
+            _check_uint("p2p_streams", p2p_streams, 32), tcp_congestion or "")
         self.master = f"{host}:{port}"
 
     # -- membership ---------------------------------------------------------

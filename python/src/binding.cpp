@@ -290,7 +290,8 @@ class PyComm {
          std::int32_t base_port, std::uint32_t connect_timeout_ms, const std::string& advertised_host,
          const std::string& bind_host, const std::string& secret_file, const py::object& secret,
          std::uint32_t inbound_handshake_timeout_ms, std::uint32_t inbound_handshakes_max,
-         std::uint32_t p2p_stall_timeout_ms, bool encrypt_data)
+         std::uint32_t p2p_stall_timeout_ms, bool encrypt_data, std::uint32_t p2p_streams,
+         const std::string& tcp_congestion)
       : state_(std::make_shared<CommState>()) {
     lockstep_comm_config_t config;
     check(lockstep_comm_config_init(&config), nullptr);
@@ -313,6 +314,8 @@ class PyComm {
     config.inbound_handshakes_max = inbound_handshakes_max;
     config.p2p_stall_timeout_ms = p2p_stall_timeout_ms;
     config.encrypt_data = encrypt_data ? 1 : 0;
+    config.p2p_streams = p2p_streams;
+    config.tcp_congestion = tcp_congestion.c_str();
     lockstep_comm_t* comm = nullptr;
     int s = LOCKSTEP_OK;
     {
@@ -321,7 +324,7 @@ class PyComm {
     }
     if (s != LOCKSTEP_OK) {
       std::string hint;
-      if (s == LOCKSTEP_STATUS_INVALID_ARGUMENT) hint = " (a bad pool_size, base_port or host, a bad secret, or encrypt_data without a secret)";
+      if (s == LOCKSTEP_STATUS_INVALID_ARGUMENT) hint = " (a bad pool_size, p2p_streams, tcp_congestion, base_port or host, a bad secret, or encrypt_data without a secret)";
       if (s == LOCKSTEP_STATUS_INTERNAL_ERROR) hint = " (the p2p sockets could not be bound: ports in use?)";
       fail(s, plain_message(s) + hint);
     }
@@ -647,12 +650,12 @@ PYBIND11_MODULE(_lockstep, m) {
   py::class_<PyComm>(m, "Comm")
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::int32_t, std::uint32_t,
                     const std::string&, const std::string&, const std::string&, const py::object&, std::uint32_t,
-                    std::uint32_t, std::uint32_t, bool>(),
+                    std::uint32_t, std::uint32_t, bool, std::uint32_t, const std::string&>(),
            py::arg("master_host"), py::arg("master_port"), py::arg("group"), py::arg("pool_size"), py::arg("base_port"),
            py::arg("connect_timeout_ms"), py::arg("advertised_host"), py::arg("bind_host"), py::arg("secret_file") = "",
            py::arg("secret") = py::none(), py::arg("inbound_handshake_timeout_ms") = 0,
            py::arg("inbound_handshakes_max") = 0, py::arg("p2p_stall_timeout_ms") = 0,
-           py::arg("encrypt_data") = false)
+           py::arg("encrypt_data") = false, py::arg("p2p_streams") = 0, py::arg("tcp_congestion") = "")
       .def("connect", &PyComm::connect)
       .def("update_topology", &PyComm::update_topology)
       .def("optimize_topology", &PyComm::optimize_topology)

@@ -310,6 +310,8 @@ lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* caller_conf
     }
     options.secret = secret.value();
     options.encrypt_data = config->encrypt_data != 0;
+    options.p2p_streams = config->p2p_streams;
+    if (config->tcp_congestion != nullptr) options.tcp_congestion = config->tcp_congestion;
     auto created = lockstep::peer::Communicator::create(options);
     if (!created.is_ok()) {
       LOG_ERROR("capi", "lockstep_comm_create: " << created.status().to_string());
@@ -486,6 +488,7 @@ void to_info(const lockstep::peer::ReduceInfo& in, void* out, std::size_t info_s
   info.world_size = in.world_size;
   info.bytes_sent = in.bytes_sent;
   info.bytes_received = in.bytes_received;
+  info.streams = in.streams;
   write_prefix(out, info_size, info);
 }
 

@@ -132,6 +132,7 @@ class Runner {
       return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "more than " + std::to_string(kRingStreamsMax) + " ring streams");
     }
     ntx_ = 1 + io_.tx_more.size();
+    if (stats_ != nullptr) stats_->streams = static_cast<std::uint32_t>(ntx_);
     tx_[0].fd = io_.tx_fd;
     tx_[0].seal = io_.seal;
     for (std::size_t k = 1; k < ntx_; ++k) {

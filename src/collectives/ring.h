@@ -176,6 +176,7 @@ struct RingIo {
 struct RingStats {
   std::uint64_t bytes_sent = 0;
   std::uint64_t bytes_received = 0;
+  std::uint32_t streams = 1;  // connections the sends went over
 };
 
 // Reused across attempts so that the steady state allocates nothing.

@@ -61,6 +61,10 @@ inline constexpr std::uint32_t kMeasureRoundTimeoutMsDefault = 30'000;
 // How long a peer waits for a p2p connection to a ring neighbour.
 inline constexpr std::uint32_t kP2PConnectTimeoutMsDefault = 5'000;
 inline constexpr std::uint32_t kP2PPoolSizeMax = 256;
+// Connections one all-reduce may stripe over per hop (coll::kRingStreamsMax), and how
+// many the adaptive rule (peer/streams.h) goes up to when the count is not fixed.
+inline constexpr std::uint32_t kP2PStreamsMax = 16;
+inline constexpr std::uint32_t kP2PStreamsAdaptiveMax = 8;
 // An unquantized all-reduce of at most this many bytes travels with the votes: each peer
 // sends its contribution with its vote to initiate, the master reduces them in ring order
 // and sends the result with the outcome (one round trip instead of two and a ring).

@@ -84,8 +84,30 @@ Result<std::unique_ptr<Communicator>> Communicator::create(const Options& option
                   "encrypt_data needs a run secret (secret_file, secret or LOCKSTEP_SECRET_FILE): the data-plane keys "
                   "are derived from it");
   }
-  std::unique_ptr<Communicator> comm(new Communicator(options));
-  comm->link_ = std::make_unique<Link>(options);
+  if (options.p2p_streams > limits::kP2PStreamsMax) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                  "p2p streams must be 0 (adaptive) or 1.." + std::to_string(limits::kP2PStreamsMax) + ", not " +
+                      std::to_string(options.p2p_streams));
+  }
+  Options chosen = options;
+  if (!chosen.tcp_congestion.empty()) {
+    if (!transport::congestion_control_name_valid(chosen.tcp_congestion)) {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "tcp congestion control \"" + chosen.tcp_congestion.substr(0, 32) +
+                                                          "\" is not a name (1 to 15 of a-z, 0-9, _ and -)");
+    }
+    // Asked of the kernel once, on a socket of our own: where it refuses, one warning
+    // and the system's default on every connection.
+    transport::Fd probe(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    Status set = probe.get() < 0 ? Status(LOCKSTEP_STATUS_INTERNAL_ERROR, std::strerror(errno))
+                                 : transport::set_congestion_control(probe.get(), chosen.tcp_congestion);
+    if (!set.is_ok()) {
+      LOG_WARN(kLog, "tcp congestion control \"" << chosen.tcp_congestion << "\" refused by the kernel ("
+                                                  << set.message() << "); the system's default is used");
+      chosen.tcp_congestion.clear();
+    }
+  }
+  std::unique_ptr<Communicator> comm(new Communicator(chosen));
+  comm->link_ = std::make_unique<Link>(chosen);
   Status s = comm->link_->open_listeners();
   if (!s.is_ok()) return s;
   return comm;
@@ -340,6 +362,7 @@ Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32
   }
   auto fd = transport::connect_tcp(to.host, to.p2p_port, options_.p2p_connect_timeout_ms, cancel_fd);
   if (!fd.is_ok()) return fd.status();
+  if (!options_.tcp_congestion.empty()) (void)transport::set_congestion_control(fd.value().get(), options_.tcp_congestion);
   proto::P2PHello hello;
   hello.channel = proto::Channel::kRing;
   hello.from = id_;
@@ -403,8 +426,42 @@ Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::
 
 void Communicator::drop_connections(PeerId next, PeerId prev, std::uint32_t slot) {
   std::lock_guard<std::mutex> lock(connections_mutex_);
-  tx_.erase(SlotKey{next, slot});
-  rx_.erase(SlotKey{prev, slot});
+  for (std::uint32_t s = 0; s < limits::kP2PStreamsMax; ++s) {
+    tx_.erase(SlotKey{next, stream_key(slot, s)});
+    rx_.erase(SlotKey{prev, stream_key(slot, s)});
+  }
+}
+
+// Opens (or reuses) this hop's stripes for an attempt: as many streams as the tuner of
+// the next peer says, but no more than the largest chunk has sub-chunks (a stream
+// without any would carry nothing). A stream that cannot be connected leaves the
+// attempt with those before it.
+void Communicator::open_streams(const proto::MemberInfo& to, std::uint32_t slot, const coll::RingPlan& plan,
+                                         const OpChannel& channel, coll::RingIo& io) {
+  std::uint32_t wanted = 1;
+  {
+    std::lock_guard<std::mutex> lock(tuners_mutex_);
+    auto it = tuners_.find(to.id);
+    if (it == tuners_.end()) {
+      const std::uint32_t max = options_.p2p_streams != 0 ? options_.p2p_streams : limits::kP2PStreamsAdaptiveMax;
+      it = tuners_.emplace(to.id, StreamTuner(options_.p2p_streams, max)).first;
+    }
+    wanted = it->second.streams();
+  }
+  const std::size_t chunk_bytes = (plan.count + plan.world - 1) / plan.world * coll::dtype_size(plan.dtype);
+  const std::size_t subchunks = (chunk_bytes + plan.subchunk_bytes - 1) / plan.subchunk_bytes;
+  wanted = static_cast<std::uint32_t>(std::clamp<std::size_t>(subchunks, 1, wanted));
+  for (std::uint32_t s = 1; s < wanted; ++s) {
+    coll::RingStream stream;
+    auto fd = tx_connection(to, stream_key(slot, s), channel.event_fd(), &stream.aead);
+    if (!fd.is_ok()) {
+      LOG_WARN(kLog, "stream " << s << " of slot " << slot << " to " << to.id.to_string()
+                               << " cannot be connected (" << fd.status().message() << "); the attempt uses " << s);
+      return;
+    }
+    stream.fd = fd.value();
+    io.tx_more.push_back(stream);
+  }
 }
 
 void Communicator::prune_connections(const std::vector<proto::MemberInfo>& members) {
@@ -414,6 +471,8 @@ void Communicator::prune_connections(const std::vector<proto::MemberInfo>& membe
   std::lock_guard<std::mutex> lock(connections_mutex_);
   for (auto it = tx_.begin(); it != tx_.end();) it = ids.count(it->first.peer) == 0 ? tx_.erase(it) : std::next(it);
   for (auto it = rx_.begin(); it != rx_.end();) it = ids.count(it->first.peer) == 0 ? rx_.erase(it) : std::next(it);
+  std::lock_guard<std::mutex> tuners_lock(tuners_mutex_);
+  for (auto it = tuners_.begin(); it != tuners_.end();) it = ids.count(it->first) == 0 ? tuners_.erase(it) : std::next(it);
 }
 
 Status Communicator::optimize_topology() {
@@ -753,21 +812,40 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
         // waiting for the previous peer's stop as soon as the master ends the attempt
         // (a neighbour died or was stopped, and the handshake would wait for it).
         auto tx = tx_connection(to, go.slot, channel.event_fd(), &io.seal);
-        auto rx = tx.is_ok() ? rx_connection(prev, go.slot,
-                                             Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms),
-                                             channel.abort_flag(), &io.open)
+        const auto rx_deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
+        auto rx = tx.is_ok() ? rx_connection(prev, go.slot, rx_deadline, channel.abort_flag(), &io.open)
                              : Result<int>(tx.status());
         if (!tx.is_ok()) local = tx.status();
         else if (!rx.is_ok()) local = rx.status();
         else {
           io.tx_fd = tx.value();
           io.rx_fd = rx.value();
+          open_streams(to, go.slot, plan, channel, io);
+          // The previous peer's stripes, once its first frame says how many.
+          io.rx_more = [&, rx_deadline](std::size_t count, std::vector<coll::RingStream>* out) {
+            for (std::uint32_t s = 1; s < count; ++s) {
+              coll::RingStream stream;
+              auto fd = rx_connection(prev, stream_key(go.slot, s), rx_deadline, channel.abort_flag(), &stream.aead);
+              if (!fd.is_ok()) return fd.status();
+              stream.fd = fd.value();
+              out->push_back(stream);
+            }
+            return Status::ok();
+          };
         }
       }
     }
     if (local.is_ok()) {
       ran = true;
+      const auto started = Clock::now();
       local = coll::run_ring_all_reduce(plan, io, *scratch, &stats);
+      if (local.is_ok() && n > 1) {
+        const auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - started).count();
+        std::lock_guard<std::mutex> lock(tuners_mutex_);
+        if (auto it = tuners_.find(next); it != tuners_.end()) {
+          it->second.on_attempt(stats.streams, stats.bytes_sent, static_cast<std::uint64_t>(us));
+        }
+      }
     }
   }
   // Vote to complete, unless the master already ended the attempt (an abort).
@@ -796,6 +874,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   slot_bytes_[go.slot].received.fetch_add(stats.bytes_received, std::memory_order_relaxed);
   info->bytes_sent = stats.bytes_sent;
   info->bytes_received = stats.bytes_received;
+  info->streams = stats.streams;
   {
     std::lock_guard<std::mutex> lock(ops_mutex_);
     free_scratch_.push_back(std::move(scratch));

@@ -12,6 +12,7 @@
 #include "collectives/ring.h"
 #include "security/crypto.h"
 #include "transport/socket.h"
+#include "peer/streams.h"
 #include "peer/worker_pool.h"
 
 #include <array>
@@ -56,6 +57,14 @@ struct Options {
   // address holding the most).
   std::uint32_t inbound_handshake_timeout_ms = limits::kInboundHandshakeTimeoutMsDefault;
   std::uint32_t inbound_handshakes_max = limits::kInboundHandshakesMaxDefault;
+  // Connections one all-reduce stripes over towards each ring neighbour: 0 adapts to
+  // the path (peer/streams.h, up to limits::kP2PStreamsAdaptiveMax), 1..kP2PStreamsMax
+  // fixes the count.
+  std::uint32_t p2p_streams = 0;
+  // The TCP congestion control of the p2p connections (TCP_CONGESTION, e.g. "bbr");
+  // empty: the system's default. One the kernel refuses is warned about once, at
+  // create, and the default is used.
+  std::string tcp_congestion;
 };
 
 class Link;       // the background thread and everything it owns (communicator.cpp)
@@ -76,6 +85,7 @@ struct ReduceInfo {
   std::uint32_t world_size = 0;
   std::uint64_t bytes_sent = 0;
   std::uint64_t bytes_received = 0;
+  std::uint32_t streams = 1;  // connections this peer's sends were striped over
 };
 
 // One tensor of the shared state; the memory stays the caller's.
@@ -217,6 +227,8 @@ class Communicator {
                             security::Aead** seal = nullptr);
   Result<int> rx_connection(PeerId from, std::uint32_t slot, std::chrono::steady_clock::time_point deadline,
                             const std::atomic<bool>* abort = nullptr, security::Aead** open = nullptr);
+  void open_streams(const proto::MemberInfo& to, std::uint32_t slot, const coll::RingPlan& plan,
+                    const OpChannel& channel, coll::RingIo& io);
   void drop_connections(PeerId next, PeerId prev, std::uint32_t slot);
   void prune_connections(const std::vector<proto::MemberInfo>& members);
 
@@ -251,6 +263,12 @@ class Communicator {
   std::mutex connections_mutex_;
   std::map<SlotKey, TxConnection> tx_;
   std::map<SlotKey, RxConnection> rx_;
+  // Stream s of pool slot k is keyed (and named in the P2PHello's pool_index) as
+  // k | s << 16; stream 0 is the slot's own connection.
+  static std::uint32_t stream_key(std::uint32_t slot, std::uint32_t stream) { return slot | (stream << 16); }
+  // How many streams the next all-reduce towards each next peer stripes over.
+  std::mutex tuners_mutex_;
+  std::map<PeerId, StreamTuner> tuners_;
   std::atomic<std::uint64_t> next_generation_{1};
   // Members by id as of the last update topology (read by collective threads).
   std::map<PeerId, proto::MemberInfo> members_;

@@ -19,8 +19,9 @@ namespace lockstep::proto {
 inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 // 2: pair keys in MemberInfo, bytes in CollectiveDone/SyncDone, sealed frames;
 // 3: P2PHello flags (data-plane encryption);
-// 4: small all-reduces carried by CollectiveInit and CollectiveResult (data)
-inline constexpr std::uint16_t kProtocolVersion = 4;
+// 4: small all-reduces carried by CollectiveInit and CollectiveResult (data);
+// 5: ring frame header with stream index and count (striping), streams in pool_index
+inline constexpr std::uint16_t kProtocolVersion = 5;
 
 enum class MsgType : std::uint16_t {
   // peer -> master

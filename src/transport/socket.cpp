@@ -63,6 +63,21 @@ void set_nodelay(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
+Status set_congestion_control(int fd, const std::string& name) {
+  if (::setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name.data(), static_cast<socklen_t>(name.size())) == 0) {
+    return Status::ok();
+  }
+  return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, std::strerror(errno));
+}
+
+bool congestion_control_name_valid(const std::string& name) {
+  if (name.empty() || name.size() > 15) return false;
+  for (const char c : name) {
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '-')) return false;
+  }
+  return true;
+}
+
 void set_nonblocking(int fd) {
   const int flags = ::fcntl(fd, F_GETFL);
   ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);

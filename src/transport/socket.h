@@ -57,6 +57,12 @@ Status recv_exact(int fd, std::span<std::uint8_t> out, std::uint32_t timeout_ms,
 
 void set_nodelay(int fd);
 void set_nonblocking(int fd);
+// Sets the connection's TCP congestion control (TCP_CONGESTION); the kernel's reason
+// (strerror) when it refuses (an algorithm it does not have, or one an unprivileged
+// process may not choose).
+Status set_congestion_control(int fd, const std::string& name);
+// Whether a name could be a congestion control's: 1 to 15 characters of [a-z0-9_-].
+bool congestion_control_name_valid(const std::string& name);
 
 // The local and remote IPv4 address of a connected socket, as text.
 std::string peer_address(int fd);

@@ -1,6 +1,7 @@
 // All-reduce with real processes while peers die: a peer SIGKILLed or SIGSTOPped at
-// a random moment of a 16 MiB all-reduce. Every survivor gets the same outcome; on
-// failure its buffer is exactly as before; the retry with the survivors is correct.
+// a random moment of a 16 MiB all-reduce, on one connection per hop and striped over
+// four. Every survivor gets the same outcome; on failure its buffer is exactly as
+// before; the retry with the survivors is correct.
 #include "e2e.h"
 
 #include <lockstep/lockstep.h>
@@ -20,12 +21,14 @@ struct Run {
   std::vector<Peer*> members;
 };
 
-Run start(std::size_t n, std::vector<std::string> master_flags = {}) {
+// streams: the peers' p2p_streams (0: adaptive).
+Run start(std::size_t n, std::vector<std::string> master_flags, std::uint32_t streams) {
   Run run;
   run.master = std::make_unique<Master>(std::move(master_flags));
   std::vector<Peer*> newcomers;
   for (std::size_t i = 0; i < n; ++i) {
-    run.peers.push_back(std::make_unique<Peer>(*run.master, numbered("r", i)));
+    run.peers.push_back(std::make_unique<Peer>(*run.master, numbered("r", i), 0,
+                                               std::vector<std::string>{"--streams", std::to_string(streams)}));
     newcomers.push_back(run.peers.back().get());
   }
   admit(run.members, newcomers);
@@ -39,10 +42,11 @@ std::string command(std::size_t i, std::uint64_t tag, bool out_of_place) {
 }
 
 // Returns true if the all-reduce in flight failed (the victim died mid-operation).
-bool check_kill_during_all_reduce(int signo, std::uint32_t seed) {
-  SCOPED_TRACE("signal " + std::to_string(signo) + " seed " + std::to_string(seed));
+bool check_kill_during_all_reduce(int signo, std::uint32_t seed, std::uint32_t streams) {
+  SCOPED_TRACE("signal " + std::to_string(signo) + " seed " + std::to_string(seed) + " streams " +
+               std::to_string(streams));
   std::mt19937 random(seed);
-  auto run = start(4, {"--heartbeat-timeout-ms", std::to_string(scaled(1500ms).count())});
+  auto run = start(4, {"--heartbeat-timeout-ms", std::to_string(scaled(1500ms).count())}, streams);
   EXPECT_EQ(run.members.size(), 4u);
   if (run.members.size() != 4) return false;
   const bool oop = seed % 2 == 1;
@@ -56,6 +60,7 @@ bool check_kill_during_all_reduce(int signo, std::uint32_t seed) {
     EXPECT_EQ(code(r), 0) << r.dump();
     if (code(r) != 0) return false;
     EXPECT_EQ(r["value"].get<double>(), 10.0);
+    EXPECT_EQ(r["streams"].get<std::uint32_t>(), streams) << "the all-reduce was not striped as asked: " << r.dump();
   }
   const double warmup_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - warmup_start).count();
@@ -111,12 +116,12 @@ bool check_kill_during_all_reduce(int signo, std::uint32_t seed) {
 // Runs trials until at least `min_trials` ran and the failure path was taken at least
 // once (a victim stopped before it voted is simply left out, which proves less), up
 // to max_trials. Returns the number of all-reduces that failed mid-flight.
-int run_trials(int signo, std::uint32_t first_seed, int min_trials, int max_trials) {
+int run_trials(int signo, std::uint32_t first_seed, int min_trials, int max_trials, std::uint32_t streams = 1) {
   int failed_in_flight = 0;
   int trials = 0;
   for (std::uint32_t seed = first_seed; trials < max_trials && (trials < min_trials || failed_in_flight == 0);
        ++seed, ++trials) {
-    failed_in_flight += check_kill_during_all_reduce(signo, seed) ? 1 : 0;
+    failed_in_flight += check_kill_during_all_reduce(signo, seed, streams) ? 1 : 0;
     if (::testing::Test::HasFailure()) break;
   }
   std::printf("all-reduces failed mid-flight: %d of %d\n", failed_in_flight, trials);
@@ -130,6 +135,10 @@ TEST(AllReduceFailure, PeerKilledAtRandomMoments) {
 }
 
 TEST(AllReduceFailure, PeerStoppedAtRandomMoments) { EXPECT_GE(run_trials(SIGSTOP, 11, 4, 16), 1); }
+
+// The same, with every hop striped over four connections.
+TEST(AllReduceFailure, StripedPeerKilledAtRandomMoments) { EXPECT_GE(run_trials(SIGKILL, 101, 3, 24, 4), 1); }
+TEST(AllReduceFailure, StripedPeerStoppedAtRandomMoments) { EXPECT_GE(run_trials(SIGSTOP, 111, 3, 24, 4), 1); }
 
 }  // namespace
 }  // namespace lockstep::e2e

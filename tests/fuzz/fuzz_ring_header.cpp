@@ -1,7 +1,9 @@
 // fuzz_ring_header: the quantized sub-chunk a ring peer receives (collectives/quantize.h):
 // a 16-byte parameter header and 8-bit codes, from a possibly misbehaving neighbour.
-// (The 16-byte ring frame header, magic + sequence + attempt, is checked inside the
-// ring's runner in ring.cpp and is not a separate function, so it is not fuzzed here.)
+// The same 16 bytes are also read as a ring frame header (collectives/ring.h:
+// magic, stream, stream count, sequence, attempt): parse_ring_header accepts only a
+// stream below a count of 1 to kRingStreamsMax, and what it accepts writes back to the
+// same bytes.
 //
 // Input: dtype, quantization and op selectors (one byte each), the 16-byte header,
 // then n codes and n elements of the destination, n as large as the rest allows.
@@ -13,6 +15,7 @@
 //  - a valid finite header decodes to finite values only;
 //  - dequantize_reduce gives exactly the bits of dequantize followed by reduce.
 #include "collectives/quantize.h"
+#include "collectives/ring.h"
 #include "fuzz_support.h"
 #include "kernels/reduce.h"
 
@@ -125,6 +128,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::array<std::uint8_t, coll::kQuantHeaderBytes> header{};
   const auto header_bytes = in.bytes(header.size());
   std::copy(header_bytes.begin(), header_bytes.end(), header.begin());
+  static_assert(coll::kQuantHeaderBytes == coll::kRingHeaderBytes);
+  if (auto frame = coll::parse_ring_header(header.data()); frame.is_ok()) {
+    const coll::RingHeader& h = frame.value();
+    if (h.streams == 0 || h.streams > coll::kRingStreamsMax || h.stream >= h.streams) fail("ring header out of bounds");
+    std::array<std::uint8_t, coll::kRingHeaderBytes> again{};
+    coll::put_ring_header(again.data(), h);
+    if (again != header) fail("ring header does not write back to its bytes");
+  }
   const std::size_t count = std::min(in.left() / (1 + esize), kCountMax);
 
   std::vector<std::uint8_t> encoded(coll::kQuantHeaderBytes + count);

@@ -909,7 +909,7 @@ TEST(CodecPayload, WrongMagicOrVersion) {
     p[0] ^= 1;
     EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"Hello", "hello.magic", "not a lockstep peer"}));
   }
-  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}, std::uint16_t{5}, std::uint16_t{0xffff}}) {
+  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}, std::uint16_t{4}, std::uint16_t{6}, std::uint16_t{0xffff}}) {
     Hello h = hello_of("");
     h.version = version;
     const Bytes p = payload_copy(h);

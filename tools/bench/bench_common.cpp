@@ -214,6 +214,8 @@ int worker_allreduce(const Settings& s) {
   options.master_port = s.master_port;
   options.base_port = 0;
   options.p2p_pool_size = static_cast<std::uint32_t>(s.pool);
+  options.p2p_streams = static_cast<std::uint32_t>(s.streams);
+  options.tcp_congestion = s.congestion;
   if (!s.secret_file.empty()) {
     auto key = security::load_secret_file(s.secret_file);
     if (!key.is_ok()) {
@@ -402,6 +404,8 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& mode,
   }
   if (!s.secret_file.empty()) argv.insert(argv.end(), {"--secret-file", s.secret_file});
   if (s.encrypt) argv.push_back("--encrypt");
+  argv.insert(argv.end(), {"--streams", std::to_string(s.streams)});
+  if (!s.congestion.empty()) argv.insert(argv.end(), {"--cc", s.congestion});
   return argv;
 }
 
@@ -587,6 +591,8 @@ int run_allreduce(const Settings& settings) {
                 {"concurrency", s.concurrency},
                 {"quant", s.quant == LOCKSTEP_QUANT_NONE ? "none" : (s.quant == LOCKSTEP_QUANT_MINMAX_U8 ? "minmax" : "zeropoint")},
                 {"pool", s.pool},
+                {"streams", s.streams},
+                {"cc", s.congestion.empty() ? "default" : s.congestion},
                 {"encrypt", s.encrypt},
                 {"iterations", s.iterations},
                 {"order", s.in_turns ? "turns" : "blocks"},

@@ -34,6 +34,8 @@ struct Settings {
   lockstep_quantization_t quant = LOCKSTEP_QUANT_NONE;
   int concurrency = 1;
   int pool = 1;
+  int streams = 0;          // p2p_streams: 0 adapts
+  std::string congestion;   // tcp_congestion: empty for the system's
   int iterations = 9;
   int warmup = 2;
   // allreduce: lockstep, the raw ring and Gloo take turns round by round (true), or each

@@ -38,6 +38,9 @@ int main(int argc, char** argv) {
   allreduce->add_option("--op", op, "reduce op")->check(CLI::IsMember({"sum", "avg", "prod", "max", "min"}));
   allreduce->add_option("--concurrency", s.concurrency, "all-reduces in flight at once")->check(CLI::Range(1, 256));
   allreduce->add_option("--pool", s.pool, "p2p connections per neighbour")->check(CLI::Range(1, 256));
+  allreduce->add_option("--streams", s.streams, "connections one all-reduce stripes over per hop (0: adaptive)")
+      ->check(CLI::Range(0, 16));
+  allreduce->add_option("--cc", s.congestion, "TCP congestion control of the p2p connections (default: the system's)");
   allreduce->add_option("--iterations", s.iterations, "timed repetitions per size")->check(CLI::Range(5, 100000));
   allreduce->add_option("--warmup", s.warmup, "untimed repetitions first")->check(CLI::Range(0, 1000));
   std::string order = "turns";
@@ -92,6 +95,8 @@ int main(int argc, char** argv) {
   worker->add_option("--op", op);
   worker->add_option("--concurrency", s.concurrency);
   worker->add_option("--pool", s.pool);
+  worker->add_option("--streams", s.streams);
+  worker->add_option("--cc", s.congestion);
   worker->add_option("--iterations", s.iterations);
   worker->add_option("--warmup", s.warmup);
   worker->add_option("--order", order);

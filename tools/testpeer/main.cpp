@@ -156,6 +156,7 @@ int main(int argc, char** argv) {
   std::string name = "peer";
   uint32_t group = 0;
   uint32_t pool = 1;
+  uint32_t streams = 0;
   int base_port = 0;
   uint32_t connect_timeout_ms = 10000;
   std::string advertised_host;
@@ -168,6 +169,7 @@ int main(int argc, char** argv) {
   app.add_option("--name", name, "name printed in every line");
   app.add_option("--group", group, "peer group");
   app.add_option("--pool", pool, "p2p connection pool size");
+  app.add_option("--streams", streams, "p2p_streams: connections one all-reduce stripes over (0: adaptive)");
   app.add_option("--base-port", base_port, "first port for this peer's sockets (0: ephemeral, -1: above 48148)");
   app.add_option("--connect-timeout-ms", connect_timeout_ms, "timeout to reach the master");
   app.add_option("--advertised-host", advertised_host, "address other peers use to reach this one");
@@ -190,6 +192,7 @@ int main(int argc, char** argv) {
   config.master_port = static_cast<uint16_t>(std::stoi(master.substr(colon + 1)));
   config.peer_group = group;
   config.p2p_pool_size = pool;
+  config.p2p_streams = streams;
   config.base_port = base_port;
   config.connect_timeout_ms = connect_timeout_ms;
   config.advertised_host = advertised_host.c_str();
@@ -300,7 +303,7 @@ int main(int argc, char** argv) {
                           : quant == "zeropoint" ? LOCKSTEP_QUANT_ZERO_POINT_U8
                                                  : LOCKSTEP_QUANT_NONE;
       desc.tag = tag;
-      lockstep_reduce_info_t info = {0, 0, 0};
+      lockstep_reduce_info_t info = {0, 0, 0, 0};
       const auto start = std::chrono::steady_clock::now();
       lockstep_status_t s = lockstep_comm_all_reduce(peer.comm, &desc, &info);
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -310,6 +313,7 @@ int main(int argc, char** argv) {
       lockstep_hash(out.data(), out.size() * sizeof(float), digest);
       std::ostringstream extra;
       extra << "\"ms\":" << ms << ",\"world\":" << info.world_size << ",\"bytes_sent\":" << info.bytes_sent
+            << ",\"streams\":" << info.streams
             << ",\"value\":";
       if (std::isfinite(out[0])) {
         extra << out[0];
