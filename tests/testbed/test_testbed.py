@@ -594,11 +594,14 @@ def test_bottleneck_caps_the_sum(testbed_factory):
     does not cross the bottleneck is not slowed."""
     bed = testbed_factory(3)
     bed.run("bottleneck", 0, "egress", "100mbit", "--fq")
-    results = bed.check((0, 1), (0, 2), seconds=2, concurrent=True)
+    # The two transfers run at once, but their measuring windows do not coincide (each
+    # waits for its own server): the sum may pass the bottleneck by that much. A
+    # bottleneck per pair instead of shared would give twice its rate, none 40 Gbit/s.
+    results = bed.check((0, 1), (0, 2), seconds=3, concurrent=True)
     show(results)
     total = sum(r["measured_bps"] for r in results)
     print(f"\n  egress bottleneck 100 Mbit/s with --fq, two pairs at once: {total / 1e6:.1f} Mbit/s in all")
-    assert 0.75e8 <= total <= 1.1e8, total
+    assert 0.75e8 <= total <= 1.3e8, total
     # Four flows each, in per-flow fair shares: about half each (a FIFO gave 8% to one).
     assert all(r["measured_bps"] >= 0.25 * total for r in results), results
     [eg] = [json.loads(line) for line in bed.run("stats").stdout.splitlines()]
@@ -607,11 +610,11 @@ def test_bottleneck_caps_the_sum(testbed_factory):
 
     bed.run("unbottleneck", 0)
     bed.run("bottleneck", 2, "ingress", "60mbit")
-    results = bed.check((0, 2), (1, 2), seconds=2, concurrent=True)
+    results = bed.check((0, 2), (1, 2), seconds=3, concurrent=True)
     show(results)
     total = sum(r["measured_bps"] for r in results)
     print(f"  ingress bottleneck 60 Mbit/s, two pairs at once: {total / 1e6:.1f} Mbit/s in all")
-    assert 0.75 * 60e6 <= total <= 1.1 * 60e6, total
+    assert 0.75 * 60e6 <= total <= 1.3 * 60e6, total
     [r] = bed.check((1, 0), seconds=1)  # not through the bottleneck
     assert r["measured_bps"] >= 200e6, r
     [ing] = [json.loads(line) for line in bed.run("stats").stdout.splitlines()]
