@@ -163,6 +163,27 @@ class Testbed:
     def undelay(self, src: int | None = None, dst: int | None = None, *, both: bool = False) -> None:
         self.run("undelay", *self._pair(src, dst), *(["--both"] if both else []))
 
+    def loss(self, src: int, dst: int, rate: float | str, *, both: bool = False) -> None:
+        """Drops each wire packet src->dst with probability `rate` (0.001, or "0.1%")."""
+        self.run("loss", src, dst, rate, *(["--both"] if both else []))
+
+    def jitter(self, src: int, dst: int, ms: float, *, reorder: bool = False,
+               both: bool = False) -> None:
+        """Adds 0..ms milliseconds to each packet src->dst, in order unless `reorder`."""
+        self.run("jitter", src, dst, ms, *(["--reorder"] if reorder else []),
+                 *(["--both"] if both else []))
+
+    def bottleneck(self, host: int, direction: str, rate: str, *, fq: str | bool = False,
+                   queue: int | None = None) -> None:
+        """Caps everything `host` sends ("egress") or receives ("ingress"); fq=True for
+        the bed's per-flow fair queuing, or "sfq"/"fq_codel" for the kernel's."""
+        args: list[object] = ["bottleneck", host, direction, rate]
+        if fq:
+            args += ["--fq"] + ([] if fq is True else [fq])
+        if queue is not None:
+            args += ["--queue", queue]
+        self.run(*args)
+
     def cut(self, src: int, dst: int, *, both: bool = False) -> None:
         self.run("cut", src, dst, *(["--both"] if both else []))
 
@@ -178,6 +199,11 @@ class Testbed:
     # -- inspection -----------------------------------------------------------------
     def status(self) -> dict:
         return json.loads(self.run("status", "--json").stdout)
+
+    def stats(self) -> list[dict]:
+        """The counters: one dict per delay program (keys src, dst) and per bottleneck
+        (keys host, bottleneck)."""
+        return [json.loads(line) for line in self.run("stats").stdout.splitlines() if line.startswith("{")]
 
     def check(self, *pairs: Sequence[int], seconds: int = 3, omit: int = 1, streams: int = 4,
               concurrent: bool = False, rtt_only: bool = False) -> list[dict]:
