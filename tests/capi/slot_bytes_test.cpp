@@ -15,7 +15,7 @@ namespace {
 
 constexpr std::uint32_t kPool = 4;
 constexpr std::size_t kInFlight = 8;
-constexpr std::size_t kCount = 1u << 20;  // f32 elements: 4 MiB each, far above what travels with the votes
+constexpr std::size_t kCount = 1u << 20;  // f32 elements: all-reduce k has (k + 1) / 8 of it, far above 16 KiB
 
 // Connects and takes part in update topology until the group has `world` peers.
 bool join(lockstep_comm_t* comm, std::int64_t world) {
@@ -54,11 +54,13 @@ void peer(std::uint16_t port, std::size_t index) {
   EXPECT_EQ(sent, 0u);
   EXPECT_EQ(received, 0u);
 
-  std::vector<std::vector<float>> buffers(kInFlight, std::vector<float>(kCount));
+  // Sizes differ, so that the slots carry different amounts.
+  std::vector<std::vector<float>> buffers;
+  for (std::size_t k = 0; k < kInFlight; ++k) buffers.emplace_back((k + 1) * kCount / kInFlight);
   std::vector<lockstep_async_t*> handles(kInFlight, nullptr);
   for (std::size_t k = 0; k < kInFlight; ++k) {
-    for (std::size_t i = 0; i < kCount; i += 4096) buffers[k][i] = static_cast<float>(k + index);
-    lockstep_reduce_desc_t d = {buffers[k].data(), buffers[k].data(), kCount, LOCKSTEP_F32, LOCKSTEP_SUM,
+    for (std::size_t i = 0; i < buffers[k].size(); i += 4096) buffers[k][i] = static_cast<float>(k + index);
+    lockstep_reduce_desc_t d = {buffers[k].data(), buffers[k].data(), buffers[k].size(), LOCKSTEP_F32, LOCKSTEP_SUM,
                                 LOCKSTEP_QUANT_NONE, 10 + k};
     ASSERT_EQ(lockstep_comm_all_reduce_async(comm, &d, &handles[k]), LOCKSTEP_OK) << lockstep_comm_last_error(comm);
   }

@@ -290,7 +290,8 @@ def test_peer_slot_bytes_show_which_connections_carry_what():
         assert c.run(lambda i, comm: comm.slot_bytes()) == [[(0, 0)] * pool] * 2
 
         def reduce_concurrently(i, comm):
-            arrays = [np.full(1 << 20, float(i + k), dtype=np.float32) for k in range(2 * pool)]
+            # Sizes differ, so that the slots carry different amounts.
+            arrays = [np.full((k + 1) << 17, float(i + k), dtype=np.float32) for k in range(2 * pool)]
             handles = [comm.all_reduce_async(a, tag=20 + k) for k, a in enumerate(arrays)]
             infos = [h.wait() for h in handles]
             assert all(a[0] == 2 * k + 1 for k, a in enumerate(arrays))
