@@ -31,7 +31,7 @@ extern "C" {
 #endif
 
 #define LOCKSTEP_VERSION_MAJOR 0
-#define LOCKSTEP_VERSION_MINOR 2
+#define LOCKSTEP_VERSION_MINOR 3
 #define LOCKSTEP_VERSION_PATCH 0
 #define LOCKSTEP_VERSION_HEX \
   ((LOCKSTEP_VERSION_MAJOR << 16) | (LOCKSTEP_VERSION_MINOR << 8) | LOCKSTEP_VERSION_PATCH)
@@ -419,6 +419,19 @@ typedef struct lockstep_counters {
  * INVALID_ARGUMENT if struct_size is smaller than the first two fields. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_counters(const lockstep_comm_t* comm,
                                                               lockstep_counters_t* out);
+
+/* Since 0.3. The ring bytes (headers and tags included) this communicator sent and
+ * received on p2p pool slot `slot`, over every all-reduce attempt it ran there since
+ * it was created, successful or not: which connections of the pool carry what.
+ * Slots are 0 .. p2p_pool_size - 1 of the config (a pool size of 0 is 1 slot); the
+ * master gives each all-reduce in flight its own slot while slots are free. Summed over
+ * the slots they equal all_reduce_bytes_sent / _received of the counters, less the
+ * data of all-reduces that travel with the votes (up to 16 KiB: no ring, no slot).
+ * Thread-safe like lockstep_comm_get_counters. INVALID_ARGUMENT (outputs untouched) if
+ * comm or an output is NULL or slot is not below the pool size, so that a loop from
+ * slot 0 until INVALID_ARGUMENT visits every slot. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_slot_bytes(const lockstep_comm_t* comm, uint32_t slot,
+                                                                uint64_t* out_sent, uint64_t* out_received);
 
 /* ----------------------------------------------------------- collectives */
 

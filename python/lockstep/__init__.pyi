@@ -365,6 +365,11 @@ class Communicator:
         (operations_started/succeeded/failed, all_reduces_*, syncs_*), retries, and
         microseconds per call kind (connect_us, update_topology_us, optimize_topology_us,
         sync_us, all_reduce_us). Thread-safe."""
+    def slot_bytes(self) -> List[Tuple[int, int]]:
+        """(sent, received) ring bytes per p2p pool slot (entry k: slot k, one per slot of
+        pool_size), over every all-reduce attempt since creation. Their sums equal the
+        counters' all_reduce_bytes_* less all-reduces of up to 16 KiB (they travel with
+        the votes, on no slot). Thread-safe."""
     def all_reduce(self, src: _ArrayLike, dst: Optional[_ArrayLike] = None, *, op: _OpLike = "sum",
                    quantization: _QuantizationLike = None, tag: int = 0) -> ReduceInfo:
         """All-reduces src into dst (None: in place). Same dtype and element count; dst

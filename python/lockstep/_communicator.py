@@ -325,6 +325,16 @@ class Communicator:
         (an all-reduce: of its tag) failed. May be called from any thread."""
         return dict(self._impl.counters())
 
+    def slot_bytes(self) -> List[Tuple[int, int]]:
+        """Ring bytes (headers included) sent and received on each p2p pool slot since
+        creation (``lockstep_comm_get_slot_bytes``): entry k is ``(sent, received)`` of
+        slot k, one entry per slot of ``pool_size``. The master gives each all-reduce in
+        flight its own slot while slots are free, so this shows which connections carry
+        what. Summed over the slots they equal ``all_reduce_bytes_sent`` / ``_received``
+        of :meth:`counters`, less the all-reduces that travel with the votes (up to
+        16 KiB: no ring). May be called from any thread."""
+        return [(int(sent), int(received)) for sent, received in self._impl.slot_bytes()]
+
     # -- collectives --------------------------------------------------------
 
     @staticmethod

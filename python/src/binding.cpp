@@ -435,6 +435,21 @@ class PyComm {
     return out;
   }
 
+  // (sent, received) ring bytes per pool slot; the library answers INVALID_ARGUMENT
+  // past the last slot of the pool.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> slot_bytes() {
+    Busy busy(*state_);
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
+    for (std::uint32_t slot = 0;; ++slot) {
+      std::uint64_t sent = 0, received = 0;
+      const lockstep_status_t s = lockstep_comm_get_slot_bytes(busy.comm(), slot, &sent, &received);
+      if (s == LOCKSTEP_STATUS_INVALID_ARGUMENT && slot > 0) break;
+      check(s, busy.comm());
+      out.emplace_back(sent, received);
+    }
+    return out;
+  }
+
   InfoTuple all_reduce(std::uintptr_t src, std::uintptr_t dst, std::uint64_t count, int dtype, int op, int quantization,
                        std::uint64_t tag) {
     Busy busy(*state_);
@@ -667,6 +682,7 @@ PYBIND11_MODULE(_lockstep, m) {
       .def("membership", &PyComm::membership)
       .def("last_error", &PyComm::last_error)
       .def("counters", &PyComm::counters)
+      .def("slot_bytes", &PyComm::slot_bytes)
       .def("all_reduce", &PyComm::all_reduce, py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"),
            py::arg("op"), py::arg("quantization"), py::arg("tag"))
       .def("all_reduce_async", &PyComm::all_reduce_async, py::arg("src"), py::arg("dst"), py::arg("count"),

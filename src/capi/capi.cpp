@@ -461,6 +461,16 @@ lockstep_status_t lockstep_comm_get_counters(const lockstep_comm_t* comm, lockst
   return LOCKSTEP_OK;
 }
 
+lockstep_status_t lockstep_comm_get_slot_bytes(const lockstep_comm_t* comm, uint32_t slot, uint64_t* out_sent,
+                                               uint64_t* out_received) {
+  if (comm == nullptr || out_sent == nullptr || out_received == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  const lockstep::peer::Counters c = comm->comm->counters();
+  if (slot >= c.slot_bytes_sent.size()) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  *out_sent = c.slot_bytes_sent[slot];
+  *out_received = c.slot_bytes_received[slot];
+  return LOCKSTEP_OK;
+}
+
 namespace {
 
 bool valid_descriptor(const lockstep_reduce_desc_t& d) {

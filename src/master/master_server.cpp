@@ -292,6 +292,8 @@ class MasterServer::Impl {
     if (!peer) return;
     if (const auto* done = std::get_if<proto::CollectiveDone>(&message)) {
       observer_.on_bytes_reported(*peer, true, done->bytes_sent, done->bytes_received, now_ms());
+      observer_.on_slot_bytes_reported(coordinator_, *peer, done->tag, done->attempt, done->bytes_sent,
+                                       done->bytes_received);
     } else if (const auto* init = std::get_if<proto::CollectiveInit>(&message); init != nullptr && !init->data.empty()) {
       // A small all-reduce travels with the votes: the contribution now, the result of the
       // same size with the outcome.

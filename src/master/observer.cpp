@@ -90,6 +90,18 @@ std::optional<double> predicted_bottleneck(const coord::Coordinator& c, const st
   return slowest;
 }
 
+// The pool slots a group's collectives can use now: the smallest pool of its ring's
+// peers (as the coordinator chooses slots); 0 without a ring.
+std::uint32_t pool_slots(const coord::Coordinator& c, const std::vector<PeerId>& ring) {
+  std::uint32_t pool = 0;
+  for (std::size_t i = 0; i < ring.size(); ++i) {
+    const coord::Peer* p = c.find_peer(ring[i]);
+    const std::uint32_t size = p == nullptr ? 1 : p->pool_size;
+    pool = i == 0 ? size : std::min(pool, size);
+  }
+  return std::min(pool, limits::kP2PPoolSizeMax);
+}
+
 }  // namespace
 
 void Observer::on_event(const coord::Event& event, TimeMs now_ms) {
@@ -143,6 +155,34 @@ void Observer::on_bytes_reported(PeerId peer, bool all_reduce, std::uint64_t byt
   // A sync's sender may still be serving when it reports; what each receiver got is
   // complete, so syncs count the bytes received.
   add_throughput(all_reduce, all_reduce ? bytes_sent : bytes_received, now_ms);
+}
+
+void Observer::on_slot_bytes_reported(const coord::Coordinator& c, PeerId peer, std::uint64_t tag,
+                                      std::uint64_t attempt, std::uint64_t bytes_sent, std::uint64_t bytes_received) {
+  const coord::Peer* p = c.find_peer(peer);
+  if (p == nullptr) return;
+  const auto group = c.collectives().find(p->group);
+  if (group == c.collectives().end()) return;
+  const auto it = group->second.find(tag);
+  if (it == group->second.end()) return;
+  const coord::Collective& collective = it->second;
+  if (collective.phase != coord::Collective::Phase::kPerforming || collective.attempt != attempt ||
+      !collective.contributions.empty() || collective.slot >= limits::kP2PPoolSizeMax) {
+    return;
+  }
+  const std::pair<std::uint32_t, std::uint32_t> key{p->group, collective.slot};
+  const auto first = slot_bytes_.lower_bound({p->group, 0});
+  if (first == slot_bytes_.end() || first->first.first != p->group) {
+    // A group seen for the first time: forget the groups that have no peer any more.
+    std::set<std::uint32_t> present;
+    for (const auto& [id, other] : c.peers()) present.insert(other.group);
+    for (auto e = slot_bytes_.begin(); e != slot_bytes_.end();) {
+      e = present.count(e->first.first) == 0 ? slot_bytes_.erase(e) : std::next(e);
+    }
+  }
+  PeerBytes& bytes = slot_bytes_[key];
+  bytes.sent += bytes_sent;
+  bytes.received += bytes_received;
 }
 
 void Observer::add_throughput(bool all_reduce, std::uint64_t bytes, TimeMs now_ms) {
@@ -232,6 +272,34 @@ std::string Observer::state_json(const coord::Coordinator& c, TimeMs now_ms) con
   }
   root["peers"] = std::move(peers);
 
+  // Per pool slot of a group: the ring bytes reported on it and the all-reduce attempts
+  // running on it now; every slot of the current pool, and any other that carried bytes.
+  const auto slots_json = [&](std::uint32_t group, const std::vector<PeerId>& ring) {
+    std::map<std::uint32_t, std::uint64_t> running;
+    if (auto g = c.collectives().find(group); g != c.collectives().end()) {
+      for (const auto& [tag, collective] : g->second) {
+        if (collective.phase == coord::Collective::Phase::kPerforming && collective.contributions.empty()) {
+          ++running[collective.slot];
+        }
+      }
+    }
+    std::set<std::uint32_t> slots;
+    for (std::uint32_t k = 0; k < pool_slots(c, ring); ++k) slots.insert(k);
+    for (auto it = slot_bytes_.lower_bound({group, 0}); it != slot_bytes_.end() && it->first.first == group; ++it) {
+      slots.insert(it->first.second);
+    }
+    json out = json::array();
+    for (const auto slot : slots) {
+      const auto bytes = slot_bytes_.find({group, slot});
+      const auto in_flight = running.find(slot);
+      out.push_back({{"slot", slot},
+                     {"bytes_sent", bytes == slot_bytes_.end() ? 0 : bytes->second.sent},
+                     {"bytes_received", bytes == slot_bytes_.end() ? 0 : bytes->second.received},
+                     {"in_flight", in_flight == running.end() ? 0 : in_flight->second}});
+    }
+    return out;
+  };
+
   // Groups: every group with a peer or a revision.
   std::set<std::uint32_t> group_ids;
   for (const auto& [id, p] : c.peers()) group_ids.insert(p.group);
@@ -260,6 +328,7 @@ std::string Observer::state_json(const coord::Coordinator& c, TimeMs now_ms) con
     } else {
       g["bandwidth"] = nullptr;
     }
+    g["slots"] = slots_json(group, ring);
     groups.push_back(std::move(g));
   }
   root["groups"] = std::move(groups);
@@ -421,6 +490,22 @@ std::string Observer::metrics_text(const coord::Coordinator& c, TimeMs now_ms) c
     f.sample({{"operation", "all_reduce"}, {"direction", "received"}}, static_cast<double>(all_reduce_received_));
     f.sample({{"operation", "shared_state_sync"}, {"direction", "sent"}}, static_cast<double>(sync_sent_));
     f.sample({{"operation", "shared_state_sync"}, {"direction", "received"}}, static_cast<double>(sync_received_));
+  }
+  {
+    // Every slot of each ring's current pool (0 until it carries bytes), and every slot
+    // that carried bytes in a group still present.
+    std::map<std::pair<std::uint32_t, std::uint32_t>, PeerBytes> slots = slot_bytes_;
+    for (const auto& [g, ring] : c.rings()) {
+      for (std::uint32_t k = 0; k < pool_slots(c, ring); ++k) slots.try_emplace({g, k});
+    }
+    Family f(out, "lockstep_slot_bytes_total", "counter",
+             "Ring bytes peers report for all-reduce attempts, by group and p2p pool slot (the connections each "
+             "attempt ran on).");
+    for (const auto& [key, bytes] : slots) {
+      const std::string group = std::to_string(key.first), slot = std::to_string(key.second);
+      f.sample({{"group", group}, {"slot", slot}, {"direction", "sent"}}, static_cast<double>(bytes.sent));
+      f.sample({{"group", group}, {"slot", slot}, {"direction", "received"}}, static_cast<double>(bytes.received));
+    }
   }
   {
     std::map<Operation, std::size_t> running;

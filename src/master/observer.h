@@ -38,6 +38,12 @@ class Observer {
   // shared-state sync.
   void on_bytes_reported(PeerId peer, bool all_reduce, std::uint64_t bytes_sent, std::uint64_t bytes_received,
                          TimeMs now_ms);
+  // The same report of a ring all-reduce attempt, counted for the pool slot the
+  // coordinator gave that attempt. Call it before the coordinator takes the report (the
+  // attempt may end with it); a report of an attempt that already ended, or that
+  // travels with the votes, has no slot and counts in the totals only.
+  void on_slot_bytes_reported(const coord::Coordinator& coordinator, PeerId peer, std::uint64_t tag,
+                              std::uint64_t attempt, std::uint64_t bytes_sent, std::uint64_t bytes_received);
   // Looks for new stalls; returns a log line for each (each stall is reported once).
   std::vector<std::string> check_stalls(const coord::Coordinator& coordinator, TimeMs now_ms);
 
@@ -95,6 +101,9 @@ class Observer {
   // bytes reported: [all_reduce?][sent?]
   std::uint64_t all_reduce_sent_ = 0, all_reduce_received_ = 0, sync_sent_ = 0, sync_received_ = 0;
   std::map<PeerId, PeerBytes> peer_bytes_;  // peers present in the run only
+  // Ring bytes by (group, pool slot): slots below kP2PPoolSizeMax, groups that had a peer
+  // when a group was last added (at most the groups present, plus one, times the pool bound).
+  std::map<std::pair<std::uint32_t, std::uint32_t>, PeerBytes> slot_bytes_;
   std::deque<Bucket> throughput_;           // the last kThroughputHistorySeconds seconds
   std::set<RoundKey> reported_stalls_;      // open rounds already reported
 };

@@ -38,6 +38,7 @@ int main(void) {
   lockstep_reduce_desc_t desc;
   lockstep_async_t* handle = NULL;
   lockstep_counters_t counters;
+  uint64_t counters_sent_before_size_checks = 0;
   lockstep_reduce_info_t reduce_info;
 
   CHECK(lockstep_version() == LOCKSTEP_VERSION_HEX);
@@ -131,6 +132,7 @@ int main(void) {
   CHECK(counters.all_reduces_started == 1 && counters.all_reduces_succeeded == 1 && counters.all_reduces_failed == 0);
   CHECK(counters.sync_bytes_sent == 0 && counters.sync_bytes_received == 0);
   CHECK(counters.all_reduce_bytes_sent == reduce_info.bytes_sent);
+  counters_sent_before_size_checks = counters.all_reduce_bytes_sent;
   CHECK(counters.retries == 0 && counters.optimize_topology_us == 0);
   CHECK(counters.connect_us > 0 && counters.update_topology_us > 0 && counters.sync_us > 0);
   /* An older caller's shorter struct: only its fields are written. */
@@ -142,6 +144,14 @@ int main(void) {
   counters.struct_size = 4;
   CHECK(lockstep_comm_get_counters(comm, &counters) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
   CHECK(lockstep_comm_get_counters(comm, NULL) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  /* The pool of one slot: slot 0 is there, slot 1 is not (tests/capi/slot_bytes_test.cpp
+   * runs a pool of four). */
+  {
+    uint64_t slot_sent = 0, slot_received = 0;
+    CHECK(lockstep_comm_get_slot_bytes(comm, 0, &slot_sent, &slot_received) == LOCKSTEP_OK);
+    CHECK(slot_sent <= counters_sent_before_size_checks);
+    CHECK(lockstep_comm_get_slot_bytes(comm, 1, &slot_sent, &slot_received) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  }
 
   /* A handle outlives its communicator: awaiting it afterwards is safe. */
   desc.tag = 9;

@@ -282,3 +282,29 @@ def test_prometheus_parser_rejects_what_it_must():
                 "# TYPE h histogram\nh_bucket{le=\"1\"} 2\nh_bucket{le=\"+Inf\"} 1\nh_sum 1\nh_count 1\n"]:
         with pytest.raises(AssertionError):
             parse_prometheus(bad)
+
+
+def test_peer_slot_bytes_show_which_connections_carry_what():
+    pool = 4
+    with Cluster(2, pool_size=pool) as c:
+        assert c.run(lambda i, comm: comm.slot_bytes()) == [[(0, 0)] * pool] * 2
+
+        def reduce_concurrently(i, comm):
+            # Sizes differ, so that the slots carry different amounts.
+            arrays = [np.full((k + 1) << 17, float(i + k), dtype=np.float32) for k in range(2 * pool)]
+            handles = [comm.all_reduce_async(a, tag=20 + k) for k, a in enumerate(arrays)]
+            infos = [h.wait() for h in handles]
+            assert all(a[0] == 2 * k + 1 for k, a in enumerate(arrays))
+            return infos
+
+        infos = c.run(reduce_concurrently)
+        slots = c.run(lambda i, comm: comm.slot_bytes())
+        counters = c.run(lambda i, comm: comm.counters())
+        for mine, got, total in zip(infos, slots, counters):
+            # Launched at once, the all-reduces ran on every slot of the pool.
+            assert len(got) == pool and all(sent > 0 and received > 0 for sent, received in got), got
+            assert sum(sent for sent, _ in got) == total["all_reduce_bytes_sent"] == sum(i.bytes_sent for i in mine)
+            assert sum(r for _, r in got) == total["all_reduce_bytes_received"] == sum(i.bytes_received for i in mine)
+        c.peers[0].close()
+        with pytest.raises(lockstep.InvalidUsageError):
+            c.peers[0].comm.slot_bytes()

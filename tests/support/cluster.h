@@ -37,6 +37,7 @@ class Cluster {
   }
 
   std::uint16_t port() const { return master_->port(); }
+  const master::MasterServer& master() const { return *master_; }
 
   // Runs body(comm, index) on `peers` threads once all of them are accepted. index is
   // the thread's number, not its rank (ranks come from the membership view).

@@ -7,10 +7,12 @@
 #include "kernels/reduce.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <barrier>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -397,6 +399,65 @@ TEST(AllReduce, ManyConcurrentOverAPool) {
         EXPECT_EQ(total, counters.all_reduce_bytes_sent);
       },
       /*pool_size=*/8);
+}
+
+// The master accounts the ring bytes peers report per (group, pool slot): /metrics and
+// /api/state show every slot of the pool carrying a share, adding up to what the peers
+// counted on each slot.
+TEST(AllReduce, TheMasterShowsTheBytesOfEachPoolSlot) {
+  constexpr std::uint32_t kPool = 4;
+  constexpr std::size_t kOpsInFlight = 8;
+  constexpr std::size_t kCount = 1u << 20;
+  constexpr std::size_t kPeers = 2;
+  Cluster cluster;
+  std::mutex mutex;
+  std::vector<std::uint64_t> peer_sent(kPool, 0), peer_received(kPool, 0);
+  std::barrier reported(kPeers), checked(kPeers);
+  cluster.run(
+      kPeers,
+      [&](peer::Communicator& comm, std::size_t index) {
+        std::vector<std::vector<float>> buffers(kOpsInFlight, std::vector<float>(kCount, static_cast<float>(index)));
+        std::vector<std::shared_ptr<peer::AsyncReduce>> handles;
+        for (std::size_t k = 0; k < kOpsInFlight; ++k) {
+          peer::ReduceDescriptor d{buffers[k].data(), buffers[k].data(), kCount, LOCKSTEP_F32, LOCKSTEP_SUM,
+                                   LOCKSTEP_QUANT_NONE, 200 + k};
+          auto h = comm.all_reduce_async(d);
+          EXPECT_TRUE(h.is_ok()) << h.status().to_string();
+          if (h.is_ok()) handles.push_back(h.value());
+        }
+        // (No ASSERT before the barriers: a thread that left early would leave the other waiting.)
+        for (auto& h : handles) EXPECT_TRUE(comm.await(h).is_ok());
+        {
+          const auto counters = comm.counters();
+          std::lock_guard<std::mutex> lock(mutex);
+          for (std::uint32_t k = 0; k < kPool; ++k) {
+            peer_sent[k] += counters.slot_bytes_sent[k];
+            peer_received[k] += counters.slot_bytes_received[k];
+          }
+        }
+        // Every peer's reports reached the master before its outcome did.
+        reported.arrive_and_wait();
+        if (index == 0) {
+          auto metrics = cluster.master().render(master::View::kMetricsText, 5000);
+          auto state = cluster.master().render(master::View::kStateJson, 5000);
+          EXPECT_TRUE(metrics.is_ok() && state.is_ok());
+          const auto json = nlohmann::json::parse(state.is_ok() ? state.value() : std::string("{}"));
+          const auto slots = json.contains("groups") && json["groups"].size() == 1 ? json["groups"][0]["slots"]
+                                                                                    : nlohmann::json::array();
+          EXPECT_EQ(slots.size(), kPool) << (state.is_ok() ? state.value() : state.status().to_string());
+          for (std::uint32_t k = 0; k < kPool && k < slots.size() && metrics.is_ok(); ++k) {
+            EXPECT_GT(peer_sent[k], 0u) << "slot " << k;
+            EXPECT_EQ(slots[k]["slot"], k);
+            EXPECT_EQ(slots[k]["bytes_sent"], peer_sent[k]) << "slot " << k;
+            EXPECT_EQ(slots[k]["bytes_received"], peer_received[k]) << "slot " << k;
+            const std::string series = "lockstep_slot_bytes_total{group=\"0\",slot=\"" + std::to_string(k) +
+                                       "\",direction=\"sent\"} " + std::to_string(peer_sent[k]) + "\n";
+            EXPECT_NE(metrics.value().find(series), std::string::npos) << series << metrics.value();
+          }
+        }
+        checked.arrive_and_wait();
+      },
+      kPool);
 }
 
 }  // namespace

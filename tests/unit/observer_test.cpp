@@ -43,6 +43,8 @@ class ScriptedRun {
     coordinator_.on_connect(conn, "127.0.0.1", now_ms, out);
     p::Hello hello;
     hello.p2p_port = static_cast<std::uint16_t>(1000 + conn);
+    hello.pool_size = pool_size;
+    hello.group = group;
     coordinator_.on_message(conn, hello, now_ms, out);
     return feed(std::move(out));
   }
@@ -61,6 +63,18 @@ class ScriptedRun {
     for (const auto conn : conns) send(conn, p::P2PReport{coordinator_.epoch(), {}});
   }
   PeerId id(ConnId conn) const { return *coordinator_.peer_of(conn); }
+  // A CollectiveDone as the master's shell takes it: the bytes first (counted for the
+  // attempt's slot while the attempt is open), then the coordinator.
+  Outbox report_done(ConnId conn, const p::CollectiveDone& done) {
+    observer_.on_bytes_reported(id(conn), true, done.bytes_sent, done.bytes_received, now_ms);
+    observer_.on_slot_bytes_reported(coordinator_, id(conn), done.tag, done.attempt, done.bytes_sent,
+                                     done.bytes_received);
+    return send(conn, done);
+  }
+
+  // What the next connections say in their Hello.
+  std::uint16_t pool_size = 1;
+  std::uint32_t group = 0;
 
   static constexpr TimeMs kStallMs = 5'000;
   TimeMs now_ms = 1'000;
@@ -68,14 +82,14 @@ class ScriptedRun {
   Observer observer_;
 };
 
-// Two accepted peers (conns 1 and 2) of group 0.
-void admit_two(ScriptedRun& run) {
+// Two accepted peers (conns 1 and 2) of the group (run.group says it in their Hello).
+void admit_two(ScriptedRun& run, std::uint32_t group = 0) {
   run.connect(1);
   run.report_all({1});  // admitted alone: nobody to vote
   run.connect(2);
   run.send(1, p::VoteUpdateTopology{});
   run.report_all({1, 2});
-  ASSERT_EQ(run.coordinator_.ring(0).size(), 2u);
+  ASSERT_EQ(run.coordinator_.ring(group).size(), 2u);
 }
 
 double metric(const std::string& text, const std::string& series) {
@@ -178,6 +192,105 @@ TEST(Observer, ThroughputKeepsTenMinutesOfSeconds) {
   EXPECT_EQ(state["throughput"].size(), static_cast<std::size_t>(limits::kThroughputHistorySeconds));
   // Syncs count the bytes received (complete when a peer reports); two reports a second.
   EXPECT_EQ(state["throughput"][0]["shared_state_sync"], 20);
+}
+
+}  // namespace
+}  // namespace lockstep::master
+
+namespace lockstep::master {
+namespace {
+
+// Starts the all-reduce `tag` on both peers (conns 1 and 2, a ring) and returns its attempt.
+std::uint64_t start_all_reduce(ScriptedRun& run, std::uint32_t group, std::uint64_t tag, std::uint64_t count = 1u << 20) {
+  const p::CollectiveDescriptor d{count, static_cast<std::uint8_t>(LOCKSTEP_F32), static_cast<std::uint8_t>(LOCKSTEP_SUM),
+                                  static_cast<std::uint8_t>(LOCKSTEP_QUANT_NONE)};
+  std::vector<std::uint8_t> data;
+  if (count < 16) data.assign(count * 4, 0);  // small enough to travel with the votes
+  for (const ConnId conn : {ConnId{1}, ConnId{2}}) run.send(conn, p::CollectiveInit{tag, d, data});
+  const auto& collectives = run.coordinator_.collectives();
+  const auto g = collectives.find(group);
+  if (g == collectives.end() || g->second.count(tag) == 0) return 0;
+  return g->second.at(tag).attempt;
+}
+
+std::string slot_series(std::uint32_t group, std::uint32_t slot, const char* direction) {
+  return "lockstep_slot_bytes_total{group=\"" + std::to_string(group) + "\",slot=\"" + std::to_string(slot) +
+         "\",direction=\"" + direction + "\"}";
+}
+
+TEST(Observer, RingBytesAreCountedPerPoolSlot) {
+  ScriptedRun run;
+  run.pool_size = 4;
+  admit_two(run);
+  // Three all-reduces in flight on a pool of 4 take slots 0, 1 and 2.
+  std::vector<std::uint64_t> attempts;
+  for (std::uint64_t tag = 1; tag <= 3; ++tag) attempts.push_back(start_all_reduce(run, 0, tag));
+  for (std::uint64_t k = 0; k < 3; ++k) {
+    ASSERT_NE(attempts[k], 0u);
+    ASSERT_EQ(run.coordinator_.collectives().at(0).at(k + 1).slot, k);
+  }
+  const auto busy = nlohmann::json::parse(run.observer_.state_json(run.coordinator_, run.now_ms));
+  ASSERT_EQ(busy["groups"][0]["slots"].size(), 4u);
+  EXPECT_EQ(busy["groups"][0]["slots"][2]["in_flight"], 1);
+  EXPECT_EQ(busy["groups"][0]["slots"][3]["in_flight"], 0);
+  // Each peer reports distinct bytes per tag: slot k carries exactly its tag's bytes.
+  for (std::uint64_t k = 0; k < 3; ++k) {
+    run.report_done(1, p::CollectiveDone{k + 1, attempts[k], true, "", 1000 * (k + 1), 10 * (k + 1)});
+    run.report_done(2, p::CollectiveDone{k + 1, attempts[k], true, "", 100 * (k + 1), 1 * (k + 1)});
+  }
+  ASSERT_TRUE(run.coordinator_.collectives().count(0) == 0 || run.coordinator_.collectives().at(0).empty());
+  // A report of an attempt that already ended has no slot: it counts in the totals only.
+  run.report_done(1, p::CollectiveDone{1, attempts[0], true, "", 5, 5});
+  // An all-reduce that travels with the votes runs on no slot either.
+  start_all_reduce(run, 0, 9, /*count=*/4);
+
+  const std::string metrics = run.observer_.metrics_text(run.coordinator_, run.now_ms);
+  const auto state = nlohmann::json::parse(run.observer_.state_json(run.coordinator_, run.now_ms));
+  const auto& slots = state["groups"][0]["slots"];
+  ASSERT_EQ(slots.size(), 4u);
+  for (std::uint32_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(metric(metrics, slot_series(0, k, "sent")), 1100.0 * (k + 1)) << metrics;
+    EXPECT_EQ(metric(metrics, slot_series(0, k, "received")), 11.0 * (k + 1));
+    EXPECT_EQ(slots[k]["slot"], k);
+    EXPECT_EQ(slots[k]["bytes_sent"], 1100 * (k + 1));
+    EXPECT_EQ(slots[k]["bytes_received"], 11 * (k + 1));
+    EXPECT_EQ(slots[k]["in_flight"], 0);
+  }
+  // The idle slot of the pool is shown, at zero.
+  EXPECT_EQ(metric(metrics, slot_series(0, 3, "sent")), 0);
+  EXPECT_EQ(slots[3]["bytes_sent"], 0);
+  EXPECT_EQ(metric(metrics, slot_series(0, 4, "sent")), -1);  // not in the pool
+  EXPECT_EQ(state["counters"]["bytes"]["all_reduce"]["sent"], 6600 + 5);
+}
+
+TEST(Observer, SlotBytesOfGroupsThatLeftAreForgotten) {
+  ScriptedRun run;
+  run.pool_size = 2;
+  run.group = 5;
+  admit_two(run, 5);
+  const std::uint64_t attempt = start_all_reduce(run, 5, 1);
+  ASSERT_NE(attempt, 0u);
+  run.report_done(1, p::CollectiveDone{1, attempt, true, "", 64, 64});
+  EXPECT_EQ(metric(run.observer_.metrics_text(run.coordinator_, run.now_ms), slot_series(5, 0, "sent")), 64);
+  run.disconnect(1);
+  run.disconnect(2);
+  // Group 5 is gone; the next group to report replaces its series.
+  run.group = 6;
+  run.connect(3);
+  run.report_all({3});
+  run.connect(4);
+  run.send(3, p::VoteUpdateTopology{});
+  run.report_all({3, 4});
+  ASSERT_EQ(run.coordinator_.ring(6).size(), 2u);
+  const p::CollectiveDescriptor d{1u << 20, static_cast<std::uint8_t>(LOCKSTEP_F32),
+                                  static_cast<std::uint8_t>(LOCKSTEP_SUM), static_cast<std::uint8_t>(LOCKSTEP_QUANT_NONE)};
+  run.send(3, p::CollectiveInit{2, d});
+  run.send(4, p::CollectiveInit{2, d});
+  const std::uint64_t second = run.coordinator_.collectives().at(6).at(2).attempt;
+  run.report_done(3, p::CollectiveDone{2, second, true, "", 32, 32});
+  const std::string metrics = run.observer_.metrics_text(run.coordinator_, run.now_ms);
+  EXPECT_EQ(metric(metrics, slot_series(6, 0, "sent")), 32) << metrics;
+  EXPECT_EQ(metrics.find("group=\"5\",slot"), std::string::npos) << metrics;
 }
 
 }  // namespace
