@@ -3,6 +3,13 @@
 // by cpp-httplib on threads of its own. It never touches the coordinator: every answer
 // is rendered on the master's loop thread (MasterServer::render) and handed over.
 // Off unless started (lockstep-master --http HOST:PORT).
+//
+// With an access token (docs/operations.md) every request must carry it
+// ("Authorization: Bearer TOKEN"; GET requests may also use HTTP Basic with the token
+// as the password, so that a browser can open the page); others get 401, and refusals
+// are logged at most once per kRefusalLogIntervalMs. The one request that changes the
+// run, POST /api/peers/ID/evict, needs the token as a Bearer header, and is refused
+// (403) on a server without one.
 #pragma once
 
 #include "common/status.h"
@@ -14,10 +21,17 @@
 
 namespace lockstep::master {
 
+struct HttpOptions {
+  // The access token (security::load_token_file); empty: no authentication.
+  std::string token;
+};
+
+inline constexpr std::uint32_t kRefusalLogIntervalMs = 10'000;
+
 class HttpServer {
  public:
   // The master must outlive this server (stop it first).
-  explicit HttpServer(const MasterServer& master);
+  explicit HttpServer(MasterServer& master, HttpOptions options = {});
   ~HttpServer();
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
