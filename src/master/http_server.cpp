@@ -121,6 +121,10 @@ struct HttpServer::Impl {
   std::thread thread;
 };
 
+bool is_loopback_host(const std::string& host) {
+  return host.rfind("127.", 0) == 0 || host == "localhost" || host == "::1" || host == "[::1]";
+}
+
 HttpServer::HttpServer(MasterServer& master, HttpOptions options)
     : impl_(std::make_unique<Impl>(master, std::move(options))) {}
 
@@ -128,6 +132,13 @@ HttpServer::~HttpServer() { stop(); }
 
 Status HttpServer::start(const std::string& host, std::uint16_t port) {
   if (impl_->thread.joinable()) return Status(LOCKSTEP_STATUS_INVALID_USAGE, "the HTTP server is already started");
+  if (impl_->options.token.empty() && !is_loopback_host(host)) {
+    if (!impl_->options.insecure) {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                    "HTTP on " + host + ", which is not a loopback address, needs an access token (or the insecure option)");
+    }
+    LOG_WARN(kLog, "serving HTTP on " << host << " without an access token: anyone who can reach it sees the run");
+  }
   httplib::Server& server = impl_->server;
   MasterServer& master = impl_->master;
   Impl& impl = *impl_;

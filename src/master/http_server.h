@@ -24,7 +24,12 @@ namespace lockstep::master {
 struct HttpOptions {
   // The access token (security::load_token_file); empty: no authentication.
   std::string token;
+  // Without a token, start() refuses a non-loopback address unless this is set.
+  bool insecure = false;
 };
+
+// 127.0.0.0/8, localhost and ::1.
+bool is_loopback_host(const std::string& host);
 
 inline constexpr std::uint32_t kRefusalLogIntervalMs = 10'000;
 
@@ -37,7 +42,8 @@ class HttpServer {
   HttpServer& operator=(const HttpServer&) = delete;
 
   // Binds host:port (port 0: ephemeral) and serves on background threads; returns once
-  // it accepts connections.
+  // it accepts connections. INVALID_ARGUMENT for a non-loopback host without a token
+  // (unless options.insecure; then it logs a warning).
   Status start(const std::string& host, std::uint16_t port);
   std::uint16_t port() const { return port_; }
   // Stops accepting, finishes the requests in progress, joins every thread. Idempotent.

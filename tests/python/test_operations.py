@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
+import lockstep
 from observed_run import WAIT_S, LineReader, Peer, admit, all_call, bin_path, peer_name, stop_process
 
 TOKEN = "0123456789abcdef-operations-token"
@@ -202,7 +203,7 @@ def test_non_loopback_http_needs_a_token_or_an_explicit_insecure_flag(workdir):
     assert "--http: 0.0.0.0 is not a loopback address and no access token is set" in result.stderr
     master = Master("--listen", "127.0.0.1:0", "--http", "0.0.0.0:0", "--http-insecure")
     try:
-        assert "--http-insecure" in master.log_text()
+        assert "serving HTTP on 0.0.0.0 without an access token" in master.log_text()
     finally:
         master.close()
     write(os.path.join(workdir, "token"), TOKEN)
@@ -471,3 +472,24 @@ def test_sighup_rotates_the_secret_with_a_window_for_the_previous_one(workdir):
         for p in peers:
             p.close()
         master.close()
+
+
+# ---------------------------------------------------------------- the embedded master
+
+
+def test_the_embedded_master_serves_http_with_its_token(workdir, token_file):
+    with lockstep.Master("127.0.0.1:0", http="127.0.0.1:0", http_token_file=token_file) as m:
+        url = f"http://{m.http_address}/api/state"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=10)
+        assert refused.value.code == 401
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200 and json.loads(response.read())["peers"] == []
+        result = status_tool("--http", m.http_address, "--token-file", token_file)
+        assert result.returncode == 0 and "peers: 0 accepted" in result.stdout, result
+    with pytest.raises(lockstep.InvalidArgumentError):
+        lockstep.Master("127.0.0.1:0", http="0.0.0.0:0")
+    with lockstep.Master("127.0.0.1:0") as m:
+        with pytest.raises(lockstep.InvalidUsageError):
+            m.http_port

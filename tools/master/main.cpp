@@ -138,10 +138,6 @@ std::optional<std::pair<std::string, std::uint16_t>> split_host_port(const std::
   return std::make_pair(text.substr(0, colon), static_cast<std::uint16_t>(port));
 }
 
-bool is_loopback(const std::string& host) {
-  return host.rfind("127.", 0) == 0 || host == "localhost" || host == "::1" || host == "[::1]";
-}
-
 bool is_unsigned_integer(const std::string& text) {
   if (text.empty() || text.size() > 10) return false;
   for (const char c : text) {
@@ -322,14 +318,13 @@ int main(int argc, char** argv) {
     http_options.token = token.value();
   }
   if (settings.http_insecure && !http_address) return fail(origin("http-insecure") + ": given without --http");
-  if (http_address && http_options.token.empty() && !is_loopback(http_address->first)) {
+  if (http_address && http_options.token.empty() && !lockstep::master::is_loopback_host(http_address->first)) {
     if (!settings.http_insecure) {
       return fail(origin("http") + ": " + http_address->first +
                   " is not a loopback address and no access token is set: give --http-token-file (or --http-insecure "
                   "to let anyone who can reach it see the run)");
     }
-    LOG_WARN("master", "--http-insecure: the status page, /api/state and /metrics on "
-                           << settings.http << " answer anyone who can reach them, without a token");
+    http_options.insecure = true;
   }
   if (!settings.secret_file.empty()) {
     auto key = lockstep::security::load_secret_file(settings.secret_file);
