@@ -90,15 +90,17 @@ class MasterServer::Impl {
 
   Result<std::string> evict(const std::string& name, const std::string& reason, std::uint32_t timeout_ms) {
     return on_loop(timeout_ms, [this, name, reason]() -> Result<std::string> {
+      std::optional<PeerId> target;
       for (const auto& [id, peer] : coordinator_.peers()) {
-        if (id.to_string() != name && hex_id(id) != name) continue;
-        LOG_WARN(kLog, "the operator evicts peer " << id.to_string() << (reason.empty() ? "" : ": " + reason));
-        coord::Outbox out;
-        const bool found = coordinator_.on_evict(id, reason, now_ms(), out);
-        apply(out);
-        if (found) return id.to_string();
+        if (id.to_string() == name || hex_id(id) == name) target = id;  // a copy: eviction erases the entry
       }
-      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "no registered or accepted peer is named '" + name + "'");
+      if (!target) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "no registered or accepted peer is named '" + name + "'");
+      LOG_WARN(kLog, "the operator evicts peer " << target->to_string() << (reason.empty() ? "" : ": " + reason));
+      coord::Outbox out;
+      const bool found = coordinator_.on_evict(*target, reason, now_ms(), out);
+      apply(out);
+      if (!found) return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "the coordinator did not find " + target->to_string());
+      return target->to_string();
     });
   }
 
