@@ -187,6 +187,20 @@ typedef struct lockstep_master_config {
   /* Connections that may be in their handshake at once; beyond that each new one
    * displaces the oldest of the address holding the most. 0 means the default (256). */
   uint32_t pending_handshakes_max;
+  /* Since 0.3. "HOST:PORT" of the HTTP endpoint: the status page, /api/state and
+   * /metrics (docs/observability.md); port 0 picks an ephemeral port
+   * (lockstep_master_http_port). NULL or "": no endpoint (the default). A host that is not
+   * a loopback address needs http_token_file, or http_insecure. */
+  const char* http_listen;
+  /* Since 0.3. Path of a file holding the HTTP access token (16 to 4096 visible ASCII
+   * characters; trailing line breaks are ignored): every request must then carry
+   * "Authorization: Bearer TOKEN" (docs/operations.md). NULL or "": no token. An
+   * unreadable or malformed token makes lockstep_master_create fail with INVALID_ARGUMENT. */
+  const char* http_token_file;
+  /* Since 0.3. Nonzero: serve http_listen on a non-loopback address without a token
+   * (anyone who can reach it sees the run). 0 (the default): such an address without a
+   * token makes lockstep_master_create fail with INVALID_ARGUMENT. */
+  uint32_t http_insecure;
 } lockstep_master_config_t;
 
 /* Fills the struct_size bytes of a config with the defaults (port 48148, all interfaces)
@@ -209,11 +223,16 @@ static inline lockstep_status_t lockstep_master_config_init(lockstep_master_conf
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_create(const lockstep_master_config_t* config,
                                                           lockstep_master_t** out_master);
 /* Binds the listening socket and starts serving on a background thread; returns
- * once the socket is listening. Fails with MASTER_CONNECTION_FAILED if it cannot bind. */
+ * once the socket is listening. Fails with MASTER_CONNECTION_FAILED if it cannot bind
+ * (the master's port, or the HTTP endpoint's; then nothing keeps running). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_run(lockstep_master_t* master);
 /* The port the master listens on (useful after listening on port 0). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_port(const lockstep_master_t* master,
                                                         uint16_t* out_port);
+/* Since 0.3. The port of the HTTP endpoint (config http_listen). INVALID_USAGE if the
+ * master has no endpoint or is not running. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_master_http_port(const lockstep_master_t* master,
+                                                             uint16_t* out_port);
 /* Asks the master to stop; thread-safe and safe to call from a signal-free context
  * at any time. Returns at once. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_interrupt(lockstep_master_t* master);

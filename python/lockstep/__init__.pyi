@@ -240,12 +240,16 @@ class Master:
 
     def __init__(self, listen: str = "127.0.0.1:0", heartbeat_timeout_ms: int = 0, vote_timeout_ms: int = 0,
                  peers_max: int = 0, secret_file: Optional[str] = None, handshake_timeout_ms: int = 0,
-                 pending_handshakes_max: int = 0) -> None:
+                 pending_handshakes_max: int = 0, http: Optional[str] = None,
+                 http_token_file: Optional[str] = None, http_insecure: bool = False) -> None:
         """listen: "host:port" (port 0: ephemeral; empty host: all interfaces).
         heartbeat_timeout_ms: 0 means 5000 (range 100..3600000). vote_timeout_ms: 0 means
         off. peers_max: 0 means 1024. secret_file: the run secret (None: $LOCKSTEP_SECRET_FILE
         or no secret, which admits anyone). handshake_timeout_ms: 0 means 10000.
-        pending_handshakes_max: 0 means 256."""
+        pending_handshakes_max: 0 means 256. http: "host:port" of the status page,
+        /api/state and /metrics (None: off; port 0: ephemeral). http_token_file: the access
+        token every HTTP request must carry (Authorization: Bearer TOKEN). http_insecure:
+        allow a non-loopback http host without a token."""
     def run(self) -> None:
         """Starts listening and serving on background threads; MasterConnectionFailedError
         if it cannot bind."""
@@ -257,6 +261,12 @@ class Master:
     @property
     def address(self) -> str:
         """"host:port" to connect to (127.0.0.1 when listening on all interfaces)."""
+    @property
+    def http_port(self) -> int:
+        """The HTTP endpoint's port (InvalidUsageError without http, or before run())."""
+    @property
+    def http_address(self) -> str:
+        """"host:port" of the HTTP endpoint (127.0.0.1 when listening on all interfaces)."""
     def interrupt(self) -> None:
         """Asks the master to stop (thread-safe, returns at once)."""
     def wait(self) -> None:

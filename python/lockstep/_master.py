@@ -53,20 +53,39 @@ class Master:
             long is closed; 0 means 10000.
         pending_handshakes_max: connections that may be in their handshake at once; 0
             means 256.
+        http: ``"host:port"`` of the HTTP endpoint (the status page, ``/api/state`` and
+            ``/metrics``; docs/observability.md); port 0 picks an ephemeral port (see
+            :attr:`http_port`). None: no endpoint. A non-loopback host needs
+            ``http_token_file`` or ``http_insecure``.
+        http_token_file: path of the HTTP access token (16 to 4096 visible ASCII
+            characters): every request must carry ``Authorization: Bearer TOKEN``
+            (docs/operations.md).
+        http_insecure: serve ``http`` on a non-loopback host without a token.
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", heartbeat_timeout_ms: int = 0, vote_timeout_ms: int = 0,
                  peers_max: int = 0, secret_file: Optional[str] = None, handshake_timeout_ms: int = 0,
-                 pending_handshakes_max: int = 0) -> None:
+                 pending_handshakes_max: int = 0, http: Optional[str] = None, http_token_file: Optional[str] = None,
+                 http_insecure: bool = False) -> None:
         host, port = _split_address(listen, DEFAULT_MASTER_PORT, "listen")
         if secret_file is not None and not isinstance(secret_file, str):
             raise InvalidArgumentError("secret_file must be a str or None")
+        if http is not None:
+            http_host, http_port = _split_address(http, -1, "http")
+            if http_port < 0:
+                raise InvalidArgumentError(f"http {http!r}: expected 'host:port'")
+            self._http_host = http_host
+        else:
+            self._http_host = ""
+        if http_token_file is not None and not isinstance(http_token_file, str):
+            raise InvalidArgumentError("http_token_file must be a str or None")
         self._host = host
         self._impl = _lockstep.Master(
             host, port, _check_uint("heartbeat_timeout_ms", heartbeat_timeout_ms, 32),
             _check_uint("vote_timeout_ms", vote_timeout_ms, 32), _check_uint("peers_max", peers_max, 32),
             secret_file or "", _check_uint("handshake_timeout_ms", handshake_timeout_ms, 32),
-            _check_uint("pending_handshakes_max", pending_handshakes_max, 32))
+            _check_uint("pending_handshakes_max", pending_handshakes_max, 32), http or "", http_token_file or "",
+            bool(http_insecure))
         self._running = False
 
     def run(self) -> None:
@@ -90,6 +109,17 @@ class Master:
         """``"host:port"`` for :class:`Communicator` (127.0.0.1 when it listens on all interfaces)."""
         host = self._host if self._host not in ("", "0.0.0.0") else "127.0.0.1"
         return f"{host}:{self.port}"
+
+    @property
+    def http_port(self) -> int:
+        """The port of the HTTP endpoint (after :meth:`run`; only with ``http``)."""
+        return self._impl.http_port()
+
+    @property
+    def http_address(self) -> str:
+        """``"host:port"`` of the HTTP endpoint (127.0.0.1 when it listens on all interfaces)."""
+        host = self._http_host if self._http_host not in ("", "0.0.0.0") else "127.0.0.1"
+        return f"{host}:{self.http_port}"
 
     def interrupt(self) -> None:
         """Asks the master to stop (thread-safe, returns at once)."""

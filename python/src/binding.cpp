@@ -110,7 +110,8 @@ class PyMaster {
  public:
   PyMaster(const std::string& host, std::uint16_t port, std::uint32_t heartbeat_timeout_ms,
            std::uint32_t vote_timeout_ms, std::uint32_t peers_max, const std::string& secret_file,
-           std::uint32_t handshake_timeout_ms, std::uint32_t pending_handshakes_max) {
+           std::uint32_t handshake_timeout_ms, std::uint32_t pending_handshakes_max, const std::string& http_listen,
+           const std::string& http_token_file, bool http_insecure) {
     lockstep_master_config_t config;
     check(lockstep_master_config_init(&config), nullptr);
     config.listen_host = host.c_str();
@@ -121,12 +122,16 @@ class PyMaster {
     config.secret_file = secret_file.c_str();
     config.handshake_timeout_ms = handshake_timeout_ms;
     config.pending_handshakes_max = pending_handshakes_max;
+    config.http_listen = http_listen.c_str();
+    config.http_token_file = http_token_file.c_str();
+    config.http_insecure = http_insecure ? 1 : 0;
     lockstep_master_t* master = nullptr;
     const int s = lockstep_master_create(&config, &master);
     if (s != LOCKSTEP_OK) {
       fail(s, s == LOCKSTEP_STATUS_INVALID_ARGUMENT
-                  ? plain_message(s) + " (heartbeat_timeout_ms out of range, a bad listen address, or an "
-                                       "unreadable or too short secret file)"
+                  ? plain_message(s) + " (heartbeat_timeout_ms out of range, a bad listen address, an "
+                                       "unreadable or too short secret file, a bad http address, an unreadable or "
+                                       "malformed token file, or a non-loopback http address without a token)"
                   : plain_message(s));
     }
     master_ = master;
@@ -155,6 +160,16 @@ class PyMaster {
     std::uint16_t port = 0;
     const int s = lockstep_master_port(live(), &port);
     if (s == LOCKSTEP_STATUS_INVALID_USAGE) fail(s, plain_message(s) + " (the master is not running: call run() first)");
+    check(s, nullptr);
+    return port;
+  }
+
+  std::uint16_t http_port() {
+    std::uint16_t port = 0;
+    const int s = lockstep_master_http_port(live(), &port);
+    if (s == LOCKSTEP_STATUS_INVALID_USAGE) {
+      fail(s, plain_message(s) + " (the master has no http endpoint, or is not running: call run() first)");
+    }
     check(s, nullptr);
     return port;
   }
@@ -649,12 +664,14 @@ PYBIND11_MODULE(_lockstep, m) {
 
   py::class_<PyMaster>(m, "Master")
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::uint32_t, const std::string&,
-                    std::uint32_t, std::uint32_t>(),
+                    std::uint32_t, std::uint32_t, const std::string&, const std::string&, bool>(),
            py::arg("host"), py::arg("port"), py::arg("heartbeat_timeout_ms"), py::arg("vote_timeout_ms"),
            py::arg("peers_max"), py::arg("secret_file") = "", py::arg("handshake_timeout_ms") = 0,
-           py::arg("pending_handshakes_max") = 0)
+           py::arg("pending_handshakes_max") = 0, py::arg("http_listen") = "", py::arg("http_token_file") = "",
+           py::arg("http_insecure") = false)
       .def("run", &PyMaster::run)
       .def("port", &PyMaster::port)
+      .def("http_port", &PyMaster::http_port)
       .def("interrupt", &PyMaster::interrupt)
       .def("wait", &PyMaster::wait)
       .def("close", &PyMaster::close)

@@ -3,6 +3,7 @@
 #include <lockstep/lockstep.h>
 
 #include "common/log.h"
+#include "master/http_server.h"
 #include "master/master_server.h"
 #include "peer/communicator.h"
 #include "state/hash.h"
@@ -20,6 +21,11 @@
 
 struct lockstep_master {
   std::unique_ptr<lockstep::master::MasterServer> server;
+  // The HTTP endpoint (config http_listen); declared after the server, so that it is
+  // stopped first.
+  std::optional<std::pair<std::string, std::uint16_t>> http_address;
+  lockstep::master::HttpOptions http_options;
+  std::unique_ptr<lockstep::master::HttpServer> http;
 };
 
 struct lockstep_comm {
@@ -229,10 +235,43 @@ lockstep_status_t lockstep_master_create(const lockstep_master_config_t* caller_
       return secret.status().code();
     }
     options.secret = secret.value();
+    std::optional<std::pair<std::string, std::uint16_t>> http_address;
+    lockstep::master::HttpOptions http_options;
+    if (config->http_listen != nullptr && config->http_listen[0] != '\0') {
+      const std::string text = config->http_listen;
+      const auto colon = text.rfind(':');
+      int port = -1;
+      if (colon != std::string::npos && colon > 0 && colon + 1 < text.size() &&
+          text.find_first_not_of("0123456789", colon + 1) == std::string::npos && text.size() - colon <= 6) {
+        port = std::stoi(text.substr(colon + 1));
+      }
+      if (port < 0 || port > 65535) {
+        return refuse("lockstep_master_create", lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                                                                 "http_listen must be HOST:PORT, got '" + text + "'"));
+      }
+      http_address.emplace(text.substr(0, colon), static_cast<std::uint16_t>(port));
+      if (config->http_token_file != nullptr && config->http_token_file[0] != '\0') {
+        auto token = lockstep::security::load_token_file(config->http_token_file);
+        if (!token.is_ok()) return refuse("lockstep_master_create", token.status());
+        http_options.token = token.value();
+      }
+      http_options.insecure = config->http_insecure != 0;
+      if (http_options.token.empty() && !http_options.insecure && !lockstep::master::is_loopback_host(http_address->first)) {
+        return refuse("lockstep_master_create",
+                      lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                                       "http_listen " + text + " is not a loopback address: it needs http_token_file "
+                                       "(or http_insecure)"));
+      }
+    } else if (config->http_token_file != nullptr && config->http_token_file[0] != '\0') {
+      return refuse("lockstep_master_create", lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                                                               "http_token_file is set without http_listen"));
+    }
     std::random_device random;
     options.coordinator.instance_nonce = (static_cast<uint64_t>(random()) << 32) | random();
     auto* master = new lockstep_master;
     master->server = std::make_unique<lockstep::master::MasterServer>(std::move(options));
+    master->http_address = std::move(http_address);
+    master->http_options = std::move(http_options);
     *out_master = master;
     return LOCKSTEP_OK;
   });
@@ -241,10 +280,34 @@ lockstep_status_t lockstep_master_create(const lockstep_master_config_t* caller_
 lockstep_status_t lockstep_master_run(lockstep_master_t* master) {
   if (master == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   return guarded([&] {
+    if (master->http) return refuse("lockstep_master_run", lockstep::Status(LOCKSTEP_STATUS_INVALID_USAGE, "already running"));
     lockstep::Status s = master->server->start();
-    if (!s.is_ok()) LOG_ERROR("master", s.to_string());
-    return s.code();
+    if (!s.is_ok()) {
+      LOG_ERROR("master", s.to_string());
+      return s.code();
+    }
+    if (master->http_address) {
+      auto http = std::make_unique<lockstep::master::HttpServer>(*master->server, master->http_options);
+      s = http->start(master->http_address->first, master->http_address->second);
+      if (!s.is_ok()) {
+        LOG_ERROR("master", s.to_string());
+        master->server->interrupt();
+        master->server->wait();
+        return static_cast<lockstep_status_t>(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED);
+      }
+      LOG_INFO("master", "http listening on " << master->http_address->first << ":" << http->port()
+                                              << (master->http_options.token.empty() ? "" : " (access token required)"));
+      master->http = std::move(http);
+    }
+    return static_cast<lockstep_status_t>(LOCKSTEP_OK);
   });
+}
+
+lockstep_status_t lockstep_master_http_port(const lockstep_master_t* master, uint16_t* out_port) {
+  if (master == nullptr || out_port == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  if (!master->server->running() || !master->http) return LOCKSTEP_STATUS_INVALID_USAGE;
+  *out_port = master->http->port();
+  return LOCKSTEP_OK;
 }
 
 lockstep_status_t lockstep_master_port(const lockstep_master_t* master, uint16_t* out_port) {
@@ -263,6 +326,7 @@ lockstep_status_t lockstep_master_interrupt(lockstep_master_t* master) {
 lockstep_status_t lockstep_master_await(lockstep_master_t* master) {
   if (master == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   master->server->wait();
+  if (master->http) master->http->stop();
   return LOCKSTEP_OK;
 }
 

@@ -275,6 +275,14 @@ void Coordinator::on_disconnect(ConnId conn, const std::string& reason, TimeMs n
   advance(now_ms, out);
 }
 
+bool Coordinator::on_evict(PeerId id, const std::string& reason, TimeMs now_ms, Outbox& out) {
+  if (peers_.count(id) == 0) return false;
+  remove_peer(id, LOCKSTEP_STATUS_KICKED, "evicted by the operator" + (reason.empty() ? "" : ": " + reason),
+              /*connection_open=*/true, /*straggler=*/false, out);
+  advance(now_ms, out);
+  return true;
+}
+
 void Coordinator::on_protocol_error(ConnId conn, const std::string& reason, TimeMs now_ms, Outbox& out) {
   if (auto hs = handshaking_.find(conn); hs != handshaking_.end()) {
     out.push_back(rejected("connection from " + hs->second.observed_host + " dropped: " + reason, reason,

@@ -219,6 +219,11 @@ class Coordinator {
   void on_protocol_error(ConnId conn, const std::string& reason, TimeMs now_ms, Outbox& out);
   // Time passed: heartbeat, handshake, vote and establishment deadlines.
   void on_tick(TimeMs now_ms, Outbox& out);
+  // The operator evicts a peer (lockstep-status --evict, docs/operations.md): it is
+  // removed exactly as a peer the master kicks (Goodbye KICKED with the reason, every
+  // operation it took part in unwinds for the others). False, and nothing changes, if
+  // no such peer is registered or accepted.
+  bool on_evict(PeerId id, const std::string& reason, TimeMs now_ms, Outbox& out);
 
   // ---- read-only views for the shell, tests and invariant checks
   const Config& config() const { return config_; }

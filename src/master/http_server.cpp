@@ -9,6 +9,7 @@
 #include "common/limits.h"
 #include "common/log.h"
 #include "master/status_page.h"
+#include "security/crypto.h"
 
 #include <httplib.h>
 
@@ -75,23 +76,72 @@ class BoundedPool : public httplib::TaskQueue {
   std::vector<std::thread> threads_;
 };
 
+// Logs refused requests at most once per interval, with how many were not logged.
+class RefusalLog {
+ public:
+  void refused(const std::string& what) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto now = std::chrono::steady_clock::now();
+    if (logged_ && now - last_ < std::chrono::milliseconds(kRefusalLogIntervalMs)) {
+      ++unlogged_;
+      return;
+    }
+    LOG_WARN(kLog, "refused " << what
+                              << (unlogged_ > 0 ? " (and " + std::to_string(unlogged_) + " more refusals not logged)" : ""));
+    logged_ = true;
+    last_ = now;
+    unlogged_ = 0;
+  }
+
+ private:
+  std::mutex mutex_;
+  bool logged_ = false;
+  std::chrono::steady_clock::time_point last_{};
+  std::uint64_t unlogged_ = 0;
+};
+
+void set_json_error(httplib::Response& response, int status, const std::string& message) {
+  response.status = status;
+  std::string escaped;
+  for (const char c : message) {
+    if (c == '"' || c == '\\') escaped += '\\';
+    if (static_cast<unsigned char>(c) >= 0x20) escaped += c;
+  }
+  response.set_content("{\"error\": \"" + escaped + "\"}\n", "application/json");
+}
+
 }  // namespace
 
 struct HttpServer::Impl {
-  explicit Impl(const MasterServer& m) : master(m) {}
-  const MasterServer& master;
+  Impl(MasterServer& m, HttpOptions o) : master(m), options(std::move(o)) {}
+  MasterServer& master;
+  HttpOptions options;
+  RefusalLog refusals;
   httplib::Server server;
   std::thread thread;
 };
 
-HttpServer::HttpServer(const MasterServer& master) : impl_(std::make_unique<Impl>(master)) {}
+bool is_loopback_host(const std::string& host) {
+  return host.rfind("127.", 0) == 0 || host == "localhost" || host == "::1" || host == "[::1]";
+}
+
+HttpServer::HttpServer(MasterServer& master, HttpOptions options)
+    : impl_(std::make_unique<Impl>(master, std::move(options))) {}
 
 HttpServer::~HttpServer() { stop(); }
 
 Status HttpServer::start(const std::string& host, std::uint16_t port) {
   if (impl_->thread.joinable()) return Status(LOCKSTEP_STATUS_INVALID_USAGE, "the HTTP server is already started");
+  if (impl_->options.token.empty() && !is_loopback_host(host)) {
+    if (!impl_->options.insecure) {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                    "HTTP on " + host + ", which is not a loopback address, needs an access token (or the insecure option)");
+    }
+    LOG_WARN(kLog, "serving HTTP on " << host << " without an access token: anyone who can reach it sees the run");
+  }
   httplib::Server& server = impl_->server;
-  const MasterServer& master = impl_->master;
+  MasterServer& master = impl_->master;
+  Impl& impl = *impl_;
   server.new_task_queue = [] {
     return new BoundedPool(limits::kHttpWorkerThreads, limits::kHttpQueuedConnectionsMax);
   };
@@ -112,6 +162,37 @@ Status HttpServer::start(const std::string& host, std::uint16_t port) {
       response.set_content(std::move(body).value(), content_type);
     };
   };
+  // Every request proves the token first (when there is one), before any route runs.
+  server.set_pre_routing_handler([&impl](const httplib::Request& request, httplib::Response& response) {
+    if (impl.options.token.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    const bool read_only = request.method == "GET" || request.method == "HEAD";
+    const std::string header = request.get_header_value("Authorization");
+    if (security::authorization_matches(header, impl.options.token, /*allow_basic=*/read_only)) {
+      return httplib::Server::HandlerResponse::Unhandled;
+    }
+    impl.refusals.refused(request.method + " " + request.path + " from " + request.remote_addr + ": " +
+                          (header.empty() ? "no access token" : "wrong access token"));
+    response.set_header("WWW-Authenticate", "Bearer realm=\"lockstep\"");
+    if (read_only) response.set_header("WWW-Authenticate", "Basic realm=\"lockstep\", charset=\"UTF-8\"");
+    set_json_error(response, 401, "this endpoint requires its access token (Authorization: Bearer TOKEN)");
+    return httplib::Server::HandlerResponse::Handled;
+  });
+  // The operator evicts a peer (lockstep-status --evict); only with a token.
+  server.Post(R"(/api/peers/([^/]+)/evict)", [&impl, &master](const httplib::Request& request,
+                                                              httplib::Response& response) {
+    response.set_header("Cache-Control", "no-store");
+    if (impl.options.token.empty()) {
+      impl.refusals.refused("POST " + request.path + " from " + request.remote_addr + ": no access token is configured");
+      return set_json_error(response, 403, "eviction needs the master's --http-token-file");
+    }
+    const std::string peer = request.matches[1];
+    auto evicted = master.evict(peer, "requested over HTTP from " + request.remote_addr, limits::kHttpRenderTimeoutMs);
+    if (!evicted.is_ok()) {
+      const bool unknown = evicted.status().code() == LOCKSTEP_STATUS_INVALID_ARGUMENT;
+      return set_json_error(response, unknown ? 404 : 503, evicted.status().message());
+    }
+    response.set_content("{\"evicted\": \"" + evicted.value() + "\"}\n", "application/json");
+  });
   server.Get("/metrics", serve(View::kMetricsText, "text/plain; version=0.0.4; charset=utf-8"));
   server.Get("/api/state", serve(View::kStateJson, "application/json"));
   server.Get("/", [](const httplib::Request&, httplib::Response& response) {

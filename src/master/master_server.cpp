@@ -19,10 +19,13 @@
 
 #include <asio.hpp>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdlib>
+#include <cstdio>
 #include <deque>
+#include <functional>
 #include <future>
 #include <map>
 #include <vector>
@@ -79,21 +82,43 @@ class MasterServer::Impl {
 
   // Called from any thread: the view is rendered by a handler on the loop thread.
   Result<std::string> render(View view, std::uint32_t timeout_ms) {
-    auto promise = std::make_shared<std::promise<std::string>>();
-    auto future = promise->get_future();
-    asio::post(io_, [this, promise, view] {
-      promise->set_value(view == View::kStateJson ? observer_.state_json(coordinator_, now_ms())
-                                                  : observer_.metrics_text(coordinator_, now_ms()));
+    return on_loop(timeout_ms, [this, view]() -> Result<std::string> {
+      return view == View::kStateJson ? observer_.state_json(coordinator_, now_ms())
+                                      : observer_.metrics_text(coordinator_, now_ms());
     });
-    if (future.wait_for(std::chrono::milliseconds(timeout_ms)) != std::future_status::ready) {
-      return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master's loop did not answer within " +
-                                                                std::to_string(timeout_ms) + " ms");
-    }
-    try {
-      return future.get();
-    } catch (const std::future_error&) {  // the loop was destroyed with the request queued
-      return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master stopped");
-    }
+  }
+
+  Result<std::string> evict(const std::string& name, const std::string& reason, std::uint32_t timeout_ms) {
+    return on_loop(timeout_ms, [this, name, reason]() -> Result<std::string> {
+      std::optional<PeerId> target;
+      for (const auto& [id, peer] : coordinator_.peers()) {
+        if (id.to_string() == name || hex_id(id) == name) target = id;  // a copy: eviction erases the entry
+      }
+      if (!target) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "no registered or accepted peer is named '" + name + "'");
+      LOG_WARN(kLog, "the operator evicts peer " << target->to_string() << (reason.empty() ? "" : ": " + reason));
+      coord::Outbox out;
+      const bool found = coordinator_.on_evict(*target, reason, now_ms(), out);
+      apply(out);
+      if (!found) return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "the coordinator did not find " + target->to_string());
+      return target->to_string();
+    });
+  }
+
+  Status rotate_secret(const security::Key& secret, std::uint32_t window_ms, std::uint32_t timeout_ms) {
+    auto done = on_loop(timeout_ms, [this, secret, window_ms]() -> Result<std::string> {
+      if (!options_.secret) {
+        return Status(LOCKSTEP_STATUS_INVALID_USAGE,
+                      "this master runs without a secret; a run cannot gain one (start the master with --secret-file)");
+      }
+      if (*options_.secret == secret) return std::string("unchanged");
+      previous_secret_ = *options_.secret;
+      previous_secret_until_ms_ = now_ms() + window_ms;
+      options_.secret = secret;
+      LOG_WARN(kLog, "run secret rotated: new handshakes must prove the new secret; the previous one is accepted for "
+                         << window_ms << " ms more; peers already in the run stay");
+      return std::string("rotated");
+    });
+    return done.is_ok() ? Status::ok() : done.status();
   }
 
  private:
@@ -121,6 +146,38 @@ class MasterServer::Impl {
     asio::steady_timer close_timer;
   };
   using SessionPtr = std::shared_ptr<Session>;
+
+  // Runs fn on the loop thread (the only one that touches the coordinator) and waits at
+  // most timeout_ms for its answer.
+  Result<std::string> on_loop(std::uint32_t timeout_ms, std::function<Result<std::string>()> fn) {
+    auto promise = std::make_shared<std::promise<Result<std::string>>>();
+    auto future = promise->get_future();
+    asio::post(io_, [promise, fn = std::move(fn)] { promise->set_value(fn()); });
+    if (future.wait_for(std::chrono::milliseconds(timeout_ms)) != std::future_status::ready) {
+      return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master's loop did not answer within " +
+                                                                std::to_string(timeout_ms) + " ms");
+    }
+    try {
+      return future.get();
+    } catch (const std::future_error&) {  // the loop was destroyed with the request queued
+      return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master stopped");
+    }
+  }
+
+  static std::string hex_id(PeerId id) {
+    char buf[33];
+    std::snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(id.hi),
+                  static_cast<unsigned long long>(id.lo));
+    return buf;
+  }
+
+  // The secrets a handshake may prove now: the current one, and during a rotation's
+  // window the previous one.
+  std::vector<security::Key> accepted_secrets() const {
+    std::vector<security::Key> keys{*options_.secret};
+    if (previous_secret_ && now_ms() < previous_secret_until_ms_) keys.push_back(*previous_secret_);
+    return keys;
+  }
 
   TimeMs now_ms() const {
     return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start_).count();
@@ -197,8 +254,10 @@ class MasterServer::Impl {
   // The challenge-response: Hello (client nonce) -> AuthChallenge (server nonce, the
   // master's proof) -> AuthProof (the peer's proof); then the Hello goes on to the
   // coordinator and both directions are sealed with keys of this connection alone.
+  // During a rotation's window the master proves both secrets (the new one's proof
+  // first; the peer checks each 32-byte proof) and accepts a peer's proof of either.
   void on_auth_frame(const SessionPtr& s, const proto::Message& message) {
-    const security::Key& secret = *options_.secret;
+    const std::vector<security::Key> secrets = accepted_secrets();
     if (const auto* hello = std::get_if<proto::Hello>(&message)) {
       if (!security::to_nonce(hello->auth, &s->client_nonce)) {
         return auth_failed(s, "its Hello carries no proof of the run secret (a peer started without the secret)");
@@ -206,18 +265,28 @@ class MasterServer::Impl {
       s->hello = *hello;
       s->transcript = s->payload;
       s->server_nonce = security::random_nonce();
-      const auto proof = security::proof(secret, security::kMasterRole, s->client_nonce, s->server_nonce, s->transcript);
+      std::vector<std::uint8_t> proofs;
+      for (const auto& secret : secrets) {
+        const auto proof = security::proof(secret, security::kMasterRole, s->client_nonce, s->server_nonce, s->transcript);
+        proofs.insert(proofs.end(), proof.begin(), proof.end());
+      }
       s->auth = Auth::kAwaitProof;
-      enqueue(s->conn, proto::AuthChallenge{security::to_bytes(s->server_nonce), security::to_bytes(proof)});
+      enqueue(s->conn, proto::AuthChallenge{security::to_bytes(s->server_nonce), std::move(proofs)});
       if (!s->closing && !s->closed) read_header(s);
       return;
     }
     const auto& proof = std::get<proto::AuthProof>(message);
-    if (!security::verify(secret, security::kPeerRole, s->client_nonce, s->server_nonce, s->transcript, proof.proof)) {
+    const auto proven = std::find_if(secrets.begin(), secrets.end(), [&](const security::Key& secret) {
+      return security::verify(secret, security::kPeerRole, s->client_nonce, s->server_nonce, s->transcript, proof.proof);
+    });
+    if (proven == secrets.end()) {
       return auth_failed(s, "its proof of the run secret is wrong (a different secret, or a replayed handshake)");
     }
+    if (proven != secrets.begin()) {
+      LOG_INFO(kLog, "connection " << s->conn << " from " << s->host << " proved the previous run secret (rotation window)");
+    }
     s->crypto = std::make_unique<security::FrameCrypto>(
-        security::session_keys(secret, s->client_nonce, s->server_nonce, s->transcript), /*client=*/false);
+        security::session_keys(*proven, s->client_nonce, s->server_nonce, s->transcript), /*client=*/false);
     s->auth = Auth::kDone;
     LOG_DEBUG(kLog, "connection " << s->conn << " from " << s->host << " proved the run secret");
     coord::Outbox out;
@@ -419,6 +488,10 @@ class MasterServer::Impl {
       coord::Outbox out;
       coordinator_.on_tick(now_ms(), out);
       apply(out);
+      if (previous_secret_ && now_ms() >= previous_secret_until_ms_) {
+        previous_secret_.reset();
+        LOG_WARN(kLog, "the rotation window has passed: the previous run secret is no longer accepted");
+      }
       if (++ticks_ % kStallCheckTicks == 0) {
         for (const auto& line : observer_.check_stalls(coordinator_, now_ms())) LOG_WARN(kLog, line);
       }
@@ -456,6 +529,9 @@ class MasterServer::Impl {
   std::map<coord::ConnId, SessionPtr> sessions_;
   coord::ConnId next_conn_ = 1;
   security::Key run_key_{};  // with a secret: the root of every pair key
+  // After a rotation: the secret new handshakes may still prove until the window ends.
+  std::optional<security::Key> previous_secret_;
+  TimeMs previous_secret_until_ms_ = 0;
   bool stopping_ = false;
 };
 
@@ -494,6 +570,16 @@ void MasterServer::interrupt() {
 Result<std::string> MasterServer::render(View view, std::uint32_t timeout_ms) const {
   if (!running_) return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master is not running");
   return impl_->render(view, timeout_ms);
+}
+
+Result<std::string> MasterServer::evict(const std::string& peer, const std::string& reason, std::uint32_t timeout_ms) {
+  if (!running_) return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master is not running");
+  return impl_->evict(peer, reason, timeout_ms);
+}
+
+Status MasterServer::rotate_secret(const security::Key& secret, std::uint32_t window_ms, std::uint32_t timeout_ms) {
+  if (!running_) return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master is not running");
+  return impl_->rotate_secret(secret, window_ms, timeout_ms);
 }
 
 void MasterServer::wait() {

@@ -55,6 +55,16 @@ class MasterServer {
   // is only ever touched there). Waits at most timeout_ms for the loop to answer;
   // MASTER_CONNECTION_LOST if the master is not running or did not answer in time.
   Result<std::string> render(View view, std::uint32_t timeout_ms) const;
+  // Thread-safe: the operator evicts a peer, named as the status page names it
+  // ("p3-5c1e0a") or by its 32 hex digits. The coordinator removes it as a kicked peer
+  // (Coordinator::on_evict). Returns the peer's name; INVALID_ARGUMENT if no registered
+  // or accepted peer has that name, MASTER_CONNECTION_LOST as render() does.
+  Result<std::string> evict(const std::string& peer, const std::string& reason, std::uint32_t timeout_ms);
+  // Thread-safe: new handshakes must prove `secret`; for window_ms more they may still
+  // prove the secret this master had until now (docs/operations.md). Peers already in
+  // the run are not affected. INVALID_USAGE if the master runs without a secret (a run
+  // cannot gain one), MASTER_CONNECTION_LOST as render() does.
+  Status rotate_secret(const security::Key& secret, std::uint32_t window_ms, std::uint32_t timeout_ms);
 
  private:
   class Impl;

@@ -185,9 +185,18 @@ Status Communicator::connect() {
     const std::span<const std::uint8_t> transcript(hello_frame.data() + proto::kFrameHeaderBytes,
                                                    hello_frame.size() - proto::kFrameHeaderBytes);
     security::Nonce server_nonce{};
-    if (!security::to_nonce(challenge->nonce, &server_nonce) ||
-        !security::verify(*options_.secret, security::kMasterRole, client_nonce, server_nonce, transcript,
-                          challenge->proof)) {
+    // During a rotation of the run secret the master proves the new and the previous
+    // secret: one 32-byte proof each (docs/operations.md). One of them must be ours.
+    bool proven = false;
+    const std::span<const std::uint8_t> proofs(challenge->proof);
+    if (security::to_nonce(challenge->nonce, &server_nonce) && !proofs.empty() &&
+        proofs.size() % security::kProofBytes == 0) {
+      for (std::size_t at = 0; at < proofs.size() && !proven; at += security::kProofBytes) {
+        proven = security::verify(*options_.secret, security::kMasterRole, client_nonce, server_nonce, transcript,
+                                  proofs.subspan(at, security::kProofBytes));
+      }
+    }
+    if (!proven) {
       LOG_WARN(kLog, "the master at " << options_.master_host << ":" << options_.master_port
                                       << " could not prove the run secret; not joining");
       return remember(Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED,

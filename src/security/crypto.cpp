@@ -96,6 +96,61 @@ Result<Key> load_secret_file(const std::string& path) {
   return key;
 }
 
+Result<std::string> load_token_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "cannot read the token file '" + path + "'");
+  std::string token(kTokenBytesMax + 3, '\0');
+  in.read(token.data(), static_cast<std::streamsize>(token.size()));
+  token.resize(static_cast<std::size_t>(in.gcount()));
+  while (!token.empty() && (token.back() == '\n' || token.back() == '\r')) token.pop_back();
+  const auto bad = [&](const std::string& why) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "token file '" + path + "': " + why);
+  };
+  if (token.size() < kTokenBytesMin) {
+    return bad("the token is " + std::to_string(token.size()) + " bytes long; it must have at least " +
+               std::to_string(kTokenBytesMin));
+  }
+  if (token.size() > kTokenBytesMax) return bad("the token is longer than " + std::to_string(kTokenBytesMax) + " bytes");
+  for (const char c : token) {
+    if (c <= ' ' || c > '~') return bad("the token may hold visible ASCII characters only (no spaces or line breaks)");
+  }
+  return token;
+}
+
+bool authorization_matches(std::string_view header, std::string_view token, bool allow_basic) {
+  if (!init().is_ok() || token.empty()) return false;
+  std::string presented;
+  constexpr std::string_view kBearer = "Bearer ";
+  constexpr std::string_view kBasic = "Basic ";
+  if (header.substr(0, kBearer.size()) == kBearer) {
+    presented = header.substr(kBearer.size());
+  } else if (allow_basic && header.substr(0, kBasic.size()) == kBasic) {
+    const std::string_view encoded = header.substr(kBasic.size());
+    if (encoded.size() > 2 * kTokenBytesMax) return false;
+    std::string decoded(encoded.size(), '\0');
+    std::size_t decoded_bytes = 0;
+    if (sodium_base642bin(reinterpret_cast<unsigned char*>(decoded.data()), decoded.size(), encoded.data(),
+                          encoded.size(), nullptr, &decoded_bytes, nullptr, sodium_base64_VARIANT_ORIGINAL) != 0) {
+      return false;
+    }
+    decoded.resize(decoded_bytes);
+    const auto colon = decoded.find(':');
+    if (colon == std::string::npos) return false;
+    presented = decoded.substr(colon + 1);
+  } else {
+    return false;
+  }
+  const auto digest = [](std::string_view text) {
+    std::array<std::uint8_t, crypto_generichash_BYTES> out{};
+    crypto_generichash(out.data(), out.size(), reinterpret_cast<const unsigned char*>(text.data()), text.size(),
+                       nullptr, 0);
+    return out;
+  };
+  const auto a = digest(presented);
+  const auto b = digest(token);
+  return sodium_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
 Key random_key() {
   [[maybe_unused]] Status s = init();
   Key out{};

@@ -48,6 +48,18 @@ Result<Key> derive_secret_key(std::string_view secret);
 // Reads a secret file and derives its key.
 Result<Key> load_secret_file(const std::string& path);
 
+// The master's HTTP access token (docs/operations.md): the file's bytes with trailing
+// '\n' and '\r' removed; visible ASCII only (it travels in an HTTP header), at least
+// kTokenBytesMin and at most kTokenBytesMax bytes. INVALID_ARGUMENT otherwise.
+inline constexpr std::size_t kTokenBytesMin = 16;
+inline constexpr std::size_t kTokenBytesMax = 4096;
+Result<std::string> load_token_file(const std::string& path);
+// Whether an HTTP Authorization header carries the token: "Bearer TOKEN", or, with
+// allow_basic, "Basic base64(ANY-USER:TOKEN)" (what a browser sends after its prompt).
+// Constant time in the bytes of both: each is hashed (BLAKE2b-256) and the digests are
+// compared with sodium_memcmp, so neither a prefix nor the length leaks.
+bool authorization_matches(std::string_view header, std::string_view token, bool allow_basic);
+
 Key random_key();
 Nonce random_nonce();
 

@@ -54,10 +54,23 @@ int main(void) {
   CHECK(lockstep_master_config_init(&master_config) == LOCKSTEP_OK);
   CHECK(master_config.listen_port == LOCKSTEP_DEFAULT_MASTER_PORT);
   CHECK(master_config.struct_size == sizeof master_config);
+  CHECK(master_config.http_listen == NULL && master_config.http_token_file == NULL && master_config.http_insecure == 0);
   master_config.listen_host = "127.0.0.1";
   master_config.listen_port = 0;
+  /* The HTTP endpoint: a non-loopback address needs a token (or http_insecure). */
+  master_config.http_listen = "0.0.0.0:0";
+  CHECK(lockstep_master_create(&master_config, &master) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  master_config.http_listen = "127.0.0.1";
+  CHECK(lockstep_master_create(&master_config, &master) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  master_config.http_listen = "127.0.0.1:0";
+  master_config.http_token_file = "/nonexistent/token";
+  CHECK(lockstep_master_create(&master_config, &master) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  master_config.http_token_file = NULL;
   CHECK(lockstep_master_create(&master_config, &master) == LOCKSTEP_OK);
+  CHECK(lockstep_master_http_port(master, &port) == LOCKSTEP_STATUS_INVALID_USAGE); /* not running yet */
   CHECK(lockstep_master_run(master) == LOCKSTEP_OK);
+  CHECK(lockstep_master_http_port(master, &port) == LOCKSTEP_OK);
+  CHECK(port != 0);
   CHECK(lockstep_master_port(master, &port) == LOCKSTEP_OK);
   CHECK(port != 0);
 

@@ -431,6 +431,7 @@ class Sim {
     const auto r = rng_() % 1000;
     if (r < 15) return act_disconnect(sp);
     if (r < 22) return act_protocol_error(sp);
+    if (r < 25) return act_evict(sp);
     if (r < 30) {
       note("t=" + std::to_string(now_) + " " + name(sp) + " falls silent\n");
       sp.silent = true;
@@ -768,6 +769,16 @@ class Sim {
     absorb(out, expect);
   }
 
+  // The operator evicts the peer (lockstep-status --evict): kicked like a silent one.
+  void act_evict(SimPeer& sp) {
+    note("t=" + std::to_string(now_) + " the operator evicts " + name(sp) + "\n");
+    Outbox out;
+    require(c_.on_evict(sp.id, "by the simulated operator", now_, out), "a welcomed open peer was not found to evict");
+    Expect expect;
+    expect.goodbye = {sp.conn, LOCKSTEP_STATUS_KICKED};
+    absorb(out, expect);
+  }
+
   // Events for connections that are already gone must change nothing.
   void act_dead_connection() {
     std::vector<SimPeer*> dead;
@@ -778,9 +789,10 @@ class Sim {
     SimPeer& sp = *pick(dead);
     const std::string before = c_.digest();
     Outbox out;
-    switch (rng_() % 3) {
+    switch (rng_() % 4) {
       case 0: c_.on_message(sp.conn, p::VoteAgree{true}, now_, out); break;
       case 1: c_.on_disconnect(sp.conn, "late", now_, out); break;
+      case 2: require(!c_.on_evict(sp.id, "late", now_, out), "a closed peer was found to evict"); break;
       default: c_.on_protocol_error(sp.conn, "late", now_, out); break;
     }
     note("t=" + std::to_string(now_) + " late event for closed " + name(sp) + "\n");

@@ -1640,6 +1640,68 @@ TEST(CoordinatorCollective, AllVoteThenAllCompleteWithOneOutcome) {
   EXPECT_TRUE(h.c.collectives().empty());
 }
 
+// ---------------------------------------------------------------- eviction by the operator
+
+// An evicted peer leaves as a kicked one does: it is told why, its running collective
+// fails for the others (who retry with the survivors), and the next membership vote
+// shows it gone.
+TEST(CoordinatorEvict, AcceptedPeerMidCollectiveIsKickedAndTheOthersContinue) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::CollectiveInit{5, kSum});
+  const auto go = one_of<p::CollectiveGo>(out, peers[0].conn);
+  ASSERT_TRUE(go.has_value()) << describe(out);
+  h.send(peers[0], p::CollectiveDone{5, go->attempt, true, {}});
+  out.clear();
+  ASSERT_TRUE(h.c.on_evict(peers[1].id, "requested over HTTP", h.now, out));
+  h.check();
+  expect_goodbye(out, peers[1], LOCKSTEP_STATUS_KICKED);
+  const auto bye = one_of<p::Goodbye>(out, peers[1].conn);
+  ASSERT_TRUE(bye.has_value());
+  EXPECT_NE(bye->reason.find("evicted by the operator: requested over HTTP"), std::string::npos) << bye->reason;
+  EXPECT_TRUE(h.gone(peers[1]));
+  for (const auto& f : {peers[0], peers[2]}) {
+    const auto r = one_of<p::CollectiveResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value()) << describe(out);
+    EXPECT_EQ(r->status, LOCKSTEP_STATUS_PEER_CONNECTION_LOST);
+  }
+  const auto removed = std::find_if(out.begin(), out.end(), [](const Command& c) {
+    const auto* e = std::get_if<Event>(&c);
+    return e != nullptr && e->kind == EventKind::kRemoved;
+  });
+  ASSERT_NE(removed, out.end());
+  EXPECT_EQ(std::get<Event>(*removed).status, LOCKSTEP_STATUS_KICKED);
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{peers[0].id, peers[2].id}));
+  // The survivors see the change at their next are-peers-pending, update, and retry.
+  h.send(peers[0], p::VotePeersPending{});
+  out = h.send(peers[2], p::VotePeersPending{});
+  expect_pending(out, peers[0], LOCKSTEP_OK, true);
+  h.update({peers[0], peers[2]}, {});
+  for (const auto& f : {peers[0], peers[2]}) out = h.send(f, p::CollectiveInit{6, kSum});
+  const auto retry = one_of<p::CollectiveGo>(out, peers[2].conn);
+  ASSERT_TRUE(retry.has_value()) << describe(out);
+  EXPECT_EQ(retry->ring, (std::vector<PeerId>{peers[0].id, peers[2].id}));
+}
+
+TEST(CoordinatorEvict, RegisteredPeerIsRemovedAndUnknownIdsChangeNothing) {
+  Harness h;
+  const auto accepted = h.run_of(2);
+  const FakePeer n = h.join(1);
+  Outbox out;
+  ASSERT_TRUE(h.c.on_evict(n.id, "", h.now, out));
+  h.check();
+  expect_goodbye(out, n, LOCKSTEP_STATUS_KICKED);
+  EXPECT_TRUE(h.gone(n));
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{accepted[0].id, accepted[1].id}));
+  const std::string before = h.c.digest();
+  out.clear();
+  EXPECT_FALSE(h.c.on_evict(n.id, "again", h.now, out));
+  EXPECT_FALSE(h.c.on_evict(PeerId{1, 2}, "never existed", h.now, out));
+  EXPECT_TRUE(out.empty()) << describe(out);
+  EXPECT_EQ(h.c.digest(), before);
+}
+
 std::vector<std::uint8_t> floats_bytes(const std::vector<float>& v) {
   std::vector<std::uint8_t> out(v.size() * sizeof(float));
   std::memcpy(out.data(), v.data(), out.size());

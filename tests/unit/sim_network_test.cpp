@@ -340,7 +340,7 @@ enum Count : std::size_t {
   kEvents, kDeliveries, kSimUs, kSyncsOk, kSyncsFailed, kNoState, kCollectivesOk, kCollectivesFailed,
   kTopologyOk, kTopologyFailed, kOptimizeOk, kOptimizeFailed, kBandwidthTests, kAgreeOk, kAgreeLost,
   kPendingYes, kPendingNo, kJoined, kKicked, kRejected, kMasterLost, kCrashes, kStops, kIsolations,
-  kP2PPartitions, kDrops, kSpawned, kLivenessArmed, kRevisions, kSplitFetches,
+  kP2PPartitions, kDrops, kEvictions, kSpawned, kLivenessArmed, kRevisions, kSplitFetches,
   kCounts
 };
 struct Stats {
@@ -1477,6 +1477,13 @@ class Sim {
         }
       }
       schedule(now_ + d, SimEvent::kHeal, partitions_.size() - 1);
+    } else if (r < 88 && !v.id.is_nil() && c_.find_peer(v.id) != nullptr) {
+      // the operator evicts it (lockstep-status --evict): the master's own event
+      ++stats_.n[kEvictions];
+      note("fault: the operator evicts " + name(v));
+      Outbox out;
+      require(c_.on_evict(v.id, "by the simulated operator", now_ / kMs, out), "a known peer was not found to evict");
+      apply(out);
     } else {
       ++stats_.n[kDrops];
       note("fault: connection of " + name(v) + " dropped");
@@ -1688,7 +1695,8 @@ TEST(SimNetwork, SeededRuns) {
             << "  peers " << total.n[kSpawned] << " (joined " << total.n[kJoined] << "), kicked " << total.n[kKicked]
             << ", rejected " << total.n[kRejected] << ", master lost " << total.n[kMasterLost] << "; faults: crashes "
             << total.n[kCrashes] << ", stops " << total.n[kStops] << ", isolations " << total.n[kIsolations]
-            << ", p2p partitions " << total.n[kP2PPartitions] << ", connection drops " << total.n[kDrops] << "\n"
+            << ", p2p partitions " << total.n[kP2PPartitions] << ", connection drops " << total.n[kDrops]
+            << ", evictions " << total.n[kEvictions] << "\n"
             << "  liveness enforced at " << total.n[kLivenessArmed] << " checks; longest wait for a sync then "
             << total.longest_armed_stall_us / kMs << " ms\n";
   // the runs must exercise what they claim to, or they prove little
@@ -1705,6 +1713,7 @@ TEST(SimNetwork, SeededRuns) {
     EXPECT_GT(total.n[kKicked], 0u);
     EXPECT_GT(total.n[kLivenessArmed], 0u);
     EXPECT_GT(total.n[kSplitFetches], 0u);
+    EXPECT_GT(total.n[kEvictions], 0u);
   }
 }
 
