@@ -13,7 +13,6 @@ set(CPACK_PACKAGE_VENDOR lockstep)
 set(LOCKSTEP_PACKAGE_CONTACT "lockstep maintainers <maintainers@lockstep.invalid>" CACHE STRING
     "The Maintainer field of the Debian packages")
 set(CPACK_PACKAGE_CONTACT "${LOCKSTEP_PACKAGE_CONTACT}")
-set(CPACK_PACKAGE_DESCRIPTION_SUMMARY "fault-tolerant collective communication for distributed training")
 set(CPACK_PACKAGE_VERSION ${PROJECT_VERSION})
 set(CPACK_PACKAGE_DIRECTORY ${CMAKE_BINARY_DIR}/packages)
 set(CPACK_PACKAGING_INSTALL_PREFIX /usr)
@@ -49,25 +48,25 @@ set(CPACK_DEBIAN_LIB_PACKAGE_SECTION libs)
 set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS ON)
 set(CPACK_DEBIAN_PACKAGE_GENERATE_SHLIBS_POLICY ">=")
 set(CPACK_DEBIAN_LIB_DESCRIPTION "fault-tolerant collective communication: the shared library
- liblockstep: peers of a training run join and leave at any moment, every membership
- change and collective outcome is decided by the master through micro-consensus, and a
- dead or silent peer is an ordinary, bounded error. Ring all-reduce over TCP, shared
- state kept bit-identical across peers, topology optimization.")
+liblockstep: peers of a training run join and leave at any moment, every membership
+change and collective outcome is decided by the master through micro-consensus, and a
+dead or silent peer is an ordinary, bounded error. Ring all-reduce over TCP, shared
+state kept bit-identical across peers, topology optimization.")
 
 set(CPACK_DEBIAN_DEV_PACKAGE_NAME liblockstep-dev)
 set(CPACK_DEBIAN_DEV_PACKAGE_SECTION libdevel)
 set(CPACK_DEBIAN_DEV_PACKAGE_DEPENDS "libc6-dev | libc-dev")
 set(CPACK_DEBIAN_DEV_DESCRIPTION "fault-tolerant collective communication: development files
- The C99 header lockstep/lockstep.h, the CMake package config (find_package(lockstep),
- target lockstep::lockstep) and the pkg-config file (pkg-config --cflags --libs
- lockstep) of liblockstep.")
+The C99 header lockstep/lockstep.h, the CMake package config (find_package(lockstep),
+target lockstep::lockstep) and the pkg-config file (pkg-config --cflags --libs
+lockstep) of liblockstep.")
 
 set(CPACK_DEBIAN_MASTER_PACKAGE_NAME lockstep-master)
 set(CPACK_DEBIAN_MASTER_PACKAGE_SECTION net)
 set(CPACK_DEBIAN_MASTER_DESCRIPTION "fault-tolerant collective communication: the master
- lockstep-master, the process every peer of a lockstep run connects to: the authority on
- membership, ring order and the outcome of every operation. With a systemd unit,
- lockstep-master.service, not enabled on install.")
+lockstep-master, the process every peer of a lockstep run connects to: the authority on
+membership, ring order and the outcome of every operation. With a systemd unit,
+lockstep-master.service, not enabled on install.")
 
 set(CPACK_DEBIAN_PYTHON_PACKAGE_NAME python3-lockstep)
 set(CPACK_DEBIAN_PYTHON_PACKAGE_SECTION python)
@@ -79,8 +78,8 @@ endif()
 set(CPACK_DEBIAN_PYTHON_PACKAGE_RECOMMENDS "python3-numpy")
 set(CPACK_DEBIAN_PYTHON_PACKAGE_SUGGESTS "python3-torch")
 set(CPACK_DEBIAN_PYTHON_DESCRIPTION "fault-tolerant collective communication: Python 3 package
- The Python package lockstep over liblockstep: NumPy arrays and CPU PyTorch tensors
- used in place, exceptions per status code, every blocking call releasing the GIL.")
+The Python package lockstep over liblockstep: NumPy arrays and CPU PyTorch tensors
+used in place, exceptions per status code, every blocking call releasing the GIL.")
 # Python writes __pycache__ into the package's directory when run as root: removed
 # with the package (what py3clean does for packages built by dh_python3).
 configure_file(${CMAKE_CURRENT_LIST_DIR}/python3-lockstep.prerm.in
