@@ -57,9 +57,10 @@ mkdir "$root/tmp/debs"
 cp "${debs[@]}" "$root/tmp/debs/"
 cp "$source_dir/tests/package/allreduce.c" "$source_dir/tests/package/allreduce.py" "$root/tmp/"
 
+# Run with a clean environment (env -i): as root in a fresh system, Python writes
+# __pycache__ into the installed package, which the package's prerm must remove.
 cat >"$root/tmp/inside.sh" <<INSIDE
 set -eu
-export PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LC_ALL=C
 ldconfig
 dpkg -i /tmp/debs/*.deb >/tmp/dpkg.log 2>&1 || { cat /tmp/dpkg.log; echo "dpkg -i failed"; exit 1; }
 dpkg-query -W liblockstep1 liblockstep-dev lockstep-master python3-lockstep
@@ -85,6 +86,7 @@ peer=\$!
 /tmp/allreduce 127.0.0.1 "\$port"
 wait "\$peer"
 python3 /tmp/allreduce.py --master "127.0.0.1:\$port" --expect-under /usr/lib/python3/dist-packages
+[ -d /usr/lib/python3/dist-packages/lockstep/__pycache__ ] || { echo "python3 wrote no __pycache__"; exit 1; }
 kill -TERM "\$master"
 wait "\$master"
 dpkg --purge python3-lockstep liblockstep-dev lockstep-master liblockstep1 >/tmp/dpkg.log 2>&1 || {
@@ -99,5 +101,5 @@ unshare --mount --pid --fork --kill-child --propagation private /bin/sh -c '
   set -e
   mount -t proc proc "$1/proc"
   mount --rbind /dev "$1/dev"
-  exec chroot "$1" /bin/sh /tmp/inside.sh' sh "$root"
+  exec chroot "$1" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LC_ALL=C /bin/sh /tmp/inside.sh' sh "$root"
 echo "deb test passed in $((SECONDS - start)) s"
