@@ -53,7 +53,10 @@ site="$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths(
 for f in __init__.py __init__.pyi py.typed liblockstep.so.1; do
   [ -f "$site/lockstep/$f" ] || { echo "the installed package has no $f"; ls -l "$site/lockstep"; exit 1; }
 done
-ls "$site"/lockstep/_lockstep.*.so >/dev/null
+module="$(ls "$site"/lockstep/_lockstep.*.so)"
+# The module finds the library beside it, and nothing of the build directory.
+runpath="$(readelf -d "$module" | sed -n 's/.*R\(UN\)\?PATH.*\[\(.*\)\]/\2/p')"
+[ "$runpath" = '$ORIGIN' ] || { echo "the module's run path is '$runpath', not \$ORIGIN"; exit 1; }
 
 cp "$source_dir/tests/package/allreduce.py" "$work/allreduce.py"
 "$work/venv/bin/python" "$work/allreduce.py" --expect-under "$work/venv"
