@@ -40,8 +40,9 @@ echo "packages ($((SECONDS - start)) s): $(for d in "${debs[@]}"; do basename "$
 # The unit's ExecStart is the command line the README documents.
 unit="$(dpkg-deb --fsys-tarfile "$work/packages"/lockstep-master_*.deb | tar -xOf - ./usr/lib/systemd/system/lockstep-master.service)"
 exec_start="$(sed -n 's/^ExecStart=//p' <<<"$unit")"
-[ -n "$exec_start" ] && grep -qF -- "$exec_start" "$source_dir/README.md" || {
-  echo "the unit's ExecStart ($exec_start) is not the command line README.md documents"; exit 1; }
+if [ -z "$exec_start" ] || ! grep -qF -- "$exec_start" "$source_dir/README.md"; then
+  echo "the unit's ExecStart ($exec_start) is not the command line README.md documents"; exit 1
+fi
 
 extra=(gcc pkg-config)
 verify=1
@@ -97,6 +98,7 @@ echo "purged: no files left"
 INSIDE
 
 # A PID namespace too: whatever the test starts ends with it, on a timeout as well.
+# shellcheck disable=SC2016  # $1 is the inner shell's
 unshare --mount --pid --fork --kill-child --propagation private /bin/sh -c '
   set -e
   mount -t proc proc "$1/proc"

@@ -56,6 +56,7 @@ done
 module="$(ls "$site"/lockstep/_lockstep.*.so)"
 # The module finds the library beside it, and nothing of the build directory.
 runpath="$(readelf -d "$module" | sed -n 's/.*R\(UN\)\?PATH.*\[\(.*\)\]/\2/p')"
+# shellcheck disable=SC2016  # the literal $ORIGIN
 [ "$runpath" = '$ORIGIN' ] || { echo "the module's run path is '$runpath', not \$ORIGIN"; exit 1; }
 
 cp "$source_dir/tests/package/allreduce.py" "$work/allreduce.py"

@@ -24,7 +24,7 @@ libdir="$(dirname "$(find "$work/prefix" -name liblockstep.so.1 | head -n 1)")"
 [ -f "$libdir/pkgconfig/lockstep.pc" ] || { echo "no lockstep.pc in $libdir/pkgconfig"; exit 1; }
 grep -qx "prefix=$work/prefix" "$libdir/pkgconfig/lockstep.pc" || {
   echo "lockstep.pc does not name the prefix installed to"; cat "$libdir/pkgconfig/lockstep.pc"; exit 1; }
-# shellcheck disable=SC2046  # pkg-config's output is a list of flags
+# shellcheck disable=SC2046,SC2086  # pkg-config's output and the sanitizer flags are lists
 cc -std=c99 -Wall -Wextra -Werror $consumer_flags -o "$work/quickstart-pc" "$source_dir/examples/quickstart.c" \
   $(PKG_CONFIG_PATH="$libdir/pkgconfig" pkg-config --cflags --libs lockstep)
 "$work/prefix/bin/lockstep-master" --listen 127.0.0.1:0 >"$work/master.out" 2>"$work/master.err" &
