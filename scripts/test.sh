@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs dependencies, builds, and runs every test:
-#   1. the Release build (g++ at -O3, as users build): unit, simulation, end-to-end,
-#      C API and test-bed tests;
+#   1. the Release build (g++ at -O3, as users build): the reference docs (the docs
+#      target, warnings as errors), unit, simulation, end-to-end, C API, packaging (pip
+#      into a fresh venv; the .debs in a clean root) and test-bed tests;
 #   2. the AddressSanitizer + UndefinedBehaviorSanitizer build: the same tests but the
 #      test bed's (which measure rates), with timeouts scaled up so slow peers live;
 #   3. the fuzz build (Clang, libFuzzer + ASan + UBSan): each fuzzer for 20 s;
@@ -30,8 +31,15 @@ stamp() { echo "=== $1 ($((SECONDS - start)) s)"; }
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
 main_flags=(-DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_WERROR=ON)
 stamp "build"
-cmake -S . -B build "${main_flags[@]}" -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache >/dev/null
+# Prefix /usr: Debian's layout, which the packages (and their test) need.
+cmake -S . -B build "${main_flags[@]}" -DCMAKE_INSTALL_PREFIX=/usr -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
+  -DCMAKE_C_COMPILER_LAUNCHER=ccache >/dev/null
 cmake --build build -j"$jobs"
+# The C API reference (Doxygen) and the Python reference (Sphinx), warnings as errors.
+stamp "docs"
+cmake --build build --target docs
+# The packaging tests (label package) run with the others: pip_install_test builds the
+# module from source through ccache, deb_package_test installs the .debs in a clean root.
 stamp "tests"
 ctest --test-dir build --output-on-failure -j"$jobs" -LE testbed
 stamp "test-bed tests (one at a time: they measure rates)"

@@ -1,4 +1,4 @@
-/*
+/** @file
  * lockstep: fault-tolerant collective communication for distributed training
  * over unreliable networks.
  *
@@ -42,10 +42,10 @@ extern "C" {
 #define LOCKSTEP_EXPORT __attribute__((visibility("default")))
 #endif
 
-/* The default port of the master (PRODUCT semantics rule 9). */
+/** The default port of the master (PRODUCT semantics rule 9). */
 #define LOCKSTEP_DEFAULT_MASTER_PORT 48148
 
-/*
+/**
  * Status codes. Each says what the caller may do next:
  *  - INVALID_ARGUMENT / INVALID_USAGE / NOT_INITIALIZED: a bug in the caller; fix the call.
  *  - PEER_CONNECTION_LOST / OPERATION_MISMATCH: the operation failed on every
@@ -80,34 +80,34 @@ typedef enum lockstep_status {
   LOCKSTEP_STATUS_TIMEOUT = 18,
   LOCKSTEP_STATUS_WRONG_THREAD = 19,
   LOCKSTEP_STATUS_INTERRUPTED = 20,
-  /* Shared state: this peer presented a revision above the group's next one (it was
+  /** Shared state: this peer presented a revision above the group's next one (it was
    * removed from the run). */
   LOCKSTEP_STATUS_REVISION_VIOLATION = 21,
-  /* Shared state: this peer's keys, dtypes or element counts differ from the elected
+  /** Shared state: this peer's keys, dtypes or element counts differ from the elected
    * content, or a send-only peer's content differs from it (it was removed). */
   LOCKSTEP_STATUS_SHARED_STATE_MISMATCH = 22,
-  /* Shared state: a transferred tensor did not hash to the expected digest; the sync
+  /** Shared state: a transferred tensor did not hash to the expected digest; the sync
    * failed for every peer of the group; retry it. */
   LOCKSTEP_STATUS_HASH_MISMATCH = 23,
-  /* Security: the other side could not prove the run secret (the master: this peer has
+  /** Security: the other side could not prove the run secret (the master: this peer has
    * no secret or a different one; this peer: the master runs without the secret or is not
    * this run's master). Nothing was registered; fix the secret and create a new
    * communicator. */
   LOCKSTEP_STATUS_AUTHENTICATION_FAILED = 24
 } lockstep_status_t;
 
-/* A static, human-readable description of a status code (never NULL). */
+/** A static, human-readable description of a status code (never NULL). */
 LOCKSTEP_EXPORT const char* lockstep_status_string(lockstep_status_t status);
-/* The status code's name without its prefix, e.g. "PEER_CONNECTION_LOST" (never NULL;
+/** The status code's name without its prefix, e.g. "PEER_CONNECTION_LOST" (never NULL;
  * "UNKNOWN_STATUS" for a value that is not a status code). */
 LOCKSTEP_EXPORT const char* lockstep_status_name(lockstep_status_t status);
 
-/* The library's version at run time, encoded as LOCKSTEP_VERSION_HEX. */
+/** The library's version at run time, encoded as LOCKSTEP_VERSION_HEX. */
 LOCKSTEP_EXPORT uint32_t lockstep_version(void);
-/* The library's version as "MAJOR.MINOR.PATCH". */
+/** The library's version as "MAJOR.MINOR.PATCH". */
 LOCKSTEP_EXPORT const char* lockstep_version_string(void);
 
-/* Log levels; the default comes from the environment variable LOCKSTEP_LOG_LEVEL
+/** Log levels; the default comes from the environment variable LOCKSTEP_LOG_LEVEL
  * (error, warn, info, debug, trace), or "info" when it is not set. */
 typedef enum lockstep_log_level {
   LOCKSTEP_LOG_ERROR = 0,
@@ -117,10 +117,10 @@ typedef enum lockstep_log_level {
   LOCKSTEP_LOG_TRACE = 4
 } lockstep_log_level_t;
 
-/* Sets the process-wide log level (thread-safe). */
+/** Sets the process-wide log level (thread-safe). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_set_log_level(lockstep_log_level_t level);
 
-/* Element types of collective operations and shared state. */
+/** Element types of collective operations and shared state. */
 typedef enum lockstep_dtype {
   LOCKSTEP_U8 = 0,
   LOCKSTEP_I8 = 1,
@@ -136,7 +136,7 @@ typedef enum lockstep_dtype {
   LOCKSTEP_F64 = 11
 } lockstep_dtype_t;
 
-/* Reduction operations. Integer sum and prod wrap around modulo 2^bits; integer avg is
+/** Reduction operations. Integer sum and prod wrap around modulo 2^bits; integer avg is
  * the wrapped sum divided by the world size, truncated toward zero; max and min
  * propagate NaN; f16 and bf16 compute in f32 and round to nearest-even when stored. */
 typedef enum lockstep_reduce_op {
@@ -147,11 +147,11 @@ typedef enum lockstep_reduce_op {
   LOCKSTEP_MIN = 4
 } lockstep_reduce_op_t;
 
-/* Quantization on the wire (floating-point dtypes only). */
+/** Quantization on the wire (floating-point dtypes only). */
 typedef enum lockstep_quantization {
   LOCKSTEP_QUANT_NONE = 0,
-  LOCKSTEP_QUANT_MINMAX_U8 = 1,    /* min and (max-min)/255 per chunk, 8-bit codes */
-  LOCKSTEP_QUANT_ZERO_POINT_U8 = 2 /* scale and zero point per chunk, 8-bit codes */
+  LOCKSTEP_QUANT_MINMAX_U8 = 1,    /**< min and (max-min)/255 per chunk, 8-bit codes */
+  LOCKSTEP_QUANT_ZERO_POINT_U8 = 2 /**< scale and zero point per chunk, 8-bit codes */
 } lockstep_quantization_t;
 
 /* ---------------------------------------------------------------- master */
@@ -159,21 +159,21 @@ typedef enum lockstep_quantization {
 typedef struct lockstep_master lockstep_master_t;
 
 typedef struct lockstep_master_config {
-  /* sizeof(lockstep_master_config_t) as the caller's header declares it; set by
+  /** sizeof(lockstep_master_config_t) as the caller's header declares it; set by
    * lockstep_master_config_init. Fields beyond it take their defaults (docs/abi.md). */
   uint32_t struct_size;
-  /* IPv4 address to listen on; NULL or "" means 0.0.0.0. */
+  /** IPv4 address to listen on; NULL or "" means 0.0.0.0. */
   const char* listen_host;
-  /* Port to listen on; 0 picks an ephemeral port (see lockstep_master_port). */
+  /** Port to listen on; 0 picks an ephemeral port (see lockstep_master_port). */
   uint16_t listen_port;
-  /* A peer silent for this long is removed. 0 means the default (5000 ms). */
+  /** A peer silent for this long is removed. 0 means the default (5000 ms). */
   uint32_t heartbeat_timeout_ms;
-  /* Semantics rule 1: an accepted peer that has not joined an open vote after
+  /** Semantics rule 1: an accepted peer that has not joined an open vote after
    * this long is removed so the others can decide. 0 turns it off (default). */
   uint32_t vote_timeout_ms;
-  /* Maximum number of peers (registered and accepted); 0 means the default (1024). */
+  /** Maximum number of peers (registered and accepted); 0 means the default (1024). */
   uint32_t peers_max;
-  /* Path of a file holding the run secret (at least 16 bytes; trailing line breaks are
+  /** Path of a file holding the run secret (at least 16 bytes; trailing line breaks are
    * ignored). With it, every peer must prove the same secret before it is registered,
    * control messages are encrypted and authenticated, and p2p connections are
    * authenticated with keys the master hands out (docs/security.md). NULL or "": the
@@ -181,40 +181,40 @@ typedef struct lockstep_master_config {
    * anyone who can reach it and logs a warning saying so. An unreadable or too short
    * secret makes lockstep_master_create fail with INVALID_ARGUMENT. */
   const char* secret_file;
-  /* A connection that has not finished its handshake (Hello and, with a secret, the
+  /** A connection that has not finished its handshake (Hello and, with a secret, the
    * proof) after this long is closed; 0 means the default (10000 ms). */
   uint32_t handshake_timeout_ms;
-  /* Connections that may be in their handshake at once; beyond that each new one
+  /** Connections that may be in their handshake at once; beyond that each new one
    * displaces the oldest of the address holding the most. 0 means the default (256). */
   uint32_t pending_handshakes_max;
-  /* Since 0.3. "HOST:PORT" of the HTTP endpoint: the status page, /api/state and
+  /** Since 0.3. "HOST:PORT" of the HTTP endpoint: the status page, /api/state and
    * /metrics (docs/observability.md); port 0 picks an ephemeral port
    * (lockstep_master_http_port). NULL or "": no endpoint (the default). A host that is not
    * a loopback address needs http_token_file, or http_insecure. */
   const char* http_listen;
-  /* Since 0.3. Path of a file holding the HTTP access token (16 to 4096 visible ASCII
+  /** Since 0.3. Path of a file holding the HTTP access token (16 to 4096 visible ASCII
    * characters; trailing line breaks are ignored): every request must then carry
    * "Authorization: Bearer TOKEN" (docs/operations.md). NULL or "": no token. An
    * unreadable or malformed token makes lockstep_master_create fail with INVALID_ARGUMENT. */
   const char* http_token_file;
-  /* Since 0.3. Nonzero: serve http_listen on a non-loopback address without a token
+  /** Since 0.3. Nonzero: serve http_listen on a non-loopback address without a token
    * (anyone who can reach it sees the run). 0 (the default): such an address without a
    * token makes lockstep_master_create fail with INVALID_ARGUMENT. */
   uint32_t http_insecure;
 } lockstep_master_config_t;
 
-/* Fills the struct_size bytes of a config with the defaults (port 48148, all interfaces)
+/** Fills the struct_size bytes of a config with the defaults (port 48148, all interfaces)
  * and sets config->struct_size = struct_size; the bytes beyond are not touched. Call it
  * through lockstep_master_config_init, which passes sizeof *config. INVALID_ARGUMENT if
  * struct_size is not the size of any version of the struct (see lockstep_master_create). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_config_init_sized(lockstep_master_config_t* config,
                                                                     size_t struct_size);
-/* Fills a config with the defaults, for the struct as this header declares it. */
+/** Fills a config with the defaults, for the struct as this header declares it. */
 static inline lockstep_status_t lockstep_master_config_init(lockstep_master_config_t* config) {
   return lockstep_master_config_init_sized(config, sizeof *config);
 }
 
-/* Creates a master; it does not listen until lockstep_master_run. Reads the config's
+/** Creates a master; it does not listen until lockstep_master_run. Reads the config's
  * first config->struct_size bytes; fields beyond take their defaults. INVALID_ARGUMENT
  * (and a log line saying why) if struct_size is not the size of any version of the
  * struct: below the first field's end, above 65536, not a multiple of the struct's
@@ -222,23 +222,23 @@ static inline lockstep_status_t lockstep_master_config_init(lockstep_master_conf
  * field of a newer header that this library does not know was set). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_create(const lockstep_master_config_t* config,
                                                           lockstep_master_t** out_master);
-/* Binds the listening socket and starts serving on a background thread; returns
+/** Binds the listening socket and starts serving on a background thread; returns
  * once the socket is listening. Fails with MASTER_CONNECTION_FAILED if it cannot bind
  * (the master's port, or the HTTP endpoint's; then nothing keeps running). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_run(lockstep_master_t* master);
-/* The port the master listens on (useful after listening on port 0). */
+/** The port the master listens on (useful after listening on port 0). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_port(const lockstep_master_t* master,
                                                         uint16_t* out_port);
-/* Since 0.3. The port of the HTTP endpoint (config http_listen). INVALID_USAGE if the
+/** Since 0.3. The port of the HTTP endpoint (config http_listen). INVALID_USAGE if the
  * master has no endpoint or is not running. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_http_port(const lockstep_master_t* master,
                                                              uint16_t* out_port);
-/* Asks the master to stop; thread-safe and safe to call from a signal-free context
+/** Asks the master to stop; thread-safe and safe to call from a signal-free context
  * at any time. Returns at once. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_interrupt(lockstep_master_t* master);
-/* Blocks until the master has stopped (after lockstep_master_interrupt). */
+/** Blocks until the master has stopped (after lockstep_master_interrupt). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_await(lockstep_master_t* master);
-/* Interrupts (if running), awaits and frees the master. NULL is allowed. */
+/** Interrupts (if running), awaits and frees the master. NULL is allowed. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_destroy(lockstep_master_t* master);
 
 /* ---------------------------------------------------------- communicator */
@@ -246,32 +246,32 @@ LOCKSTEP_EXPORT lockstep_status_t lockstep_master_destroy(lockstep_master_t* mas
 typedef struct lockstep_comm lockstep_comm_t;
 
 typedef struct lockstep_comm_config {
-  /* sizeof(lockstep_comm_config_t) as the caller's header declares it; set by
+  /** sizeof(lockstep_comm_config_t) as the caller's header declares it; set by
    * lockstep_comm_config_init. Fields beyond it take their defaults (docs/abi.md). */
   uint32_t struct_size;
-  /* Address of the master (IPv4 literal or host name). */
+  /** Address of the master (IPv4 literal or host name). */
   const char* master_host;
-  /* Port of the master; 0 means LOCKSTEP_DEFAULT_MASTER_PORT. */
+  /** Port of the master; 0 means LOCKSTEP_DEFAULT_MASTER_PORT. */
   uint16_t master_port;
-  /* The peer group: collectives and shared-state syncs span one group. */
+  /** The peer group: collectives and shared-state syncs span one group. */
   uint32_t peer_group;
-  /* Number of p2p connections per ring neighbour and direction; 0 means 1. */
+  /** Number of p2p connections per ring neighbour and direction; 0 means 1. */
   uint32_t p2p_pool_size;
-  /* Semantics rule 9: -1 (default) takes the first free ports above 48148;
+  /** Semantics rule 9: -1 (default) takes the first free ports above 48148;
    * 0 puts every socket on an ephemeral port; any other value is the first port tried. */
   int32_t base_port;
-  /* How long connect waits for the master's TCP connection and handshake; 0 means 10000. */
+  /** How long connect waits for the master's TCP connection and handshake; 0 means 10000. */
   uint32_t connect_timeout_ms;
-  /* Address other peers should use to reach this one; NULL or "" means the address
+  /** Address other peers should use to reach this one; NULL or "" means the address
    * the master sees this peer connect from. */
   const char* advertised_host;
-  /* IPv4 address the p2p sockets bind to; NULL or "" means 0.0.0.0. */
+  /** IPv4 address the p2p sockets bind to; NULL or "" means 0.0.0.0. */
   const char* bind_host;
-  /* An all-reduce attempt fails with PEER_CONNECTION_LOST when no byte moves to or from
+  /** An all-reduce attempt fails with PEER_CONNECTION_LOST when no byte moves to or from
    * its ring neighbours for this long (a link cut between two peers that both still
    * reach the master); 0 means 30000. Set it above the longest a slow link may pause. */
   uint32_t p2p_stall_timeout_ms;
-  /* The run secret, as a file (secret_file) or as bytes (secret, secret_bytes; used if
+  /** The run secret, as a file (secret_file) or as bytes (secret, secret_bytes; used if
    * secret_file is NULL or ""); at least 16 bytes, trailing line breaks ignored. With
    * it, connect joins only a master that proves the same secret (else
    * AUTHENTICATION_FAILED), and every p2p connection is authenticated. Neither given:
@@ -281,12 +281,12 @@ typedef struct lockstep_comm_config {
   const char* secret_file;
   const void* secret;
   size_t secret_bytes;
-  /* Incoming p2p connections: how long one may take to finish its handshake (0 means
+  /** Incoming p2p connections: how long one may take to finish its handshake (0 means
    * 5000 ms) and how many may be unfinished at once (0 means 256; beyond that a new one displaces
    * the oldest of the address holding the most). */
   uint32_t inbound_handshake_timeout_ms;
   uint32_t inbound_handshakes_max;
-  /* Nonzero: encrypt and authenticate the data plane (all-reduce sub-chunks and
+  /** Nonzero: encrypt and authenticate the data plane (all-reduce sub-chunks and
    * shared-state transfers) with ChaCha20-Poly1305 under per-connection keys. Needs a run
    * secret (else lockstep_comm_create fails with INVALID_ARGUMENT); every peer of the
    * run must use the same setting (a p2p connection between peers that differ is
@@ -294,45 +294,45 @@ typedef struct lockstep_comm_config {
    * every peer (PEER_CONNECTION_LOST; retry it). Costs throughput: see BENCHMARKS.md.
    * 0 (default): the data plane travels in clear (docs/security.md). */
   int encrypt_data;
-  /* Connections one all-reduce stripes over towards each ring neighbour (streams): 0
+  /** Since 0.3. Connections one all-reduce stripes over towards each ring neighbour (streams): 0
    * (default) adapts the count to the path, from 1 up to 8, keeping more only while
    * they raise the throughput (docs/wan.md); 1 to 16 fixes it. Above 16:
    * INVALID_ARGUMENT. The results are the same bits with any count. */
   uint32_t p2p_streams;
-  /* TCP congestion control of the p2p connections (Linux TCP_CONGESTION, e.g. "bbr",
+  /** Since 0.3. TCP congestion control of the p2p connections (Linux TCP_CONGESTION, e.g. "bbr",
    * "cubic", "reno"); NULL or "" (default): the system's. A name that is not one (1 to
    * 15 of a-z, 0-9, _ and -): INVALID_ARGUMENT; one the kernel refuses (not loaded, or
    * not allowed for this user): one warning in the log and the system's default. */
   const char* tcp_congestion;
 } lockstep_comm_config_t;
 
-/* Fills the struct_size bytes of a config with the defaults (master_host "127.0.0.1")
+/** Fills the struct_size bytes of a config with the defaults (master_host "127.0.0.1")
  * and sets config->struct_size = struct_size; the bytes beyond are not touched. Call it
  * through lockstep_comm_config_init, which passes sizeof *config. INVALID_ARGUMENT if
  * struct_size is not the size of any version of the struct (see lockstep_comm_create). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_config_init_sized(lockstep_comm_config_t* config,
                                                                   size_t struct_size);
-/* Fills a config with the defaults, for the struct as this header declares it. */
+/** Fills a config with the defaults, for the struct as this header declares it. */
 static inline lockstep_status_t lockstep_comm_config_init(lockstep_comm_config_t* config) {
   return lockstep_comm_config_init_sized(config, sizeof *config);
 }
 
-/* Creates a communicator owned by the calling thread. It binds its listening
+/** Creates a communicator owned by the calling thread. It binds its listening
  * sockets but does not contact the master yet. Reads the config's first
  * config->struct_size bytes; fields beyond take their defaults. INVALID_ARGUMENT (and a
  * log line saying why) for a struct_size that is not the size of any version of the
  * struct, as for lockstep_master_create. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* config,
                                                         lockstep_comm_t** out_comm);
-/* Connects to the master and blocks until this peer is accepted into the run
+/** Connects to the master and blocks until this peer is accepted into the run
  * (the accepted peers must call lockstep_comm_update_topology for that, unless the
  * run is empty). MASTER_CONNECTION_FAILED if the master cannot be reached within
  * connect_timeout_ms; REJECTED if the master refuses this peer (the message says why). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_connect(lockstep_comm_t* comm);
-/* Votes to accept pending peers and rewires the ring. Every accepted peer of the
+/** Votes to accept pending peers and rewires the ring. Every accepted peer of the
  * run must call it; it is a barrier. UPDATE_TOPOLOGY_FAILED: call it again. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_update_topology(lockstep_comm_t* comm);
-/* Optimizes the ring of every group (a run-wide vote like update topology, which every
+/** Optimizes the ring of every group (a run-wide vote like update topology, which every
  * accepted peer must call): the bandwidth of every pair of a group not measured yet is
  * measured (disjoint pairs at once, both directions, about one second per round), the
  * master orders each ring for the best bottleneck (exact up to 16 peers), and every peer
@@ -340,11 +340,11 @@ LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_update_topology(lockstep_comm_t*
  * TOPOLOGY_OPTIMIZATION_FAILED (a peer was lost, or could not connect): call it again,
  * only the edges still missing are measured. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_optimize_topology(lockstep_comm_t* comm);
-/* Votes whether registered peers wait to join; every accepted peer gets the same
+/** Votes whether registered peers wait to join; every accepted peer gets the same
  * answer. May overlap collectives running on another thread. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_are_peers_pending(lockstep_comm_t* comm,
                                                                    int* out_pending);
-/* Agreement for applications: every accepted peer of the group contributes a flag;
+/** Agreement for applications: every accepted peer of the group contributes a flag;
  * all get 1 only if all said non-zero. If a participant is lost during the vote,
  * every survivor gets PEER_CONNECTION_LOST. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_agree(lockstep_comm_t* comm, int flag,
@@ -357,25 +357,25 @@ typedef enum lockstep_attribute {
   LOCKSTEP_ATTR_LARGEST_PEER_GROUP_WORLD_SIZE = 3
 } lockstep_attribute_t;
 
-/* Reads an attribute as of the last completed update topology. */
+/** Reads an attribute as of the last completed update topology. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_attribute(const lockstep_comm_t* comm,
                                                                lockstep_attribute_t attribute,
                                                                int64_t* out_value);
 
-/* One entry of the membership view (semantics rule 10). */
+/** One entry of the membership view (semantics rule 10). */
 typedef struct lockstep_member {
-  /* Identity: unique per connection; a restarted process is a new peer. */
+  /** Identity: unique per connection; a restarted process is a new peer. */
   uint8_t id[16];
-  /* Position in the ring of the group, 0-based. */
+  /** Position in the ring of the group, 0-based. */
   uint32_t rank;
-  /* Address and ports other peers use to reach it. */
+  /** Address and ports other peers use to reach it. */
   char host[64];
   uint16_t p2p_port;
   uint16_t shared_state_port;
   uint16_t benchmark_port;
 } lockstep_member_t;
 
-/* Copies the group's membership view (ordered by rank) as of the last completed
+/** Copies the group's membership view (ordered by rank) as of the last completed
  * update topology. *out_count receives the number of members; if capacity is too
  * small, nothing is copied and INVALID_ARGUMENT is returned with *out_count set. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_membership_sized(const lockstep_comm_t* comm,
@@ -387,33 +387,33 @@ static inline lockstep_status_t lockstep_comm_get_membership(const lockstep_comm
                                                              size_t* out_count) {
   return lockstep_comm_get_membership_sized(comm, out_members, sizeof *out_members, capacity, out_count);
 }
-/* This peer's own rank in the membership view and identity. */
+/** This peer's own rank in the membership view and identity. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_rank(const lockstep_comm_t* comm,
                                                           uint32_t* out_rank);
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_id(const lockstep_comm_t* comm,
                                                         uint8_t out_id[16]);
-/* The message that came with the last error of this communicator ("" if none). */
+/** The message that came with the last error of this communicator ("" if none). */
 LOCKSTEP_EXPORT const char* lockstep_comm_last_error(const lockstep_comm_t* comm);
 
 /* -------------------------------------------------------------- counters */
 
-/* The version of lockstep_counters_t this header describes. Fields are only ever
+/** The version of lockstep_counters_t this header describes. Fields are only ever
  * appended; a library fills the fields it knows within struct_size. */
 #define LOCKSTEP_COUNTERS_VERSION 1
 
-/* What a communicator did since it was created (docs/observability.md). Operations are
+/** What a communicator did since it was created (docs/observability.md). Operations are
  * connect, update topology, optimize topology, all-reduces (each launch) and shared-state
  * syncs; are_peers_pending and agree are not counted. A retry is an operation started
  * after the previous one of its kind (for an all-reduce: of its tag) failed. Times are
  * microseconds spent in each call (concurrent all-reduces add up). */
 typedef struct lockstep_counters {
-  /* In: sizeof(lockstep_counters_t) as the caller knows it. Out: the bytes filled. */
+  /** In: sizeof(lockstep_counters_t) as the caller knows it. Out: the bytes filled. */
   uint32_t struct_size;
-  /* Out: LOCKSTEP_COUNTERS_VERSION of the library. */
+  /** Out: LOCKSTEP_COUNTERS_VERSION of the library. */
   uint32_t version;
-  uint64_t all_reduce_bytes_sent;     /* ring bytes, headers (and tags) included */
+  uint64_t all_reduce_bytes_sent;     /**< ring bytes, headers (and tags) included */
   uint64_t all_reduce_bytes_received;
-  uint64_t sync_bytes_sent;           /* shared-state tensor bytes served to others */
+  uint64_t sync_bytes_sent;           /**< shared-state tensor bytes served to others */
   uint64_t sync_bytes_received;
   uint64_t operations_started;
   uint64_t operations_succeeded;
@@ -432,14 +432,14 @@ typedef struct lockstep_counters {
   uint64_t all_reduce_us;
 } lockstep_counters_t;
 
-/* Copies the communicator's counters. Set out->struct_size = sizeof *out first; fields
+/** Copies the communicator's counters. Set out->struct_size = sizeof *out first; fields
  * beyond it are not written. Thread-safe: may be called from any thread while the
  * communicator is alive (each counter is read atomically, not all at one instant).
  * INVALID_ARGUMENT if struct_size is smaller than the first two fields. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_counters(const lockstep_comm_t* comm,
                                                               lockstep_counters_t* out);
 
-/* Since 0.3. The ring bytes (headers and tags included) this communicator sent and
+/** Since 0.3. The ring bytes (headers and tags included) this communicator sent and
  * received on p2p pool slot `slot`, over every all-reduce attempt it ran there since
  * it was created, successful or not: which connections of the pool carry what.
  * Slots are 0 .. p2p_pool_size - 1 of the config (a pool size of 0 is 1 slot); the
@@ -454,7 +454,7 @@ LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_slot_bytes(const lockstep_co
 
 /* ----------------------------------------------------------- collectives */
 
-/* One all-reduce. src == dst is in place. Every peer of the group must start the same
+/** One all-reduce. src == dst is in place. Every peer of the group must start the same
  * tag with the same count, dtype, op and quantization (else OPERATION_MISMATCH for all);
  * a tag started by only some peers waits for the others like a vote; a tag still in
  * flight cannot be started again (INVALID_USAGE). */
@@ -469,15 +469,15 @@ typedef struct lockstep_reduce_desc {
 } lockstep_reduce_desc_t;
 
 typedef struct lockstep_reduce_info {
-  uint32_t world_size;     /* peers that took part in the successful attempt */
-  uint64_t bytes_sent;     /* bytes this peer put on the wire (headers and, encrypted, tags included) */
+  uint32_t world_size;     /**< peers that took part in the successful attempt */
+  uint64_t bytes_sent;     /**< bytes this peer put on the wire (headers and, encrypted, tags included) */
   uint64_t bytes_received;
-  uint32_t streams;        /* connections this peer's sends were striped over (1: one; p2p_streams) */
+  uint32_t streams;        /**< since 0.3: connections this peer's sends were striped over (1: one; p2p_streams) */
 } lockstep_reduce_info_t;
 
 typedef struct lockstep_async lockstep_async_t;
 
-/* Blocking all-reduce. On success every participant holds bit-identical results.
+/** Blocking all-reduce. On success every participant holds bit-identical results.
  * On failure (PEER_CONNECTION_LOST: a participant died or went silent; every
  * survivor gets it) dst holds exactly what it held before the call, and the same
  * call can be retried with the survivors. out_info may be NULL. */
@@ -488,7 +488,7 @@ static inline lockstep_status_t lockstep_comm_all_reduce(lockstep_comm_t* comm, 
                                                          lockstep_reduce_info_t* out_info) {
   return lockstep_comm_all_reduce_sized(comm, desc, sizeof *desc, out_info, sizeof *out_info);
 }
-/* Starts an all-reduce and returns at once. May be called from the owning thread or
+/** Starts an all-reduce and returns at once. May be called from the owning thread or
  * from one other thread (while the owning thread calls only are_peers_pending). The
  * buffers must stay valid until the handle is awaited. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_reduce_async_sized(lockstep_comm_t* comm,
@@ -500,9 +500,9 @@ static inline lockstep_status_t lockstep_comm_all_reduce_async(lockstep_comm_t* 
                                                                lockstep_async_t** out_handle) {
   return lockstep_comm_all_reduce_async_sized(comm, desc, sizeof *desc, out_handle);
 }
-/* Non-blocking: *out_done = 1 once the operation has ended (successfully or not). */
+/** Non-blocking: *out_done = 1 once the operation has ended (successfully or not). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_async_poll(const lockstep_async_t* handle, int* out_done);
-/* Waits for the operation, returns its status, fills out_info (may be NULL) and frees
+/** Waits for the operation, returns its status, fills out_info (may be NULL) and frees
  * the handle. Must be called on the thread that launched it. (An info_size that no
  * version of the struct has: INVALID_ARGUMENT, and the handle is kept.) */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_async_wait_sized(lockstep_async_t* handle, lockstep_reduce_info_t* out_info,
@@ -510,7 +510,7 @@ LOCKSTEP_EXPORT lockstep_status_t lockstep_async_wait_sized(lockstep_async_t* ha
 static inline lockstep_status_t lockstep_async_wait(lockstep_async_t* handle, lockstep_reduce_info_t* out_info) {
   return lockstep_async_wait_sized(handle, out_info, sizeof *out_info);
 }
-/* Runs `count` all-reduces with at most max_in_flight at once; those that fail because
+/** Runs `count` all-reduces with at most max_in_flight at once; those that fail because
  * a peer was lost are retried with the survivors after every outstanding one ended.
  * Returns when all succeeded (out_infos, if not NULL, has `count` entries), or the
  * first error that is not a lost peer. */
@@ -527,25 +527,25 @@ static inline lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry(loc
 
 /* ---------------------------------------------------------- shared state */
 
-/* Where a tensor lives. Only CPU memory is supported now. */
+/** Where a tensor lives. Only CPU memory is supported now. */
 typedef enum lockstep_device {
   LOCKSTEP_DEVICE_CPU = 0
 } lockstep_device_t;
 
-/* One named tensor of the shared state. The memory stays owned by the caller. */
+/** One named tensor of the shared state. The memory stays owned by the caller. */
 typedef struct lockstep_tensor {
-  const char* key;   /* unique within the shared state, 1..255 bytes */
+  const char* key;   /**< unique within the shared state, 1..255 bytes */
   void* data;
-  uint64_t count;    /* elements */
+  uint64_t count;    /**< elements */
   lockstep_dtype_t dtype;
   lockstep_device_t device;
-  /* Non-zero: a difference on this tensor between peers that are up to date does not
+  /** Non-zero: a difference on this tensor between peers that are up to date does not
    * cause a transfer (e.g. per-peer statistics); an outdated peer still receives it. */
   int allow_content_inequality;
 } lockstep_tensor_t;
 
 typedef struct lockstep_shared_state {
-  /* Advance it by exactly one before each sync (semantics rule 5); a peer that
+  /** Advance it by exactly one before each sync (semantics rule 5); a peer that
    * receives the state gets the group's revision written here. */
   uint64_t revision;
   const lockstep_tensor_t* tensors;
@@ -553,21 +553,21 @@ typedef struct lockstep_shared_state {
 } lockstep_shared_state_t;
 
 typedef enum lockstep_sync_strategy {
-  /* The most popular content wins and is distributed to the others. */
+  /** The most popular content wins and is distributed to the others. */
   LOCKSTEP_SYNC_ENFORCE_POPULAR = 0,
-  /* Never elected, never sends: adopts the elected content (e.g. a newcomer). */
+  /** Never elected, never sends: adopts the elected content (e.g. a newcomer). */
   LOCKSTEP_SYNC_RECEIVE_ONLY = 1,
-  /* Never receives: this peer's content must equal the elected one, else it is
+  /** Never receives: this peer's content must equal the elected one, else it is
    * removed from the run (SHARED_STATE_MISMATCH). */
   LOCKSTEP_SYNC_SEND_ONLY = 2
 } lockstep_sync_strategy_t;
 
 typedef struct lockstep_sync_info {
-  uint64_t bytes_sent;      /* tensor bytes this peer served to others */
-  uint64_t bytes_received;  /* tensor bytes this peer received */
+  uint64_t bytes_sent;      /**< tensor bytes this peer served to others */
+  uint64_t bytes_received;  /**< tensor bytes this peer received */
 } lockstep_sync_info_t;
 
-/* Synchronizes the shared state with every accepted peer of the group (a vote: all
+/** Synchronizes the shared state with every accepted peer of the group (a vote: all
  * must call it). Every tensor is hashed; the master elects the content and outdated
  * peers fetch exactly the differing tensors from up-to-date ones, spread over all of
  * them, and verify each hash. On success every peer holds bit-identical tensors and
@@ -588,11 +588,11 @@ static inline lockstep_status_t lockstep_comm_sync_shared_state(lockstep_comm_t*
                                                out_info, sizeof *out_info);
 }
 
-/* The content digest the shared state uses for a buffer (32 lowercase hex digits and a
+/** The content digest the shared state uses for a buffer (32 lowercase hex digits and a
  * NUL in out_hex). The same for any number of threads; see docs/protocol.md. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_hash(const void* data, size_t bytes, char out_hex[33]);
 
-/* Leaves the run, joins every internal thread and frees the communicator. NULL is allowed.
+/** Leaves the run, joins every internal thread and frees the communicator. NULL is allowed.
  * Collectives still in flight end; their handles must still be awaited (lockstep_async_wait
  * then frees them and returns INTERRUPTED). */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_destroy(lockstep_comm_t* comm);

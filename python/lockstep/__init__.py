@@ -2,7 +2,7 @@
 
 Python bindings of the C API (include/lockstep/lockstep.h). Arrays are NumPy arrays or
 CPU PyTorch tensors, used in place through their memory: never copied. Every blocking
-call releases the GIL.
+call releases the GIL::
 
     import lockstep, numpy as np
 
