@@ -443,8 +443,9 @@ void Communicator::drop_connections(PeerId next, PeerId prev, std::uint32_t slot
 
 // Opens (or reuses) this hop's stripes for an attempt: as many streams as the tuner of
 // the next peer says, but no more than the largest chunk has sub-chunks (a stream
-// without any would carry nothing). A stream that cannot be connected leaves the
-// attempt with those before it.
+// without any would carry nothing). Adaptive, a next peer on this host gets one: a
+// loopback path has no loss or window to win back, and a probe would only cost. A
+// stream that cannot be connected leaves the attempt with those before it.
 void Communicator::open_streams(const proto::MemberInfo& to, std::uint32_t slot, const coll::RingPlan& plan,
                                          const OpChannel& channel, coll::RingIo& io) {
   std::uint32_t wanted = 1;
@@ -457,6 +458,7 @@ void Communicator::open_streams(const proto::MemberInfo& to, std::uint32_t slot,
     }
     wanted = it->second.streams();
   }
+  if (options_.p2p_streams == 0 && peers_on_this_host({to.id}) == 1) wanted = 1;
   const std::size_t chunk_bytes = (plan.count + plan.world - 1) / plan.world * coll::dtype_size(plan.dtype);
   const std::size_t subchunks = (chunk_bytes + plan.subchunk_bytes - 1) / plan.subchunk_bytes;
   wanted = static_cast<std::uint32_t>(std::clamp<std::size_t>(subchunks, 1, wanted));

@@ -290,7 +290,7 @@ class Worker {
       }
       for (std::size_t i = 0; i < running.size(); ++i) {
         const auto [k, handle] = running[i];
-        lockstep_reduce_info_t info = {0, 0, 0};
+        lockstep_reduce_info_t info = {0, 0, 0, 0};
         const lockstep_status_t s = lockstep_async_wait(handle, &info);
         json j = line("allreduce");
         j["end_ms"] = ended[i];
