@@ -447,7 +447,7 @@ void Communicator::drop_connections(PeerId next, PeerId prev, std::uint32_t slot
 // loopback path has no loss or window to win back, and a probe would only cost. A
 // stream that cannot be connected leaves the attempt with those before it.
 void Communicator::open_streams(const proto::MemberInfo& to, std::uint32_t slot, const coll::RingPlan& plan,
-                                         const OpChannel& channel, coll::RingIo& io) {
+                                const OpChannel& channel, coll::RingIo& io) {
   std::uint32_t wanted = 1;
   {
     std::lock_guard<std::mutex> lock(tuners_mutex_);
