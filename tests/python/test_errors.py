@@ -228,6 +228,21 @@ def test_communicator_argument_checks():
         lockstep.Communicator("127.0.0.1:1", pool_size=100000, base_port=0)  # rejected by the C library
 
 
+def test_stream_count_and_congestion_control_checks():
+    # Rejected by the C library: more than 16 streams, names that cannot be an algorithm's.
+    for kwargs in ({"p2p_streams": 17}, {"tcp_congestion": "BBR"}, {"tcp_congestion": "a" * 16},
+                   {"tcp_congestion": "bbr;rm"}):
+        with pytest.raises(lockstep.InvalidArgumentError):
+            lockstep.Communicator("127.0.0.1:1", base_port=0, **kwargs)
+    with pytest.raises(lockstep.InvalidArgumentError):
+        lockstep.Communicator("127.0.0.1:1", base_port=0, p2p_streams=-1)
+    # Accepted: a fixed count, adaptive, the algorithm every Linux kernel has, and one the
+    # kernel does not have (a warning, and the system's default).
+    for kwargs in ({"p2p_streams": 16}, {"p2p_streams": 0}, {"tcp_congestion": "reno"},
+                   {"tcp_congestion": "no-such-cc"}):
+        lockstep.Communicator("127.0.0.1:1", base_port=0, **kwargs).close()
+
+
 # ------------------------------------------------------------- array checks
 
 # A call whose arguments pass the package's checks reaches the C library, which says
