@@ -492,12 +492,7 @@ TEST(RingTuning, AbortedTunedAttemptPutsTheLowWaterMarkBack) {
   std::thread aborter([&] {
     // The first sub-chunk's header and fewer bytes of it than the mark: a waits for more.
     std::vector<std::uint8_t> some(lockstep::coll::kRingHeaderBytes + 1000, 0);
-    const std::uint32_t magic = lockstep::coll::kRingMagic;
-    const std::uint32_t seq = 0;
-    const std::uint64_t attempt = plan.attempt;
-    std::memcpy(some.data(), &magic, 4);
-    std::memcpy(some.data() + 4, &seq, 4);
-    std::memcpy(some.data() + 8, &attempt, 8);
+    lockstep::coll::put_ring_header(some.data(), {0, 1, 0, plan.attempt});
     EXPECT_EQ(::write(b_to_a.fds[0], some.data(), some.size()), static_cast<ssize_t>(some.size()));
     // The abort comes once a waits with the mark raised (or after ten seconds, and the
     // check fails).
