@@ -284,6 +284,8 @@ void InboundListener::finish(const std::shared_ptr<Handshake>& h, StatusCode ver
     asio::error_code e;
     h->socket.non_blocking(false, e);
     Inbound in{h->hello.from, h->hello.to, h->hello.epoch, h->hello.pool_index, transport::Fd(h->socket.release()), {}};
+    // Shared-state transfers send their bytes on the connections this peer accepted.
+    if (!options_.tcp_congestion.empty()) (void)transport::set_congestion_control(in.fd.get(), options_.tcp_congestion);
     if (options_.secret) in.keys = security::session_keys(h->key, h->client_nonce, h->server_nonce, h->transcript);
     {
       std::lock_guard<std::mutex> lock(mutex_);
