@@ -337,7 +337,6 @@ class Runner {
     return true;
   }
   bool receiving_done() const {
-    if (nrx_.load(std::memory_order_relaxed) == 0 && rx_[0].cur.step < l_.steps()) return false;
     for (std::size_t k = 0; k < nrx(); ++k) {
       if (rx_[k].cur.step < l_.steps()) return false;
     }
