@@ -31,7 +31,7 @@ extern "C" {
 #endif
 
 #define LOCKSTEP_VERSION_MAJOR 0
-#define LOCKSTEP_VERSION_MINOR 3
+#define LOCKSTEP_VERSION_MINOR 4
 #define LOCKSTEP_VERSION_PATCH 0
 #define LOCKSTEP_VERSION_HEX \
   ((LOCKSTEP_VERSION_MAJOR << 16) | (LOCKSTEP_VERSION_MINOR << 8) | LOCKSTEP_VERSION_PATCH)
@@ -50,6 +50,10 @@ extern "C" {
  *  - INVALID_ARGUMENT / INVALID_USAGE / NOT_INITIALIZED: a bug in the caller; fix the call.
  *  - PEER_CONNECTION_LOST / OPERATION_MISMATCH: the operation failed on every
  *    participant; retry it (with the survivors).
+ *  - TOO_FEW_PEERS: a collective found one peer in its group; nothing was written. Wait
+ *    for peers (are-peers-pending, update topology) or go on alone.
+ *  - VIEW_CHANGED: a broadcast, all-gather or reduce-scatter failed on every participant
+ *    because a peer left since the last update topology; update it, then retry.
  *  - UPDATE_TOPOLOGY_FAILED / TOPOLOGY_OPTIMIZATION_FAILED: the phase failed on every
  *    participant; the only legal action is to call it again.
  *  - NO_SHARED_STATE_AVAILABLE / HASH_MISMATCH: the sync failed on every peer of the
@@ -93,7 +97,12 @@ typedef enum lockstep_status {
    * no secret or a different one; this peer: the master runs without the secret or is not
    * this run's master). Nothing was registered; fix the secret and create a new
    * communicator. */
-  LOCKSTEP_STATUS_AUTHENTICATION_FAILED = 24
+  LOCKSTEP_STATUS_AUTHENTICATION_FAILED = 24,
+  /** Since 0.4. A broadcast, all-gather or reduce-scatter was called in a membership
+   * view that has lost a peer since (their shapes depend on the world): it failed on
+   * every peer before any byte moved. Call update topology, then call it again with
+   * buffers sized for the new view. */
+  LOCKSTEP_STATUS_VIEW_CHANGED = 25
 } lockstep_status_t;
 
 /** A static, human-readable description of a status code (never NULL). */
@@ -478,6 +487,7 @@ typedef struct lockstep_reduce_info {
 typedef struct lockstep_async lockstep_async_t;
 
 /** Blocking all-reduce. On success every participant holds bit-identical results.
+ * A group of one peer gets TOO_FEW_PEERS (since 0.4; dst untouched).
  * On failure (PEER_CONNECTION_LOST: a participant died or went silent; every
  * survivor gets it) dst holds exactly what it held before the call, and the same
  * call can be retried with the survivors. out_info may be NULL. */
@@ -513,7 +523,8 @@ static inline lockstep_status_t lockstep_async_wait(lockstep_async_t* handle, lo
 /** Runs `count` all-reduces with at most max_in_flight at once; those that fail because
  * a peer was lost are retried with the survivors after every outstanding one ended.
  * Returns when all succeeded (out_infos, if not NULL, has `count` entries), or the
- * first error that is not a lost peer. */
+ * first error that is not a lost peer: TOO_FEW_PEERS once one peer is left. Since 0.4 a
+ * descriptor with count 0 and both buffers NULL is a barrier of its tag. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry_sized(
     lockstep_comm_t* comm, const lockstep_reduce_desc_t* descs, size_t desc_size, size_t count, size_t max_in_flight,
     lockstep_reduce_info_t* out_infos, size_t info_size);
@@ -523,6 +534,115 @@ static inline lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry(loc
                                                                              lockstep_reduce_info_t* out_infos) {
   return lockstep_comm_all_reduce_multiple_with_retry_sized(comm, descs, sizeof *descs, count, max_in_flight,
                                                             out_infos, sizeof *out_infos);
+}
+
+/* Since 0.4: broadcast, all-gather, reduce-scatter and barrier (docs/collectives.md).
+ * They share the all-reduce's rules: a tag per call, the same descriptor on every peer
+ * of the group (else OPERATION_MISMATCH for all), one outcome for all, attempts
+ * numbered, async handles awaited with lockstep_async_wait, and on failure every
+ * destination exactly as it was before the call. Ranks are the membership view's
+ * (lockstep_comm_get_rank). Broadcast, all-gather and reduce-scatter have shapes that
+ * depend on the world: they are bound to the view they were called in, and once a peer
+ * has left, calling them (or retrying them) before the next update topology fails at
+ * once on every peer with VIEW_CHANGED. Arguments that one peer finds unusable (a root
+ * outside the view, a destination too small, counts per rank not one per rank) fail the
+ * call on every peer with INVALID_ARGUMENT. A group of one peer gets TOO_FEW_PEERS. */
+
+/** Since 0.4. `count` elements of `buf` on the peer of rank `root` are copied into
+ * `buf` on every other peer, pipelined down the ring from the root. After a failed
+ * attempt every buffer, the root's included, holds what it held before the call. */
+typedef struct lockstep_broadcast_desc {
+  void* buf;
+  uint64_t count;
+  lockstep_dtype_t dtype;
+  uint32_t root;
+  uint64_t tag;
+} lockstep_broadcast_desc_t;
+
+/** Since 0.4. Every rank's elements, in rank order, into every peer's dst: `count` from
+ * each rank (dst needs world x count), or, with `counts` (all-gatherv), counts[r] from
+ * rank r (counts_len = world entries, the same array on every peer; dst needs their
+ * sum; a rank whose count is 0 may pass src NULL). src may point at this rank's own
+ * place in dst (in place). */
+typedef struct lockstep_all_gather_desc {
+  const void* src;
+  uint64_t count;         /**< elements of src; 0 when counts is given */
+  void* dst;
+  uint64_t dst_capacity;  /**< elements dst has room for */
+  lockstep_dtype_t dtype;
+  const uint64_t* counts; /**< NULL, or counts_len elements per rank */
+  uint32_t counts_len;
+  uint64_t tag;
+} lockstep_all_gather_desc_t;
+
+/** Since 0.4. src holds world x count_per_rank elements on every peer; rank r's dst
+ * receives their reduction's elements [r x count_per_rank, (r+1) x count_per_rank), with
+ * every op, dtype and quantization of the all-reduce (a quantized result is the decoded
+ * form of one encoding, as the all-reduce's). */
+typedef struct lockstep_reduce_scatter_desc {
+  const void* src;
+  void* dst;
+  uint64_t count_per_rank;
+  lockstep_dtype_t dtype;
+  lockstep_reduce_op_t op;
+  lockstep_quantization_t quantization;
+  uint64_t tag;
+} lockstep_reduce_scatter_desc_t;
+
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_broadcast_sized(lockstep_comm_t* comm,
+                                                                 const lockstep_broadcast_desc_t* desc, size_t desc_size,
+                                                                 lockstep_reduce_info_t* out_info, size_t info_size);
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_broadcast_async_sized(lockstep_comm_t* comm,
+                                                                       const lockstep_broadcast_desc_t* desc,
+                                                                       size_t desc_size, lockstep_async_t** out_handle);
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_gather_sized(lockstep_comm_t* comm,
+                                                                  const lockstep_all_gather_desc_t* desc,
+                                                                  size_t desc_size, lockstep_reduce_info_t* out_info,
+                                                                  size_t info_size);
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_all_gather_async_sized(lockstep_comm_t* comm,
+                                                                        const lockstep_all_gather_desc_t* desc,
+                                                                        size_t desc_size, lockstep_async_t** out_handle);
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_reduce_scatter_sized(lockstep_comm_t* comm,
+                                                                      const lockstep_reduce_scatter_desc_t* desc,
+                                                                      size_t desc_size, lockstep_reduce_info_t* out_info,
+                                                                      size_t info_size);
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_reduce_scatter_async_sized(lockstep_comm_t* comm,
+                                                                            const lockstep_reduce_scatter_desc_t* desc,
+                                                                            size_t desc_size,
+                                                                            lockstep_async_t** out_handle);
+/** Since 0.4. Returns on every peer once all peers of the group have entered the
+ * barrier of this tag, with the same outcome for all; one vote, no data. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_barrier(lockstep_comm_t* comm, uint64_t tag);
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_barrier_async(lockstep_comm_t* comm, uint64_t tag,
+                                                               lockstep_async_t** out_handle);
+
+static inline lockstep_status_t lockstep_comm_broadcast(lockstep_comm_t* comm, const lockstep_broadcast_desc_t* desc,
+                                                        lockstep_reduce_info_t* out_info) {
+  return lockstep_comm_broadcast_sized(comm, desc, sizeof *desc, out_info, sizeof *out_info);
+}
+static inline lockstep_status_t lockstep_comm_broadcast_async(lockstep_comm_t* comm,
+                                                              const lockstep_broadcast_desc_t* desc,
+                                                              lockstep_async_t** out_handle) {
+  return lockstep_comm_broadcast_async_sized(comm, desc, sizeof *desc, out_handle);
+}
+static inline lockstep_status_t lockstep_comm_all_gather(lockstep_comm_t* comm, const lockstep_all_gather_desc_t* desc,
+                                                         lockstep_reduce_info_t* out_info) {
+  return lockstep_comm_all_gather_sized(comm, desc, sizeof *desc, out_info, sizeof *out_info);
+}
+static inline lockstep_status_t lockstep_comm_all_gather_async(lockstep_comm_t* comm,
+                                                               const lockstep_all_gather_desc_t* desc,
+                                                               lockstep_async_t** out_handle) {
+  return lockstep_comm_all_gather_async_sized(comm, desc, sizeof *desc, out_handle);
+}
+static inline lockstep_status_t lockstep_comm_reduce_scatter(lockstep_comm_t* comm,
+                                                             const lockstep_reduce_scatter_desc_t* desc,
+                                                             lockstep_reduce_info_t* out_info) {
+  return lockstep_comm_reduce_scatter_sized(comm, desc, sizeof *desc, out_info, sizeof *out_info);
+}
+static inline lockstep_status_t lockstep_comm_reduce_scatter_async(lockstep_comm_t* comm,
+                                                                   const lockstep_reduce_scatter_desc_t* desc,
+                                                                   lockstep_async_t** out_handle) {
+  return lockstep_comm_reduce_scatter_async_sized(comm, desc, sizeof *desc, out_handle);
 }
 
 /* ---------------------------------------------------------- shared state */

@@ -543,18 +543,6 @@ bool valid_descriptor(const lockstep_reduce_desc_t& d) {
          raw(d.quantization) <= LOCKSTEP_QUANT_ZERO_POINT_U8;
 }
 
-lockstep::peer::ReduceDescriptor to_descriptor(const lockstep_reduce_desc_t& d) {
-  lockstep::peer::ReduceDescriptor out;
-  out.src = d.src;
-  out.dst = d.dst;
-  out.count = d.count;
-  out.dtype = d.dtype;
-  out.op = d.op;
-  out.quantization = d.quantization;
-  out.tag = d.tag;
-  return out;
-}
-
 // Writes an all-reduce's info into the caller's struct of info_size bytes (if any).
 void to_info(const lockstep::peer::ReduceInfo& in, void* out, std::size_t info_size) {
   if (out == nullptr) return;
@@ -564,15 +552,6 @@ void to_info(const lockstep::peer::ReduceInfo& in, void* out, std::size_t info_s
   info.bytes_received = in.bytes_received;
   info.streams = in.streams;
   write_prefix(out, info_size, info);
-}
-
-// The caller's descriptor of desc_size bytes; the fields it lacks are zero (their defaults).
-lockstep::Result<lockstep_reduce_desc_t> read_desc(const void* in, std::size_t desc_size) {
-  lockstep_reduce_desc_t desc{};
-  lockstep::Status read = read_prefix(in, desc_size, kDescFirstFieldEnd, "desc_size (sizeof lockstep_reduce_desc_t)", desc);
-  if (!read.is_ok()) return read;
-  if (!valid_descriptor(desc)) return lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
-  return desc;
 }
 
 // The size of the caller's info struct, when there is one (out_info may be NULL).
@@ -588,34 +567,157 @@ lockstep_status_t refuse_quietly(const char* function, const lockstep::Status& s
   return refuse(function, status);
 }
 
-}  // namespace
+// ---- the collectives since 0.4: each struct's first version is whole (no shorter size).
+extern "C++" {
+bool valid_dtype(lockstep_dtype_t d) { return raw(d) >= LOCKSTEP_U8 && raw(d) <= LOCKSTEP_F64; }
 
-lockstep_status_t lockstep_comm_all_reduce_sized(lockstep_comm_t* comm, const lockstep_reduce_desc_t* caller_desc,
-                                                 size_t desc_size, lockstep_reduce_info_t* out_info, size_t info_size) {
+lockstep::Result<lockstep::peer::ReduceDescriptor> to_descriptor(const lockstep_reduce_desc_t& d) {
+  if (!valid_descriptor(d)) return lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
+  lockstep::peer::ReduceDescriptor out;
+  out.src = d.src;
+  out.dst = d.dst;
+  out.count = d.count;
+  out.dtype = d.dtype;
+  out.op = d.op;
+  out.quantization = d.quantization;
+  out.tag = d.tag;
+  // A descriptor with no count and no buffers is a barrier (multiple-with-retry's).
+  if (d.count == 0 && d.src == nullptr && d.dst == nullptr) out.kind = lockstep::proto::CollectiveKind::kBarrier;
+  return out;
+}
+
+lockstep::Result<lockstep::peer::ReduceDescriptor> to_descriptor(const lockstep_broadcast_desc_t& d) {
+  if (!valid_dtype(d.dtype)) return lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
+  lockstep::peer::ReduceDescriptor out;
+  out.kind = lockstep::proto::CollectiveKind::kBroadcast;
+  out.dst = d.buf;
+  out.count = d.count;
+  out.dtype = d.dtype;
+  out.root = d.root;
+  out.tag = d.tag;
+  return out;
+}
+lockstep::Result<lockstep::peer::ReduceDescriptor> to_descriptor(const lockstep_all_gather_desc_t& d) {
+  if (!valid_dtype(d.dtype)) return lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
+  if (d.counts == nullptr && d.counts_len != 0) {
+    return lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "counts is NULL but counts_len is not 0");
+  }
+  if (d.counts_len > lockstep::limits::kMembersPerMessageMax) {
+    return lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                            "counts_len above " + std::to_string(lockstep::limits::kMembersPerMessageMax));
+  }
+  lockstep::peer::ReduceDescriptor out;
+  out.kind = lockstep::proto::CollectiveKind::kAllGather;
+  out.src = d.src;
+  out.dst = d.dst;
+  out.count = d.count;
+  out.dst_capacity = d.dst_capacity;
+  out.dtype = d.dtype;
+  if (d.counts != nullptr) out.counts.assign(d.counts, d.counts + d.counts_len);
+  out.tag = d.tag;
+  return out;
+}
+lockstep::Result<lockstep::peer::ReduceDescriptor> to_descriptor(const lockstep_reduce_scatter_desc_t& d) {
+  lockstep_reduce_desc_t as_reduce{d.src, d.dst, d.count_per_rank, d.dtype, d.op, d.quantization, d.tag};
+  auto out = to_descriptor(as_reduce);
+  if (out.is_ok()) out.value().kind = lockstep::proto::CollectiveKind::kReduceScatter;
+  return out;
+}
+// The caller's descriptor of desc_size bytes, as the communicator's.
+template <typename T>
+lockstep::Result<lockstep::peer::ReduceDescriptor> read_collective(const T* in, std::size_t desc_size) {
+  T desc{};
+  const std::size_t first_field_end =
+      std::is_same_v<T, lockstep_reduce_desc_t> ? kDescFirstFieldEnd : sizeof(T);
+  lockstep::Status read = read_prefix(in, desc_size, first_field_end, "desc_size (sizeof the descriptor)", desc);
+  if (!read.is_ok()) return read;
+  return to_descriptor(desc);
+}
+
+template <typename T>
+lockstep_status_t run_blocking(const char* function, lockstep_comm_t* comm, const T* caller_desc, size_t desc_size,
+                               lockstep_reduce_info_t* out_info, size_t info_size) {
   if (comm == nullptr || caller_desc == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   return guarded([&] {
-    auto desc = read_desc(caller_desc, desc_size);
-    if (!desc.is_ok()) return refuse_quietly("lockstep_comm_all_reduce", desc.status());
+    auto desc = read_collective(caller_desc, desc_size);
+    if (!desc.is_ok()) return refuse_quietly(function, desc.status());
     lockstep::Status info_valid = check_info_size(out_info, info_size);
-    if (!info_valid.is_ok()) return refuse("lockstep_comm_all_reduce", info_valid);
-    auto r = comm->comm->all_reduce(to_descriptor(desc.value()));
+    if (!info_valid.is_ok()) return refuse(function, info_valid);
+    auto r = comm->comm->all_reduce(desc.value());
     if (!r.is_ok()) return r.status().code();
     to_info(r.value(), out_info, info_size);
     return LOCKSTEP_OK;
   });
 }
 
-lockstep_status_t lockstep_comm_all_reduce_async_sized(lockstep_comm_t* comm, const lockstep_reduce_desc_t* caller_desc,
-                                                       size_t desc_size, lockstep_async_t** out_handle) {
+template <typename T>
+lockstep_status_t run_async(const char* function, lockstep_comm_t* comm, const T* caller_desc, size_t desc_size,
+                            lockstep_async_t** out_handle) {
   if (comm == nullptr || caller_desc == nullptr || out_handle == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   return guarded([&] {
-    auto desc = read_desc(caller_desc, desc_size);
-    if (!desc.is_ok()) return refuse_quietly("lockstep_comm_all_reduce_async", desc.status());
-    auto r = comm->comm->all_reduce_async(to_descriptor(desc.value()));
+    auto desc = read_collective(caller_desc, desc_size);
+    if (!desc.is_ok()) return refuse_quietly(function, desc.status());
+    auto r = comm->comm->all_reduce_async(desc.value());
     if (!r.is_ok()) return r.status().code();
     *out_handle = new lockstep_async{comm->comm.get(), r.value(), comm->alive};
     return LOCKSTEP_OK;
   });
+}
+
+}  // extern "C++"
+
+}  // namespace
+
+lockstep_status_t lockstep_comm_all_reduce_sized(lockstep_comm_t* comm, const lockstep_reduce_desc_t* caller_desc,
+                                                 size_t desc_size, lockstep_reduce_info_t* out_info, size_t info_size) {
+  if (caller_desc != nullptr && caller_desc->count == 0 && caller_desc->src == nullptr && caller_desc->dst == nullptr) {
+    return refuse("lockstep_comm_all_reduce", lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "count is zero"));
+  }
+  return run_blocking("lockstep_comm_all_reduce", comm, caller_desc, desc_size, out_info, info_size);
+}
+
+lockstep_status_t lockstep_comm_all_reduce_async_sized(lockstep_comm_t* comm, const lockstep_reduce_desc_t* caller_desc,
+                                                       size_t desc_size, lockstep_async_t** out_handle) {
+  if (caller_desc != nullptr && caller_desc->count == 0 && caller_desc->src == nullptr && caller_desc->dst == nullptr) {
+    return refuse("lockstep_comm_all_reduce_async", lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "count is zero"));
+  }
+  return run_async("lockstep_comm_all_reduce_async", comm, caller_desc, desc_size, out_handle);
+}
+
+lockstep_status_t lockstep_comm_broadcast_sized(lockstep_comm_t* comm, const lockstep_broadcast_desc_t* desc,
+                                                size_t desc_size, lockstep_reduce_info_t* out_info, size_t info_size) {
+  return run_blocking("lockstep_comm_broadcast", comm, desc, desc_size, out_info, info_size);
+}
+lockstep_status_t lockstep_comm_broadcast_async_sized(lockstep_comm_t* comm, const lockstep_broadcast_desc_t* desc,
+                                                      size_t desc_size, lockstep_async_t** out_handle) {
+  return run_async("lockstep_comm_broadcast_async", comm, desc, desc_size, out_handle);
+}
+lockstep_status_t lockstep_comm_all_gather_sized(lockstep_comm_t* comm, const lockstep_all_gather_desc_t* desc,
+                                                 size_t desc_size, lockstep_reduce_info_t* out_info, size_t info_size) {
+  return run_blocking("lockstep_comm_all_gather", comm, desc, desc_size, out_info, info_size);
+}
+lockstep_status_t lockstep_comm_all_gather_async_sized(lockstep_comm_t* comm, const lockstep_all_gather_desc_t* desc,
+                                                       size_t desc_size, lockstep_async_t** out_handle) {
+  return run_async("lockstep_comm_all_gather_async", comm, desc, desc_size, out_handle);
+}
+lockstep_status_t lockstep_comm_reduce_scatter_sized(lockstep_comm_t* comm, const lockstep_reduce_scatter_desc_t* desc,
+                                                     size_t desc_size, lockstep_reduce_info_t* out_info,
+                                                     size_t info_size) {
+  return run_blocking("lockstep_comm_reduce_scatter", comm, desc, desc_size, out_info, info_size);
+}
+lockstep_status_t lockstep_comm_reduce_scatter_async_sized(lockstep_comm_t* comm,
+                                                           const lockstep_reduce_scatter_desc_t* desc, size_t desc_size,
+                                                           lockstep_async_t** out_handle) {
+  return run_async("lockstep_comm_reduce_scatter_async", comm, desc, desc_size, out_handle);
+}
+
+lockstep_status_t lockstep_comm_barrier(lockstep_comm_t* comm, uint64_t tag) {
+  const lockstep_reduce_desc_t barrier{nullptr, nullptr, 0, LOCKSTEP_U8, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, tag};
+  return run_blocking("lockstep_comm_barrier", comm, &barrier, sizeof barrier, nullptr, 0);
+}
+lockstep_status_t lockstep_comm_barrier_async(lockstep_comm_t* comm, uint64_t tag, lockstep_async_t** out_handle) {
+  const lockstep_reduce_desc_t barrier{nullptr, nullptr, 0, LOCKSTEP_U8, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, tag};
+  return run_async("lockstep_comm_barrier_async", comm, &barrier, sizeof barrier, out_handle);
 }
 
 lockstep_status_t lockstep_async_poll(const lockstep_async_t* handle, int* out_done) {
@@ -657,9 +759,11 @@ lockstep_status_t lockstep_comm_all_reduce_multiple_with_retry_sized(lockstep_co
     // The caller's arrays step by its own struct sizes (an older or newer header's).
     std::vector<lockstep::peer::ReduceDescriptor> list;
     for (size_t i = 0; i < count; ++i) {
-      auto desc = read_desc(reinterpret_cast<const unsigned char*>(descs) + i * desc_size, desc_size);
+      auto desc = read_collective(reinterpret_cast<const lockstep_reduce_desc_t*>(
+                                      reinterpret_cast<const unsigned char*>(descs) + i * desc_size),
+                                  desc_size);
       if (!desc.is_ok()) return refuse_quietly("lockstep_comm_all_reduce_multiple_with_retry", desc.status());
-      list.push_back(to_descriptor(desc.value()));
+      list.push_back(desc.value());
     }
     std::vector<lockstep::peer::ReduceInfo> infos;
     lockstep::Status s = comm->comm->all_reduce_multiple_with_retry(list, max_in_flight, &infos);

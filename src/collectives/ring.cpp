@@ -24,25 +24,89 @@
 namespace lockstep::coll {
 namespace {
 
+// Which chunk each step sends and receives, what a step does with what it receives,
+// and where every element of the collective lives. All-reduce: n chunks, 2(n-1) steps,
+// the first n-1 reduce. Reduce-scatter: the same n-1 reducing steps, the ring turned by
+// one place so that rank i ends with chunk i (in the user's destination; the partial
+// sums of the other chunks go to scratch). All-gather: the all-reduce's last n-1 steps,
+// starting from each rank's own chunk (the counts per rank may differ). Broadcast: one chunk passed down the chain root, root+1, ..., root-1: every
+// peer but the root receives it and every peer but the last forwards each sub-chunk as
+// soon as it has it.
 class Layout {
  public:
   explicit Layout(const RingPlan& p)
-      : n_(p.world), i_(p.rank), count_(p.count), esize_(dtype_size(p.dtype)),
+      : kind_(p.kind), n_(p.world), i_(p.rank), count_(p.count), esize_(dtype_size(p.dtype)),
         sub_elems_(std::max<std::size_t>(1, p.subchunk_bytes / std::max<std::size_t>(1, dtype_size(p.dtype)))) {
-    sub_offset_.resize(n_ + 1, 0);
-    for (std::size_t c = 0; c < n_; ++c) sub_offset_[c + 1] = sub_offset_[c] + nsub(c);
+    const std::size_t chunks = kind_ == RingKind::kBroadcast ? 1 : n_;
+    chunk_start_.resize(chunks + 1, 0);
+    for (std::size_t c = 0; c < chunks; ++c) {
+      const std::size_t len = kind_ == RingKind::kBroadcast ? count_
+                              : !p.counts.empty()          ? p.counts[c]
+                                                           : count_ / n_ + (c < count_ % n_ ? 1 : 0);
+      chunk_start_[c + 1] = chunk_start_[c] + len;
+    }
+    sub_offset_.resize(chunks + 1, 0);
+    for (std::size_t c = 0; c < chunks; ++c) sub_offset_[c + 1] = sub_offset_[c] + nsub(c);
+    const std::size_t position = (i_ + n_ - p.root % n_) % n_;  // broadcast: hops from the root
+    switch (kind_) {
+      case RingKind::kAllReduce: tx_steps_ = rx_steps_ = 2 * (n_ - 1); break;
+      case RingKind::kReduceScatter:
+        tx_steps_ = rx_steps_ = n_ - 1;
+        turn_ = n_ - 1;  // step 0 sends chunk i-1, the last step receives chunk i
+        break;
+      case RingKind::kAllGather: tx_steps_ = rx_steps_ = n_ - 1; break;  // step 0 sends chunk i
+      case RingKind::kBroadcast:
+        tx_steps_ = position + 1 < n_ ? 1 : 0;
+        rx_steps_ = position > 0 ? 1 : 0;
+        root_ = position == 0;
+        break;
+    }
+    own_ = kind_ == RingKind::kReduceScatter || kind_ == RingKind::kAllGather ? i_ : 0;
   }
-  std::size_t steps() const { return 2 * (n_ - 1); }
-  std::size_t start(std::size_t c) const { return c * (count_ / n_) + std::min(c, count_ % n_); }
+  RingKind kind() const { return kind_; }
+  std::size_t tx_steps() const { return tx_steps_; }
+  std::size_t rx_steps() const { return rx_steps_; }
+  std::size_t chunks() const { return chunk_start_.size() - 1; }
+  std::size_t start(std::size_t c) const { return chunk_start_[c]; }
   std::size_t len(std::size_t c) const { return start(c + 1) - start(c); }
   std::size_t nsub(std::size_t c) const { return (len(c) + sub_elems_ - 1) / sub_elems_; }
-  std::size_t send_chunk(std::size_t s) const { return (i_ + 2 * n_ - s) % n_; }
-  std::size_t recv_chunk(std::size_t s) const { return (i_ + 2 * n_ - s - 1) % n_; }
+  std::size_t send_chunk(std::size_t s) const {
+    return kind_ == RingKind::kBroadcast ? 0 : (i_ + turn_ + 2 * n_ - s) % n_;
+  }
+  std::size_t recv_chunk(std::size_t s) const {
+    return kind_ == RingKind::kBroadcast ? 0 : (i_ + turn_ + 2 * n_ - s - 1) % n_;
+  }
+  // The receive step whose sub-chunk a send of step s forwards (the same sub-chunk
+  // index), or -1 when the send's data is this peer's own.
+  std::ptrdiff_t send_after(std::size_t s) const {
+    if (kind_ == RingKind::kBroadcast) return root_ ? -1 : 0;
+    return static_cast<std::ptrdiff_t>(s) - 1;
+  }
+  // Whether a send of step s takes this peer's input (else what it reduced or received).
+  bool sends_input(std::size_t s) const { return kind_ == RingKind::kBroadcast ? root_ : s == 0; }
+  bool reducing(std::size_t s) const {
+    return kind_ == RingKind::kReduceScatter || (kind_ == RingKind::kAllReduce && s + 1 < n_);
+  }
+  // The receive step after which this peer's chunk holds its final reduced value.
+  bool finalizing(std::size_t s) const {
+    return (kind_ == RingKind::kAllReduce || kind_ == RingKind::kReduceScatter) && s + 2 == n_;
+  }
+  // Reduce-scatter: the chunk that lands in the user's destination; the others' partial
+  // sums live in scratch and need no backup.
+  bool in_destination(std::size_t c) const { return kind_ != RingKind::kReduceScatter || c == own_; }
+  std::size_t own_chunk() const { return own_; }
+  // Byte offsets of element `e` (counted over the whole collective) in the destination
+  // (or scratch), the input, and the backup.
+  std::size_t dst_offset(std::size_t e) const {
+    return (kind_ == RingKind::kReduceScatter ? e - start(own_) : e) * esize_;
+  }
+  std::size_t src_offset(std::size_t e) const { return (kind_ == RingKind::kAllGather ? e - start(own_) : e) * esize_; }
+  std::size_t destination_elems() const { return kind_ == RingKind::kReduceScatter ? len(own_) : count_; }
   // Element offset and length of sub-chunk j of chunk c.
   std::size_t sub_start(std::size_t c, std::size_t j) const { return start(c) + j * sub_elems_; }
   std::size_t sub_len(std::size_t c, std::size_t j) const { return std::min(sub_elems_, len(c) - j * sub_elems_); }
   std::size_t sub_index(std::size_t c, std::size_t j) const { return sub_offset_[c] + j; }
-  std::size_t total_subs() const { return sub_offset_[n_]; }
+  std::size_t total_subs() const { return sub_offset_.back(); }
   std::size_t esize() const { return esize_; }
   std::size_t n() const { return n_; }
   // Bytes of sub-chunk j of chunk c on the wire.
@@ -56,7 +120,13 @@ class Layout {
   std::size_t encoded_total() const { return count_ + total_subs() * kQuantHeaderBytes; }
 
  private:
+  RingKind kind_;
   std::size_t n_, i_, count_, esize_, sub_elems_;
+  std::size_t tx_steps_ = 0, rx_steps_ = 0;
+  std::size_t turn_ = 0;  // reduce-scatter: the ring turned by one place
+  std::size_t own_ = 0;
+  bool root_ = false;
+  std::vector<std::size_t> chunk_start_;
   std::vector<std::size_t> sub_offset_;
 };
 
@@ -147,6 +217,7 @@ class Runner {
     start_cursor(rx_[0].cur, 0, 1, false);
     publish(rx_[0]);
     prepare();
+    place_own_chunk();
     // Tunings: where the kernel refuses one, the ring runs as it would without it.
     for (std::size_t k = 0; k < ntx_; ++k) set_buffer(tx_[k].fd, SO_SNDBUF, p_.tx_buffer_bytes);
     set_buffer(rx_[0].fd, SO_RCVBUF, p_.rx_buffer_bytes);
@@ -180,7 +251,7 @@ class Runner {
         if (send_ready(tx_[k])) fds[nfds++] = pollfd{tx_[k].fd, POLLOUT, 0};
       }
       for (std::size_t k = 0; k < nrx(); ++k) {
-        if (rx_[k].cur.step < l_.steps()) {
+        if (rx_[k].cur.step < l_.rx_steps()) {
           set_lowat(rx_[k], wanted_lowat(rx_[k]));
           fds[nfds++] = pollfd{rx_[k].fd, POLLIN, 0};
         }
@@ -314,7 +385,7 @@ class Runner {
       pollfd fds[kRingStreamsMax + 2];
       nfds_t nfds = 0;
       for (std::size_t k = 0; k < nrx(); ++k) {
-        if (rx_[k].cur.step < l_.steps()) fds[nfds++] = pollfd{rx_[k].fd, POLLIN, 0};
+        if (rx_[k].cur.step < l_.rx_steps()) fds[nfds++] = pollfd{rx_[k].fd, POLLIN, 0};
       }
       fds[nfds++] = pollfd{io_.abort_fd, POLLIN, 0};
       fds[nfds++] = pollfd{wake_fd_, POLLIN, 0};
@@ -332,13 +403,13 @@ class Runner {
   }
   bool sending_done() const {
     for (std::size_t k = 0; k < ntx_; ++k) {
-      if (tx_[k].cur.step < l_.steps()) return false;
+      if (tx_[k].cur.step < l_.tx_steps()) return false;
     }
     return true;
   }
   bool receiving_done() const {
     for (std::size_t k = 0; k < nrx(); ++k) {
-      if (rx_[k].cur.step < l_.steps()) return false;
+      if (rx_[k].cur.step < l_.rx_steps()) return false;
     }
     return true;
   }
@@ -351,7 +422,7 @@ class Runner {
   // more than the bytes of the stream's current sub-chunk still due (beyond them the
   // previous peer may send nothing until this one has sent it more). 1: none.
   std::size_t wanted_lowat(const RxStream& r) const {
-    if (p_.rx_lowat_bytes == 0 || r.cur.step >= l_.steps()) return 1;
+    if (p_.rx_lowat_bytes == 0 || r.cur.step >= l_.rx_steps()) return 1;
     const std::size_t c = l_.recv_chunk(r.cur.step);
     const std::size_t due = kRingHeaderBytes + on_wire(l_.wire_bytes(c, r.cur.sub, p_.quantization)) - r.cur.bytes;
     return std::max<std::size_t>(1, std::min(p_.rx_lowat_bytes, due));
@@ -370,8 +441,11 @@ class Runner {
   }
 
   void prepare() {
-    const std::size_t total = p_.count * l_.esize();
+    const std::size_t total = l_.destination_elems() * l_.esize();
     if (s_.backup.size() < total) s_.backup.resize(total);
+    if (l_.kind() == RingKind::kReduceScatter && s_.work.size() < p_.count * l_.esize()) {
+      s_.work.resize(p_.count * l_.esize());
+    }
     s_.touched.assign(l_.total_subs() + 1, 0);
     grow_receive_scratch(1);
     const std::size_t staging = staging_bytes();
@@ -401,11 +475,30 @@ class Runner {
     return s_.sealed_send.data() + k * (staging_bytes() + security::kTagBytes);
   }
 
+  // Where element e of chunk c is written (the destination, or scratch for the partial
+  // sums a reduce-scatter passes on), and where it is read from the input.
+  std::uint8_t* dst_at(std::size_t c, std::size_t e) {
+    return l_.in_destination(c) ? bytes_of(p_.dst) + l_.dst_offset(e) : s_.work.data() + e * l_.esize();
+  }
+  const std::uint8_t* src_at(std::size_t e) const { return bytes_of(p_.src) + l_.src_offset(e); }
+
   // Backs up destination elements [start, start+len) of sub-chunk g before the first write.
   void touch(std::size_t g, std::size_t start, std::size_t len) {
     if (s_.touched[g] != 0) return;
     s_.touched[g] = 1;
-    std::memcpy(s_.backup.data() + start * l_.esize(), bytes_of(p_.dst) + start * l_.esize(), len * l_.esize());
+    std::memcpy(s_.backup.data() + l_.dst_offset(start), bytes_of(p_.dst) + l_.dst_offset(start), len * l_.esize());
+  }
+
+  // All-gather: this peer's own chunk goes into its place in the destination (unless the
+  // input already is that place); the ring sends it from the input meanwhile.
+  void place_own_chunk() {
+    const std::size_t c = l_.own_chunk();
+    if (l_.kind() != RingKind::kAllGather || l_.len(c) == 0 || src_at(l_.start(c)) == dst_at(c, l_.start(c))) return;
+    for (std::size_t j = 0; j < l_.nsub(c); ++j) {
+      const std::size_t start = l_.sub_start(c, j);
+      touch(l_.sub_index(c, j), start, l_.sub_len(c, j));
+      std::memcpy(dst_at(c, start), src_at(start), l_.sub_len(c, j) * l_.esize());
+    }
   }
 
   Status single() {
@@ -426,7 +519,7 @@ class Runner {
   // with the decoded form; later steps forward what was received, unchanged.
   const std::uint8_t* send_data(std::size_t k, std::size_t c, std::size_t start) {
     const Cursor& cur = tx_[k].cur;
-    const std::uint8_t* raw = (cur.step == 0 ? bytes_of(p_.src) : bytes_of(p_.dst)) + start * l_.esize();
+    const std::uint8_t* raw = l_.sends_input(cur.step) ? src_at(start) : dst_at(c, start);
     if (!quantized()) return raw;
     const std::size_t elems = l_.sub_len(c, cur.sub);
     if (cur.step + 1 < l_.n()) {
@@ -450,7 +543,8 @@ class Runner {
     skip_empty(c, sending);
   }
   void skip_empty(Cursor& c, bool sending) const {
-    while (c.step < l_.steps() && c.sub >= l_.nsub(sending ? l_.send_chunk(c.step) : l_.recv_chunk(c.step))) {
+    while (c.step < (sending ? l_.tx_steps() : l_.rx_steps()) &&
+           c.sub >= l_.nsub(sending ? l_.send_chunk(c.step) : l_.recv_chunk(c.step))) {
       ++c.step;
       c.sub = c.first;
     }
@@ -464,13 +558,15 @@ class Runner {
   static void publish(RxStream& r) { r.pos.store(pack(r.cur.step, r.cur.sub), std::memory_order_release); }
 
   bool send_ready(const TxStream& t) const {
-    if (t.cur.step >= l_.steps()) return false;
-    if (t.cur.step == 0) return true;
-    // The receive of this sub-chunk at the previous step must be complete, on the
-    // receiving stream that carries it.
+    if (t.cur.step >= l_.tx_steps()) return false;
+    const std::ptrdiff_t after = l_.send_after(t.cur.step);
+    if (after < 0) return true;
+    // The receive of this sub-chunk at that step must be complete, on the receiving
+    // stream that carries it.
     const std::size_t streams = nrx_.load(std::memory_order_acquire);
     if (streams == 0) return false;
-    return rx_[t.cur.sub % streams].pos.load(std::memory_order_acquire) > pack(t.cur.step - 1, t.cur.sub);
+    return rx_[t.cur.sub % streams].pos.load(std::memory_order_acquire) >
+           pack(static_cast<std::size_t>(after), t.cur.sub);
   }
   bool any_send_ready() const {
     for (std::size_t k = 0; k < ntx_; ++k) {
@@ -545,13 +641,13 @@ class Runner {
 
   Status pump_recv(std::size_t k, bool* progress) {
     RxStream& r = rx_[k];
-    while (r.cur.step < l_.steps()) {
+    while (r.cur.step < l_.rx_steps()) {
       const std::size_t c = l_.recv_chunk(r.cur.step);
       const std::size_t start = l_.sub_start(c, r.cur.sub);
       const std::size_t elems = l_.sub_len(c, r.cur.sub);
       const std::size_t plain = l_.wire_bytes(c, r.cur.sub, p_.quantization);
       const std::size_t payload = on_wire(plain);
-      const bool reducing = r.cur.step < l_.n() - 1;
+      const bool reducing = l_.reducing(r.cur.step);
       const std::size_t g = l_.sub_index(c, r.cur.sub);
       std::uint8_t* iov_base = nullptr;
       std::size_t iov_len = 0;
@@ -595,10 +691,8 @@ class Runner {
         if (quantized() && !quantized_header_valid(target, p_.dtype, p_.quantization)) {
           return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "quantized sub-chunk with an impossible header");
         }
-        if (!reducing && quantized()) {
-          dequantize(target, elems, p_.dtype, p_.quantization, bytes_of(p_.dst) + start * l_.esize());
-        }
-        if (reducing) reduce_into(g, start, elems, target, r.cur.step);
+        if (!reducing && quantized()) dequantize(target, elems, p_.dtype, p_.quantization, dst_at(c, start));
+        if (reducing) reduce_into(k, c, g, start, elems, target, r.cur.step);
         advance(r.cur, false);
         publish(r);
         if (threaded_) {
@@ -615,27 +709,37 @@ class Runner {
   std::uint8_t* target_of(std::size_t k, std::size_t c, std::size_t start, bool reducing) {
     if (reducing) return staging_of(k);
     if (quantized()) return s_.encoded_gather.data() + l_.encoded_offset(c, rx_[k].cur.sub);
-    return bytes_of(p_.dst) + start * l_.esize();
+    return dst_at(c, start);
   }
 
-  void reduce_into(std::size_t g, std::size_t start, std::size_t elems, const std::uint8_t* staged, std::size_t step) {
-    std::uint8_t* dst = bytes_of(p_.dst) + start * l_.esize();
-    const std::uint8_t* src = bytes_of(p_.src) + start * l_.esize();
+  void reduce_into(std::size_t k, std::size_t c, std::size_t g, std::size_t start, std::size_t elems,
+                   const std::uint8_t* staged, std::size_t step) {
+    std::uint8_t* dst = dst_at(c, start);
+    const std::uint8_t* src = src_at(start);
+    const bool backed = l_.in_destination(c);  // partial sums in scratch need no backup
     if (quantized()) {
-      touch(g, start, elems);
+      if (backed) touch(g, start, elems);
       if (src != dst) std::memcpy(dst, src, elems * l_.esize());
       dequantize_reduce(dst, staged, elems, p_.dtype, p_.quantization, p_.op);
-    } else if (s_.touched[g] == 0) {
+    } else if (backed && s_.touched[g] == 0) {
       // The reduce takes the backup itself, reading the destination once.
       s_.touched[g] = 1;
-      reduce3_saving(dst, s_.backup.data() + start * l_.esize(), src, staged, elems, p_.dtype, p_.op);
+      reduce3_saving(dst, s_.backup.data() + l_.dst_offset(start), src, staged, elems, p_.dtype, p_.op);
     } else {
-      touch(g, start, elems);
+      if (backed) touch(g, start, elems);
       reduce3(dst, src, staged, elems, p_.dtype, p_.op);
     }
-    // The last reduce-scatter step completes this peer's chunk: finish it here, once,
-    // so that the all-gather hands every peer the same bytes.
-    if (step == l_.n() - 2) finalize(dst, elems, p_.dtype, p_.op, static_cast<std::uint32_t>(p_.world));
+    // The last reducing step completes this peer's chunk: finish it here, once, so that
+    // the all-gather hands every peer the same bytes.
+    if (l_.finalizing(step)) {
+      finalize(dst, elems, p_.dtype, p_.op, static_cast<std::uint32_t>(p_.world));
+      // A quantized reduce-scatter leaves the decoded form of the chunk's one encoding,
+      // as a quantized all-reduce does (the staging buffer is free again).
+      if (quantized() && l_.kind() == RingKind::kReduceScatter) {
+        quantize(dst, elems, p_.dtype, p_.quantization, staging_of(k));
+        dequantize(staging_of(k), elems, p_.dtype, p_.quantization, dst);
+      }
+    }
   }
 
   Status check_header(std::size_t k) {
@@ -762,7 +866,24 @@ void tune_same_host(RingPlan& plan, bool previous_peer_on_this_host, bool next_p
   }
 }
 
-Status run_ring_all_reduce(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats) {
+Status run_ring(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats) {
+  if (plan.quantization != LOCKSTEP_QUANT_NONE &&
+      (plan.kind == RingKind::kBroadcast || plan.kind == RingKind::kAllGather)) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "broadcast and all-gather copy: they take no quantization");
+  }
+  if (plan.kind == RingKind::kAllGather && !plan.counts.empty()) {
+    std::size_t total = 0;
+    for (const std::size_t c : plan.counts) total += c;
+    if (plan.counts.size() != plan.world || total != plan.count) {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "all-gather counts do not match the world and the output");
+    }
+  }
+  if (plan.kind == RingKind::kReduceScatter && plan.world > 0 && plan.count % plan.world != 0) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "reduce-scatter input is not world x n elements");
+  }
+  if (plan.kind == RingKind::kBroadcast && plan.root >= plan.world) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "broadcast root outside the world");
+  }
   return Runner(plan, io, scratch, stats).run();
 }
 
@@ -773,11 +894,11 @@ void restore(const RingPlan& plan, RingScratch& scratch) {
     scratch.touched.assign(scratch.touched.size(), 0);
     return;
   }
-  for (std::size_t c = 0; c < plan.world; ++c) {
+  for (std::size_t c = 0; c < l.chunks(); ++c) {
     for (std::size_t j = 0; j < l.nsub(c); ++j) {
       const std::size_t g = l.sub_index(c, j);
       if (g >= scratch.touched.size() || scratch.touched[g] == 0) continue;
-      const std::size_t off = l.sub_start(c, j) * l.esize();
+      const std::size_t off = l.dst_offset(l.sub_start(c, j));
       std::memcpy(bytes_of(plan.dst) + off, scratch.backup.data() + off, l.sub_len(c, j) * l.esize());
       scratch.touched[g] = 0;
     }

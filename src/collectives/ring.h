@@ -54,12 +54,26 @@
 
 namespace lockstep::coll {
 
+// The collectives the ring runs (ring.cpp's Layout says how each walks the ring).
+enum class RingKind { kAllReduce, kBroadcast, kAllGather, kReduceScatter };
+
 struct RingPlan {
+  RingKind kind = RingKind::kAllReduce;
   std::size_t world = 1;
   std::size_t rank = 0;
-  const void* src = nullptr;  // may equal dst (in place)
+  // All-reduce: count elements in, count out (src may equal dst: in place).
+  // Broadcast: the root's src, every other peer's dst, of count elements (in place:
+  //   src == dst on every peer).
+  // All-gather: count is the output's elements; src holds this rank's counts[rank]
+  //   (or count / world) elements, dst all of them in rank order (src may be dst's
+  //   own place).
+  // Reduce-scatter: src holds count = world x n elements, dst this rank's n (chunk
+  //   `rank` of the reduced whole).
+  const void* src = nullptr;
   void* dst = nullptr;
   std::size_t count = 0;
+  std::size_t root = 0;                 // broadcast
+  std::vector<std::size_t> counts;      // all-gather: elements per rank (empty: equal)
   lockstep_dtype_t dtype = LOCKSTEP_F32;
   lockstep_reduce_op_t op = LOCKSTEP_SUM;
   lockstep_quantization_t quantization = LOCKSTEP_QUANT_NONE;
@@ -182,6 +196,7 @@ struct RingStats {
 // Reused across attempts so that the steady state allocates nothing.
 struct RingScratch {
   std::vector<std::uint8_t> backup;   // the destination's previous content
+  std::vector<std::uint8_t> work;     // reduce-scatter: the partial sums passed on
   std::vector<std::uint8_t> staging;  // per receiving stream: one sub-chunk before it is reduced
   std::vector<std::uint8_t> touched;  // per sub-chunk of the destination: backed up
   // Quantized attempts: per sending stream one encoded sub-chunk on its way out, and
@@ -210,11 +225,13 @@ void put_ring_header(std::uint8_t* out, const RingHeader& h);
 // above kRingStreamsMax, a stream index not below the count.
 Result<RingHeader> parse_ring_header(const std::uint8_t* in);
 
-// Runs the attempt. On failure (a socket error, a bad header, an abort) the
-// destination is restored before returning. On success the backup is kept in
+// Runs the attempt of plan.kind. On failure (a socket error, a bad header, an abort)
+// the destination is restored before returning. On success the backup is kept in
 // scratch until the caller knows the outcome.
-Status run_ring_all_reduce(const RingPlan& plan, const RingIo& io, RingScratch& scratch,
-                           RingStats* stats);
+Status run_ring(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats);
+inline Status run_ring_all_reduce(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats) {
+  return run_ring(plan, io, scratch, stats);
+}
 // Puts back every part of the destination written by the last run with this scratch.
 void restore(const RingPlan& plan, RingScratch& scratch);
 

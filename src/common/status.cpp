@@ -32,6 +32,7 @@ const char* status_name(StatusCode code) {
     case LOCKSTEP_STATUS_SHARED_STATE_MISMATCH: return "SHARED_STATE_MISMATCH";
     case LOCKSTEP_STATUS_HASH_MISMATCH: return "HASH_MISMATCH";
     case LOCKSTEP_STATUS_AUTHENTICATION_FAILED: return "AUTHENTICATION_FAILED";
+    case LOCKSTEP_STATUS_VIEW_CHANGED: return "VIEW_CHANGED";
   }
   return "UNKNOWN_STATUS";
 }
@@ -83,6 +84,7 @@ extern "C" const char* lockstep_status_string(lockstep_status_t status) {
     case LOCKSTEP_STATUS_SHARED_STATE_MISMATCH: return "shared state differs from the elected one in keys, dtypes or sizes (or a send-only peer's content differs)";
     case LOCKSTEP_STATUS_HASH_MISMATCH: return "a transferred shared-state tensor did not match its hash; retry the sync";
     case LOCKSTEP_STATUS_AUTHENTICATION_FAILED: return "the other side could not prove the run secret (missing or different secret, or not this run's master)";
+    case LOCKSTEP_STATUS_VIEW_CHANGED: return "a peer left since the last update topology; a collective whose shape depends on the world needs a new view";
   }
   return "unknown status";
 }

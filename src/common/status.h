@@ -13,7 +13,7 @@ namespace lockstep {
 
 using StatusCode = lockstep_status_t;
 // The largest status code defined (the wire decoder rejects larger ones).
-inline constexpr StatusCode kStatusCodeMax = LOCKSTEP_STATUS_AUTHENTICATION_FAILED;
+inline constexpr StatusCode kStatusCodeMax = LOCKSTEP_STATUS_VIEW_CHANGED;
 
 class [[nodiscard]] Status {
  public:

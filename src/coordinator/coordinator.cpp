@@ -542,7 +542,7 @@ void Coordinator::handle_collective_init(Peer& peer, const proto::CollectiveInit
   // A small all-reduce carries exactly its contribution, a larger one none (the same rule
   // on both ends); what one peer may park here is bounded.
   const proto::CollectiveDescriptor& d = init.descriptor;
-  const bool carried = coll::travels_with_votes(d.count, d.dtype, d.quantization);
+  const bool carried = coll::travels_with_votes(d);
   const std::size_t expected = carried ? d.count * coll::dtype_size(static_cast<lockstep_dtype_t>(d.dtype)) : 0;
   if (init.data.size() != expected) {
     if (group.empty()) collectives_.erase(peer.group);
@@ -564,6 +564,7 @@ void Coordinator::handle_collective_init(Peer& peer, const proto::CollectiveInit
   }
   it->second.votes[peer.id] = init.descriptor;
   if (carried) it->second.contributions[peer.id] = init.data;
+  if (!init.refusal.empty()) it->second.refusals[peer.id] = init.refusal;
 }
 
 std::size_t Coordinator::contribution_bytes_held(const Peer& peer) const {
@@ -645,6 +646,18 @@ std::vector<std::uint8_t> reduce_in_ring_order(const std::map<PeerId, std::vecto
   return result;
 }
 
+// What makes a descriptor every peer agreed on unusable in its own view (the peers
+// refuse these before voting; a peer that does not is answered here), or "".
+std::string shape_error(const proto::CollectiveDescriptor& d) {
+  if (d.kind == proto::CollectiveKind::kBroadcast && d.root >= d.world) {
+    return "broadcast root " + std::to_string(d.root) + " is not a rank of a view of " + std::to_string(d.world);
+  }
+  if (d.kind == proto::CollectiveKind::kAllGather && !d.counts.empty() && d.counts.size() != d.world) {
+    return "all-gather with " + std::to_string(d.counts.size()) + " counts in a view of " + std::to_string(d.world);
+  }
+  return {};
+}
+
 }  // namespace
 
 // Starts every collective whose initiate vote is complete: every accepted peer of the
@@ -668,15 +681,43 @@ bool Coordinator::try_start_collectives(Outbox& out) {
       const proto::CollectiveDescriptor& first = c.votes.begin()->second;
       bool same = true;
       for (const auto& [id, d] : c.votes) same = same && d == first;
+      std::vector<PeerId> voters;
+      for (const auto& [id, d] : c.votes) voters.push_back(id);
       if (!same) {
-        std::vector<PeerId> voters;
-        for (const auto& [id, d] : c.votes) voters.push_back(id);
         finish_collective(group, tag, voters, LOCKSTEP_STATUS_OPERATION_MISMATCH,
-                          "peers started tag " + std::to_string(tag) + " with different count, dtype, op or quantization",
+                          "peers started tag " + std::to_string(tag) +
+                              " with different collectives, counts, dtype, op, quantization, root or view",
                           out);
         continue;
       }
       const proto::CollectiveDescriptor descriptor = first;
+      // Ended before an attempt, the same way for every voter: arguments one of them
+      // found unusable, a group of one, a view that lost a peer since the call's shape
+      // was set.
+      if (!c.refusals.empty()) {
+        const auto& [id, why] = *c.refusals.begin();
+        finish_collective(group, tag, voters, LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                          "peer " + id.to_string() + " refused tag " + std::to_string(tag) + ": " + why, out);
+        continue;
+      }
+      if (members.size() < 2) {
+        finish_collective(group, tag, voters, LOCKSTEP_STATUS_TOO_FEW_PEERS,
+                          "a collective needs at least two peers; the group has " + std::to_string(members.size()),
+                          out);
+        continue;
+      }
+      if (proto::shape_bound(descriptor.kind) && descriptor.world != members.size()) {
+        finish_collective(group, tag, voters, LOCKSTEP_STATUS_VIEW_CHANGED,
+                          "tag " + std::to_string(tag) + " was called in a view of " + std::to_string(descriptor.world) +
+                              " peers and the group now has " + std::to_string(members.size()) +
+                              ": update the topology before retrying it",
+                          out);
+        continue;
+      }
+      if (const std::string bad = shape_error(descriptor); !bad.empty()) {
+        finish_collective(group, tag, voters, LOCKSTEP_STATUS_INVALID_ARGUMENT, bad, out);
+        continue;
+      }
       const bool carried = !c.contributions.empty();
       if (!carried) c.slot = choose_slot(group, members);  // before this one counts as busy
       c.phase = Collective::Phase::kPerforming;

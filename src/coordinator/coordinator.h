@@ -112,6 +112,8 @@ struct Collective {
   std::map<PeerId, proto::CollectiveDescriptor> votes;
   // The voters' contributions when the all-reduce travels with the votes.
   std::map<PeerId, std::vector<std::uint8_t>> contributions;
+  // Voters that found their own arguments unusable, and why (CollectiveInit::refusal).
+  std::map<PeerId, std::string> refusals;
   std::uint64_t attempt = 0;
   std::uint32_t slot = 0;
   std::vector<PeerId> participants;  // ring order

@@ -294,10 +294,12 @@ Result<proto::TopologyResult> Communicator::finish_establishment(const proto::Es
   if (result.status == LOCKSTEP_OK) {
     epoch_ = epoch;
     view_ = result.ring;
+    view_size_.store(static_cast<std::uint32_t>(view_.size()));
     attributes_ = result.attributes;
     for (std::uint32_t i = 0; i < view_.size(); ++i) {
       if (view_[i].id == id_) rank_ = i;
     }
+    view_rank_.store(rank_);
     members_.clear();
     for (const auto& m : view_) members_[m.id] = m;
   }
@@ -459,7 +461,9 @@ void Communicator::open_streams(const proto::MemberInfo& to, std::uint32_t slot,
     wanted = it->second.streams();
   }
   if (options_.p2p_streams == 0 && peers_on_this_host({to.id}) == 1) wanted = 1;
-  const std::size_t chunk_bytes = (plan.count + plan.world - 1) / plan.world * coll::dtype_size(plan.dtype);
+  const std::size_t chunk_elems =
+      plan.kind == coll::RingKind::kBroadcast ? plan.count : (plan.count + plan.world - 1) / plan.world;
+  const std::size_t chunk_bytes = chunk_elems * coll::dtype_size(plan.dtype);
   const std::size_t subchunks = (chunk_bytes + plan.subchunk_bytes - 1) / plan.subchunk_bytes;
   wanted = static_cast<std::uint32_t>(std::clamp<std::size_t>(subchunks, 1, wanted));
   for (std::uint32_t s = 1; s < wanted; ++s) {
@@ -553,19 +557,85 @@ Result<bool> Communicator::agree(bool flag) {
 // ------------------------------------------------------------------ collectives
 
 Status Communicator::check_collective_call(const ReduceDescriptor& d) {
-  if (d.count == 0) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "count is zero");
-  if (d.src == nullptr || d.dst == nullptr) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "null buffer");
-  if (!coll::dtype_valid(static_cast<int>(d.dtype))) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "unknown dtype");
-  if (!coll::op_valid(static_cast<int>(d.op))) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "unknown reduce op");
-  if (d.quantization != LOCKSTEP_QUANT_NONE && !coll::quantization_supported(d.dtype, d.quantization)) {
-    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "quantization needs a floating-point dtype (f16, bf16, f32, f64)");
+  using Kind = proto::CollectiveKind;
+  if (static_cast<std::uint8_t>(d.kind) > proto::kCollectiveKindMax) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "unknown collective");
   }
-  if (d.count > (std::uint64_t{1} << 48) / coll::dtype_size(d.dtype)) {
-    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "buffer larger than 256 TiB");
+  if (d.kind != Kind::kBarrier) {
+    if (!coll::dtype_valid(static_cast<int>(d.dtype))) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "unknown dtype");
+    const std::uint64_t limit = (std::uint64_t{1} << 48) / coll::dtype_size(d.dtype);
+    std::uint64_t total = d.count;
+    if (d.kind == Kind::kAllGather && !d.counts.empty()) {
+      if (d.count != 0) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "all-gather with counts per rank takes no count");
+      if (d.counts.size() > limits::kMembersPerMessageMax) {
+        return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                      "more than " + std::to_string(limits::kMembersPerMessageMax) + " counts per rank");
+      }
+      total = 0;
+      for (const std::uint64_t c : d.counts) {
+        if (c > limit) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "buffer larger than 256 TiB");
+        total += c;
+      }
+    }
+    if (total == 0) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "count is zero");
+    if (total > limit) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "buffer larger than 256 TiB");
+    if (d.dst == nullptr) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "null buffer");
+    // All-gather with counts: a rank whose count is 0 may pass no input (its rank is known
+    // only once accepted, so here: any zero).
+    const bool src_needed = d.kind == Kind::kAllReduce || d.kind == Kind::kReduceScatter ||
+                            (d.kind == Kind::kAllGather &&
+                             (d.counts.empty() || std::find(d.counts.begin(), d.counts.end(), 0) == d.counts.end()));
+    if (src_needed && d.src == nullptr) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "null buffer");
+  }
+  if (d.kind == Kind::kAllReduce || d.kind == Kind::kReduceScatter) {
+    if (!coll::op_valid(static_cast<int>(d.op))) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "unknown reduce op");
+    if (d.quantization != LOCKSTEP_QUANT_NONE && !coll::quantization_supported(d.dtype, d.quantization)) {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "quantization needs a floating-point dtype (f16, bf16, f32, f64)");
+    }
   }
   if (!accepted_) return Status(LOCKSTEP_STATUS_NOT_INITIALIZED, "connect the communicator (and be accepted) first");
   if (Status fatal = link_->fatal(); !fatal.is_ok()) return fatal;
   return Status::ok();
+}
+
+proto::CollectiveDescriptor Communicator::wire_descriptor(const ReduceDescriptor& d, std::string* refusal) const {
+  using Kind = proto::CollectiveKind;
+  proto::CollectiveDescriptor w;
+  w.kind = d.kind;
+  if (d.kind == Kind::kBarrier) return w;
+  w.count = d.count;
+  w.dtype = static_cast<std::uint8_t>(d.dtype);
+  if (d.kind == Kind::kAllReduce || d.kind == Kind::kReduceScatter) {
+    w.op = static_cast<std::uint8_t>(d.op);
+    w.quantization = static_cast<std::uint8_t>(d.quantization);
+  }
+  if (!proto::shape_bound(d.kind)) return w;
+  const std::uint32_t world = view_size_.load();
+  w.world = world;
+  if (d.kind == Kind::kBroadcast) {
+    w.root = d.root;
+    if (d.root >= world) {
+      *refusal = "broadcast root " + std::to_string(d.root) + " is not a rank of this view of " + std::to_string(world);
+    }
+  }
+  if (d.kind == Kind::kAllGather) {
+    w.counts = d.counts;
+    std::uint64_t total = d.count * world;
+    if (!d.counts.empty()) {
+      total = 0;
+      for (const std::uint64_t c : d.counts) total += c;
+      if (d.counts.size() != world) {
+        *refusal = "all-gather with " + std::to_string(d.counts.size()) + " counts in a view of " + std::to_string(world);
+      } else if (d.counts[view_rank_.load()] > 0 && d.src == nullptr) {
+        *refusal = "null input for this rank's " + std::to_string(d.counts[view_rank_.load()]) + " elements";
+      }
+    }
+    if (refusal->empty() && d.dst_capacity < total) {
+      *refusal = "all-gather destination has room for " + std::to_string(d.dst_capacity) + " elements where " +
+                 std::to_string(total) + " are gathered";
+    }
+  }
+  return w;
 }
 
 Result<std::shared_ptr<AsyncReduce>> Communicator::all_reduce_async(const ReduceDescriptor& d) {
@@ -591,7 +661,7 @@ Result<std::shared_ptr<AsyncReduce>> Communicator::start_collective(const Reduce
       return remember(Status(LOCKSTEP_STATUS_INVALID_USAGE, "tag " + std::to_string(d.tag) + " is already in flight"));
     }
     count(Counter::kOperationsStarted);
-    count(Counter::kAllReducesStarted);
+    if (d.kind == proto::CollectiveKind::kAllReduce) count(Counter::kAllReducesStarted);
     if (failed_tags_.count(d.tag) != 0) count(Counter::kRetries);
   }
   op->launcher_ = self;
@@ -603,16 +673,19 @@ Result<std::shared_ptr<AsyncReduce>> Communicator::start_collective(const Reduce
     return remember(Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "eventfd failed"));
   }
   link_->register_op(d.tag, channel);
-  auto body = [this, d, channel, op] {
+  const bool all_reduce = d.kind == proto::CollectiveKind::kAllReduce;
+  auto body = [this, d, channel, op, all_reduce] {
     ReduceInfo info;
     const auto started = Clock::now();
     Status status = run_collective(d, *channel, &info);
-    count(Counter::kAllReduceUs, static_cast<std::uint64_t>(
-                                     std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - started).count()));
-    count(Counter::kAllReduceBytesSent, info.bytes_sent);
-    count(Counter::kAllReduceBytesReceived, info.bytes_received);
     count(status.is_ok() ? Counter::kOperationsSucceeded : Counter::kOperationsFailed);
-    count(status.is_ok() ? Counter::kAllReducesSucceeded : Counter::kAllReducesFailed);
+    if (all_reduce) {
+      count(Counter::kAllReduceUs, static_cast<std::uint64_t>(
+                                       std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - started).count()));
+      count(Counter::kAllReduceBytesSent, info.bytes_sent);
+      count(Counter::kAllReduceBytesReceived, info.bytes_received);
+      count(status.is_ok() ? Counter::kAllReducesSucceeded : Counter::kAllReducesFailed);
+    }
     link_->unregister_op(d.tag);
     {
       std::lock_guard<std::mutex> lock(ops_mutex_);
@@ -657,6 +730,10 @@ Status Communicator::all_reduce_multiple_with_retry(const std::vector<ReduceDesc
   std::set<std::uint64_t> tags;
   for (const auto& d : descriptors) {
     if (!tags.insert(d.tag).second) return remember(Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "duplicate tag"));
+    if (d.kind != proto::CollectiveKind::kAllReduce && d.kind != proto::CollectiveKind::kBarrier) {
+      // The others are bound to their view: a retry with the survivors would only fail.
+      return remember(Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "multiple-with-retry takes all-reduces and barriers"));
+    }
   }
   if (infos != nullptr) infos->assign(descriptors.size(), ReduceInfo{});
   std::vector<std::size_t> todo(descriptors.size());
@@ -714,14 +791,14 @@ std::size_t Communicator::peers_on_this_host(const std::vector<PeerId>& ring) {
 // Vote to initiate, wait for the attempt, run the ring, vote to complete, and take
 // the master's outcome; failed attempts leave the destination as it was.
 Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channel, ReduceInfo* info) {
+  using Kind = proto::CollectiveKind;
   proto::CollectiveInit init;
   init.tag = d.tag;
-  init.descriptor = proto::CollectiveDescriptor{d.count, static_cast<std::uint8_t>(d.dtype),
-                                                static_cast<std::uint8_t>(d.op), static_cast<std::uint8_t>(d.quantization)};
-  // A small all-reduce travels with the votes: the contribution goes with this vote and
-  // the master's outcome brings the result (nothing is written before it).
-  const bool carried = coll::travels_with_votes(d.count, d.dtype, d.quantization);
-  const std::size_t bytes = static_cast<std::size_t>(d.count) * coll::dtype_size(d.dtype);
+  init.descriptor = wire_descriptor(d, &init.refusal);
+  // A small all-reduce (and a barrier) travels with the votes: the contribution goes with
+  // this vote and the master's outcome brings the result (nothing is written before it).
+  const bool carried = coll::travels_with_votes(init.descriptor);
+  const std::size_t bytes = d.kind == Kind::kBarrier ? 0 : static_cast<std::size_t>(d.count) * coll::dtype_size(d.dtype);
   if (carried) {
     const auto* src = static_cast<const std::uint8_t*>(d.src);
     init.data.assign(src, src + bytes);
@@ -741,7 +818,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
                                                         std::to_string(r->data.size()) + " bytes where " +
                                                         std::to_string(carried ? bytes : 0) + " were due");
     }
-    std::memcpy(d.dst, r->data.data(), bytes);
+    if (bytes > 0) std::memcpy(d.dst, r->data.data(), bytes);
     info->world_size = r->world_size;
     info->bytes_sent = bytes;
     info->bytes_received = bytes;
@@ -768,6 +845,14 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   if (self == go.ring.end()) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master's ring does not include this peer");
   const std::size_t n = go.ring.size();
   const std::size_t rank = static_cast<std::size_t>(self - go.ring.begin());
+  if (proto::shape_bound(d.kind) && n != init.descriptor.world) {
+    // The master checks this before any attempt: not this protocol's master.
+    const std::string why = "the master started tag " + std::to_string(d.tag) + " over " + std::to_string(n) +
+                            " peers where its view has " + std::to_string(init.descriptor.world);
+    link_->release_slot(go.slot, go.attempt);
+    link_->send(proto::CollectiveDone{d.tag, go.attempt, false, why, 0, 0});
+    return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, why);
+  }
   const PeerId next = go.ring[(rank + 1) % n];
   const PeerId prev = go.ring[(rank + n - 1) % n];
 
@@ -786,6 +871,28 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   plan.src = d.src;
   plan.dst = d.dst;
   plan.count = static_cast<std::size_t>(d.count);
+  switch (d.kind) {
+    case Kind::kBroadcast:
+      plan.kind = coll::RingKind::kBroadcast;
+      plan.src = d.dst;
+      plan.root = d.root;
+      break;
+    case Kind::kAllGather:
+      plan.kind = coll::RingKind::kAllGather;
+      if (d.counts.empty()) {
+        plan.count = static_cast<std::size_t>(d.count) * n;
+      } else {
+        plan.counts.assign(d.counts.begin(), d.counts.end());
+        plan.count = 0;
+        for (const std::size_t c : plan.counts) plan.count += c;
+      }
+      break;
+    case Kind::kReduceScatter:
+      plan.kind = coll::RingKind::kReduceScatter;
+      plan.count = static_cast<std::size_t>(d.count) * n;
+      break;
+    default: break;
+  }
   plan.dtype = d.dtype;
   plan.op = d.op;
   plan.quantization = d.quantization;
@@ -849,7 +956,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
     if (local.is_ok()) {
       ran = true;
       const auto started = Clock::now();
-      local = coll::run_ring_all_reduce(plan, io, *scratch, &stats);
+      local = coll::run_ring(plan, io, *scratch, &stats);
       if (local.is_ok() && n > 1) {
         const auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - started).count();
         std::lock_guard<std::mutex> lock(tuners_mutex_);

@@ -70,7 +70,13 @@ struct Options {
 class Link;       // the background thread and everything it owns (communicator.cpp)
 class OpChannel;  // the master's messages for one in-flight collective
 
-// One all-reduce: src may equal dst (in place).
+// One collective (docs/collectives.md). All-reduce (the default): count elements from
+// src into dst (src may equal dst: in place). Broadcast: dst is the buffer on every
+// peer, sent from the peer of rank `root` (src is ignored). All-gather: src holds this
+// rank's count elements (or counts[rank] with per-rank counts), dst room for
+// dst_capacity elements, of which the first sum(counts) (or world x count) receive every
+// rank's part in rank order. Reduce-scatter: src holds world x count elements, dst
+// receives this rank's count (chunk `rank` of the reduced whole). Barrier: no buffers.
 struct ReduceDescriptor {
   const void* src = nullptr;
   void* dst = nullptr;
@@ -79,6 +85,10 @@ struct ReduceDescriptor {
   lockstep_reduce_op_t op = LOCKSTEP_SUM;
   lockstep_quantization_t quantization = LOCKSTEP_QUANT_NONE;
   std::uint64_t tag = 0;
+  proto::CollectiveKind kind = proto::CollectiveKind::kAllReduce;
+  std::uint32_t root = 0;
+  std::vector<std::uint64_t> counts = {};  // all-gather: elements per rank (empty: count each)
+  std::uint64_t dst_capacity = 0;     // all-gather: elements dst has room for
 };
 
 struct ReduceInfo {
@@ -177,13 +187,15 @@ class Communicator {
   Result<bool> are_peers_pending();
   Result<bool> agree(bool flag);
 
-  // Collectives. The blocking form is launch + await on the calling thread.
+  // Collectives of any kind (descriptor.kind). The blocking form is launch + await on
+  // the calling thread.
   Result<ReduceInfo> all_reduce(const ReduceDescriptor& descriptor);
   Result<std::shared_ptr<AsyncReduce>> all_reduce_async(const ReduceDescriptor& descriptor);
   Result<ReduceInfo> await(const std::shared_ptr<AsyncReduce>& handle);
-  // Runs every descriptor with at most max_in_flight at once; failed ones are retried
-  // with the survivors once all outstanding ones have ended. Returns when all
-  // succeeded, or with the first error that is not a lost peer.
+  // Runs every descriptor (all-reduces and barriers) with at most max_in_flight at
+  // once; failed ones are retried with the survivors once all outstanding ones have
+  // ended. Returns when all succeeded, or with the first error that is not a lost peer
+  // (TOO_FEW_PEERS once one peer is left).
   Status all_reduce_multiple_with_retry(const std::vector<ReduceDescriptor>& descriptors, std::size_t max_in_flight,
                                         std::vector<ReduceInfo>* infos);
 
@@ -215,6 +227,9 @@ class Communicator {
   // `cancel` is raised when the master ends the epoch: connection setup stops then.
   std::vector<PeerId> establish(const proto::EstablishP2P& plan, const OpChannel& cancel);
   Status check_collective_call(const ReduceDescriptor& d);
+  // The wire descriptor of a call, and why this peer cannot take part in it ("" if it
+  // can): the other peers learn it with the vote (CollectiveInit::refusal).
+  proto::CollectiveDescriptor wire_descriptor(const ReduceDescriptor& d, std::string* refusal) const;
   Result<std::shared_ptr<AsyncReduce>> start_collective(const ReduceDescriptor& d, bool on_own_thread);
   // The body of one collective, on a worker thread or the caller's.
   Status run_collective(const ReduceDescriptor& d, OpChannel& channel, ReduceInfo* info);
@@ -275,6 +290,9 @@ class Communicator {
   // Collectives in flight, and the one thread besides the owner that may launch them.
   std::mutex ops_mutex_;
   std::set<std::uint64_t> tags_in_flight_;
+  // view_.size() and rank_, for the thread that launches collectives.
+  std::atomic<std::uint32_t> view_size_{0};
+  std::atomic<std::uint32_t> view_rank_{0};
   std::optional<std::thread::id> collective_thread_;
   std::vector<std::unique_ptr<coll::RingScratch>> free_scratch_;
   mutable std::mutex error_mutex_;

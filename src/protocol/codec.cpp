@@ -211,25 +211,43 @@ void put(Writer& w, const CollectiveDescriptor& d) {
   w.u(d.dtype);
   w.u(d.op);
   w.u(d.quantization);
+  w.u(static_cast<std::uint8_t>(d.kind));
+  w.u(d.root);
+  w.u(d.world);
+  const auto n = static_cast<std::uint32_t>(std::min<std::size_t>(d.counts.size(), limits::kMembersPerMessageMax));
+  w.u(n);
+  for (std::uint32_t i = 0; i < n; ++i) w.u(d.counts[i]);
 }
 bool get(Reader& r, CollectiveDescriptor* d) {
+  std::uint8_t kind = 0;
+  std::uint32_t n = 0;
   if (!r.u(&d->count, "descriptor.count") || !r.u(&d->dtype, "descriptor.dtype") || !r.u(&d->op, "descriptor.op") ||
-      !r.u(&d->quantization, "descriptor.quantization")) {
+      !r.u(&d->quantization, "descriptor.quantization") || !r.u(&kind, "descriptor.kind") ||
+      !r.u(&d->root, "descriptor.root") || !r.u(&d->world, "descriptor.world") ||
+      !r.count(&n, limits::kMembersPerMessageMax, 8, "descriptor.counts")) {
     return false;
+  }
+  d->counts.resize(n);
+  for (auto& c : d->counts) {
+    if (!r.u(&c, "descriptor.counts")) return false;
   }
   if (d->dtype > LOCKSTEP_F64) return r.fail("descriptor.dtype: unknown dtype");
   if (d->op > LOCKSTEP_MIN) return r.fail("descriptor.op: unknown reduce op");
   if (d->quantization > LOCKSTEP_QUANT_ZERO_POINT_U8) return r.fail("descriptor.quantization: unknown kind");
+  if (kind > kCollectiveKindMax) return r.fail("descriptor.kind: unknown collective");
+  d->kind = static_cast<CollectiveKind>(kind);
   return true;
 }
 void encode_body(Writer& w, const CollectiveInit& m) {
   w.u(m.tag);
   put(w, m.descriptor);
   w.bytes(m.data, limits::kVoteCarriedBytesMax);
+  w.str(m.refusal);
 }
 bool decode_body(Reader& r, CollectiveInit* m) {
   return r.u(&m->tag, "init.tag") && get(r, &m->descriptor) &&
-         r.bytes(&m->data, limits::kVoteCarriedBytesMax, "init.data");
+         r.bytes(&m->data, limits::kVoteCarriedBytesMax, "init.data") &&
+         r.str(&m->refusal, limits::kWireStringBytesMax, "init.refusal");
 }
 void encode_body(Writer& w, const CollectiveDone& m) {
   w.u(m.tag);
@@ -627,7 +645,8 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kBandwidthReport:
     case MsgType::kBandwidthTest:
       return limits::kSmallPayloadBytesMax;
-    case MsgType::kCollectiveInit:
+    case MsgType::kCollectiveInit:  // and a small all-reduce's data, and all-gather's counts per rank
+      return limits::kSmallPayloadBytesMax + 2 + limits::kVoteCarriedBytesMax + 8 * limits::kMembersPerMessageMax;
     case MsgType::kCollectiveResult:
       return limits::kSmallPayloadBytesMax + 2 + limits::kVoteCarriedBytesMax;  // and a small all-reduce's data
     case MsgType::kCollectiveGo:

@@ -21,7 +21,9 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 // 3: P2PHello flags (data-plane encryption);
 // 4: small all-reduces carried by CollectiveInit and CollectiveResult (data);
 // 5: ring frame header with stream index and count (striping), streams in pool_index
-inline constexpr std::uint16_t kProtocolVersion = 5;
+// 6: collective kinds (broadcast, all-gather, reduce-scatter, barrier) in the
+//    descriptor, with root, world and per-rank counts; a vote may carry its refusal
+inline constexpr std::uint16_t kProtocolVersion = 6;
 
 enum class MsgType : std::uint16_t {
   // peer -> master
@@ -129,12 +131,35 @@ struct VoteAgree {
   bool operator==(const VoteAgree&) const = default;
 };
 
+// The collectives (docs/collectives.md). Broadcast, all-gather and reduce-scatter have
+// a shape that depends on the world: they are bound to the membership view they were
+// called in (CollectiveDescriptor::world).
+enum class CollectiveKind : std::uint8_t {
+  kAllReduce = 0,
+  kBroadcast = 1,
+  kAllGather = 2,
+  kReduceScatter = 3,
+  kBarrier = 4,
+};
+inline constexpr std::uint8_t kCollectiveKindMax = 4;
+inline bool shape_bound(CollectiveKind kind) {
+  return kind == CollectiveKind::kBroadcast || kind == CollectiveKind::kAllGather ||
+         kind == CollectiveKind::kReduceScatter;
+}
+
 // What every participant of a collective must agree on (semantics rule 4).
 struct CollectiveDescriptor {
+  // All-reduce and broadcast: the buffer's elements; all-gather: each rank's elements
+  // (0 with `counts`); reduce-scatter: the elements each rank ends with; barrier: 0.
   std::uint64_t count = 0;
   std::uint8_t dtype = 0;
   std::uint8_t op = 0;
   std::uint8_t quantization = 0;
+  CollectiveKind kind = CollectiveKind::kAllReduce;
+  std::uint32_t root = 0;   // broadcast: the root's rank in the view
+  std::uint32_t world = 0;  // shape-bound kinds: the size of the view the call was made in
+  // All-gather with a count per rank (all_gatherv), in rank order; empty otherwise.
+  std::vector<std::uint64_t> counts = {};
   bool operator==(const CollectiveDescriptor&) const = default;
 };
 // Vote to initiate a collective with this tag.
@@ -145,6 +170,10 @@ struct CollectiveInit {
   // This peer's contribution when the all-reduce travels with the votes
   // (coll::travels_with_votes: count x dtype size bytes); empty otherwise.
   std::vector<std::uint8_t> data = {};
+  // Non-empty: this peer found the call's arguments unusable (a destination too small
+  // for the world, a root outside it, ...). It still votes, so that every peer of the
+  // collective ends it with INVALID_ARGUMENT and this reason, rather than waiting.
+  std::string refusal = {};
   bool operator==(const CollectiveInit&) const = default;
 };
 // Vote to complete: this peer finished its part of the attempt (ok) or failed it.

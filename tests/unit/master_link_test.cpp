@@ -284,40 +284,91 @@ TEST(MasterLink, MultipleWithRetryRetriesTheAttemptThatFailed) {
   EXPECT_EQ(proxy.rewritten(), 1);
 }
 
-// Bad input: a client that never reads. It says Hello (and, admitted alone, becomes an
-// accepted peer) and then starts small all-reduces as fast as it can without reading
-// one result; the master queues the results until the queue passes kSendQueueBytesMax,
-// then drops the connection (the client's writes fail) and says why.
+// Bad input: a client that never reads. Two raw clients say Hello and are admitted to
+// one group (the first alone, then the second by the first's update vote); then both
+// start the same small all-reduces as fast as they can, the second reading every
+// result and the first none. The master queues the first's results until the queue
+// passes kSendQueueBytesMax, then drops the connection (the client's writes fail) and
+// says why.
 TEST(MasterLink, AClientThatNeverReadsIsDroppedAtTheSendQueueBound) {
   Cluster cluster;
+  proto::Hello hello;
+  hello.p2p_port = 1;  // never dialled: the clients report no ring connections missing
+  const auto hello_frame = proto::encode_frame(hello);
+  // Answers EstablishP2P with an empty report; true once the topology result came.
+  const auto establish = [](int fd) {
+    std::optional<proto::Message> m;
+    while ((m = read_message(fd, 10'000)) && !std::holds_alternative<proto::EstablishP2P>(*m)) {}
+    if (!m) return false;
+    const auto report = proto::encode_frame(proto::P2PReport{std::get<proto::EstablishP2P>(*m).epoch, {}});
+    if (!write_all(fd, report.data(), report.size())) return false;
+    while ((m = read_message(fd, 10'000)) && !std::holds_alternative<proto::TopologyResult>(*m)) {}
+    return m.has_value() && std::get<proto::TopologyResult>(*m).status == LOCKSTEP_OK;
+  };
   const int fd = connect_loopback(cluster.port());
   ASSERT_GE(fd, 0);
-  proto::Hello hello;
-  hello.p2p_port = 1;  // never dialled: nobody votes this peer in
-  const auto hello_frame = proto::encode_frame(hello);
   ASSERT_TRUE(write_all(fd, hello_frame.data(), hello_frame.size()));
-  // Admitted alone, it reports its (no) ring connections and is an accepted peer; from
-  // here on it reads nothing.
-  std::optional<proto::Message> m;
-  while ((m = read_message(fd, 10'000)) && !std::holds_alternative<proto::EstablishP2P>(*m)) {}
-  ASSERT_TRUE(m.has_value()) << "no EstablishP2P";
-  const auto report = proto::encode_frame(proto::P2PReport{std::get<proto::EstablishP2P>(*m).epoch, {}});
-  ASSERT_TRUE(write_all(fd, report.data(), report.size()));
-  // All-reduces of 8 KiB that travel with the votes: alone in its group, each is done at
-  // once and answered with its 8 KiB result, which the client never reads.
+  ASSERT_TRUE(establish(fd)) << "the first client was not admitted";
+  const int reader = connect_loopback(cluster.port());
+  ASSERT_GE(reader, 0);
+  ASSERT_TRUE(write_all(reader, hello_frame.data(), hello_frame.size()));
+  // The update vote admits the second only once the master has registered it.
+  for (bool pending = false; !pending;) {
+    const auto ask = proto::encode_frame(proto::VotePeersPending{});
+    ASSERT_TRUE(write_all(fd, ask.data(), ask.size()));
+    std::optional<proto::Message> m;
+    while ((m = read_message(fd, 10'000)) && !std::holds_alternative<proto::PeersPendingResult>(*m)) {}
+    ASSERT_TRUE(m.has_value()) << "no PeersPendingResult";
+    pending = std::get<proto::PeersPendingResult>(*m).pending;
+    if (!pending) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const auto vote = proto::encode_frame(proto::VoteUpdateTopology{});
+  ASSERT_TRUE(write_all(fd, vote.data(), vote.size()));
+  std::thread admit_first([&] { EXPECT_TRUE(establish(fd)); });
+  ASSERT_TRUE(establish(reader)) << "the second client was not admitted";
+  admit_first.join();
+  // From here on the first client reads nothing. Each batch: eight all-reduces of 8 KiB
+  // that travel with the votes, with tags of their own; the second client votes for the
+  // batches the first has sent, and reads every 8 KiB result.
   constexpr std::uint64_t kCount = 2048;
-  proto::CollectiveInit init{1,
-                             {kCount, static_cast<std::uint8_t>(LOCKSTEP_F32), static_cast<std::uint8_t>(LOCKSTEP_SUM),
-                              static_cast<std::uint8_t>(LOCKSTEP_QUANT_NONE)},
-                             std::vector<std::uint8_t>(kCount * sizeof(float), 0)};
-  std::vector<std::uint8_t> batch;
-  for (int i = 0; i < 8; ++i) proto::encode_frame(init, batch);
+  const auto batch_of = [&](std::uint64_t first_tag) {
+    std::vector<std::uint8_t> batch;
+    for (std::uint64_t t = 0; t < 8; ++t) {
+      proto::CollectiveInit init;
+      init.tag = first_tag + t;
+      init.descriptor.count = kCount;
+      init.descriptor.dtype = static_cast<std::uint8_t>(LOCKSTEP_F32);
+      init.data.assign(kCount * sizeof(float), 0);
+      proto::encode_frame(init, batch);
+    }
+    return batch;
+  };
+  std::atomic<std::uint64_t> batches_sent{0};
+  std::atomic<bool> stop{false};
+  std::thread drain([&] {
+    while (!stop.load()) {
+      if (!read_message(reader, 100) && stop.load()) break;
+    }
+  });
+  std::thread second([&] {
+    std::uint64_t voted = 0;
+    while (!stop.load()) {
+      if (voted == batches_sent.load()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        continue;
+      }
+      const auto batch = batch_of(1 + 8 * voted++);
+      if (!write_all(reader, batch.data(), batch.size())) break;
+    }
+  });
   // What the master may hold before it must drop the client: its queue, plus what both
   // kernels buffer on the way (a few MiB each on loopback), with room to spare.
   const std::size_t written_bytes_max = 4 * limits::kSendQueueBytesMax;
   std::size_t written = 0;
   bool dropped = false;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120 * LOCKSTEP_TEST_TIME_SCALE);
+  std::vector<std::uint8_t> batch = batch_of(1);
+  std::size_t at = 0;  // bytes of the batch already sent
   while (written < written_bytes_max && std::chrono::steady_clock::now() < deadline) {
     pollfd p{fd, POLLOUT, 0};
     if (::poll(&p, 1, 100) < 0) break;
@@ -326,14 +377,25 @@ TEST(MasterLink, AClientThatNeverReadsIsDroppedAtTheSendQueueBound) {
       break;
     }
     if ((p.revents & POLLOUT) == 0) continue;
-    const ssize_t put = ::send(fd, batch.data(), batch.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t put = ::send(fd, batch.data() + at, batch.size() - at, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (put < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
     if (put <= 0) {
       dropped = true;
       break;
     }
     written += static_cast<std::size_t>(put);
+    at += static_cast<std::size_t>(put);
+    if (at == batch.size()) {
+      batches_sent.fetch_add(1);
+      batch = batch_of(1 + 8 * batches_sent.load());
+      at = 0;
+    }
   }
+  stop.store(true);
+  second.join();
+  ::shutdown(reader, SHUT_RDWR);
+  drain.join();
+  ::close(reader);
   ::close(fd);
   ASSERT_TRUE(dropped) << "the master still took requests after " << written
                        << " bytes of requests: its send queue to a client that never reads is unbounded";
