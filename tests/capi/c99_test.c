@@ -132,19 +132,36 @@ int main(void) {
   desc.op = LOCKSTEP_SUM;
   desc.quantization = LOCKSTEP_QUANT_NONE;
   desc.tag = 8;
-  CHECK(lockstep_comm_all_reduce(comm, &desc, &reduce_info) == LOCKSTEP_OK && reduce_info.world_size == 1);
+  /* A lone peer's collectives: TOO_FEW_PEERS, buffers untouched. */
+  weights[0] = 42.0f;
+  CHECK(lockstep_comm_all_reduce(comm, &desc, &reduce_info) == LOCKSTEP_STATUS_TOO_FEW_PEERS && weights[0] == 42.0f);
+  {
+    lockstep_broadcast_desc_t broadcast = {weights, 1000, LOCKSTEP_F32, 0, 20};
+    lockstep_all_gather_desc_t gather = {weights, 10, weights + 100, 100, LOCKSTEP_F32, NULL, 0, 21};
+    lockstep_reduce_scatter_desc_t scatter = {weights, weights + 500, 10, LOCKSTEP_F32, LOCKSTEP_SUM,
+                                              LOCKSTEP_QUANT_NONE, 22};
+    CHECK(lockstep_comm_broadcast(comm, &broadcast, NULL) == LOCKSTEP_STATUS_TOO_FEW_PEERS);
+    CHECK(lockstep_comm_all_gather(comm, &gather, NULL) == LOCKSTEP_STATUS_TOO_FEW_PEERS);
+    CHECK(lockstep_comm_reduce_scatter(comm, &scatter, NULL) == LOCKSTEP_STATUS_TOO_FEW_PEERS);
+    CHECK(lockstep_comm_barrier(comm, 23) == LOCKSTEP_STATUS_TOO_FEW_PEERS);
+    broadcast.dtype = (lockstep_dtype_t)99;
+    CHECK(lockstep_comm_broadcast(comm, &broadcast, NULL) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    CHECK(lockstep_comm_barrier(NULL, 23) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    CHECK(weights[0] == 42.0f);
+  }
 
-  /* The counters of this run: connect, update topology, two syncs and one all-reduce
-   * (calls refused for bad arguments are not operations). */
+  /* The counters of this run: connect, update topology, two syncs, one all-reduce and
+   * four other collectives, which failed (calls refused for bad arguments are not
+   * operations). */
   memset(&counters, 0xff, sizeof counters);
   counters.struct_size = sizeof counters;
   CHECK(lockstep_comm_get_counters(comm, &counters) == LOCKSTEP_OK);
   CHECK(counters.struct_size == sizeof counters && counters.version == LOCKSTEP_COUNTERS_VERSION);
-  CHECK(counters.operations_started == 5 && counters.operations_succeeded == 5 && counters.operations_failed == 0);
+  CHECK(counters.operations_started == 9 && counters.operations_succeeded == 4 && counters.operations_failed == 5);
   CHECK(counters.syncs_started == 2 && counters.syncs_succeeded == 2 && counters.syncs_failed == 0);
-  CHECK(counters.all_reduces_started == 1 && counters.all_reduces_succeeded == 1 && counters.all_reduces_failed == 0);
+  CHECK(counters.all_reduces_started == 1 && counters.all_reduces_succeeded == 0 && counters.all_reduces_failed == 1);
   CHECK(counters.sync_bytes_sent == 0 && counters.sync_bytes_received == 0);
-  CHECK(counters.all_reduce_bytes_sent == reduce_info.bytes_sent);
+  CHECK(counters.all_reduce_bytes_sent == 0);
   counters_sent_before_size_checks = counters.all_reduce_bytes_sent;
   CHECK(counters.retries == 0 && counters.optimize_topology_us == 0);
   CHECK(counters.connect_us > 0 && counters.update_topology_us > 0 && counters.sync_us > 0);

@@ -1167,6 +1167,10 @@ class Sim {
         require(inserted || g->second == *outcome, "participants of a collective got different outcomes");
         if (outcome->status == LOCKSTEP_STATUS_OPERATION_MISMATCH) {
           require(!c->second.performing && outcome->attempt == 0, "a descriptor mismatch after the attempt started");
+        } else if (outcome->status == LOCKSTEP_STATUS_TOO_FEW_PEERS) {
+          require(!c->second.performing && outcome->attempt == 0, "TOO_FEW_PEERS after the attempt started");
+          const auto* self = c_.find_peer(sp.id);
+          require(self == nullptr || c_.ring(self->group).size() <= 1, "TOO_FEW_PEERS in a group of several");
         } else {
           require(c->second.performing && outcome->attempt == c->second.attempt,
                   "a collective outcome for an attempt the peer was not told to perform");
@@ -1186,6 +1190,8 @@ class Sim {
         }
         ++(outcome->status == LOCKSTEP_OK ? stats_.collectives_ok : stats_.collectives_failed);
         sp.collectives.erase(c);
+        // Its last collective ended (at once, for a peer left alone): from now on it may vote.
+        if (sp.collectives.empty()) sp.free_since_ms = now_;
       } else if (const auto* plan = std::get_if<p::SyncPlan>(&m)) {
         require(sp.accepted && sp.wait == Wait::kSyncVote,
                 "SyncPlan to " + name(sp) + " waiting for " + to_string(sp.wait) + " (it did not vote to sync)");

@@ -1334,10 +1334,23 @@ class Sim {
 
   void on_collective_result(Proc& pr, const p::CollectiveResult& r, const p::Message& m) {
     auto it = pr.tags.find(r.tag);
-    if (pr.stage != Stage::kCollectives || it == pr.tags.end() || it->second.st == TagState::St::kEnded ||
-        r.attempt == 0 || r.attempt != it->second.attempt) {
+    if (pr.stage != Stage::kCollectives || it == pr.tags.end() || it->second.st == TagState::St::kEnded) {
       unexpected(pr, m);
     }
+    if (r.status == LOCKSTEP_STATUS_TOO_FEW_PEERS) {
+      // Ended before an attempt: the vote found this peer alone in its group. The
+      // documented loop goes on alone (no retry).
+      require(r.attempt == 0 && it->second.st == TagState::St::kVoting,
+              name(pr) + ": TOO_FEW_PEERS for tag " + std::to_string(r.tag) + " after its attempt started");
+      const auto* self = c_.find_peer(pr.id);
+      require(self == nullptr || c_.ring(self->group).size() <= 1,
+              name(pr) + ": TOO_FEW_PEERS while its group has " +
+                  std::to_string(self == nullptr ? 0 : c_.ring(self->group).size()) + " members");
+      it->second.st = TagState::St::kEnded;
+      it->second.outcome = r.status;
+      return end_of_collectives(pr);
+    }
+    if (r.attempt == 0 || r.attempt != it->second.attempt) unexpected(pr, m);
     auto [o, fresh] = collective_outcomes_.try_emplace(r.attempt, r);
     require(fresh || o->second == r, "attempt " + std::to_string(r.attempt) + " has two outcomes: " +
                                          describe(o->second) + " and " + describe(r));
@@ -1358,13 +1371,19 @@ class Sim {
     const bool front = !queue.empty() && queue.front() == r.attempt;
     queue.erase(std::remove(queue.begin(), queue.end(), r.attempt), queue.end());
     if (front) next_on_slot(pr, t.slot);
+    end_of_collectives(pr);
+  }
+
+  void end_of_collectives(Proc& pr) {
+    bool alone = false;
     for (const auto& [tag, s] : pr.tags) {
       if (s.st != TagState::St::kEnded) return;
+      alone = alone || s.outcome == LOCKSTEP_STATUS_TOO_FEW_PEERS;
     }
-    // every tag ended: retry the failed ones with the survivors, or advance
+    // every tag ended: retry the failed ones with the survivors (unless alone), or advance
     bool retried = false;
     for (auto& [tag, s] : pr.tags) {
-      if (s.outcome == LOCKSTEP_OK) continue;
+      if (s.outcome == LOCKSTEP_OK || alone) continue;
       s = TagState{};
       retried = true;
       send(pr, p::CollectiveInit{tag, kDescriptor});

@@ -322,6 +322,141 @@ int main(int argc, char** argv) {
       }
       extra << ",\"uniform\":" << (uniform ? "true" : "false") << ",\"unchanged\":" << (out == before ? "true" : "false") << ",\"digest\":\"" << digest << "\"";
       peer.emit(op, s, extra.str());
+    } else if (op == "collective") {
+      // collective KIND COUNT TAG FILL [ROOT]: broadcast (a buffer of FILL on the root),
+      // allgather (COUNT elements of FILL from each rank), reducescatter (world x COUNT
+      // elements, chunk r of them FILL x (r+1), summed), barrier. The reply: the status,
+      // world, whether the destination kept its previous content, and what it holds:
+      // `value` and `uniform` of the destination, and for allgather each rank's part
+      // (its first element, or null where the part is not uniform).
+      std::string kind;
+      std::uint64_t count = 0, tag = 0;
+      float fill = 0;
+      std::uint32_t root = 0;
+      words >> kind >> count >> tag >> fill >> root;
+      std::uint32_t rank = 0;
+      std::size_t world = 0;
+      lockstep_comm_get_rank(peer.comm, &rank);
+      lockstep_comm_get_membership(peer.comm, nullptr, 0, &world);
+      if (count > (std::uint64_t{1} << 28) || world > 4096) {
+        peer.emit(op, LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
+        continue;
+      }
+      std::vector<float> src, dst;
+      lockstep_status_t s = LOCKSTEP_STATUS_INVALID_ARGUMENT;
+      lockstep_reduce_info_t info = {0, 0, 0, 0};
+      std::vector<float> before;
+      const auto start = std::chrono::steady_clock::now();
+      if (kind == "broadcast") {
+        dst.assign(count, rank == root ? fill : -1.0f);
+        before = dst;
+        const lockstep_broadcast_desc_t d = {dst.data(), count, LOCKSTEP_F32, root, tag};
+        s = lockstep_comm_broadcast(peer.comm, &d, &info);
+      } else if (kind == "allgather") {
+        src.assign(count, fill);
+        dst.assign(count * world, -1.0f);
+        before = dst;
+        const lockstep_all_gather_desc_t d = {src.data(), count, dst.data(), dst.size(), LOCKSTEP_F32, nullptr, 0, tag};
+        s = lockstep_comm_all_gather(peer.comm, &d, &info);
+      } else if (kind == "reducescatter") {
+        src.resize(count * world);
+        for (std::size_t j = 0; j < src.size(); ++j) src[j] = fill * static_cast<float>(j / count + 1);
+        dst.assign(count, -1.0f);
+        before = dst;
+        const lockstep_reduce_scatter_desc_t d = {src.data(), dst.data(), count, LOCKSTEP_F32, LOCKSTEP_SUM,
+                                                  LOCKSTEP_QUANT_NONE, tag};
+        s = lockstep_comm_reduce_scatter(peer.comm, &d, &info);
+      } else if (kind == "barrier") {
+        s = lockstep_comm_barrier(peer.comm, tag);
+      }
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      const auto uniform = [](const float* p, std::size_t n) {
+        for (std::size_t i = 1; i < n; ++i) {
+          if (p[i] != p[0]) return false;
+        }
+        return true;
+      };
+      std::ostringstream extra;
+      extra << "\"ms\":" << ms << ",\"world\":" << info.world_size << ",\"rank\":" << rank
+            << ",\"unchanged\":" << (dst == before ? "true" : "false");
+      if (!dst.empty()) {
+        extra << ",\"value\":" << dst[0] << ",\"uniform\":" << (uniform(dst.data(), dst.size()) ? "true" : "false");
+      }
+      if (kind == "allgather" && count > 0) {
+        extra << ",\"parts\":[";
+        for (std::size_t r = 0; r < world; ++r) {
+          if (r != 0) extra << ",";
+          if (uniform(dst.data() + r * count, count)) {
+            extra << dst[r * count];
+          } else {
+            extra << "null";
+          }
+        }
+        extra << "]";
+      }
+      peer.emit(op, s, extra.str());
+    } else if (op == "mix") {
+      // mix COUNT BASE FILL: an all-reduce, all-gather, reduce-scatter, broadcast (root 0)
+      // and barrier in flight at once (tags BASE..BASE+4), each awaited; the reply lists
+      // their statuses in that order.
+      std::uint64_t count = 0, base = 0;
+      float fill = 0;
+      words >> count >> base >> fill;
+      std::size_t world = 0;
+      lockstep_comm_get_membership(peer.comm, nullptr, 0, &world);
+      if (count == 0 || count > (std::uint64_t{1} << 26) || world > 4096) {
+        peer.emit(op, LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
+        continue;
+      }
+      std::vector<float> a(count, fill), g_src(count, fill), g_dst(count * world), r_src(count * world, fill),
+          r_dst(count), b(count, fill);
+      const lockstep_reduce_desc_t ar = {a.data(), a.data(), count, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, base};
+      const lockstep_all_gather_desc_t ag = {g_src.data(), count, g_dst.data(), g_dst.size(), LOCKSTEP_F32,
+                                             nullptr,      0,     base + 1};
+      const lockstep_reduce_scatter_desc_t rs = {r_src.data(), r_dst.data(), count, LOCKSTEP_F32, LOCKSTEP_SUM,
+                                                 LOCKSTEP_QUANT_NONE, base + 2};
+      const lockstep_broadcast_desc_t bc = {b.data(), count, LOCKSTEP_F32, 0, base + 3};
+      lockstep_async_t* handles[5] = {};
+      lockstep_status_t started[5] = {
+          lockstep_comm_all_reduce_async(peer.comm, &ar, &handles[0]),
+          lockstep_comm_all_gather_async(peer.comm, &ag, &handles[1]),
+          lockstep_comm_reduce_scatter_async(peer.comm, &rs, &handles[2]),
+          lockstep_comm_broadcast_async(peer.comm, &bc, &handles[3]),
+          lockstep_comm_barrier_async(peer.comm, base + 4, &handles[4]),
+      };
+      std::ostringstream extra;
+      extra << "\"codes\":[";
+      lockstep_status_t worst = LOCKSTEP_OK;
+      for (int k = 0; k < 5; ++k) {
+        const lockstep_status_t done = started[k] != LOCKSTEP_OK ? started[k] : lockstep_async_wait(handles[k], nullptr);
+        if (worst == LOCKSTEP_OK) worst = done;
+        extra << (k == 0 ? "" : ",") << static_cast<int>(done);
+      }
+      extra << "]";
+      peer.emit(op, worst, extra.str());
+    } else if (op == "multiple") {
+      // multiple COUNT N BASE FILL: N all-reduces of COUNT elements of FILL and a barrier
+      // (tags BASE..BASE+N) through multiple-with-retry, two in flight.
+      std::uint64_t count = 0, n = 0, base = 0;
+      float fill = 0;
+      words >> count >> n >> base >> fill;
+      if (count == 0 || n == 0 || n > 64 || count * n > (std::uint64_t{1} << 28)) {
+        peer.emit(op, LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
+        continue;
+      }
+      std::vector<std::vector<float>> buffers(n, std::vector<float>(count, fill));
+      std::vector<lockstep_reduce_desc_t> descs;
+      for (std::uint64_t k = 0; k < n; ++k) {
+        descs.push_back({buffers[k].data(), buffers[k].data(), count, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE,
+                         base + k});
+      }
+      descs.push_back({nullptr, nullptr, 0, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, base + n});
+      std::vector<lockstep_reduce_info_t> infos(descs.size());
+      const lockstep_status_t s =
+          lockstep_comm_all_reduce_multiple_with_retry(peer.comm, descs.data(), descs.size(), 2, infos.data());
+      std::ostringstream extra;
+      extra << "\"world\":" << infos[0].world_size << ",\"value\":" << buffers[0][0];
+      peer.emit(op, s, extra.str());
     } else if (op == "reconnect") {
       // A new communicator (a new identity) in the same process.
       lockstep_comm_destroy(peer.comm);

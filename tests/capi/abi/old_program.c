@@ -17,17 +17,22 @@
 #error "old_program.c must compile against the frozen header in tests/capi/abi/v1"
 #endif
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 static int failures = 0;
+static pthread_mutex_t failures_mutex = PTHREAD_MUTEX_INITIALIZER;
 #define CHECK(cond)                                                            \
   do {                                                                         \
     if (!(cond)) {                                                             \
       fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+      pthread_mutex_lock(&failures_mutex);                                     \
       failures++;                                                              \
+      pthread_mutex_unlock(&failures_mutex);                                   \
     }                                                                          \
   } while (0)
 
@@ -119,29 +124,72 @@ static void check_short_call_structs(lockstep_comm_t* comm) {
   desc.desc.op = LOCKSTEP_MAX;
   memset(&info, GARBAGE, sizeof info);
   CHECK(lockstep_comm_all_reduce_sized(comm, &desc.desc, desc_size, &info.info, info_size) == LOCKSTEP_OK);
-  CHECK(info.info.world_size == 1);
+  CHECK(info.info.world_size == 2);
   CHECK(all_garbage(info.bytes, info_size, sizeof info));
   CHECK(values[2] == 2.5);
   memset(&view, GARBAGE, sizeof view);
-  CHECK(lockstep_comm_get_membership_sized(comm, view.members, member_size, 2, &count) == LOCKSTEP_OK && count == 1);
+  CHECK(lockstep_comm_get_membership_sized(comm, view.members, member_size, 2, &count) == LOCKSTEP_OK && count == 2);
   CHECK(view.members[0].rank == 0);
-  CHECK(all_garbage(view.bytes, member_size, sizeof view));
+  CHECK(all_garbage(view.bytes, 2 * member_size, sizeof view));
   /* A descriptor size no version has. */
   CHECK(lockstep_comm_all_reduce_sized(comm, &desc.desc, 3, NULL, sizeof(lockstep_reduce_info_t)) ==
         LOCKSTEP_STATUS_INVALID_ARGUMENT);
 }
 
-/* Joins the master at `port` with the config, checks a lone peer's all-reduce, leaves. */
+/* The second peer of run_peer's run (a collective needs two): joins with the same
+ * config and takes part in the same all-reduces, with whole structs. */
+static void* partner(void* arg) {
+  const lockstep_comm_config_t* config = (const lockstep_comm_config_t*)arg;
+  lockstep_comm_t* comm = NULL;
+  lockstep_reduce_desc_t desc;
+  float values[4] = {1.0f, 2.0f, 3.0f, 4.0f};
+  double doubles[3] = {0.5, 1.5, 2.5};
+  CHECK(lockstep_comm_create(config, &comm) == LOCKSTEP_OK);
+  if (comm == NULL) return NULL;
+  CHECK(lockstep_comm_connect(comm) == LOCKSTEP_OK);
+  memset(&desc, 0, sizeof desc);
+  desc.src = values;
+  desc.dst = values;
+  desc.count = 4;
+  desc.dtype = LOCKSTEP_F32;
+  desc.op = LOCKSTEP_SUM;
+  desc.tag = 1;
+  CHECK(lockstep_comm_all_reduce(comm, &desc, NULL) == LOCKSTEP_OK && values[3] == 8.0f);
+  desc.src = doubles;
+  desc.dst = doubles;
+  desc.count = 3;
+  desc.dtype = LOCKSTEP_F64;
+  desc.op = LOCKSTEP_MAX;
+  desc.tag = 0;
+  CHECK(lockstep_comm_all_reduce(comm, &desc, NULL) == LOCKSTEP_OK && doubles[2] == 2.5);
+  CHECK(lockstep_comm_destroy(comm) == LOCKSTEP_OK);
+  return NULL;
+}
+
+/* Joins the master at `port` with the config (alone first), admits a partner, checks an
+ * all-reduce of the two, leaves. */
 static void run_peer(const lockstep_comm_config_t* config) {
   lockstep_comm_t* comm = NULL;
   lockstep_reduce_desc_t desc;
   lockstep_reduce_info_t info;
   int64_t world = 0;
+  int pending = 0;
+  pthread_t other;
   float values[4] = {1.0f, 2.0f, 3.0f, 4.0f};
   CHECK(lockstep_comm_create(config, &comm) == LOCKSTEP_OK);
   if (comm == NULL) return;
   CHECK(lockstep_comm_connect(comm) == LOCKSTEP_OK);
   CHECK(lockstep_comm_get_attribute(comm, LOCKSTEP_ATTR_GLOBAL_WORLD_SIZE, &world) == LOCKSTEP_OK && world == 1);
+  CHECK(pthread_create(&other, NULL, partner, (void*)config) == 0);
+  while (!pending) {
+    CHECK(lockstep_comm_are_peers_pending(comm, &pending) == LOCKSTEP_OK);
+    if (!pending) {
+      const struct timespec ten_ms = {0, 10 * 1000 * 1000};
+      nanosleep(&ten_ms, NULL);
+    }
+  }
+  CHECK(lockstep_comm_update_topology(comm) == LOCKSTEP_OK);
+  CHECK(lockstep_comm_get_attribute(comm, LOCKSTEP_ATTR_GLOBAL_WORLD_SIZE, &world) == LOCKSTEP_OK && world == 2);
   memset(&desc, 0, sizeof desc);
   desc.src = values;
   desc.dst = values;
@@ -150,9 +198,10 @@ static void run_peer(const lockstep_comm_config_t* config) {
   desc.op = LOCKSTEP_SUM;
   desc.quantization = LOCKSTEP_QUANT_NONE;
   desc.tag = 1;
-  CHECK(lockstep_comm_all_reduce(comm, &desc, &info) == LOCKSTEP_OK && info.world_size == 1);
-  CHECK(values[3] == 4.0f);
+  CHECK(lockstep_comm_all_reduce(comm, &desc, &info) == LOCKSTEP_OK && info.world_size == 2);
+  CHECK(values[3] == 8.0f);
   check_short_call_structs(comm);
+  CHECK(pthread_join(other, NULL) == 0);
   CHECK(lockstep_comm_destroy(comm) == LOCKSTEP_OK);
 }
 
