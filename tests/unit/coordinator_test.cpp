@@ -1821,6 +1821,130 @@ TEST(CoordinatorCollective, DifferentDescriptorsFailForAll) {
   EXPECT_TRUE(all_of<p::CollectiveGo>(out, peers[0].conn).empty());
 }
 
+// ---- the collective kinds (docs/collectives.md)
+
+p::CollectiveDescriptor kind_of(p::CollectiveKind kind, std::uint32_t world, std::uint32_t root = 0) {
+  p::CollectiveDescriptor d{1 << 20, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE};
+  d.kind = kind;
+  d.world = world;
+  d.root = root;
+  return d;
+}
+
+// Every voter gets this status before any attempt, and nothing is left in flight.
+void expect_ended_for_all(const Harness& h, const Outbox& out, const std::vector<FakePeer>& voters, StatusCode status,
+                          const std::string& reason_part = "") {
+  for (const auto& f : voters) {
+    const auto r = one_of<p::CollectiveResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value()) << describe(out);
+    EXPECT_EQ(r->status, status) << describe(out);
+    EXPECT_EQ(r->attempt, 0u);
+    EXPECT_NE(r->reason.find(reason_part), std::string::npos) << r->reason;
+    EXPECT_TRUE(all_of<p::CollectiveGo>(out, f.conn).empty()) << describe(out);
+  }
+  EXPECT_TRUE(h.c.collectives().empty());
+}
+
+TEST(CoordinatorCollectiveKinds, AGroupOfOneGetsTooFewPeersForEveryKind) {
+  Harness h;
+  const auto alone = h.run_of(1);
+  std::uint64_t tag = 1;
+  for (const auto kind : {p::CollectiveKind::kAllReduce, p::CollectiveKind::kBroadcast, p::CollectiveKind::kAllGather,
+                          p::CollectiveKind::kReduceScatter, p::CollectiveKind::kBarrier}) {
+    p::CollectiveDescriptor d = kind_of(kind, p::shape_bound(kind) ? 1 : 0);
+    if (kind == p::CollectiveKind::kBarrier) d = p::CollectiveDescriptor{0, 0, 0, 0, kind, 0, 0, {}};
+    expect_ended_for_all(h, h.send(alone[0], p::CollectiveInit{tag++, d}), alone, LOCKSTEP_STATUS_TOO_FEW_PEERS,
+                         "at least two peers");
+  }
+  // A small all-reduce too, whose data would otherwise come back as the result.
+  const p::CollectiveDescriptor small{2, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE};
+  expect_ended_for_all(h, h.send(alone[0], p::CollectiveInit{tag, small, floats_bytes({1.0f, 2.0f})}), alone,
+                       LOCKSTEP_STATUS_TOO_FEW_PEERS);
+}
+
+TEST(CoordinatorCollectiveKinds, ABarrierIsOneVoteWithNoData) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  const p::CollectiveDescriptor barrier{0, 0, 0, 0, p::CollectiveKind::kBarrier, 0, 0, {}};
+  Outbox out;
+  for (std::size_t i = 0; i < peers.size(); ++i) {
+    out = h.send(peers[i], p::CollectiveInit{5, barrier});
+    if (i + 1 < peers.size()) {
+      EXPECT_EQ(send_count(out), 0u) << "the barrier ended before every peer entered it: " << describe(out);
+    }
+  }
+  for (const auto& f : peers) {
+    const auto r = one_of<p::CollectiveResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value()) << describe(out);
+    EXPECT_EQ(r->status, LOCKSTEP_OK);
+    EXPECT_EQ(r->world_size, 3u);
+    EXPECT_TRUE(r->data.empty());
+    EXPECT_TRUE(all_of<p::CollectiveGo>(out, f.conn).empty()) << describe(out);
+  }
+}
+
+// After a loss, a shape-bound collective of the old view fails at once for the
+// survivors; an all-reduce goes on with them; after update topology the new view's works.
+TEST(CoordinatorCollectiveKinds, ShapeBoundCollectivesOfAViewThatLostAPeerFailWithViewChanged) {
+  Harness h;
+  auto peers = h.run_of(3);
+  h.disconnect(peers[2]);
+  peers.pop_back();
+  for (const auto kind : {p::CollectiveKind::kBroadcast, p::CollectiveKind::kAllGather, p::CollectiveKind::kReduceScatter}) {
+    const std::uint64_t tag = 10 + static_cast<std::uint64_t>(kind);
+    h.send(peers[0], p::CollectiveInit{tag, kind_of(kind, 3)});
+    expect_ended_for_all(h, h.send(peers[1], p::CollectiveInit{tag, kind_of(kind, 3)}), peers,
+                         LOCKSTEP_STATUS_VIEW_CHANGED, "update the topology");
+  }
+  h.send(peers[0], p::CollectiveInit{20, kSum});
+  Outbox out = h.send(peers[1], p::CollectiveInit{20, kSum});
+  const auto go = one_of<p::CollectiveGo>(out, peers[0].conn);
+  ASSERT_TRUE(go.has_value()) << describe(out);
+  EXPECT_EQ(go->ring.size(), 2u);
+  // In a view of two, the same call starts.
+  h.send(peers[0], p::CollectiveInit{21, kind_of(p::CollectiveKind::kAllGather, 2)});
+  out = h.send(peers[1], p::CollectiveInit{21, kind_of(p::CollectiveKind::kAllGather, 2)});
+  EXPECT_TRUE(one_of<p::CollectiveGo>(out, peers[1].conn).has_value()) << describe(out);
+}
+
+TEST(CoordinatorCollectiveKinds, ARefusalEndsTheTagForEveryVoterWithItsReason) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  const auto d = kind_of(p::CollectiveKind::kAllGather, 2);
+  EXPECT_EQ(send_count(h.send(peers[0], p::CollectiveInit{3, d})), 0u);
+  const Outbox out = h.send(peers[1], p::CollectiveInit{3, d, {}, "destination has room for 7 elements"});
+  expect_ended_for_all(h, out, peers, LOCKSTEP_STATUS_INVALID_ARGUMENT, "destination has room for 7 elements");
+  expect_ended_for_all(h, out, peers, LOCKSTEP_STATUS_INVALID_ARGUMENT, peers[1].id.to_string());
+}
+
+TEST(CoordinatorCollectiveKinds, DescriptorsThatDifferInKindRootOrCountsFailForAll) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  std::uint64_t tag = 30;
+  auto counts_a = kind_of(p::CollectiveKind::kAllGather, 2);
+  counts_a.count = 0;
+  counts_a.counts = {5, 6};
+  auto counts_b = counts_a;
+  counts_b.counts = {6, 5};
+  const std::vector<std::pair<p::CollectiveDescriptor, p::CollectiveDescriptor>> pairs = {
+      {kind_of(p::CollectiveKind::kAllGather, 2), kind_of(p::CollectiveKind::kReduceScatter, 2)},
+      {kind_of(p::CollectiveKind::kBroadcast, 2, 0), kind_of(p::CollectiveKind::kBroadcast, 2, 1)},
+      {counts_a, counts_b},
+      {kind_of(p::CollectiveKind::kBroadcast, 2), kind_of(p::CollectiveKind::kBroadcast, 3)},
+  };
+  for (const auto& [a, b] : pairs) {
+    h.send(peers[0], p::CollectiveInit{tag, a});
+    expect_ended_for_all(h, h.send(peers[1], p::CollectiveInit{tag++, b}), peers, LOCKSTEP_STATUS_OPERATION_MISMATCH);
+  }
+  // The same root outside the world, or counts not one per rank, on both: INVALID_ARGUMENT.
+  auto three_counts = counts_a;
+  three_counts.counts = {1, 2, 3};
+  for (const auto& d : {kind_of(p::CollectiveKind::kBroadcast, 2, 2), three_counts}) {
+    h.send(peers[0], p::CollectiveInit{tag, d});
+    expect_ended_for_all(h, h.send(peers[1], p::CollectiveInit{tag++, d}), peers, LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  }
+}
+
 TEST(CoordinatorCollective, ParticipantLostFailsTheAttemptForTheOthers) {
   Harness h;
   const auto peers = h.run_of(3);
