@@ -11,10 +11,14 @@
 //         enforce-popular at the revision they advanced to); retry on
 //         PEER_CONNECTION_LOST / HASH_MISMATCH; now every peer holds revision R
 //       "compute" (a sleep), then K concurrent async all-reduces of values derived
-//         from (seed, R, k, rank), tags R*K+k; those that fail with
+//         from (seed, R, k, rank), tags R*(K+3)+k; those that fail with
 //         PEER_CONNECTION_LOST are retried with the survivors
+//       a reduce-scatter, an all-gather of its result and a broadcast (bound to the
+//         view: after a loss they fail until the next update topology, and the step
+//         goes on without them; the state does not depend on them)
 //       weights, momentum, steps += f(results); revision R+1 (synced next step)
-//     are-peers-pending -> update topology (retried while UPDATE_TOPOLOGY_FAILED)
+//     are-peers-pending -> update topology (retried while UPDATE_TOPOLOGY_FAILED); also
+//       after a collective found this peer alone (TOO_FEW_PEERS: the step is dropped)
 //
 // Every line on stdout is one JSON object with "ev": sync (after every successful
 // sync: revision, hash of the whole state, world, t_ms), allreduce (after every
@@ -32,6 +36,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -250,6 +255,7 @@ class Worker {
     std::vector<std::uint64_t> attempts(K, 0);
     std::vector<bool> done(K, false);
     lockstep_status_t fatal = LOCKSTEP_OK;
+    bool alone = false;
     const char* fatal_op = "allreduce";
     for (;;) {
       std::vector<std::uint32_t> todo;
@@ -263,7 +269,7 @@ class Worker {
       std::vector<lockstep_reduce_desc_t> descs(K);
       for (const auto k : todo) {
         descs[k] = lockstep_reduce_desc_t{buffers_[k].data(), buffers_[k].data(), o_.reduce_elements, LOCKSTEP_F32,
-                                          LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, revision_ * K + k};
+                                          LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, revision_ * (K + 3) + k};
         lockstep_async_t* handle = nullptr;
         ++attempts[k];
         const lockstep_status_t s = lockstep_comm_all_reduce_async(comm_, &descs[k], &handle);
@@ -296,7 +302,7 @@ class Worker {
         j["end_ms"] = ended[i];
         j["ms"] = ended[i] - launched;
         j["step"] = revision_;
-        j["tag"] = revision_ * K + k;
+        j["tag"] = revision_ * (K + 3) + k;
         j["attempt"] = attempts[k];
         with_status(j, s);
         if (s == LOCKSTEP_OK) {
@@ -307,12 +313,19 @@ class Worker {
           // A failed all-reduce leaves the buffer exactly as it was before the call.
           fill(expected_, contribution_key(k));
           j["restored"] = std::memcmp(expected_.data(), buffers_[k].data(), expected_.size() * sizeof(float)) == 0;
-          if (s != LOCKSTEP_STATUS_PEER_CONNECTION_LOST && fatal == LOCKSTEP_OK) fatal = s;
+          if (s == LOCKSTEP_STATUS_TOO_FEW_PEERS) alone = true;
+          else if (s != LOCKSTEP_STATUS_PEER_CONNECTION_LOST && fatal == LOCKSTEP_OK) fatal = s;
         }
         emit(j);
       }
       if (fatal != LOCKSTEP_OK) return end(fatal_op, fatal);
+      if (alone) {
+        // The others are gone: drop the step and learn the new view.
+        refresh_view_ = true;
+        return -1;
+      }
     }
+    if (int rc = shape_collectives(); rc >= 0) return rc;
     // Advance the state from the results, identically on every peer.
     const std::size_t m = buffers_[0].size();
     const std::vector<float>& a = buffers_[0];
@@ -328,11 +341,77 @@ class Worker {
     return -1;
   }
 
+  // The step's reduce-scatter (each rank's slice of a sum of world x m elements), an
+  // all-gather of the slices (then every peer holds the whole sum: one checksum for all)
+  // and a broadcast from rank revision % world, tags R*(K+3)+K+0..2. They are bound to
+  // the view: after a loss they fail (PEER_CONNECTION_LOST, then VIEW_CHANGED) until the
+  // next update topology; the step goes on without them.
+  int shape_collectives() {
+    std::size_t world = 0;
+    (void)lockstep_comm_get_membership(comm_, nullptr, 0, &world);  // the count, whatever the capacity
+    if (world < 2) return -1;
+    const std::uint64_t m = o_.reduce_elements;
+    const std::uint64_t base = revision_ * (o_.reduces + 3) + o_.reduces;
+    const auto root = static_cast<std::uint32_t>(revision_ % world);
+    shape_src_.resize(world * m);
+    fill(shape_src_, contribution_key(1000));
+    shape_part_.assign(m, -1.0f);
+    shape_all_.assign(world * m, -1.0f);
+    shape_bcast_.resize(m);
+    fill(shape_bcast_, mix(o_.seed) ^ mix(revision_ * 0x9e3779b97f4a7c15ull + (rank_ == root ? 0 : rank_ + 1)));
+    const std::vector<float> bcast_before = shape_bcast_;
+    lockstep_reduce_info_t info = {0, 0, 0, 0};
+    const lockstep_reduce_scatter_desc_t rs = {shape_src_.data(), shape_part_.data(), m, LOCKSTEP_F32, LOCKSTEP_SUM,
+                                               LOCKSTEP_QUANT_NONE, base};
+    lockstep_status_t s = lockstep_comm_reduce_scatter(comm_, &rs, &info);
+    // The slices differ by rank: no checksum to compare.
+    if (!report_shape(base, s, info, "", [&] { return std::all_of(shape_part_.begin(), shape_part_.end(), [](float v) { return v == -1.0f; }); })) {
+      return s == LOCKSTEP_STATUS_PEER_CONNECTION_LOST || s == LOCKSTEP_STATUS_VIEW_CHANGED ? -1 : end("reduce_scatter", s);
+    }
+    const lockstep_all_gather_desc_t ag = {shape_part_.data(), m, shape_all_.data(), shape_all_.size(), LOCKSTEP_F32,
+                                           nullptr, 0, base + 1};
+    s = lockstep_comm_all_gather(comm_, &ag, &info);
+    if (!report_shape(base + 1, s, info, hash_of(shape_all_.data(), shape_all_.size() * sizeof(float)),
+                      [&] { return std::all_of(shape_all_.begin(), shape_all_.end(), [](float v) { return v == -1.0f; }); })) {
+      return s == LOCKSTEP_STATUS_PEER_CONNECTION_LOST || s == LOCKSTEP_STATUS_VIEW_CHANGED ? -1 : end("all_gather", s);
+    }
+    const lockstep_broadcast_desc_t bc = {shape_bcast_.data(), m, LOCKSTEP_F32, root, base + 2};
+    s = lockstep_comm_broadcast(comm_, &bc, &info);
+    if (!report_shape(base + 2, s, info, hash_of(shape_bcast_.data(), shape_bcast_.size() * sizeof(float)),
+                      [&] { return shape_bcast_ == bcast_before; })) {
+      return s == LOCKSTEP_STATUS_PEER_CONNECTION_LOST || s == LOCKSTEP_STATUS_VIEW_CHANGED ? -1 : end("broadcast", s);
+    }
+    return -1;
+  }
+
+  // One shape-bound collective's line, like an all-reduce's (the checker holds them to
+  // the same rules: one outcome, one world and checksum for all, destinations restored
+  // on failure). True if it succeeded.
+  template <typename Restored>
+  bool report_shape(std::uint64_t tag, lockstep_status_t s, const lockstep_reduce_info_t& info,
+                    const std::string& checksum, Restored restored) {
+    json j = line("allreduce");
+    j["end_ms"] = now_ms();
+    j["step"] = revision_;
+    j["tag"] = tag;
+    j["attempt"] = 1;
+    with_status(j, s);
+    if (s == LOCKSTEP_OK) {
+      j["world"] = info.world_size;
+      j["checksum"] = checksum;
+    } else {
+      j["restored"] = restored();
+    }
+    emit(j);
+    return s == LOCKSTEP_OK;
+  }
+
   int membership() {
     int pending = 0;
     lockstep_status_t s = lockstep_comm_are_peers_pending(comm_, &pending);
     if (s != LOCKSTEP_OK) return end("are_peers_pending", s);
-    if (!pending) return -1;
+    if (!pending && !refresh_view_) return -1;
+    refresh_view_ = false;
     std::uint64_t attempt = 1;
     for (int unexpected = 0;; ++attempt) {
       s = lockstep_comm_update_topology(comm_);
@@ -367,6 +446,8 @@ class Worker {
   std::vector<std::uint64_t> steps_;
   std::vector<std::vector<float>> buffers_;
   std::vector<float> expected_;
+  std::vector<float> shape_src_, shape_part_, shape_all_, shape_bcast_;
+  bool refresh_view_ = false;  // a collective found this peer alone: update the view
 };
 
 }  // namespace
