@@ -359,6 +359,25 @@ LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_are_peers_pending(lockstep_comm_
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_agree(lockstep_comm_t* comm, int flag,
                                                        int* out_result);
 
+/** Since 0.4: how lockstep_comm_agree_value decides. */
+typedef enum lockstep_agree_mode {
+  /** Every peer's proposal must be byte-equal: all get it, else all get OPERATION_MISMATCH. */
+  LOCKSTEP_AGREE_ALL_EQUAL = 1,
+  /** The proposal of the peer of the group accepted first (the lowest id among those
+   * accepted in the same update) wins; all get it. */
+  LOCKSTEP_AGREE_FIRST_ACCEPTED = 2
+} lockstep_agree_mode_t;
+/** Since 0.4. Agreement on a value of up to 4096 bytes (a step number, a schedule's
+ * state, a config): every accepted peer of the group proposes one, with the same mode,
+ * and every peer gets the same value in out (out_capacity bytes; *out_size is set to the
+ * value's size, and INVALID_ARGUMENT with nothing written if it does not fit). Peers that
+ * use different modes, or different proposals under ALL_EQUAL, all get
+ * OPERATION_MISMATCH; a participant lost during the vote: PEER_CONNECTION_LOST for all.
+ * It is an agree round: it cannot overlap lockstep_comm_agree. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_agree_value(lockstep_comm_t* comm, lockstep_agree_mode_t mode,
+                                                             const void* value, size_t size, void* out,
+                                                             size_t out_capacity, size_t* out_size);
+
 typedef enum lockstep_attribute {
   LOCKSTEP_ATTR_GLOBAL_WORLD_SIZE = 0,
   LOCKSTEP_ATTR_PEER_GROUP_WORLD_SIZE = 1,

@@ -423,6 +423,31 @@ lockstep_status_t lockstep_comm_agree(lockstep_comm_t* comm, int flag, int* out_
   });
 }
 
+lockstep_status_t lockstep_comm_agree_value(lockstep_comm_t* comm, lockstep_agree_mode_t mode, const void* value,
+                                            size_t size, void* out, size_t out_capacity, size_t* out_size) {
+  if (comm == nullptr || out_size == nullptr || (size > 0 && value == nullptr) || (out_capacity > 0 && out == nullptr)) {
+    return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  }
+  if (raw(mode) != LOCKSTEP_AGREE_ALL_EQUAL && raw(mode) != LOCKSTEP_AGREE_FIRST_ACCEPTED) {
+    return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  }
+  return guarded([&] {
+    const auto* bytes = static_cast<const std::uint8_t*>(value);
+    auto r = comm->comm->agree_value(static_cast<lockstep::proto::AgreeMode>(raw(mode)),
+                                     std::vector<std::uint8_t>(bytes, bytes + size));
+    if (!r.is_ok()) return r.status().code();
+    *out_size = r.value().size();
+    if (r.value().size() > out_capacity) {
+      return refuse("lockstep_comm_agree_value",
+                    lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                                     "the agreed value has " + std::to_string(r.value().size()) +
+                                         " bytes; out_capacity is " + std::to_string(out_capacity)));
+    }
+    if (!r.value().empty()) std::memcpy(out, r.value().data(), r.value().size());
+    return LOCKSTEP_OK;
+  });
+}
+
 lockstep_status_t lockstep_comm_get_attribute(const lockstep_comm_t* comm, lockstep_attribute_t attribute,
                                               int64_t* out_value) {
   if (comm == nullptr || out_value == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;

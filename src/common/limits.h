@@ -69,6 +69,8 @@ inline constexpr std::uint32_t kP2PStreamsAdaptiveMax = 8;
 // sends its contribution with its vote to initiate, the master reduces them in ring order
 // and sends the result with the outcome (one round trip instead of two and a ring).
 inline constexpr std::uint32_t kVoteCarriedBytesMax = 16u << 10;
+// The value one peer proposes in an agree on a value (lockstep_comm_agree_value).
+inline constexpr std::uint32_t kAgreeValueBytesMax = 4096;
 // Contributions of one peer that the master holds in votes not yet complete; a vote
 // beyond it is refused.
 inline constexpr std::size_t kVoteCarriedBytesHeldPerPeerMax = 4u << 20;

@@ -484,6 +484,8 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
       }
       if (agree_rounds_.count(peer.group) == 0) agree_rounds_[peer.group] = Round{peer.last_seen_ms, false, {}};
       peer.agree_flag = std::get<proto::VoteAgree>(message).flag;
+      peer.agree_mode = std::get<proto::VoteAgree>(message).mode;
+      peer.agree_value = std::get<proto::VoteAgree>(message).value;
       return;
     case MsgType::kCollectiveInit:
       return handle_collective_init(peer, std::get<proto::CollectiveInit>(message), out);
@@ -1056,7 +1058,10 @@ bool Coordinator::try_complete_establish(Outbox& out) {
   optimizing_ = false;
   agree_rounds_.clear();  // every peer was in the update: no agree round has a voter
   rings_ = proposed_rings_;
-  for (const auto& id : newcomers_) peers_.at(id).phase = Phase::kAccepted;
+  for (const auto& id : newcomers_) {
+    peers_.at(id).phase = Phase::kAccepted;
+    peers_.at(id).accepted_epoch = epoch_;
+  }
   // Peers that registered during the establishment are not participants: they wait.
   for (auto& [id, peer] : peers_) {
     if (peer.state != PeerState::kEstablishingP2P) continue;
@@ -1120,6 +1125,7 @@ bool Coordinator::try_complete_agree(Outbox& out) {
     const std::uint32_t group = it->first;
     bool complete = true;
     bool value = true;
+    const Peer* first = nullptr;  // the voter accepted first (then the lowest id)
     for (const auto& [id, peer] : peers_) {
       if (peer.group != group || peer.phase != Phase::kAccepted) continue;
       if (!peer.agree_flag) {
@@ -1127,30 +1133,54 @@ bool Coordinator::try_complete_agree(Outbox& out) {
         break;
       }
       value = value && *peer.agree_flag;
+      if (first == nullptr || peer.accepted_epoch < first->accepted_epoch) first = &peer;
     }
     if (!complete) {
       ++it;
       continue;
     }
-    const Round round = it->second;
+    Round round = it->second;
     it = agree_rounds_.erase(it);
     changed = true;
+    // Agree on a value: every voter used the same mode, and (all-equal) proposed the
+    // same bytes; then every voter gets the value (all-equal: theirs; first-accepted:
+    // the first-accepted voter's).
+    StatusCode status = round.failed ? LOCKSTEP_STATUS_PEER_CONNECTION_LOST : LOCKSTEP_OK;
+    std::vector<std::uint8_t> agreed;
+    if (!round.failed && first != nullptr) {
+      for (const auto& [id, peer] : peers_) {
+        if (peer.group != group || !peer.agree_flag || status != LOCKSTEP_OK) continue;
+        if (peer.agree_mode != first->agree_mode) {
+          status = LOCKSTEP_STATUS_OPERATION_MISMATCH;
+          round.failure = "peers called agree with different modes (a flag, all-equal, first-accepted)";
+        } else if (peer.agree_mode == proto::AgreeMode::kAllEqual && peer.agree_value != first->agree_value) {
+          status = LOCKSTEP_STATUS_OPERATION_MISMATCH;
+          round.failure = "peers proposed different values (peer " + id.to_string() + " and peer " +
+                          first->id.to_string() + ")";
+        }
+      }
+      if (status == LOCKSTEP_OK && first->agree_mode != proto::AgreeMode::kFlag) agreed = first->agree_value;
+    }
     for (auto& [id, peer] : peers_) {
       if (peer.group != group || !peer.agree_flag) continue;
       peer.agree_flag.reset();
-      if (round.failed) {
-        send(peer, proto::AgreeResult{LOCKSTEP_STATUS_PEER_CONNECTION_LOST, false, round.failure}, out);
+      peer.agree_value.clear();
+      if (status != LOCKSTEP_OK) {
+        send(peer, proto::AgreeResult{status, false, round.failure}, out);
       } else {
-        send(peer, proto::AgreeResult{LOCKSTEP_OK, value, {}}, out);
+        send(peer, proto::AgreeResult{LOCKSTEP_OK, value, {}, agreed}, out);
       }
     }
+    const bool failed = status != LOCKSTEP_OK;
     out.push_back(Event{.text = "group " + std::to_string(group) + " agree vote complete: " +
-                                (round.failed ? "failed (" + round.failure + ")" : (value ? "true" : "false")),
-                        .routine = !round.failed,
-                        .kind = round.failed ? EventKind::kFailed : EventKind::kSucceeded,
+                                (failed ? "failed (" + round.failure + ")"
+                                        : !agreed.empty() ? "a value of " + std::to_string(agreed.size()) + " bytes"
+                                                          : (value ? "true" : "false")),
+                        .routine = !failed,
+                        .kind = failed ? EventKind::kFailed : EventKind::kSucceeded,
                         .op = Operation::kAgree,
                         .reason = round.failure,
-                        .status = round.failed ? LOCKSTEP_STATUS_PEER_CONNECTION_LOST : LOCKSTEP_OK,
+                        .status = status,
                         .group = group,
                         .round_started_ms = round.started_ms});
   }

@@ -97,7 +97,10 @@ struct Peer {
   proto::MemberInfo info;
   TimeMs last_seen_ms = 0;
   bool voted_pending = false;
-  std::optional<bool> agree_flag;
+  std::optional<bool> agree_flag;  // voted in the group's agree round (with this flag)
+  proto::AgreeMode agree_mode = proto::AgreeMode::kFlag;
+  std::vector<std::uint8_t> agree_value;  // the proposal, for the modes that agree on a value
+  std::uint64_t accepted_epoch = 0;       // the epoch that accepted it (first-accepted agree)
   bool p2p_reported = false;
   std::vector<PeerId> unreachable;
   std::uint16_t pool_size = 1;

@@ -540,18 +540,38 @@ Result<bool> Communicator::are_peers_pending() {
   return result.pending;
 }
 
+Result<std::vector<std::uint8_t>> Communicator::agree_value(proto::AgreeMode mode, std::vector<std::uint8_t> value) {
+  if (mode == proto::AgreeMode::kFlag || static_cast<std::uint8_t>(mode) > proto::kAgreeModeMax) {
+    return remember(Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "unknown agree mode"));
+  }
+  if (value.size() > limits::kAgreeValueBytesMax) {
+    return remember(Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "a value of " + std::to_string(value.size()) +
+                                                                 " bytes; at most " +
+                                                                 std::to_string(limits::kAgreeValueBytesMax)));
+  }
+  auto result = vote_agree(proto::VoteAgree{true, mode, std::move(value)});
+  if (!result.is_ok()) return result.status();
+  return std::move(result.value().agreed);
+}
+
 Result<bool> Communicator::agree(bool flag) {
+  auto result = vote_agree(proto::VoteAgree{flag});
+  if (!result.is_ok()) return result.status();
+  return result.value().value;
+}
+
+Result<proto::AgreeResult> Communicator::vote_agree(proto::VoteAgree vote) {
   if (Status s = check_call(true); !s.is_ok()) return remember(s);
-  link_->send(proto::VoteAgree{flag});
+  link_->send(std::move(vote));
   auto reply = link_->wait([](const proto::Message& m) {
     if (const auto* r = std::get_if<proto::Refused>(&m)) return r->request == proto::MsgType::kVoteAgree;
     return std::holds_alternative<proto::AgreeResult>(m);
   });
   if (!reply.is_ok()) return remember(reply.status());
   if (const auto* r = std::get_if<proto::Refused>(&reply.value())) return remember(Status(r->status, "master: " + r->reason));
-  const auto& result = std::get<proto::AgreeResult>(reply.value());
+  auto& result = std::get<proto::AgreeResult>(reply.value());
   if (result.status != LOCKSTEP_OK) return remember(Status(result.status, result.reason));
-  return result.value;
+  return std::move(result);
 }
 
 // ------------------------------------------------------------------ collectives

@@ -186,6 +186,11 @@ class Communicator {
   Status optimize_topology();
   Result<bool> are_peers_pending();
   Result<bool> agree(bool flag);
+  // Agree on a value of up to limits::kAgreeValueBytesMax bytes (docs/collectives.md):
+  // kAllEqual: every peer's proposal must be byte-equal (else OPERATION_MISMATCH for
+  // all); kFirstAccepted: the proposal of the peer accepted first wins. Every peer of
+  // the group gets the same value.
+  Result<std::vector<std::uint8_t>> agree_value(proto::AgreeMode mode, std::vector<std::uint8_t> value);
 
   // Collectives of any kind (descriptor.kind). The blocking form is launch + await on
   // the calling thread.
@@ -216,6 +221,7 @@ class Communicator {
  private:
   explicit Communicator(const Options& options);
   Status check_call(bool need_accepted) const;
+  Result<proto::AgreeResult> vote_agree(proto::VoteAgree vote);
   Status remember(Status status);
   // Waits for the master's EstablishP2P, wires the ring, reports, and waits for the
   // outcome. Returns the TopologyResult (its status may be a failure) or a fatal status.

@@ -203,8 +203,21 @@ bool decode_body(Reader& r, P2PReport* m) {
 }
 void encode_body(Writer&, const VotePeersPending&) {}
 bool decode_body(Reader&, VotePeersPending*) { return true; }
-void encode_body(Writer& w, const VoteAgree& m) { w.boolean(m.flag); }
-bool decode_body(Reader& r, VoteAgree* m) { return r.boolean(&m->flag, "vote_agree.flag"); }
+void encode_body(Writer& w, const VoteAgree& m) {
+  w.boolean(m.flag);
+  w.u(static_cast<std::uint8_t>(m.mode));
+  w.bytes(m.value, limits::kAgreeValueBytesMax);
+}
+bool decode_body(Reader& r, VoteAgree* m) {
+  std::uint8_t mode = 0;
+  if (!r.boolean(&m->flag, "vote_agree.flag") || !r.u(&mode, "vote_agree.mode") ||
+      !r.bytes(&m->value, limits::kAgreeValueBytesMax, "vote_agree.value")) {
+    return false;
+  }
+  if (mode > kAgreeModeMax) return r.fail("vote_agree.mode: unknown mode");
+  m->mode = static_cast<AgreeMode>(mode);
+  return true;
+}
 
 void put(Writer& w, const CollectiveDescriptor& d) {
   w.u(d.count);
@@ -333,10 +346,12 @@ void encode_body(Writer& w, const AgreeResult& m) {
   w.status(m.status);
   w.boolean(m.value);
   w.str(m.reason);
+  w.bytes(m.agreed, limits::kAgreeValueBytesMax);
 }
 bool decode_body(Reader& r, AgreeResult* m) {
   return r.status(&m->status, "agree.status") && r.boolean(&m->value, "agree.value") &&
-         r.str(&m->reason, limits::kWireStringBytesMax, "agree.reason");
+         r.str(&m->reason, limits::kWireStringBytesMax, "agree.reason") &&
+         r.bytes(&m->agreed, limits::kAgreeValueBytesMax, "agree.agreed");
 }
 void encode_body(Writer& w, const Refused& m) {
   w.u(static_cast<std::uint16_t>(m.request));
@@ -625,7 +640,7 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kHeartbeatAck:
     case MsgType::kVoteOptimizeTopology:
       return kEmptyPayload;
-    case MsgType::kVoteAgree: return 1;
+    case MsgType::kVoteAgree: return 1 + 1 + 2 + limits::kAgreeValueBytesMax;
     case MsgType::kP2PHelloAck: return 4;
     case MsgType::kAuthChallenge: return 2 + limits::kAuthFieldBytesMax + 2 + limits::kAuthFieldBytesMax;
     case MsgType::kAuthProof: return 2 + limits::kAuthFieldBytesMax;
@@ -633,7 +648,6 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kHello:
     case MsgType::kWelcome:
     case MsgType::kPeersPendingResult:
-    case MsgType::kAgreeResult:
     case MsgType::kRefused:
     case MsgType::kGoodbye:
     case MsgType::kP2PHello:
@@ -645,6 +659,8 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kBandwidthReport:
     case MsgType::kBandwidthTest:
       return limits::kSmallPayloadBytesMax;
+    case MsgType::kAgreeResult:  // and the value agreed on
+      return limits::kSmallPayloadBytesMax + 2 + limits::kAgreeValueBytesMax;
     case MsgType::kCollectiveInit:  // and a small all-reduce's data, and all-gather's counts per rank
       return limits::kSmallPayloadBytesMax + 2 + limits::kVoteCarriedBytesMax + 8 * limits::kMembersPerMessageMax;
     case MsgType::kCollectiveResult:

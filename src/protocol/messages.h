@@ -125,9 +125,15 @@ struct VotePeersPending {
   static constexpr MsgType kType = MsgType::kVotePeersPending;
   bool operator==(const VotePeersPending&) const = default;
 };
+// How an agree decides (docs/collectives.md, "Agree"): the AND of one flag per peer, a
+// value every peer proposes alike, or the value of the peer accepted first.
+enum class AgreeMode : std::uint8_t { kFlag = 0, kAllEqual = 1, kFirstAccepted = 2 };
+inline constexpr std::uint8_t kAgreeModeMax = 2;
 struct VoteAgree {
   static constexpr MsgType kType = MsgType::kVoteAgree;
   bool flag = false;
+  AgreeMode mode = AgreeMode::kFlag;
+  std::vector<std::uint8_t> value = {};  // kAllEqual, kFirstAccepted: the proposal
   bool operator==(const VoteAgree&) const = default;
 };
 
@@ -278,6 +284,7 @@ struct AgreeResult {
   StatusCode status = LOCKSTEP_OK;
   bool value = false;
   std::string reason;
+  std::vector<std::uint8_t> agreed = {};  // the value agreed on (modes other than kFlag)
   bool operator==(const AgreeResult&) const = default;
 };
 // A well-formed request that is illegal in the current state; nothing changed.

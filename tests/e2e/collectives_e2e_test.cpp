@@ -140,6 +140,29 @@ TEST(Collectives, BadArgumentsEndTheCallOnEveryPeer) {
   for (std::size_t r = 0; r < 3; ++r) expect_result(out[r], "reducescatter", 3, r, 0);
 }
 
+// Agree on a value with real processes: all-equal gives the common text, or a mismatch
+// to all; first-accepted gives every peer the oldest member's text.
+TEST(Collectives, AgreeOnAValue) {
+  auto run = start(3);
+  ASSERT_EQ(run.members.size(), 3u);
+  for (const auto& r : call_all(run.members, "agreevalue equal step=41;lr=0.1")) {
+    EXPECT_EQ(code(r), 0) << r.dump();
+    EXPECT_EQ(r["value"], "step=41;lr=0.1") << r.dump();
+  }
+  for (std::size_t i = 0; i < 3; ++i) run.members[i]->send("agreevalue equal v" + std::to_string(i == 2));
+  for (auto* p : run.members) EXPECT_EQ(code(p->reply()), LOCKSTEP_STATUS_OPERATION_MISMATCH);
+  for (std::size_t i = 0; i < 3; ++i) run.members[i]->send("agreevalue first from-" + run.members[i]->name());
+  std::vector<json> first;
+  for (auto* p : run.members) first.push_back(p->reply());
+  for (const auto& r : first) {
+    EXPECT_EQ(code(r), 0) << r.dump();
+    EXPECT_EQ(r["value"], first[0]["value"]) << "peers got different values";
+  }
+  // The oldest member is the one admitted alone first, rank 0 (later ones join the ring
+  // after it).
+  EXPECT_EQ(first[0]["value"], "from-" + run.members[0]->name()) << first[0].dump();
+}
+
 // The update topology of the survivors (the master removed the victim meanwhile).
 void update_all(std::vector<Peer*>& survivors) {
   const auto replies = call_all(survivors, "update", scaled(60s));

@@ -89,6 +89,8 @@ std::vector<Message> samples() {
   all.push_back(VotePeersPending{});
   all.push_back(VoteAgree{true});
   all.push_back(VoteAgree{false});
+  all.push_back(VoteAgree{true, AgreeMode::kAllEqual, {1, 2, 3}});
+  all.push_back(VoteAgree{true, AgreeMode::kFirstAccepted, std::vector<std::uint8_t>(limits::kAgreeValueBytesMax, 7)});
   all.push_back(CollectiveInit{0x1122334455667788ull, CollectiveDescriptor{1ull << 40, LOCKSTEP_BF16, LOCKSTEP_MAX,
                                                                             LOCKSTEP_QUANT_MINMAX_U8}});
   all.push_back(CollectiveInit{});
@@ -115,6 +117,7 @@ std::vector<Message> samples() {
   all.push_back(PeersPendingResult{LOCKSTEP_STATUS_OPERATION_MISMATCH, false, "mismatch"});
   all.push_back(AgreeResult{LOCKSTEP_OK, true, ""});
   all.push_back(AgreeResult{LOCKSTEP_STATUS_PEER_CONNECTION_LOST, false, "lost p4"});
+  all.push_back(AgreeResult{LOCKSTEP_OK, true, "", std::vector<std::uint8_t>(limits::kAgreeValueBytesMax, 9)});
   all.push_back(Refused{MsgType::kVoteAgree, 0, LOCKSTEP_STATUS_INVALID_USAGE, "already in a vote"});
   all.push_back(Refused{MsgType::kCollectiveInit, 77, LOCKSTEP_STATUS_INVALID_USAGE, "tag 77 is already in flight"});
   all.push_back(Goodbye{LOCKSTEP_STATUS_KICKED, "heartbeat timeout"});
@@ -467,7 +470,7 @@ TEST(CodecHeader, LengthAboveTheTypeBoundIsRejected) {
 
 TEST(CodecHeader, DocumentedBoundsPerType) {
   EXPECT_EQ(payload_bytes_max(static_cast<std::uint16_t>(MsgType::kHeartbeat)), kEmptyPayload);
-  EXPECT_EQ(payload_bytes_max(static_cast<std::uint16_t>(MsgType::kVoteAgree)), 1u);
+  EXPECT_EQ(payload_bytes_max(static_cast<std::uint16_t>(MsgType::kVoteAgree)), 4u + limits::kAgreeValueBytesMax);
   EXPECT_EQ(payload_bytes_max(static_cast<std::uint16_t>(MsgType::kP2PHelloAck)), 4u);
   EXPECT_EQ(payload_bytes_max(static_cast<std::uint16_t>(MsgType::kEstablishP2P)), limits::kControlFramePayloadBytesMax);
   EXPECT_EQ(payload_bytes_max(static_cast<std::uint16_t>(MsgType::kTopologyResult)), limits::kControlFramePayloadBytesMax);
@@ -548,7 +551,7 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
        {"hello.magic", "hello.version", "hello.group", "hello.pool_size", "hello.p2p_port", "hello.shared_state_port",
         "hello.benchmark_port", "hello.advertised_host", "hello.auth"}},
       {P2PReport{1, {PeerId{1, 1}}}, {"p2p_report.epoch", "p2p_report.unreachable"}},
-      {VoteAgree{true}, {"vote_agree.flag"}},
+      {VoteAgree{true, AgreeMode::kAllEqual, {1}}, {"vote_agree.flag", "vote_agree.mode", "vote_agree.value"}},
       {collective_init_case(),
        {"init.tag", "descriptor.count", "descriptor.dtype", "descriptor.op", "descriptor.quantization",
         "descriptor.kind", "descriptor.root", "descriptor.world", "descriptor.counts", "init.data", "init.refusal"}},
@@ -565,7 +568,7 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
        {"topology.epoch", "topology.status", "topology.reason", "members", "topology.global_world_size",
         "topology.group_world_size", "topology.num_groups", "topology.largest_group_size"}},
       {PeersPendingResult{LOCKSTEP_OK, true, "r"}, {"pending.status", "pending.pending", "pending.reason"}},
-      {AgreeResult{LOCKSTEP_OK, true, "r"}, {"agree.status", "agree.value", "agree.reason"}},
+      {AgreeResult{LOCKSTEP_OK, true, "r", {1}}, {"agree.status", "agree.value", "agree.reason", "agree.agreed"}},
       {Refused{MsgType::kVoteAgree, 3, LOCKSTEP_STATUS_INVALID_USAGE, "r"},
        {"refused.request", "refused.tag", "refused.status", "refused.reason"}},
       {Goodbye{LOCKSTEP_STATUS_KICKED, "r"}, {"goodbye.status", "goodbye.reason"}},
@@ -648,15 +651,10 @@ TEST(CodecPayload, ZeroAndOneBytePayloads) {
     for (int v = 0; v < 256; ++v) {
       const Bytes one = {static_cast<std::uint8_t>(v)};
       auto r1 = decode_payload(t, one);
-      if (t == MsgType::kVoteAgree && v <= 1) {
-        ASSERT_TRUE(r1.is_ok()) << r1.status().to_string();
-        EXPECT_EQ(std::get<VoteAgree>(r1.value()).flag, v == 1);
-        continue;
-      }
       ASSERT_FALSE(r1.is_ok()) << v;
       if (has_empty_payload(t)) {
         EXPECT_TRUE(is_protocol_error(r1.status(), {"1 trailing bytes"}));
-      } else if (t == MsgType::kVoteAgree) {
+      } else if (t == MsgType::kVoteAgree && v > 1) {
         EXPECT_TRUE(is_protocol_error(r1.status(), {"vote_agree.flag", "boolean out of range"}));
       } else if (t == MsgType::kSyncVote && v > 2) {
         EXPECT_TRUE(is_protocol_error(r1.status(), {"sync_vote.strategy", "unknown strategy"}));
@@ -974,6 +972,22 @@ TEST(CodecPayload, PoolSizeOutOfRange) {
     } else {
       ASSERT_FALSE(r.is_ok()) << pool;
       EXPECT_TRUE(is_protocol_error(r.status(), {"Hello", "hello.pool_size", "out of range"}));
+    }
+  }
+}
+
+// The agree's mode (byte 1 of VoteAgree's payload) is bounded.
+TEST(CodecPayload, AgreeModeOutOfRange) {
+  for (int v = 0; v < 256; ++v) {
+    Bytes p = payload_copy(VoteAgree{true, AgreeMode::kAllEqual, {4, 5}});
+    p[1] = static_cast<std::uint8_t>(v);
+    auto r = decode_payload(MsgType::kVoteAgree, p);
+    if (v <= kAgreeModeMax) {
+      ASSERT_TRUE(r.is_ok()) << v << ": " << r.status().to_string();
+      EXPECT_EQ(static_cast<int>(std::get<VoteAgree>(r.value()).mode), v);
+    } else {
+      ASSERT_FALSE(r.is_ok()) << v;
+      EXPECT_TRUE(is_protocol_error(r.status(), {"VoteAgree", "vote_agree.mode", "unknown mode"}));
     }
   }
 }

@@ -860,6 +860,74 @@ TEST(CoordinatorAgree, ResultIsTheAndOfAllFlags) {
   }
 }
 
+// Agree on a value: all-equal gives every voter the common proposal, or a mismatch to
+// all; first-accepted gives everyone the proposal of the peer accepted first; modes
+// that differ are a mismatch.
+TEST(CoordinatorAgree, OnAValue) {
+  Harness h;
+  const auto peers = h.run_of(3);  // accepted together: the first is the lowest id
+  using Bytes = std::vector<std::uint8_t>;
+  const auto round = [&](const std::vector<p::VoteAgree>& votes) {
+    Outbox out;
+    for (std::size_t i = 0; i < peers.size(); ++i) out = h.send(peers[i], votes[i]);
+    std::vector<p::AgreeResult> results;
+    for (const auto& f : peers) {
+      const auto r = one_of<p::AgreeResult>(out, f.conn);
+      EXPECT_TRUE(r.has_value()) << describe(out);
+      results.push_back(r.value_or(p::AgreeResult{}));
+    }
+    for (const auto& r : results) EXPECT_EQ(r, results[0]) << "voters got different outcomes";
+    return results[0];
+  };
+  const p::VoteAgree step7{true, p::AgreeMode::kAllEqual, Bytes{7, 0, 0, 0}};
+  auto r = round({step7, step7, step7});
+  EXPECT_EQ(r.status, LOCKSTEP_OK);
+  EXPECT_EQ(r.agreed, (Bytes{7, 0, 0, 0}));
+  r = round({step7, step7, p::VoteAgree{true, p::AgreeMode::kAllEqual, Bytes{8, 0, 0, 0}}});
+  EXPECT_EQ(r.status, LOCKSTEP_STATUS_OPERATION_MISMATCH);
+  EXPECT_NE(r.reason.find("different values"), std::string::npos) << r.reason;
+  EXPECT_TRUE(r.agreed.empty());
+  r = round({p::VoteAgree{true, p::AgreeMode::kFirstAccepted, Bytes{1}},
+             p::VoteAgree{true, p::AgreeMode::kFirstAccepted, Bytes{2, 2}},
+             p::VoteAgree{true, p::AgreeMode::kFirstAccepted, Bytes{3, 3, 3}}});
+  EXPECT_EQ(r.status, LOCKSTEP_OK);
+  const auto first = std::min_element(peers.begin(), peers.end(), [](const auto& a, const auto& b) { return a.id < b.id; });
+  EXPECT_EQ(r.agreed, Bytes(static_cast<std::size_t>(first - peers.begin()) + 1, static_cast<std::uint8_t>(first - peers.begin() + 1)));
+  r = round({step7, p::VoteAgree{true, p::AgreeMode::kFirstAccepted, Bytes{7, 0, 0, 0}}, step7});
+  EXPECT_EQ(r.status, LOCKSTEP_STATUS_OPERATION_MISMATCH);
+  r = round({step7, p::VoteAgree{true}, step7});
+  EXPECT_EQ(r.status, LOCKSTEP_STATUS_OPERATION_MISMATCH);
+  // A flag round after all that is an ordinary flag round.
+  r = round({p::VoteAgree{true}, p::VoteAgree{true}, p::VoteAgree{false}});
+  EXPECT_EQ(r.status, LOCKSTEP_OK);
+  EXPECT_FALSE(r.value);
+}
+
+// First-accepted: the member accepted in the earliest update; once it is gone, the
+// oldest of the others (the lowest id among those accepted together); never a newcomer.
+TEST(CoordinatorAgree, FirstAcceptedIsTheOldestMember) {
+  Harness h;
+  auto peers = h.run_of(3);  // peers[0] alone first, then peers[1] and peers[2] together
+  const FakePeer late = h.join(1);
+  h.update(peers, {late});
+  peers.push_back(late);
+  const auto agreed = [&](const std::vector<FakePeer>& voters) {
+    Outbox out;
+    for (const auto& f : voters) {
+      out = h.send(f, p::VoteAgree{true, p::AgreeMode::kFirstAccepted,
+                                   std::vector<std::uint8_t>{static_cast<std::uint8_t>(f.conn)}});
+    }
+    const auto r = one_of<p::AgreeResult>(out, voters.back().conn);
+    EXPECT_TRUE(r.has_value() && r->agreed.size() == 1) << describe(out);
+    return r && r->agreed.size() == 1 ? static_cast<int>(r->agreed[0]) : -1;
+  };
+  EXPECT_EQ(agreed(peers), static_cast<int>(peers[0].conn));
+  h.disconnect(peers[0]);
+  peers.erase(peers.begin());
+  const auto& oldest = peers[0].id < peers[1].id ? peers[0] : peers[1];
+  EXPECT_EQ(agreed(peers), static_cast<int>(oldest.conn));
+}
+
 TEST(CoordinatorAgree, SinglePeerDecidesAlone) {
   Harness h;
   const FakePeer a = h.first(1);

@@ -271,6 +271,16 @@ int main(int argc, char** argv) {
       int result = 0;
       lockstep_status_t s = lockstep_comm_agree(peer.comm, flag, &result);
       peer.emit(op, s, s == LOCKSTEP_OK ? std::string("\"result\":") + (result ? "true" : "false") : "");
+    } else if (op == "agreevalue") {
+      // agreevalue equal|first TEXT: the reply's "value" is the text agreed on.
+      std::string mode, text;
+      words >> mode >> text;
+      std::vector<char> out(4096);
+      std::size_t size = 0;
+      const lockstep_status_t s = lockstep_comm_agree_value(
+          peer.comm, mode == "first" ? LOCKSTEP_AGREE_FIRST_ACCEPTED : LOCKSTEP_AGREE_ALL_EQUAL, text.data(), text.size(),
+          out.data(), out.size(), &size);
+      peer.emit(op, s, s == LOCKSTEP_OK ? "\"value\":\"" + escape(std::string(out.data(), size)) + "\"" : "");
     } else if (op == "allreduce") {
       // Every element is FILL; the reply says whether the result is uniform, its
       // value, and (on failure) whether the destination kept its previous content.
