@@ -62,19 +62,22 @@ class Peer:
     # -- the all-reduce of pseudo-gradients
     def await_previous(self):
         """The averaged pseudo-gradient of the all-reduce in flight (None if there is none);
-        if a peer died during it, the same all-reduce again with the survivors."""
+        if a peer died during it, the same all-reduce again with the survivors (alone: its
+        own pseudo-gradient)."""
         if self.handle is None:
             return None
         handle, self.handle = self.handle, None
         try:
             handle.wait()
-        except lockstep.PeerConnectionLostError:
+        except (lockstep.PeerConnectionLostError, lockstep.TooFewPeersError):
             while True:
                 try:
                     self.comm.all_reduce(self.pseudo_gradient, op="avg", tag=self.tag)
                     break
                 except lockstep.PeerConnectionLostError:
                     continue
+                except lockstep.TooFewPeersError:
+                    break  # no survivor but this peer: the average over one is its own (left untouched)
         return self.pseudo_gradient
 
     def admit(self, result) -> None:

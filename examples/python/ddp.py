@@ -54,6 +54,8 @@ def main() -> None:
                 comm.all_reduce(gradient, op="avg", tag=int(step.item()))
             except lockstep.PeerConnectionLostError:
                 continue  # a peer died: this step again, with the survivors
+            except lockstep.TooFewPeersError:
+                continue  # nobody left to average with: this step again once peers joined
             velocity.mul_(MOMENTUM).add_(gradient)
             params.sub_(LR * velocity)
             step += 1

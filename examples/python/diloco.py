@@ -59,6 +59,8 @@ def main() -> None:
                 comm.all_reduce(pseudo_gradient, op="avg", tag=int(step.item()))
             except lockstep.PeerConnectionLostError:
                 continue  # a peer died: this outer step again, with the survivors
+            except lockstep.TooFewPeersError:
+                continue  # nobody left to average with: this step again once peers joined
             momentum.mul_(OUTER_MOMENTUM).add_(pseudo_gradient)
             outer.sub_(OUTER_LR * (pseudo_gradient + OUTER_MOMENTUM * momentum))
             step += 1

@@ -18,6 +18,7 @@ Main names:
 * :class:`Communicator` -- a peer: ``connect``, ``update_topology``, ``optimize_topology``,
   ``are_peers_pending``, ``agree``, ``rank``, ``id``, ``membership``, ``world_size``,
   ``group_world_size``, ``num_groups``, ``largest_group_size``, ``all_reduce``,
+  ``broadcast``, ``all_gather``, ``reduce_scatter``, ``barrier`` (each also ``*_async``),
   ``all_reduce_async``, ``all_reduce_multiple_with_retry``, ``sync_shared_state``, ``close``.
 * :class:`SharedState`, :class:`TensorInfo` -- the tensors kept identical by a sync.
 * :class:`ReduceInfo`, :class:`SyncInfo`, :class:`Member`, :class:`AsyncHandle` -- results.
@@ -77,6 +78,7 @@ from ._errors import (
     TooFewPeersError,
     TopologyOptimizationFailedError,
     UpdateTopologyFailedError,
+    ViewChangedError,
     WrongThreadError,
     error_for_status,
 )
@@ -141,4 +143,5 @@ __all__ = [
     "SharedStateMismatchError",
     "HashMismatchError",
     "AuthenticationFailedError",
+    "ViewChangedError",
 ]

@@ -15,7 +15,8 @@ DEFAULT_MASTER_PORT: int
 #: numpy.ndarray or torch.Tensor (CPU, contiguous)
 _ArrayLike = Any
 #: (src, dst_or_None, op, tag) or (src, dst_or_None, op, tag, quantization), or a dict
-#: with keys src, dst, op, tag, quantization
+#: with keys src, dst, op, tag, quantization; src None: a barrier of the tag,
+#: (None, None, None, tag) or {"src": None, "tag": tag}
 _ReduceSpec = Union[Tuple[Any, ...], Mapping[str, Any]]
 _OpLike = Union[str, int, "ReduceOp"]
 _QuantizationLike = Union[None, str, int, "Quantization"]
@@ -24,7 +25,7 @@ _StrategyLike = Union[str, int, "SyncStrategy"]
 # ---------------------------------------------------------------- enums
 
 class Status(enum.IntEnum):
-    """The C API's status codes (lockstep_status_t), 0..24."""
+    """The C API's status codes (lockstep_status_t), 0..25."""
 
     OK = 0
     NOT_INITIALIZED = 1
@@ -51,6 +52,7 @@ class Status(enum.IntEnum):
     SHARED_STATE_MISMATCH = 22
     HASH_MISMATCH = 23
     AUTHENTICATION_FAILED = 24
+    VIEW_CHANGED = 25
 
 class DType(enum.IntEnum):
     """Element types. NumPy: uint8, int8, uint16, int16, uint32, int32, uint64, int64,
@@ -138,7 +140,8 @@ class InvalidUsageError(Error):
     """4: not legal in the current state (closed communicator, tag in flight, ...)."""
 
 class TooFewPeersError(Error):
-    """5: fewer peers than the operation needs."""
+    """5: fewer peers than the operation needs: any collective in a group of one (nothing
+    was written; wait for peers or go on alone)."""
 
 class MasterConnectionFailedError(FatalError):
     """6: the master could not be reached within connect_timeout_ms."""
@@ -197,6 +200,11 @@ class HashMismatchError(RetryableError):
 class AuthenticationFailedError(FatalError):
     """24: the run secret was not proven (missing or different secret, or not this run's master)."""
 
+class ViewChangedError(Error):
+    """25: a broadcast, all-gather or reduce-scatter was called (or retried) after a peer
+    left the view; it failed on every peer before any byte moved. update_topology(), then
+    call it again with buffers sized for the new view."""
+
 #: status code -> exception class
 ERROR_CLASSES: Mapping[int, Type[Error]]
 
@@ -206,7 +214,8 @@ def error_for_status(status: int, message: str = ...) -> Error:
 # ------------------------------------------------------------- results
 
 class ReduceInfo:
-    """Frozen dataclass: the result of one all-reduce."""
+    """Frozen dataclass: the result of one collective (all-reduce, broadcast, all-gather,
+    reduce-scatter, barrier)."""
 
     world_size: int  # peers that took part in the successful attempt
     bytes_sent: int  # bytes this peer put on the wire (headers included)
@@ -303,8 +312,9 @@ class SharedState:
 # ----------------------------------------------------------- collectives
 
 class AsyncHandle:
-    """An all-reduce in flight. Its arrays stay referenced until it is awaited (or its
-    communicator is closed: wait() then raises LockstepInterruptedError)."""
+    """A collective in flight (all_reduce_async, broadcast_async, all_gather_async,
+    reduce_scatter_async, barrier_async). Its arrays stay referenced until it is awaited
+    (or its communicator is closed: wait() then raises LockstepInterruptedError)."""
 
     tag: int
     def done(self) -> bool:
@@ -313,8 +323,8 @@ class AsyncHandle:
         """Blocks (GIL released) until it ended; returns its ReduceInfo or raises its error.
         On the launching thread only (WrongThreadError otherwise; the handle stays valid)."""
     @property
-    def result(self) -> _ArrayLike:
-        """The destination array/tensor."""
+    def result(self) -> Optional[_ArrayLike]:
+        """The destination array/tensor (a broadcast's buffer; None for a barrier)."""
 
 class Communicator:
     """A peer of a run. Belongs to the thread that created it. Context manager:
@@ -383,13 +393,51 @@ class Communicator:
     def all_reduce(self, src: _ArrayLike, dst: Optional[_ArrayLike] = None, *, op: _OpLike = "sum",
                    quantization: _QuantizationLike = None, tag: int = 0) -> ReduceInfo:
         """All-reduces src into dst (None: in place). Same dtype and element count; dst
-        writeable. On PeerConnectionLostError dst holds what it held before."""
+        writeable. On PeerConnectionLostError dst holds what it held before. Alone in the
+        group: TooFewPeersError (dst untouched)."""
     def all_reduce_async(self, src: _ArrayLike, dst: Optional[_ArrayLike] = None, *, op: _OpLike = "sum",
                          quantization: _QuantizationLike = None, tag: int = 0) -> AsyncHandle:
         """Starts an all-reduce; distinct tags for operations in flight at once."""
+    def broadcast(self, buf: _ArrayLike, root: int, *, tag: int = 0) -> ReduceInfo:
+        """Copies buf of the peer of rank root (a rank of the view) into buf on every other
+        peer, in place. The same tag, root, size and dtype on every peer (else
+        OperationMismatchError for all); a root outside the view: InvalidArgumentError on
+        every peer. On failure every buf, the root's included, is as before. After a peer
+        left: ViewChangedError on every peer until update_topology(); alone: TooFewPeersError."""
+    def broadcast_async(self, buf: _ArrayLike, root: int, *, tag: int = 0) -> AsyncHandle:
+        """Starts a broadcast (result: buf)."""
+    def all_gather(self, src: Optional[_ArrayLike], dst: Optional[_ArrayLike] = None, *,
+                   counts: Optional[Sequence[int]] = None, tag: int = 0) -> _ArrayLike:
+        """Every rank's src, in rank order, into dst on every peer; returns dst (None: a new
+        array/tensor of src's kind and dtype, shape (world, *src.shape), or (sum(counts),)).
+        counts (all-gatherv): one element count per rank of the view, the same on every
+        peer; src then holds this rank's count (None or empty where it is 0). src may be a
+        view of this rank's place in dst. A dst too small or counts not one per rank on any
+        peer: InvalidArgumentError on every peer; sizes, dtypes or counts that differ between
+        peers: OperationMismatchError for all. On failure dst is as before. After a peer
+        left: ViewChangedError on every peer until update_topology(); alone: TooFewPeersError."""
+    def all_gather_async(self, src: Optional[_ArrayLike], dst: Optional[_ArrayLike] = None, *,
+                         counts: Optional[Sequence[int]] = None, tag: int = 0) -> AsyncHandle:
+        """Starts an all-gather (result: dst, allocated here if None)."""
+    def reduce_scatter(self, src: _ArrayLike, dst: Optional[_ArrayLike] = None, *, op: _OpLike = "sum",
+                       quantization: _QuantizationLike = None, tag: int = 0) -> _ArrayLike:
+        """Reduces src (world x n elements on every peer) and leaves elements
+        [r x n, (r+1) x n) of the result in rank r's dst (n elements; None: a new 1-D
+        array/tensor); returns dst. op and quantization as for all_reduce. On failure dst
+        is as before. After a peer left: ViewChangedError on every peer until
+        update_topology(); alone: TooFewPeersError."""
+    def reduce_scatter_async(self, src: _ArrayLike, dst: Optional[_ArrayLike] = None, *, op: _OpLike = "sum",
+                             quantization: _QuantizationLike = None, tag: int = 0) -> AsyncHandle:
+        """Starts a reduce-scatter (result: dst, allocated here if None)."""
+    def barrier(self, *, tag: int = 0) -> None:
+        """Returns once every peer of the group entered the barrier of this tag (the same
+        outcome for all; alone: TooFewPeersError)."""
+    def barrier_async(self, *, tag: int = 0) -> AsyncHandle:
+        """Enters the barrier of this tag (result: None)."""
     def all_reduce_multiple_with_retry(self, ops: Iterable[_ReduceSpec], max_in_flight: int = 4) -> List[ReduceInfo]:
         """Runs the operations, at most max_in_flight at once, retrying those that failed
-        because a peer was lost; raises the first other error."""
+        because a peer was lost; raises the first other error (TooFewPeersError once one
+        peer is left). An operation whose src is None is a barrier of its tag."""
     def sync_shared_state(self, state: SharedState, strategy: _StrategyLike = "enforce_popular") -> SyncInfo:
         """Synchronizes the shared state with the group (every accepted peer calls it)."""
     def close(self) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _lockstep
@@ -17,8 +18,9 @@ from ._master import DEFAULT_MASTER_PORT, _split_address
 
 @dataclasses.dataclass(frozen=True)
 class ReduceInfo:
-    """What an all-reduce did: the peers that took part in the successful attempt and the
-    bytes this peer put on / took off the wire (headers included)."""
+    """What a collective (all-reduce, broadcast, all-gather, reduce-scatter, barrier) did:
+    the peers that took part in the successful attempt and the bytes this peer put on /
+    took off the wire (headers included)."""
 
     world_size: int
     bytes_sent: int
@@ -127,7 +129,9 @@ class SharedState:
 
 
 class AsyncHandle:
-    """An all-reduce in flight (from :meth:`Communicator.all_reduce_async`).
+    """A collective in flight (from :meth:`Communicator.all_reduce_async`,
+    :meth:`~Communicator.broadcast_async`, :meth:`~Communicator.all_gather_async`,
+    :meth:`~Communicator.reduce_scatter_async` or :meth:`~Communicator.barrier_async`).
 
     :meth:`done` polls without blocking (any thread); :meth:`wait` blocks until it ended
     and returns its :class:`ReduceInfo` or raises its error. Await it on the thread that
@@ -158,7 +162,7 @@ class AsyncHandle:
 
     @property
     def result(self) -> Any:
-        """The destination array/tensor."""
+        """The destination array/tensor (a broadcast's buffer; None for a barrier)."""
         return self._dst
 
     def __repr__(self) -> str:
@@ -168,8 +172,25 @@ class AsyncHandle:
 _OpSpec = Union[Tuple[Any, ...], Mapping[str, Any]]
 
 
+def _allocate_like(buf: _Buffer, shape: Tuple[int, ...]) -> Any:
+    """A new uninitialized array (or CPU tensor) of buf's kind and dtype."""
+    if buf.kind == "torch":
+        return sys.modules["torch"].empty(shape, dtype=buf.obj.dtype)
+    return sys.modules["numpy"].empty(shape, dtype=buf.obj.dtype)
+
+
+def _check_counts(counts: Any) -> List[int]:
+    if isinstance(counts, (str, bytes)) or not isinstance(counts, Iterable):
+        raise InvalidArgumentError(f"counts must be a sequence of element counts, one per rank, not {counts!r}")
+    out = [_check_uint("counts[%d]" % i, c, 64) for i, c in enumerate(counts)]
+    if not out:
+        raise InvalidArgumentError("counts is empty: it needs one element count per rank of the view")
+    return out
+
+
 class Communicator:
-    """A peer of a run (``lockstep_comm_*``): membership votes, all-reduce, shared state.
+    """A peer of a run (``lockstep_comm_*``): membership votes, collectives (all-reduce,
+    broadcast, all-gather, reduce-scatter, barrier), shared state.
 
     It belongs to the thread that created it: call it from that thread only (the
     documented exceptions: :meth:`are_peers_pending` from the owner while collectives
@@ -386,6 +407,160 @@ class Communicator:
         impl = self._impl.all_reduce_async(*desc, keep)
         return AsyncHandle(impl, s.obj, d.obj, desc[-1])
 
+    def _broadcast_args(self, buf: Any, root: Any, tag: Any) -> Tuple[Tuple[Any, ...], _Buffer]:
+        b = _as_buffer(buf, "buf", write=True)
+        if b.count == 0:
+            raise InvalidArgumentError("cannot broadcast an empty array or tensor (count is zero)")
+        return (b.address, b.count, int(b.dtype), _check_uint("root", root, 32), _check_uint("tag", tag, 64)), b
+
+    def broadcast(self, buf: Any, root: int, *, tag: int = 0) -> ReduceInfo:
+        """Copies ``buf`` of the peer of rank ``root`` into ``buf`` on every other peer (in
+        place; the ring is pipelined from the root).
+
+        Every peer of the group calls it with the same tag, root, size and dtype (else
+        OperationMismatchError for all). ``root`` is a rank of the membership view
+        (:attr:`rank`); one outside the view fails the call on every peer with
+        InvalidArgumentError. On failure every buffer, the root's included, holds what it
+        held before. Once a peer has left, it fails on every peer with ViewChangedError
+        until :meth:`update_topology`; a group of one gets TooFewPeersError.
+
+        buf: a contiguous, writeable NumPy array or CPU tensor (on every peer, the root's
+        included).
+        """
+        args, _ = self._broadcast_args(buf, root, tag)
+        return ReduceInfo(*self._impl.broadcast(*args))
+
+    def broadcast_async(self, buf: Any, root: int, *, tag: int = 0) -> AsyncHandle:
+        """Starts a :meth:`broadcast` and returns an :class:`AsyncHandle` at once (its
+        ``result`` is ``buf``); do not touch ``buf`` before it is awaited."""
+        args, b = self._broadcast_args(buf, root, tag)
+        impl = self._impl.broadcast_async(*args, (b.obj,))
+        return AsyncHandle(impl, b.obj, b.obj, args[-1])
+
+    def _all_gather_args(self, src: Any, dst: Any, counts: Any, tag: Any) -> Tuple[Tuple[Any, ...], Any, Any]:
+        tag = _check_uint("tag", tag, 64)
+        if counts is None:
+            s = _as_buffer(src, "src", write=False)
+            if s.count == 0:
+                raise InvalidArgumentError("cannot all-gather an empty array or tensor (count is zero); "
+                                           "pass counts= for ranks that contribute nothing")
+            if dst is None:
+                dst = _allocate_like(s, (self.group_world_size,) + tuple(s.obj.shape))
+            d = _as_buffer(dst, "dst", write=True)
+            if s.dtype != d.dtype:
+                raise InvalidArgumentError(f"src and dst differ in dtype ({s.dtype.name} vs {d.dtype.name})")
+            return (s.address, s.count, d.address, d.count, int(s.dtype), [], tag), s.obj, d.obj
+        per_rank = _check_counts(counts)
+        s = None if src is None else _as_buffer(src, "src", write=False)
+        if dst is None:
+            if s is None:
+                raise InvalidArgumentError("all_gather needs src or dst (the dtype of the result)")
+            dst = _allocate_like(s, (sum(per_rank),))
+        d = _as_buffer(dst, "dst", write=True)
+        if s is not None and s.dtype != d.dtype:
+            raise InvalidArgumentError(f"src and dst differ in dtype ({s.dtype.name} vs {d.dtype.name})")
+        rank = self._impl.rank()
+        # counts of another length than the view's are refused by every peer (the library).
+        if s is not None and rank < len(per_rank) and s.count != per_rank[rank]:
+            raise InvalidArgumentError(
+                f"src has {s.count} elements where counts[{rank}] (this peer's rank) is {per_rank[rank]}")
+        # No input (src None, or empty): NULL, which the library accepts for a rank whose
+        # count is 0 and refuses on every peer otherwise.
+        address = s.address if s is not None and s.count > 0 else 0
+        return (address, 0, d.address, d.count, int(d.dtype), per_rank, tag), None if s is None else s.obj, d.obj
+
+    def all_gather(self, src: Any, dst: Any = None, *, counts: Optional[Sequence[int]] = None, tag: int = 0) -> Any:
+        """Gathers every rank's ``src``, in rank order, into ``dst`` on every peer; returns
+        ``dst`` (the one given, or a new array/tensor of ``src``'s kind and dtype).
+
+        Without ``counts`` every rank contributes ``src.size`` elements (the same on every
+        peer) and ``dst`` needs room for world x that many (``dst=None``: a new array of
+        shape ``(world, *src.shape)``, ``world`` being :attr:`group_world_size`). With
+        ``counts`` (all-gatherv: one element count per rank of the view, the same list on
+        every peer) rank r contributes ``counts[r]`` elements, ``src`` holds exactly this
+        rank's count (``src=None`` or an empty array where it is 0), and ``dst`` needs room
+        for their sum (``dst=None``: a new 1-D array). ``src`` may be a view of this rank's
+        own place in ``dst`` (in place).
+
+        Every peer calls it with the same tag, dtype and counts (else
+        OperationMismatchError for all). A ``dst`` too small, or ``counts`` not one per
+        rank, on any peer fails the call on every peer with InvalidArgumentError. On
+        failure ``dst`` holds what it held before. Once a peer has left, it fails on every
+        peer with ViewChangedError until :meth:`update_topology`; a group of one gets
+        TooFewPeersError.
+        """
+        args, _, d = self._all_gather_args(src, dst, counts, tag)
+        self._impl.all_gather(*args)
+        return d
+
+    def all_gather_async(self, src: Any, dst: Any = None, *, counts: Optional[Sequence[int]] = None,
+                         tag: int = 0) -> AsyncHandle:
+        """Starts an :meth:`all_gather` and returns an :class:`AsyncHandle` at once; its
+        ``result`` is the destination (allocated here when ``dst`` is None)."""
+        args, s, d = self._all_gather_args(src, dst, counts, tag)
+        impl = self._impl.all_gather_async(*args, (s, d))
+        return AsyncHandle(impl, s, d, args[-1])
+
+    def _reduce_scatter_args(self, src: Any, dst: Any, op: Any, quantization: Any,
+                             tag: Any) -> Tuple[Tuple[Any, ...], _Buffer, _Buffer]:
+        s = _as_buffer(src, "src", write=False)
+        if s.count == 0:
+            raise InvalidArgumentError("cannot reduce-scatter an empty array or tensor (count is zero)")
+        op_code, q_code, tag = _parse_op(op), _parse_quantization(quantization), _check_uint("tag", tag, 64)
+        if dst is not None:
+            d = _as_buffer(dst, "dst", write=True)
+            if s.dtype != d.dtype:
+                raise InvalidArgumentError(f"src and dst differ in dtype ({s.dtype.name} vs {d.dtype.name})")
+        world = self.group_world_size
+        if dst is None:
+            if s.count % world != 0:
+                raise InvalidArgumentError(
+                    f"src has {s.count} elements, not a multiple of the {world} ranks of the view")
+            d = _as_buffer(_allocate_like(s, (s.count // world,)), "dst", write=True)
+        # The library reads world x dst's count elements of src: exactly src's.
+        if d.count == 0 or s.count != d.count * world:
+            raise InvalidArgumentError(
+                f"src has {s.count} elements where the view's {world} ranks x dst's {d.count} are {world * d.count}")
+        return (s.address, d.address, d.count, int(s.dtype), op_code, q_code, tag), s, d
+
+    def reduce_scatter(self, src: Any, dst: Any = None, *, op: Union[str, ReduceOp] = "sum",
+                       quantization: Union[None, str, Quantization] = None, tag: int = 0) -> Any:
+        """Reduces ``src`` over the group and leaves rank r's share of the result in its
+        ``dst``: elements [r x n, (r+1) x n) of the reduction, n = ``dst.size``; returns
+        ``dst`` (the one given, or a new 1-D array/tensor of ``src``'s kind and dtype).
+
+        ``src`` holds world x n elements on every peer (``world`` being
+        :attr:`group_world_size`). op and quantization as for :meth:`all_reduce` (a
+        quantized result is the decoded form of one encoding). Every peer calls it with
+        the same tag, size, dtype, op and quantization (else OperationMismatchError for
+        all). On failure ``dst`` holds what it held before. Once a peer has left, it fails
+        on every peer with ViewChangedError until :meth:`update_topology`; a group of one
+        gets TooFewPeersError.
+        """
+        args, _, d = self._reduce_scatter_args(src, dst, op, quantization, tag)
+        self._impl.reduce_scatter(*args)
+        return d.obj
+
+    def reduce_scatter_async(self, src: Any, dst: Any = None, *, op: Union[str, ReduceOp] = "sum",
+                             quantization: Union[None, str, Quantization] = None, tag: int = 0) -> AsyncHandle:
+        """Starts a :meth:`reduce_scatter` and returns an :class:`AsyncHandle` at once; its
+        ``result`` is the destination (allocated here when ``dst`` is None)."""
+        args, s, d = self._reduce_scatter_args(src, dst, op, quantization, tag)
+        impl = self._impl.reduce_scatter_async(*args, (s.obj, d.obj))
+        return AsyncHandle(impl, s.obj, d.obj, args[-1])
+
+    def barrier(self, *, tag: int = 0) -> None:
+        """Returns once every peer of the group has entered the barrier of this tag, with
+        the same outcome for all (one vote, no data). PeerConnectionLostError if a peer
+        was lost meanwhile; TooFewPeersError in a group of one."""
+        self._impl.barrier(_check_uint("tag", tag, 64))
+
+    def barrier_async(self, *, tag: int = 0) -> AsyncHandle:
+        """Enters the barrier of this tag and returns an :class:`AsyncHandle` at once
+        (``result`` is None)."""
+        tag = _check_uint("tag", tag, 64)
+        return AsyncHandle(self._impl.barrier_async(tag), None, None, tag)
+
     def all_reduce_multiple_with_retry(self, ops: Iterable[_OpSpec], max_in_flight: int = 4) -> List[ReduceInfo]:
         """Runs several all-reduces, at most ``max_in_flight`` at once; those that fail
         because a peer was lost are retried with the survivors. Returns one
@@ -394,6 +569,9 @@ class Communicator:
         Each operation is a tuple ``(src, dst_or_None, op, tag[, quantization])`` or a
         dict with keys ``src``, ``dst`` (optional), ``op`` (default 'sum'), ``tag``
         (default: its position) and ``quantization`` (optional). Tags must be distinct.
+        An operation whose ``src`` is None is a barrier of its tag (``dst``, ``op`` and
+        ``quantization`` None or absent): ``(None, None, None, tag)`` or
+        ``{"src": None, "tag": tag}``.
         """
         descs = []
         keep = []
@@ -405,13 +583,19 @@ class Communicator:
                         f"operation {i}: a dict needs 'src' and may have 'dst', 'op', 'tag', 'quantization'"
                         + (f" (unknown: {sorted(unknown)})" if unknown else ""))
                 src, dst = spec["src"], spec.get("dst")
-                op, tag, q = spec.get("op", "sum"), spec.get("tag", i), spec.get("quantization")
+                op, tag, q = spec.get("op", None if src is None else "sum"), spec.get("tag", i), spec.get("quantization")
             elif isinstance(spec, (tuple, list)) and len(spec) in (4, 5):
                 src, dst, op, tag = spec[:4]
                 q = spec[4] if len(spec) == 5 else None
             else:
                 raise InvalidArgumentError(
                     f"operation {i}: expected (src, dst_or_None, op, tag[, quantization]) or a dict, got {spec!r}")
+            if src is None:
+                if dst is not None or op is not None or q is not None:
+                    raise InvalidArgumentError(
+                        f"operation {i}: a barrier (src None) takes no dst, op or quantization")
+                descs.append((0, 0, 0, 0, 0, 0, _check_uint("tag", tag, 64)))
+                continue
             desc, s, d = self._descriptor(src, dst, op, q, tag)
             descs.append(desc)
             keep.append((s.obj, d.obj))

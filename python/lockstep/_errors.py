@@ -11,8 +11,12 @@ Every failed call raises a subclass of :class:`Error` named after the C status c
   (a new identity): MASTER_CONNECTION_FAILED, MASTER_CONNECTION_LOST, KICKED, REJECTED,
   REVISION_VIOLATION, SHARED_STATE_MISMATCH, PROTOCOL_ERROR, AUTHENTICATION_FAILED.
 
-Everything else (NOT_INITIALIZED, INVALID_ARGUMENT, INVALID_USAGE, WRONG_THREAD, ...)
-derives from :class:`Error` directly and is a bug in the calling program.
+Two peer conditions that no retry as such resolves derive from :class:`Error` directly:
+TOO_FEW_PEERS (a collective in a group of one: wait for peers) and VIEW_CHANGED (a
+broadcast, all-gather or reduce-scatter after a peer left: update the topology, then
+call it again with buffers sized for the new view). Everything else (NOT_INITIALIZED,
+INVALID_ARGUMENT, INVALID_USAGE, WRONG_THREAD, ...) derives from :class:`Error` directly
+and is a bug in the calling program.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Status(enum.IntEnum):
     SHARED_STATE_MISMATCH = 22
     HASH_MISMATCH = 23
     AUTHENTICATION_FAILED = 24
+    VIEW_CHANGED = 25
 
 
 class Error(Exception):
@@ -116,7 +121,9 @@ class InvalidUsageError(Error):
 
 
 class TooFewPeersError(Error):
-    """TOO_FEW_PEERS: fewer peers than the operation needs."""
+    """TOO_FEW_PEERS: fewer peers than the operation needs: a collective (all-reduce,
+    broadcast, all-gather, reduce-scatter, barrier) in a group of one. Nothing was
+    written; wait for peers (are_peers_pending, update_topology) or go on alone."""
 
     default_status = Status.TOO_FEW_PEERS
 
@@ -244,6 +251,15 @@ class AuthenticationFailedError(FatalError):
     default_status = Status.AUTHENTICATION_FAILED
 
 
+class ViewChangedError(Error):
+    """VIEW_CHANGED: a broadcast, all-gather or reduce-scatter (whose shapes depend on the
+    world) was called, or retried, in a membership view that has lost a peer since; it
+    failed on every peer before any byte moved. Call update_topology(), then call it
+    again with buffers sized for the new view."""
+
+    default_status = Status.VIEW_CHANGED
+
+
 #: The exception class of every non-OK status code.
 ERROR_CLASSES: Dict[int, Type[Error]] = {
     cls.default_status: cls
@@ -272,6 +288,7 @@ ERROR_CLASSES: Dict[int, Type[Error]] = {
         SharedStateMismatchError,
         HashMismatchError,
         AuthenticationFailedError,
+        ViewChangedError,
     )
 }
 

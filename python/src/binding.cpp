@@ -8,7 +8,7 @@
 // Lifetime rules kept here:
 //  * A communicator is destroyed only when no call on it is running on another thread
 //    (close() refuses with INVALID_USAGE otherwise); the checks run with the GIL held.
-//  * Buffers of an async all-reduce are kept alive (a Python reference) until the
+//  * Buffers of an async collective are kept alive (a Python reference) until the
 //    handle is awaited or the communicator is closed, whichever comes first: the
 //    communicator owns the unawaited handles, so dropping a handle never frees memory
 //    an operation still writes into.
@@ -47,7 +47,7 @@ py::object& error_factory() {
 }
 
 const char* status_name(int status) {
-  if (status < LOCKSTEP_OK || status > LOCKSTEP_STATUS_AUTHENTICATION_FAILED) return "UNKNOWN_STATUS";
+  if (status < LOCKSTEP_OK || status > LOCKSTEP_STATUS_VIEW_CHANGED) return "UNKNOWN_STATUS";
   return lockstep_status_name(static_cast<lockstep_status_t>(status));
 }
 
@@ -97,6 +97,52 @@ lockstep_reduce_desc_t make_desc(std::uintptr_t src, std::uintptr_t dst, std::ui
   d.src = as_ptr<const void>(src);
   d.dst = as_ptr<void>(dst);
   d.count = count;
+  d.dtype = static_cast<lockstep_dtype_t>(dtype);
+  d.op = static_cast<lockstep_reduce_op_t>(op);
+  d.quantization = static_cast<lockstep_quantization_t>(quantization);
+  d.tag = tag;
+  return d;
+}
+
+lockstep_broadcast_desc_t make_broadcast_desc(std::uintptr_t buf, std::uint64_t count, int dtype, std::uint32_t root,
+                                              std::uint64_t tag) {
+  lockstep_broadcast_desc_t d;
+  std::memset(&d, 0, sizeof d);
+  d.buf = as_ptr<void>(buf);
+  d.count = count;
+  d.dtype = static_cast<lockstep_dtype_t>(dtype);
+  d.root = root;
+  d.tag = tag;
+  return d;
+}
+
+// `counts` (all-gatherv) is read by the C call itself, which copies it: it only has to
+// outlive the call, not the operation.
+lockstep_all_gather_desc_t make_all_gather_desc(std::uintptr_t src, std::uint64_t count, std::uintptr_t dst,
+                                                std::uint64_t dst_capacity, int dtype,
+                                                const std::vector<std::uint64_t>& counts, std::uint64_t tag) {
+  if (counts.size() > UINT32_MAX) fail(LOCKSTEP_STATUS_INVALID_ARGUMENT, "INVALID_ARGUMENT: too many counts");
+  lockstep_all_gather_desc_t d;
+  std::memset(&d, 0, sizeof d);
+  d.src = as_ptr<const void>(src);
+  d.count = count;
+  d.dst = as_ptr<void>(dst);
+  d.dst_capacity = dst_capacity;
+  d.dtype = static_cast<lockstep_dtype_t>(dtype);
+  d.counts = counts.empty() ? nullptr : counts.data();
+  d.counts_len = static_cast<std::uint32_t>(counts.size());
+  d.tag = tag;
+  return d;
+}
+
+lockstep_reduce_scatter_desc_t make_reduce_scatter_desc(std::uintptr_t src, std::uintptr_t dst,
+                                                        std::uint64_t count_per_rank, int dtype, int op,
+                                                        int quantization, std::uint64_t tag) {
+  lockstep_reduce_scatter_desc_t d;
+  std::memset(&d, 0, sizeof d);
+  d.src = as_ptr<const void>(src);
+  d.dst = as_ptr<void>(dst);
+  d.count_per_rank = count_per_rank;
   d.dtype = static_cast<lockstep_dtype_t>(dtype);
   d.op = static_cast<lockstep_reduce_op_t>(op);
   d.quantization = static_cast<lockstep_quantization_t>(quantization);
@@ -483,11 +529,88 @@ class PyComm {
     auto [s, message] =
         call_released(busy.comm(), [&] { return lockstep_comm_all_reduce_async(busy.comm(), &d, &handle); });
     if (s != LOCKSTEP_OK) fail(s, message);
-    auto op_state = std::make_shared<AsyncState>();
-    op_state->handle = handle;
-    op_state->keepalive = std::move(keepalive);
-    state_->outstanding.push_back(op_state);
-    return PyAsync(state_, op_state);
+    return adopt(handle, std::move(keepalive));
+  }
+
+  InfoTuple broadcast(std::uintptr_t buf, std::uint64_t count, int dtype, std::uint32_t root, std::uint64_t tag) {
+    Busy busy(*state_);
+    const lockstep_broadcast_desc_t d = make_broadcast_desc(buf, count, dtype, root, tag);
+    lockstep_reduce_info_t info{};
+    auto [s, message] = call_released(busy.comm(), [&] { return lockstep_comm_broadcast(busy.comm(), &d, &info); });
+    if (s != LOCKSTEP_OK) fail(s, message);
+    return to_tuple(info);
+  }
+
+  PyAsync broadcast_async(std::uintptr_t buf, std::uint64_t count, int dtype, std::uint32_t root, std::uint64_t tag,
+                          py::object keepalive) {
+    Busy busy(*state_);
+    const lockstep_broadcast_desc_t d = make_broadcast_desc(buf, count, dtype, root, tag);
+    lockstep_async_t* handle = nullptr;
+    auto [s, message] =
+        call_released(busy.comm(), [&] { return lockstep_comm_broadcast_async(busy.comm(), &d, &handle); });
+    if (s != LOCKSTEP_OK) fail(s, message);
+    return adopt(handle, std::move(keepalive));
+  }
+
+  InfoTuple all_gather(std::uintptr_t src, std::uint64_t count, std::uintptr_t dst, std::uint64_t dst_capacity,
+                       int dtype, const std::vector<std::uint64_t>& counts, std::uint64_t tag) {
+    Busy busy(*state_);
+    const lockstep_all_gather_desc_t d = make_all_gather_desc(src, count, dst, dst_capacity, dtype, counts, tag);
+    lockstep_reduce_info_t info{};
+    auto [s, message] = call_released(busy.comm(), [&] { return lockstep_comm_all_gather(busy.comm(), &d, &info); });
+    if (s != LOCKSTEP_OK) fail(s, message);
+    return to_tuple(info);
+  }
+
+  PyAsync all_gather_async(std::uintptr_t src, std::uint64_t count, std::uintptr_t dst, std::uint64_t dst_capacity,
+                           int dtype, const std::vector<std::uint64_t>& counts, std::uint64_t tag,
+                           py::object keepalive) {
+    Busy busy(*state_);
+    const lockstep_all_gather_desc_t d = make_all_gather_desc(src, count, dst, dst_capacity, dtype, counts, tag);
+    lockstep_async_t* handle = nullptr;
+    auto [s, message] =
+        call_released(busy.comm(), [&] { return lockstep_comm_all_gather_async(busy.comm(), &d, &handle); });
+    if (s != LOCKSTEP_OK) fail(s, message);
+    return adopt(handle, std::move(keepalive));
+  }
+
+  InfoTuple reduce_scatter(std::uintptr_t src, std::uintptr_t dst, std::uint64_t count_per_rank, int dtype, int op,
+                           int quantization, std::uint64_t tag) {
+    Busy busy(*state_);
+    const lockstep_reduce_scatter_desc_t d =
+        make_reduce_scatter_desc(src, dst, count_per_rank, dtype, op, quantization, tag);
+    lockstep_reduce_info_t info{};
+    auto [s, message] =
+        call_released(busy.comm(), [&] { return lockstep_comm_reduce_scatter(busy.comm(), &d, &info); });
+    if (s != LOCKSTEP_OK) fail(s, message);
+    return to_tuple(info);
+  }
+
+  PyAsync reduce_scatter_async(std::uintptr_t src, std::uintptr_t dst, std::uint64_t count_per_rank, int dtype, int op,
+                               int quantization, std::uint64_t tag, py::object keepalive) {
+    Busy busy(*state_);
+    const lockstep_reduce_scatter_desc_t d =
+        make_reduce_scatter_desc(src, dst, count_per_rank, dtype, op, quantization, tag);
+    lockstep_async_t* handle = nullptr;
+    auto [s, message] =
+        call_released(busy.comm(), [&] { return lockstep_comm_reduce_scatter_async(busy.comm(), &d, &handle); });
+    if (s != LOCKSTEP_OK) fail(s, message);
+    return adopt(handle, std::move(keepalive));
+  }
+
+  void barrier(std::uint64_t tag) {
+    Busy busy(*state_);
+    auto [s, message] = call_released(busy.comm(), [&] { return lockstep_comm_barrier(busy.comm(), tag); });
+    if (s != LOCKSTEP_OK) fail(s, message);
+  }
+
+  PyAsync barrier_async(std::uint64_t tag) {
+    Busy busy(*state_);
+    lockstep_async_t* handle = nullptr;
+    auto [s, message] =
+        call_released(busy.comm(), [&] { return lockstep_comm_barrier_async(busy.comm(), tag, &handle); });
+    if (s != LOCKSTEP_OK) fail(s, message);
+    return adopt(handle, py::none());
   }
 
   std::vector<InfoTuple> all_reduce_multiple_with_retry(
@@ -548,6 +671,16 @@ class PyComm {
   std::size_t outstanding() const { return state_->outstanding.size(); }
 
  private:
+  // A launched operation's handle, owned by this communicator until awaited; `keepalive`
+  // (the buffers) stays referenced until then.
+  PyAsync adopt(lockstep_async_t* handle, py::object keepalive) {
+    auto op_state = std::make_shared<AsyncState>();
+    op_state->handle = handle;
+    op_state->keepalive = std::move(keepalive);
+    state_->outstanding.push_back(op_state);
+    return PyAsync(state_, op_state);
+  }
+
   template <typename F>
   void simple(F&& body) {
     Busy busy(*state_);
@@ -704,6 +837,21 @@ PYBIND11_MODULE(_lockstep, m) {
            py::arg("op"), py::arg("quantization"), py::arg("tag"))
       .def("all_reduce_async", &PyComm::all_reduce_async, py::arg("src"), py::arg("dst"), py::arg("count"),
            py::arg("dtype"), py::arg("op"), py::arg("quantization"), py::arg("tag"), py::arg("keepalive"))
+      .def("broadcast", &PyComm::broadcast, py::arg("buf"), py::arg("count"), py::arg("dtype"), py::arg("root"),
+           py::arg("tag"))
+      .def("broadcast_async", &PyComm::broadcast_async, py::arg("buf"), py::arg("count"), py::arg("dtype"),
+           py::arg("root"), py::arg("tag"), py::arg("keepalive"))
+      .def("all_gather", &PyComm::all_gather, py::arg("src"), py::arg("count"), py::arg("dst"), py::arg("dst_capacity"),
+           py::arg("dtype"), py::arg("counts"), py::arg("tag"))
+      .def("all_gather_async", &PyComm::all_gather_async, py::arg("src"), py::arg("count"), py::arg("dst"),
+           py::arg("dst_capacity"), py::arg("dtype"), py::arg("counts"), py::arg("tag"), py::arg("keepalive"))
+      .def("reduce_scatter", &PyComm::reduce_scatter, py::arg("src"), py::arg("dst"), py::arg("count_per_rank"),
+           py::arg("dtype"), py::arg("op"), py::arg("quantization"), py::arg("tag"))
+      .def("reduce_scatter_async", &PyComm::reduce_scatter_async, py::arg("src"), py::arg("dst"),
+           py::arg("count_per_rank"), py::arg("dtype"), py::arg("op"), py::arg("quantization"), py::arg("tag"),
+           py::arg("keepalive"))
+      .def("barrier", &PyComm::barrier, py::arg("tag"))
+      .def("barrier_async", &PyComm::barrier_async, py::arg("tag"))
       .def("all_reduce_multiple_with_retry", &PyComm::all_reduce_multiple_with_retry, py::arg("ops"),
            py::arg("max_in_flight"))
       .def("sync_shared_state", &PyComm::sync_shared_state, py::arg("tensors"), py::arg("revision"),

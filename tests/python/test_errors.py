@@ -32,7 +32,7 @@ EXPECTED_NAMES = {
     14: "KickedError", 15: "RejectedError", 16: "OperationMismatchError", 17: "ProtocolError",
     18: "LockstepTimeoutError", 19: "WrongThreadError", 20: "LockstepInterruptedError",
     21: "RevisionViolationError", 22: "SharedStateMismatchError", 23: "HashMismatchError",
-    24: "AuthenticationFailedError",
+    24: "AuthenticationFailedError", 25: "ViewChangedError",
 }
 
 
@@ -54,7 +54,8 @@ def offline():
 
 
 def test_one_class_per_status_with_status_values():
-    assert sorted(lockstep.ERROR_CLASSES) == list(range(1, 25))
+    assert sorted(lockstep.ERROR_CLASSES) == list(range(1, 26))
+    assert sorted(lockstep.ERROR_CLASSES) == sorted(s for s in Status if s != Status.OK)
     for code, name in EXPECTED_NAMES.items():
         cls = getattr(lockstep, name)
         assert lockstep.ERROR_CLASSES[code] is cls
@@ -72,7 +73,8 @@ def test_group_bases_tell_peer_failures_from_misuse():
         assert issubclass(cls, lockstep.RetryableError) == (code in RETRYABLE), cls
         assert issubclass(cls, lockstep.FatalError) == (code in FATAL), cls
     assert issubclass(lockstep.InvalidArgumentError, ValueError)
-    for cls in (lockstep.NotInitializedError, lockstep.InvalidUsageError, lockstep.WrongThreadError):
+    for cls in (lockstep.NotInitializedError, lockstep.InvalidUsageError, lockstep.WrongThreadError,
+                lockstep.TooFewPeersError, lockstep.ViewChangedError):
         assert not issubclass(cls, (lockstep.RetryableError, lockstep.FatalError))
     # Not the builtins of the same name.
     assert not issubclass(lockstep.LockstepTimeoutError, TimeoutError)
@@ -86,6 +88,10 @@ def test_errors_pickle_and_unknown_codes():
     unknown = lockstep.error_for_status(99, "?")
     assert type(unknown) is lockstep.Error and unknown.status == 99 and unknown.status_name == "UNKNOWN_STATUS"
     assert lockstep.status_string(9).startswith("a participating peer was lost")
+    # The C library's name of every status, the newest included.
+    for code in Status:
+        assert lockstep._lockstep.status_name(int(code)) == code.name
+    assert lockstep._lockstep.status_name(int(max(Status)) + 1) == "UNKNOWN_STATUS"
     assert isinstance(lockstep.__version__, str) and lockstep.__version__.count(".") == 2
 
 
@@ -110,6 +116,17 @@ def test_calls_before_connect_raise_not_initialized(offline):
         "all_reduce": lambda: offline.all_reduce(a),
         "all_reduce_async": lambda: offline.all_reduce_async(a),
         "multiple": lambda: offline.all_reduce_multiple_with_retry([(a, None, "sum", 0)], 1),
+        "multiple barrier": lambda: offline.all_reduce_multiple_with_retry([(None, None, None, 0)], 1),
+        "broadcast": lambda: offline.broadcast(a, 0),
+        "broadcast_async": lambda: offline.broadcast_async(a, 0),
+        "all_gather": lambda: offline.all_gather(a, np.zeros(8, np.float32)),
+        "all_gather new": lambda: offline.all_gather(a),
+        "all_gather counts": lambda: offline.all_gather(a, np.zeros(8, np.float32), counts=[4, 4]),
+        "all_gather_async": lambda: offline.all_gather_async(a, np.zeros(8, np.float32)),
+        "reduce_scatter": lambda: offline.reduce_scatter(a, np.zeros(2, np.float32)),
+        "reduce_scatter_async": lambda: offline.reduce_scatter_async(a),
+        "barrier": offline.barrier,
+        "barrier_async": offline.barrier_async,
         "sync_shared_state": lambda: offline.sync_shared_state(state),
     }
     for name, call in calls.items():
@@ -136,7 +153,8 @@ def test_closed_communicator_raises_invalid_usage():
     assert comm.closed
     comm.close()  # idempotent
     for call in (comm.connect, comm.are_peers_pending, lambda: comm.rank,
-                 lambda: comm.all_reduce(np.zeros(2, dtype=np.int32))):
+                 lambda: comm.all_reduce(np.zeros(2, dtype=np.int32)), comm.barrier,
+                 lambda: comm.broadcast(np.zeros(2, dtype=np.int32), 0)):
         with pytest.raises(lockstep.InvalidUsageError, match="closed"):
             call()
 
@@ -332,6 +350,51 @@ def test_multiple_with_retry_checks(offline):
     rejected(lambda: offline.all_reduce_multiple_with_retry([(np.zeros(2, np.bool_), None, "sum", 0)], 1), "dtype")
     accepted(lambda: offline.all_reduce_multiple_with_retry(
         [(a, None, "sum", 0), {"src": np.ones(2), "op": "max", "tag": 1}], 2))
+
+
+def test_broadcast_all_gather_reduce_scatter_barrier_checks(offline):
+    a = np.zeros(4, np.float32)
+    rejected(lambda: offline.broadcast(a, -1), "root")
+    rejected(lambda: offline.broadcast(a, 1 << 32), "root")
+    rejected(lambda: offline.broadcast(np.zeros(0, np.float32), 0), "empty")
+    ro = np.zeros(4, np.float32)
+    ro.setflags(write=False)
+    rejected(lambda: offline.broadcast(ro, 0), "read-only")
+    rejected(lambda: offline.broadcast_async(a, 0, tag=-1), "tag")
+    accepted(lambda: offline.broadcast(a, 7))  # a root outside the view: refused by the library on every peer
+    accepted(lambda: offline.broadcast(torch.zeros(3, dtype=torch.bfloat16), 0, tag=(1 << 64) - 1))
+
+    rejected(lambda: offline.all_gather(a, np.zeros(8, np.float64)), "dtype")
+    rejected(lambda: offline.all_gather(np.zeros(0, np.float32), np.zeros(8, np.float32)), "empty")
+    rejected(lambda: offline.all_gather(a, ro), "read-only")
+    rejected(lambda: offline.all_gather([1.0], np.zeros(8, np.float32)), "numpy.ndarray")
+    rejected(lambda: offline.all_gather(a, np.zeros(8, np.float32), counts=[4, -1]), r"counts\[1\]")
+    rejected(lambda: offline.all_gather(a, np.zeros(8, np.float32), counts=[]), "counts is empty")
+    rejected(lambda: offline.all_gather(a, np.zeros(8, np.float32), counts="44"), "sequence")
+    rejected(lambda: offline.all_gather(None, None, counts=[0, 4]), "src or dst")
+    rejected(lambda: offline.all_gather(None, np.zeros(8, np.float32)), "numpy.ndarray")  # src needed without counts
+    rejected(lambda: offline.all_gather_async(a, np.zeros(8, np.float32), tag=1 << 64), "tag")
+    # A destination too small is refused by the library (on every peer), not here.
+    accepted(lambda: offline.all_gather(a, np.zeros(1, np.float32)))
+    accepted(lambda: offline.all_gather(None, np.zeros(4, np.float32), counts=np.array([0, 4])))
+    accepted(lambda: offline.all_gather(torch.zeros(4), torch.zeros(8)))
+
+    rejected(lambda: offline.reduce_scatter(a, np.zeros(2, np.float64)), "dtype")
+    rejected(lambda: offline.reduce_scatter(np.zeros(0, np.float32), np.zeros(2, np.float32)), "empty")
+    rejected(lambda: offline.reduce_scatter(a, ro[:2]), "read-only")
+    rejected(lambda: offline.reduce_scatter(a, np.zeros(2, np.float32), op="mean"), "unknown reduce op")
+    rejected(lambda: offline.reduce_scatter(a, np.zeros(2, np.float32), quantization="int4"), "unknown quantization")
+    rejected(lambda: offline.reduce_scatter_async(a, np.zeros(2, np.float32), tag=-1), "tag")
+    accepted(lambda: offline.reduce_scatter(a, np.zeros(2, np.float32), op="max", quantization="minmax"))
+
+    rejected(lambda: offline.barrier(tag=-1), "tag")
+    rejected(lambda: offline.barrier_async(tag=1 << 64), "tag")
+    with pytest.raises(TypeError):
+        offline.barrier(3)  # the tag is a keyword, as for every collective
+    rejected(lambda: offline.all_reduce_multiple_with_retry([(None, a, None, 0)], 1), "barrier")
+    rejected(lambda: offline.all_reduce_multiple_with_retry([(None, None, "sum", 0)], 1), "barrier")
+    rejected(lambda: offline.all_reduce_multiple_with_retry([{"src": None, "quantization": "minmax"}], 1), "barrier")
+    accepted(lambda: offline.all_reduce_multiple_with_retry([{"src": None, "tag": 5}, (a, None, "sum", 6)], 1))
 
 
 def test_shared_state_checks(offline):

@@ -29,7 +29,9 @@ def test_a_lone_peer_is_admitted_at_once():
             assert comm.agree(False) is False
             comm.update_topology()  # legal with nobody pending
             a = np.arange(5, dtype=np.int16)
-            assert comm.all_reduce(a).world_size == 1 and list(a) == [0, 1, 2, 3, 4]
+            with pytest.raises(lockstep.TooFewPeersError):  # a collective needs two peers
+                comm.all_reduce(a)
+            assert list(a) == [0, 1, 2, 3, 4]
             with pytest.raises(lockstep.InvalidUsageError, match="already connected"):
                 comm.connect()
 
@@ -98,9 +100,14 @@ def test_peer_groups_and_attributes():
                      for p in peers]
             assert attrs == [(3, 2, 2, 2), (3, 2, 2, 2), (3, 1, 2, 2)]
             assert len(peers[2].call(lambda c: c.membership())) == 1
-            # The lone peer of group 1 reduces alone; group 0 reduces as two.
-            f = [p.submit(lambda c: c.all_reduce(np.ones(4, np.int32), tag=9)) for p in peers]
-            assert [x.result(25).world_size for x in f] == [2, 2, 1]
+            # Group 0 reduces as two; the lone peer of group 1 has nobody to reduce with
+            # (TooFewPeersError, its buffer untouched).
+            f = [p.submit(lambda c: c.all_reduce(np.ones(4, np.int32), tag=9)) for p in peers[:2]]
+            assert [x.result(25).world_size for x in f] == [2, 2]
+            lone = np.ones(4, np.int32)
+            with pytest.raises(lockstep.TooFewPeersError):
+                peers[2].call(lambda c: c.all_reduce(lone, tag=9))
+            assert np.all(lone == 1)
         finally:
             for p in peers:
                 p.close()
