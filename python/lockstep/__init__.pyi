@@ -363,6 +363,10 @@ class Communicator:
         """Votes whether registered peers wait to join; the same answer for all."""
     def agree(self, flag: bool) -> bool:
         """True for all only if every accepted peer of the group said True."""
+    def agree_value(self, value: bytes, mode: str = "all_equal") -> bytes:
+        """The same value (up to 4096 bytes) for every accepted peer of the group: the
+        common proposal ("all_equal"; OperationMismatchError if any differs) or the
+        proposal of the peer accepted first ("first_accepted")."""
     @property
     def rank(self) -> int: ...
     @property

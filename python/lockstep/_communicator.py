@@ -295,6 +295,20 @@ class Communicator:
         said True. PeerConnectionLostError if a participant is lost during the vote."""
         return self._impl.agree(bool(flag))
 
+    def agree_value(self, value: bytes, mode: str = "all_equal") -> bytes:
+        """Every accepted peer of the group proposes a value of up to 4096 bytes and all
+        get the same one: with mode "all_equal" the common proposal
+        (OperationMismatchError for all if any differs), with "first_accepted" the
+        proposal of the peer accepted first. PeerConnectionLostError if a participant is
+        lost during the vote."""
+        modes = {"all_equal": 1, "first_accepted": 2}
+        if mode not in modes:
+            raise InvalidArgumentError(f"agree_value mode must be one of {sorted(modes)}, not {mode!r}")
+        value = bytes(value)
+        if len(value) > 4096:
+            raise InvalidArgumentError(f"agree_value takes at most 4096 bytes, not {len(value)}")
+        return self._impl.agree_value(value, modes[mode])
+
     @property
     def rank(self) -> int:
         """This peer's rank in the membership view (0-based position in the group's ring)."""

@@ -417,6 +417,17 @@ class PyComm {
     return result != 0;
   }
 
+  py::bytes agree_value(const std::string& value, int mode) {
+    std::string out(4096, '\0');
+    std::size_t size = 0;
+    simple([&](lockstep_comm_t* c) {
+      return lockstep_comm_agree_value(c, static_cast<lockstep_agree_mode_t>(mode), value.data(), value.size(),
+                                       out.data(), out.size(), &size);
+    });
+    out.resize(size);
+    return py::bytes(out);
+  }
+
   std::int64_t attribute(int attribute) {
     Busy busy(*state_);
     std::int64_t value = 0;
@@ -826,6 +837,7 @@ PYBIND11_MODULE(_lockstep, m) {
       .def("optimize_topology", &PyComm::optimize_topology)
       .def("are_peers_pending", &PyComm::are_peers_pending)
       .def("agree", &PyComm::agree, py::arg("flag"))
+      .def("agree_value", &PyComm::agree_value, py::arg("value"), py::arg("mode"))
       .def("attribute", &PyComm::attribute, py::arg("attribute"))
       .def("rank", &PyComm::rank)
       .def("id", &PyComm::id)

@@ -666,6 +666,31 @@ def test_unusable_arguments_fail_on_every_peer(cluster):
         assert results == {"root outside": invalid, "counts length": invalid, "dst too small": invalid}, results
 
 
+def peer_agree_values(comm: lockstep.Communicator) -> dict:
+    out = {"equal": comm.agree_value(b"step=7;lr=0.1")}
+    try:
+        comm.agree_value(f"rank {comm.rank}".encode())
+        out["differing"] = "agreed"
+    except lockstep.Error as e:
+        out["differing"] = type(e).__name__
+    out["first"] = comm.agree_value(f"rank {comm.rank}".encode(), mode="first_accepted")
+    try:
+        comm.agree_value(b"x", mode="majority")
+    except lockstep.InvalidArgumentError:
+        out["bad mode"] = "InvalidArgumentError"
+    return out
+
+
+def test_agree_on_a_value(cluster):
+    results = cluster.run(peer_agree_values)
+    for r in results:
+        assert r["equal"] == b"step=7;lr=0.1", r
+        assert r["differing"] == "OperationMismatchError", r
+        assert r["bad mode"] == "InvalidArgumentError", r
+    firsts = {r["first"] for r in results}
+    assert len(firsts) == 1 and firsts.pop().startswith(b"rank "), results
+
+
 def test_a_single_peer_gets_too_few_peers():
     c = ProcessCluster(1)
     try:
