@@ -7,6 +7,7 @@
 //  - an attempt whose neighbour stops midway fails at the stall timeout and leaves the
 //    destination as it was; bad plans are refused.
 #include "collectives/ring.h"
+#include "ring_hops.h"
 #include "kernels/reduce.h"
 #include "security/crypto.h"
 
@@ -32,47 +33,11 @@ using lockstep::coll::RingPlan;
 using lockstep::coll::RingScratch;
 using lockstep::coll::RingStream;
 using Bytes = std::vector<std::uint8_t>;
+using lockstep::testing::Hop;
 
-struct SocketPair {
-  int fds[2] = {-1, -1};  // fds[0] sends, fds[1] receives
-  SocketPair() { EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, fds), 0); }
-  SocketPair(const SocketPair&) = delete;
-  SocketPair& operator=(const SocketPair&) = delete;
-  ~SocketPair() {
-    for (int fd : fds) {
-      if (fd >= 0) ::close(fd);
-    }
-  }
-};
-
-struct Hop {
-  std::vector<std::unique_ptr<SocketPair>> links;
-  std::vector<std::unique_ptr<lockstep::security::Aead>> seal, open;
-  Hop(std::size_t streams, bool encrypted) {
-    for (std::size_t k = 0; k < streams; ++k) {
-      links.push_back(std::make_unique<SocketPair>());
-      if (encrypted) {
-        const auto key = lockstep::security::random_key();
-        seal.push_back(std::make_unique<lockstep::security::Aead>(key));
-        open.push_back(std::make_unique<lockstep::security::Aead>(key));
-      }
-    }
-  }
-  lockstep::security::Aead* seal_of(std::size_t k) const { return seal.empty() ? nullptr : seal[k].get(); }
-  lockstep::security::Aead* open_of(std::size_t k) const { return open.empty() ? nullptr : open[k].get(); }
-};
-
-void attach(RingIo& io, const Hop& to, const Hop& from) {
-  io.tx_fd = to.links[0]->fds[0];
-  io.seal = to.seal_of(0);
-  for (std::size_t k = 1; k < to.links.size(); ++k) io.tx_more.push_back(RingStream{to.links[k]->fds[0], to.seal_of(k)});
-  io.rx_fd = from.links[0]->fds[1];
-  io.open = from.open_of(0);
-  io.rx_more = [&from](std::size_t streams, std::vector<RingStream>* out) {
-    if (streams != from.links.size()) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "unexpected stream count");
-    for (std::size_t k = 1; k < streams; ++k) out->push_back(RingStream{from.links[k]->fds[1], from.open_of(k)});
-    return Status::ok();
-  };
+// Every hop of these tests has a generous stall timeout.
+void attach_slow_stall(RingIo& io, const Hop& to, const Hop& from) {
+  lockstep::testing::attach(io, to, from);
   io.stall_timeout_ms = 30'000;
 }
 
@@ -216,7 +181,7 @@ Outcome run_case(const Case& c) {
   for (std::size_t i = 0; i < n; ++i) {
     peers.emplace_back([&, i] {
       RingIo io;
-      attach(io, hops[i], hops[(i + n - 1) % n]);
+      attach_slow_stall(io, hops[i], hops[(i + n - 1) % n]);
       status[i] = lockstep::coll::run_ring(plans[i], io, scratch[i], nullptr);
     });
   }
@@ -432,7 +397,7 @@ TEST(RingCollectives, AStoppedNeighbourFailsTheAttemptAndLeavesDestinationsUncha
         p.attempt = 1;
         p.subchunk_bytes = 4096;
         RingIo io;
-        attach(io, hops[i], hops[(i + n - 1) % n]);
+        attach_slow_stall(io, hops[i], hops[(i + n - 1) % n]);
         io.stall_timeout_ms = 300;
         RingScratch scratch;
         status[i] = lockstep::coll::run_ring(p, io, scratch, nullptr);

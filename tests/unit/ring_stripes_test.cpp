@@ -10,6 +10,7 @@
 //    attempt with PROTOCOL_ERROR; one stream that stalls while the others flow fails it
 //    at the stall timeout, not later.
 #include "collectives/ring.h"
+#include "ring_hops.h"
 #include "security/crypto.h"
 
 #include <gtest/gtest.h>
@@ -34,52 +35,9 @@ using lockstep::coll::RingIo;
 using lockstep::coll::RingPlan;
 using lockstep::coll::RingScratch;
 using lockstep::coll::RingStream;
-
-struct SocketPair {
-  int fds[2] = {-1, -1};  // fds[0] sends, fds[1] receives
-  SocketPair() { EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0, fds), 0); }
-  SocketPair(const SocketPair&) = delete;
-  SocketPair& operator=(const SocketPair&) = delete;
-  ~SocketPair() {
-    for (int fd : fds) {
-      if (fd >= 0) ::close(fd);
-    }
-  }
-};
-
-// The connections of one hop (peer i to peer i+1), one per stream, with the ciphers of
-// each when encrypted.
-struct Hop {
-  std::vector<std::unique_ptr<SocketPair>> links;
-  std::vector<std::unique_ptr<lockstep::security::Aead>> seal, open;
-  Hop(std::size_t streams, bool encrypted) {
-    for (std::size_t k = 0; k < streams; ++k) {
-      links.push_back(std::make_unique<SocketPair>());
-      if (encrypted) {
-        const auto key = lockstep::security::random_key();
-        seal.push_back(std::make_unique<lockstep::security::Aead>(key));
-        open.push_back(std::make_unique<lockstep::security::Aead>(key));
-      }
-    }
-  }
-  lockstep::security::Aead* seal_of(std::size_t k) const { return seal.empty() ? nullptr : seal[k].get(); }
-  lockstep::security::Aead* open_of(std::size_t k) const { return open.empty() ? nullptr : open[k].get(); }
-};
-
-// The sending side of a hop in `io`, and the receiving side of `from` with its streams
-// handed over on request (of exactly the count the hop has).
-void attach(RingIo& io, const Hop& to, const Hop& from) {
-  io.tx_fd = to.links[0]->fds[0];
-  io.seal = to.seal_of(0);
-  for (std::size_t k = 1; k < to.links.size(); ++k) io.tx_more.push_back(RingStream{to.links[k]->fds[0], to.seal_of(k)});
-  io.rx_fd = from.links[0]->fds[1];
-  io.open = from.open_of(0);
-  io.rx_more = [&from](std::size_t streams, std::vector<RingStream>* out) {
-    if (streams != from.links.size()) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "unexpected stream count");
-    for (std::size_t k = 1; k < streams; ++k) out->push_back(RingStream{from.links[k]->fds[1], from.open_of(k)});
-    return Status::ok();
-  };
-}
+using lockstep::testing::attach;
+using lockstep::testing::Hop;
+using lockstep::testing::SocketPair;
 
 struct Case {
   std::size_t world = 4;
