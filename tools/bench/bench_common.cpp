@@ -1,6 +1,6 @@
 // lockstep-bench: the orchestrator (starts a master and worker processes, combines
-// their timings) and the worker (one peer: lockstep, a plain TCP ring moving the
-// same bytes, and Gloo's ring all-reduce, in the same process and run).
+// their timings) and the worker (one peer: lockstep's collective, a plain TCP ring
+// moving the same bytes, and Gloo's counterpart, in the same process and run).
 #include "bench_common.h"
 
 #include "common/log.h"
@@ -11,8 +11,13 @@
 #include "subprocess.h"
 #include "transport/socket.h"
 
-#include <gloo/allreduce_ring.h>
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
 #include <gloo/barrier_all_to_all.h>
+#include <gloo/broadcast.h>
+#include <gloo/math.h>
+#include <gloo/reduce_scatter.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/transport/tcp/device.h>
@@ -60,15 +65,6 @@ namespace {
 
 std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-}
-
-std::string join_sizes(const std::vector<std::uint64_t>& sizes) {
-  std::string out;
-  for (auto s : sizes) {
-    if (!out.empty()) out += ',';
-    out += std::to_string(s);
-  }
-  return out;
 }
 
 // ------------------------------------------------------------------ worker
@@ -142,34 +138,37 @@ class RawRing {
     return true;
   }
 
-  // Moves 2(n-1)/n of the buffer each way, as a ring all-reduce does, without reducing.
-  double exchange_us(std::vector<std::uint8_t>& buffer) {
+  // Sends `send` bytes to the next worker while receiving `recv` from the previous one,
+  // cycling through `buffer`, without reducing and without waiting for what is
+  // forwarded: the bytes a collective moves, at the pace of the links alone.
+  double exchange_us(const std::vector<std::uint8_t>& buffer, std::size_t send, std::size_t recv) {
     const std::size_t chunk = buffer.size() / static_cast<std::size_t>(peers_);
-    const std::size_t total = 2 * static_cast<std::size_t>(peers_ - 1) * chunk;
     const std::size_t piece = std::min<std::size_t>(256 * 1024, std::max<std::size_t>(1, chunk));
-    if (staging_.size() < std::max(piece, std::min<std::size_t>(total, 64 * 1024))) {
-      staging_.resize(std::max(piece, std::min<std::size_t>(total, 64 * 1024)));
+    const std::size_t most = std::max(send, recv);
+    if (staging_.size() < std::max(piece, std::min<std::size_t>(recv, 64 * 1024))) {
+      staging_.resize(std::max(piece, std::min<std::size_t>(recv, 64 * 1024)));
     }
     const auto start = Clock::now();
-    if (total <= 64 * 1024) {
+    if (most <= 64 * 1024) {
       // Small: the socket buffers hold it all, no second thread needed.
-      if (!transport::send_all(tx_.get(), {buffer.data(), std::min(total, buffer.size())}, 60'000).is_ok()) return 0;
-      if (total > buffer.size() && !transport::send_all(tx_.get(), {buffer.data(), total - buffer.size()}, 60'000).is_ok()) {
-        return 0;
+      for (std::size_t sent = 0; sent < send;) {
+        const std::size_t n = std::min(buffer.size(), send - sent);
+        if (!transport::send_all(tx_.get(), {buffer.data(), n}, 60'000).is_ok()) return 0;
+        sent += n;
       }
-      if (!transport::recv_exact(rx_.get(), {staging_.data(), total}, 60'000).is_ok()) return 0;
+      if (recv > 0 && !transport::recv_exact(rx_.get(), {staging_.data(), recv}, 60'000).is_ok()) return 0;
       return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
     }
     std::thread sender([&] {
-      for (std::size_t sent = 0; sent < total;) {
-        const std::size_t n = std::min(piece, total - sent);
+      for (std::size_t sent = 0; sent < send;) {
+        const std::size_t n = std::min(piece, send - sent);
         const std::size_t offset = sent % std::max<std::size_t>(1, buffer.size() - n + 1);
         if (!transport::send_all(tx_.get(), {buffer.data() + offset, n}, 60'000).is_ok()) return;
         sent += n;
       }
     });
-    for (std::size_t got = 0; got < total;) {
-      const std::size_t n = std::min(piece, total - got);
+    for (std::size_t got = 0; got < recv;) {
+      const std::size_t n = std::min(piece, recv - got);
       if (!transport::recv_exact(rx_.get(), {staging_.data(), n}, 60'000).is_ok()) break;
       got += n;
     }
@@ -184,32 +183,152 @@ class RawRing {
   std::vector<std::uint8_t> staging_;
 };
 
-// One timed Gloo ring all-reduce per call, over a buffer of `bytes`, after a barrier.
+using GlooReduce = void (*)(void*, const void*, const void*, std::size_t);
+
 template <typename T>
-std::function<double()> gloo_round(const std::shared_ptr<gloo::rendezvous::Context>& context, std::uint64_t bytes) {
-  auto data = std::make_shared<std::vector<T>>(std::max<std::uint64_t>(1, bytes / sizeof(T)), T(1));
-  std::vector<T*> ptrs = {data->data()};
-  auto ring = std::make_shared<gloo::AllreduceRing<T>>(context, ptrs, static_cast<int>(data->size()));
-  return [context, data, ring] {
-    gloo::BarrierAllToAll(context).run();
+GlooReduce gloo_reduce(lockstep_reduce_op_t op) {
+  switch (op) {
+    case LOCKSTEP_PROD: return &gloo::product<T>;
+    case LOCKSTEP_MAX: return &gloo::max<T>;
+    case LOCKSTEP_MIN: return &gloo::min<T>;
+    default: return &gloo::sum<T>;
+  }
+}
+
+template <typename T>
+const gloo::ReductionFunction<T>* gloo_reduction(lockstep_reduce_op_t op) {
+  switch (op) {
+    case LOCKSTEP_PROD: return gloo::ReductionFunction<T>::product;
+    case LOCKSTEP_MAX: return gloo::ReductionFunction<T>::max;
+    case LOCKSTEP_MIN: return gloo::ReductionFunction<T>::min;
+    default: return gloo::ReductionFunction<T>::sum;
+  }
+}
+
+// Gloo's counterpart of one collective over buffers of `shape`, what torch.distributed's
+// gloo backend runs for CPU tensors where it has one: gloo::allreduce (its ring, the
+// default algorithm), gloo::broadcast, gloo::allgather, gloo::barrier. Gloo has no
+// reduce-scatter function: ReduceScatterHalvingDoubling stands in (torch 1.13's gloo
+// backend has no reduce-scatter at all).
+template <typename T>
+std::function<void()> gloo_collective(const Settings& s, const std::shared_ptr<gloo::rendezvous::Context>& context,
+                                      const Shape& shape) {
+  auto src = std::make_shared<std::vector<T>>(shape.src_elements, T(1));
+  auto dst = std::make_shared<std::vector<T>>(shape.dst_elements, T(1));
+  switch (s.collective) {
+    case Collective::kAllReduce:
+      return [context, dst, op = s.op] {
+        gloo::AllreduceOptions opts(context);
+        opts.setOutput(dst->data(), dst->size());
+        opts.setReduceFunction(gloo_reduce<T>(op));
+        gloo::allreduce(opts);
+      };
+    case Collective::kBroadcast:
+      return [context, dst] {
+        gloo::BroadcastOptions opts(context);
+        opts.setOutput(dst->data(), dst->size());
+        opts.setRoot(0);
+        gloo::broadcast(opts);
+      };
+    case Collective::kAllGather:
+      return [context, src, dst] {
+        gloo::AllgatherOptions opts(context);
+        opts.setInput(src->data(), src->size());
+        opts.setOutput(dst->data(), dst->size());
+        gloo::allgather(opts);
+      };
+    case Collective::kReduceScatter: {
+      // In place over src; rank r ends with its count_per_rank elements reduced.
+      auto algorithm = std::make_shared<gloo::ReduceScatterHalvingDoubling<T>>(
+          context, std::vector<T*>{src->data()}, static_cast<int>(src->size()),
+          std::vector<int>(static_cast<std::size_t>(s.peers), static_cast<int>(shape.count)),
+          gloo_reduction<T>(s.op));
+      return [src, algorithm] { algorithm->run(); };
+    }
+    case Collective::kBarrier:
+      return [context] {
+        gloo::BarrierOptions opts(context);
+        gloo::barrier(opts);
+      };
+  }
+  return {};
+}
+
+// One timed Gloo collective per call, after an untimed barrier.
+std::function<double()> gloo_round(const Settings& s, const std::shared_ptr<gloo::rendezvous::Context>& context,
+                                   const Shape& shape) {
+  std::function<void()> run;
+  switch (s.dtype) {
+    case LOCKSTEP_F32: run = gloo_collective<float>(s, context, shape); break;
+    case LOCKSTEP_F64: run = gloo_collective<double>(s, context, shape); break;
+    case LOCKSTEP_I32: run = gloo_collective<int32_t>(s, context, shape); break;
+    case LOCKSTEP_I64: run = gloo_collective<int64_t>(s, context, shape); break;
+    default: return {};
+  }
+  // The barrier of the same API family as the collective: an old-style algorithm
+  // (BarrierAllToAll) before gloo's option-based calls made a 1 MiB gloo::broadcast
+  // between two processes take 600 ms instead of 0.3-3 ms.
+  const bool old_style = s.collective == Collective::kReduceScatter;
+  return [context, run, old_style] {
+    if (old_style) {
+      gloo::BarrierAllToAll(context).run();
+    } else {
+      gloo::BarrierOptions opts(context);
+      gloo::barrier(opts);
+    }
     const auto start = Clock::now();
-    ring->run();
+    run();
     return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
   };
 }
 
-std::function<double()> gloo_for(lockstep_dtype_t t, const std::shared_ptr<gloo::rendezvous::Context>& c,
-                                 std::uint64_t bytes) {
-  switch (t) {
-    case LOCKSTEP_F32: return gloo_round<float>(c, bytes);
-    case LOCKSTEP_F64: return gloo_round<double>(c, bytes);
-    case LOCKSTEP_I32: return gloo_round<int32_t>(c, bytes);
-    case LOCKSTEP_I64: return gloo_round<int64_t>(c, bytes);
-    default: return {};
+// The descriptor of collective k of a round over its buffers.
+peer::ReduceDescriptor descriptor_of(const Settings& s, const Shape& shape, std::vector<std::uint8_t>& src,
+                                     std::vector<std::uint8_t>& dst, int k) {
+  peer::ReduceDescriptor d{src.empty() ? dst.data() : src.data(), dst.data(), shape.count, s.dtype, s.op, s.quant,
+                           static_cast<std::uint64_t>(k)};
+  switch (s.collective) {
+    case Collective::kAllReduce: break;
+    case Collective::kBroadcast:
+      d.kind = proto::CollectiveKind::kBroadcast;
+      d.src = nullptr;
+      d.root = 0;
+      break;
+    case Collective::kAllGather:
+      d.kind = proto::CollectiveKind::kAllGather;
+      d.dst_capacity = shape.dst_elements;
+      break;
+    case Collective::kReduceScatter: d.kind = proto::CollectiveKind::kReduceScatter; break;
+    case Collective::kBarrier:
+      d = peer::ReduceDescriptor{};
+      d.kind = proto::CollectiveKind::kBarrier;
+      d.tag = static_cast<std::uint64_t>(k);
+      break;
   }
+  return d;
 }
 
-int worker_allreduce(const Settings& s) {
+// The bytes this worker sends and receives on the plain TCP ring for one collective of
+// `bytes_each` contributed bytes (all in flight together): an all-reduce moves 2(n-1)/n
+// of its buffer each way, all-gather and reduce-scatter (n-1)/n of the whole, broadcast
+// the whole buffer once per hop of the chain from worker 0 to worker n-1.
+std::pair<std::size_t, std::size_t> raw_bytes(const Settings& s, std::size_t bytes_each) {
+  const auto n = static_cast<std::size_t>(s.peers);
+  switch (s.collective) {
+    case Collective::kAllReduce: {
+      const std::size_t total = 2 * (n - 1) * (bytes_each / n);
+      return {total, total};
+    }
+    case Collective::kReduceScatter: return {(n - 1) * (bytes_each / n), (n - 1) * (bytes_each / n)};
+    case Collective::kAllGather: return {(n - 1) * bytes_each, (n - 1) * bytes_each};
+    case Collective::kBroadcast:
+      return {s.index + 1 < s.peers ? bytes_each : 0, s.index > 0 ? bytes_each : 0};
+    case Collective::kBarrier: return {0, 0};
+  }
+  return {0, 0};
+}
+
+int worker_collective(const Settings& s) {
   peer::Options options;
   options.master_port = s.master_port;
   options.base_port = 0;
@@ -246,14 +365,19 @@ int worker_allreduce(const Settings& s) {
   const std::size_t esize = coll::dtype_size(s.dtype);
   const int rounds = s.warmup + s.iterations;
   for (const std::uint64_t bytes : s.sizes) {
-    const std::uint64_t count = std::max<std::uint64_t>(1, bytes / esize);
-    std::vector<std::vector<std::uint8_t>> buffers(static_cast<std::size_t>(s.concurrency),
-                                                   std::vector<std::uint8_t>(count * esize));
-    for (auto& b : buffers) fill_ones_and_zeros(b.data(), count, s.dtype);
+    std::string go;
+    if (s.paced && !std::getline(std::cin, go)) return 1;  // the orchestrator's turn
+    const Shape shape = shape_of(s.collective, bytes, esize, s.peers);
+    const auto slots = static_cast<std::size_t>(s.concurrency);
+    std::vector<std::vector<std::uint8_t>> srcs(slots, std::vector<std::uint8_t>(shape.src_elements * esize));
+    std::vector<std::vector<std::uint8_t>> dsts(slots, std::vector<std::uint8_t>(shape.dst_elements * esize));
+    for (auto& b : srcs) fill_ones_and_zeros(b.data(), shape.src_elements, s.dtype);
+    for (auto& b : dsts) fill_ones_and_zeros(b.data(), shape.dst_elements, s.dtype);
     json out = {{"size", bytes}};
-    std::vector<std::uint8_t> raw_buffer(s.peers > 1 ? count * esize * static_cast<std::size_t>(s.concurrency) : 0);
+    std::vector<std::uint8_t> raw_buffer(s.peers > 1 ? std::max<std::size_t>(1, shape.contributed * slots) : 0);
+    const auto [raw_send, raw_recv] = raw_bytes(s, raw_buffer.size());
     const std::function<double()> gloo =
-        gloo_context && s.concurrency == 1 ? gloo_for(s.dtype, gloo_context, bytes) : std::function<double()>{};
+        gloo_context && comparable(s) ? gloo_round(s, gloo_context, shape) : std::function<double()>{};
     std::vector<double> lockstep_us;
     std::vector<double> raw_us;
     std::vector<double> gloo_us;
@@ -264,9 +388,8 @@ int worker_allreduce(const Settings& s) {
       const auto start = Clock::now();
       std::vector<std::shared_ptr<peer::AsyncReduce>> handles;
       for (int k = 0; k < s.concurrency; ++k) {
-        auto& b = buffers[static_cast<std::size_t>(k)];
-        peer::ReduceDescriptor d{b.data(), b.data(), count, s.dtype, s.op, s.quant, static_cast<std::uint64_t>(k)};
-        auto h = comm.all_reduce_async(d);
+        const auto slot = static_cast<std::size_t>(k);
+        auto h = comm.all_reduce_async(descriptor_of(s, shape, srcs[slot], dsts[slot], k));
         if (!h.is_ok()) {
           std::fprintf(stderr, "worker %d: %s\n", s.index, h.status().to_string().c_str());
           return false;
@@ -292,7 +415,14 @@ int worker_allreduce(const Settings& s) {
     const auto raw_turn = [&](bool timed) {
       if (s.peers <= 1) return true;
       if (!raw.barrier()) return false;
-      const double us = raw.exchange_us(raw_buffer);
+      double us = 0;
+      if (s.collective == Collective::kBarrier) {
+        const auto start = Clock::now();
+        if (!raw.barrier()) return false;
+        us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+      } else {
+        us = raw.exchange_us(raw_buffer, raw_send, raw_recv);
+      }
       if (timed) raw_us.push_back(us);
       return true;
     };
@@ -404,6 +534,7 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& mode,
   }
   if (!s.secret_file.empty()) argv.insert(argv.end(), {"--secret-file", s.secret_file});
   if (s.encrypt) argv.push_back("--encrypt");
+  if (s.compare_torch) argv.push_back("--paced");
   argv.insert(argv.end(), {"--streams", std::to_string(s.streams)});
   if (!s.congestion.empty()) argv.insert(argv.end(), {"--cc", s.congestion});
   return argv;
@@ -417,9 +548,16 @@ std::optional<json> read_json(tools::Subprocess& p, std::chrono::seconds timeout
   return j;
 }
 
-namespace {
+std::string join_sizes(const std::vector<std::uint64_t>& sizes) {
+  std::string out;
+  for (auto s : sizes) {
+    if (!out.empty()) out += ',';
+    out += std::to_string(s);
+  }
+  return out;
+}
 
-// Per iteration, the all-reduce took as long as its slowest peer.
+// Per iteration, the collective took as long as its slowest peer.
 std::vector<double> slowest(const std::vector<json>& replies, const char* key) {
   std::vector<double> out;
   for (const auto& r : replies) {
@@ -431,7 +569,50 @@ std::vector<double> slowest(const std::vector<json>& replies, const char* key) {
   return out;
 }
 
-}  // namespace
+const char* collective_name(Collective c) {
+  switch (c) {
+    case Collective::kAllReduce: return "allreduce";
+    case Collective::kBroadcast: return "broadcast";
+    case Collective::kAllGather: return "allgather";
+    case Collective::kReduceScatter: return "reducescatter";
+    case Collective::kBarrier: return "barrier";
+  }
+  return "allreduce";
+}
+
+std::optional<Collective> collective_from_name(const std::string& name) {
+  for (const Collective c : {Collective::kAllReduce, Collective::kBroadcast, Collective::kAllGather,
+                             Collective::kReduceScatter, Collective::kBarrier}) {
+    if (name == collective_name(c)) return c;
+  }
+  return std::nullopt;
+}
+
+Shape shape_of(Collective c, std::uint64_t bytes, std::size_t element_size, int world) {
+  const std::uint64_t count = std::max<std::uint64_t>(1, bytes / element_size);
+  const auto n = static_cast<std::uint64_t>(world);
+  Shape shape;
+  switch (c) {
+    case Collective::kAllReduce:
+    case Collective::kBroadcast: shape = {count, 0, count, 0}; break;
+    case Collective::kAllGather: shape = {count, count, n * count, 0}; break;
+    case Collective::kReduceScatter: {
+      const std::uint64_t per_rank = std::max<std::uint64_t>(1, count / n);
+      shape = {per_rank, n * per_rank, per_rank, 0};
+      break;
+    }
+    case Collective::kBarrier: return {};
+  }
+  shape.contributed = (shape.src_elements > 0 ? shape.src_elements : shape.dst_elements) * element_size;
+  return shape;
+}
+
+bool comparable(const Settings& s) {
+  const bool dtype = s.dtype == LOCKSTEP_F32 || s.dtype == LOCKSTEP_F64 || s.dtype == LOCKSTEP_I32 ||
+                     s.dtype == LOCKSTEP_I64;
+  const bool reduces = s.collective == Collective::kAllReduce || s.collective == Collective::kReduceScatter;
+  return s.concurrency == 1 && dtype && !(reduces && s.op == LOCKSTEP_AVG);
+}
 
 std::vector<std::string> dtype_names() {
   std::vector<std::string> out;
@@ -495,7 +676,12 @@ std::string self_path(const char* argv0) {
 int run_worker(const Settings& s) {
   log::set_level(log::Level::kWarn);
   if (s.mode == "sync-holder" || s.mode == "sync-newcomer") return worker_sync(s);
-  return s.mode == "recovery" ? worker_recovery(s) : worker_allreduce(s);
+  if (s.mode == "recovery") return worker_recovery(s);
+  const auto collective = collective_from_name(s.mode);
+  if (!collective) return 2;
+  Settings w = s;
+  w.collective = *collective;
+  return worker_collective(w);
 }
 
 // A fresh random run secret in a private temporary file (hex text: no line breaks).
@@ -519,7 +705,22 @@ std::optional<std::string> write_run_secret() {
   return std::string(path);
 }
 
-int run_allreduce(const Settings& settings) {
+namespace {
+
+// Adds another measurement of the same collective to a figure: <name>_p50_us, and
+// <name>_gbytes_s for collectives that move bytes; `versus` gets lockstep's speed over
+// it (its median time over lockstep's).
+void add_compared(json& out, const std::string& name, const std::vector<double>& us, double contributed,
+                  const char* versus) {
+  const double p50 = percentile(us, 0.5);
+  if (contributed > 0) out[name + "_gbytes_s"] = contributed / (p50 * 1e3);
+  out[name + "_p50_us"] = p50;
+  out[versus] = p50 / out["p50_us"].get<double>();
+}
+
+}  // namespace
+
+int run_collective(const Settings& settings) {
   Settings s = settings;
   log::set_level(log::Level::kWarn);
   if (s.encrypt) {
@@ -531,24 +732,32 @@ int run_allreduce(const Settings& settings) {
     s.secret_file = *path;
   }
   // Removed on every return below.
-  struct SecretFile {
-    std::string path;
-    ~SecretFile() {
-      if (!path.empty()) std::filesystem::remove(path);
+  struct Cleanup {
+    std::string secret;
+    std::string store_dir;
+    ~Cleanup() {
+      if (!secret.empty()) std::filesystem::remove(secret);
+      if (!store_dir.empty()) std::filesystem::remove_all(store_dir);
     }
-  } secret_file{s.secret_file};
+  } cleanup{s.secret_file, ""};
   auto master = start_master(60'000, s.secret_file);  // generous: a busy 2-core machine must not evict live workers
   if (!master) return 1;
-  std::string store_dir;
-  if (s.compare_gloo) {
-    char tmpl[] = "/tmp/lockstep-bench-gloo-XXXXXX";
+  if (s.compare_gloo || s.compare_torch) {
+    char tmpl[] = "/tmp/lockstep-bench-store-XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) return 1;
-    store_dir = tmpl;
-    s.gloo_store = store_dir;
+    cleanup.store_dir = tmpl;
+    if (s.compare_gloo) s.gloo_store = cleanup.store_dir + "/gloo";
+    if (s.compare_gloo) std::filesystem::create_directory(s.gloo_store);
+  }
+  const bool torch_measures = s.compare_torch && comparable(s);
+  std::unique_ptr<TorchPeers> torch;
+  if (torch_measures) {
+    torch = TorchPeers::start(s, cleanup.store_dir);
+    if (!torch) return 1;
   }
   std::vector<tools::Subprocess> workers;
   for (int i = 0; i < s.peers; ++i) {
-    auto p = tools::Subprocess::spawn(worker_argv(s, "allreduce", i, master->port()));
+    auto p = tools::Subprocess::spawn(worker_argv(s, collective_name(s.collective), i, master->port()));
     if (!p) return 1;
     workers.push_back(std::move(*p));
   }
@@ -568,8 +777,12 @@ int run_allreduce(const Settings& settings) {
       workers[i].write_line(std::to_string(ports[(i + 1) % workers.size()]));
     }
   }
+  const std::size_t esize = coll::dtype_size(s.dtype);
   for (const std::uint64_t bytes : s.sizes) {
     std::vector<json> replies;
+    for (auto& w : workers) {
+      if (s.compare_torch) w.write_line("go");
+    }
     for (auto& w : workers) {
       auto j = read_json(w, std::chrono::seconds(1800));
       if (!j) {
@@ -578,14 +791,19 @@ int run_allreduce(const Settings& settings) {
       }
       replies.push_back(*j);
     }
+    std::string torch_why = "not measured (dtype, op or concurrency not supported by the comparison)";
+    const auto torch_us = torch ? torch->measure(bytes, &torch_why) : std::vector<double>{};
     const auto lockstep_us = slowest(replies, "lockstep_us");
     const auto raw_us = slowest(replies, "raw_us");
     const auto gloo_us = slowest(replies, "gloo_us");
-    const double contribution = static_cast<double>(bytes) * s.concurrency;
+    const double contribution =
+        static_cast<double>(shape_of(s.collective, bytes, esize, s.peers).contributed) * s.concurrency;
     const double p50 = percentile(lockstep_us, 0.5);
-    json out = {{"bench", "allreduce"},
+    std::uint64_t wire_bytes = 0;
+    for (const auto& r : replies) wire_bytes = std::max<std::uint64_t>(wire_bytes, r.value("bytes_sent", std::uint64_t{0}));
+    json out = {{"bench", collective_name(s.collective)},
                 {"peers", s.peers},
-                {"bytes", bytes},
+                {"bytes", s.collective == Collective::kBarrier ? 0 : bytes},
                 {"dtype", dtype_name(s.dtype)},
                 {"op", static_cast<int>(s.op)},
                 {"concurrency", s.concurrency},
@@ -596,22 +814,20 @@ int run_allreduce(const Settings& settings) {
                 {"encrypt", s.encrypt},
                 {"iterations", s.iterations},
                 {"order", s.in_turns ? "turns" : "blocks"},
-                {"gbytes_s", contribution / (p50 * 1e3)},
                 {"p50_us", p50},
                 {"p99_us", percentile(lockstep_us, 0.99)},
-                {"wire_bytes_per_peer", replies[0].value("bytes_sent", 0)}};
-    if (!raw_us.empty()) {
-      const double raw = contribution / (percentile(raw_us, 0.5) * 1e3);
-      out["raw_gbytes_s"] = raw;
-      out["efficiency"] = out["gbytes_s"].get<double>() / raw;
-    }
+                {"wire_bytes_per_peer", wire_bytes}};
+    if (contribution > 0) out["gbytes_s"] = contribution / (p50 * 1e3);
+    if (!raw_us.empty()) add_compared(out, "raw", raw_us, contribution, "efficiency");
     if (!gloo_us.empty()) {
-      const double gloo = static_cast<double>(bytes) / (percentile(gloo_us, 0.5) * 1e3);
-      out["gloo_gbytes_s"] = gloo;
-      out["gloo_p50_us"] = percentile(gloo_us, 0.5);
-      out["ratio"] = out["gbytes_s"].get<double>() / gloo;
+      add_compared(out, "gloo", gloo_us, contribution, "ratio");
     } else if (s.compare_gloo) {
-      out["gloo"] = "not measured (dtype or concurrency not supported by the comparison)";
+      out["gloo"] = "not measured (dtype, op or concurrency not supported by the comparison)";
+    }
+    if (!torch_us.empty()) {
+      add_compared(out, "torch", torch_us, contribution, "torch_ratio");
+    } else if (s.compare_torch) {
+      out["torch"] = torch_why;
     }
     std::printf("%s\n", out.dump().c_str());
     std::fflush(stdout);
@@ -619,7 +835,7 @@ int run_allreduce(const Settings& settings) {
   for (auto& w : workers) {
     if (w.wait(std::chrono::seconds(30)).value_or(1) != 0) rc = 1;
   }
-  if (!store_dir.empty()) std::filesystem::remove_all(store_dir);
+  if (torch && !torch->finish()) rc = 1;
   return rc;
 }
 

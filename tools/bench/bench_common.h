@@ -25,8 +25,15 @@ class Subprocess;
 
 namespace lockstep::bench {
 
+// The collectives the loopback benchmark times, one subcommand each.
+enum class Collective { kAllReduce, kBroadcast, kAllGather, kReduceScatter, kBarrier };
+const char* collective_name(Collective c);  // the subcommand: "allreduce", "broadcast", ...
+std::optional<Collective> collective_from_name(const std::string& name);
+
 struct Settings {
-  std::string mode;  // worker: "allreduce", "recovery", "sync-holder" or "sync-newcomer"
+  // worker: a collective's name, "recovery", "sync-holder" or "sync-newcomer"
+  std::string mode;
+  Collective collective = Collective::kAllReduce;
   int peers = 2;
   std::vector<std::uint64_t> sizes;
   lockstep_dtype_t dtype = LOCKSTEP_F32;
@@ -46,6 +53,10 @@ struct Settings {
   std::uint32_t heartbeat_timeout_ms = 5000;
   bool compare_gloo = false;
   std::string gloo_store;
+  // --compare torch: torch.distributed (gloo backend) in its own processes, size by size
+  // between lockstep's; the workers then wait for a line on stdin before each size.
+  bool compare_torch = false;
+  bool paced = false;
   std::uint16_t master_port = 0;
   std::string master_host = "127.0.0.1";
   std::string advertised_host;
@@ -65,8 +76,9 @@ lockstep_reduce_op_t op_from_name(const std::string& name);
 lockstep_quantization_t quant_from_name(const std::string& name);
 std::optional<std::vector<std::uint64_t>> parse_sizes(const std::string& text);
 std::string self_path(const char* argv0);
+std::string join_sizes(const std::vector<std::uint64_t>& sizes);  // "1024,16777216"
 
-int run_allreduce(const Settings& s);
+int run_collective(const Settings& s);  // allreduce, broadcast, allgather, reducescatter, barrier
 int run_recovery(const Settings& s);
 int run_sync(const Settings& s);  // sync_bench.cpp
 int run_joined(const Settings& s);  // joined_bench.cpp: one peer of a run on several hosts
@@ -82,5 +94,39 @@ std::unique_ptr<master::MasterServer> start_master(std::uint32_t heartbeat_timeo
 std::optional<nlohmann::json> read_json(tools::Subprocess& p, std::chrono::seconds timeout);
 // Joins the run and waits until the group has `world` members.
 bool join(peer::Communicator& comm, int world);
+// Per iteration, the time of the slowest worker: replies[w][key] is worker w's list.
+std::vector<double> slowest(const std::vector<nlohmann::json>& replies, const char* key);
+
+// What one peer holds and moves in one collective for a --size of `bytes` (the bytes
+// one peer contributes): broadcast, the root's buffer; all-gather, one peer's input;
+// reduce-scatter, one peer's input (world x count_per_rank elements).
+struct Shape {
+  std::uint64_t count = 0;        // the descriptor's count (all-gather, reduce-scatter: per rank)
+  std::uint64_t src_elements = 0;  // 0: in place (all-reduce, broadcast) or none (barrier)
+  std::uint64_t dst_elements = 0;
+  std::uint64_t contributed = 0;   // bytes: the throughput's numerator
+};
+Shape shape_of(Collective c, std::uint64_t bytes, std::size_t element_size, int world);
+// The comparisons (Gloo, torch) time one collective at a time in the dtypes both take;
+// Gloo and torch have no average.
+bool comparable(const Settings& s);
+
+// --compare torch (torch_compare.cpp): the torch.distributed processes of one run.
+class TorchPeers {
+ public:
+  // Starts s.peers processes of /usr/bin/python3 on a file store in store_dir and waits
+  // until they have formed their group; null (with a message on stderr) if they could not.
+  static std::unique_ptr<TorchPeers> start(const Settings& s, const std::string& store_dir);
+  ~TorchPeers();
+  // Runs the next size of s.sizes on every process: the slowest process's microseconds
+  // per iteration, or why there are none (*why).
+  std::vector<double> measure(std::uint64_t bytes, std::string* why);
+  // Waits for the processes to exit; false if one failed.
+  bool finish();
+
+ private:
+  TorchPeers() = default;
+  std::vector<tools::Subprocess> procs_;
+};
 
 }  // namespace lockstep::bench

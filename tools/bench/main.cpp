@@ -1,11 +1,14 @@
-// lockstep-bench: measures lockstep against the transport bound and Gloo, with the
-// definitions of PRODUCT.md. It starts a master and N worker processes on loopback
-// (workers are this program run as `lockstep-bench worker ...`) and prints one JSON
-// object per line per measurement.
+// lockstep-bench: measures lockstep against the transport bound, Gloo and torch.distributed,
+// with the definitions of PRODUCT.md and BENCHMARKS.md. It starts a master and N worker
+// processes on loopback (workers are this program run as `lockstep-bench worker ...`) and
+// prints one JSON object per line per measurement.
 //
 //   lockstep-bench allreduce --peers 4 --size 1KiB,16MiB,256MiB [--dtype f32] [--op sum] [--encrypt]
 //                  [--concurrency K] [--pool P] [--iterations N] [--warmup W] [--quant minmax]
-//                  [--compare gloo] [--order turns|blocks]
+//                  [--compare gloo,torch] [--order turns|blocks]
+//   lockstep-bench broadcast|allgather|reducescatter --peers 4 --size 256MiB ...   (the same
+//       options; --op and --quant for reducescatter; --size is the bytes one peer contributes)
+//   lockstep-bench barrier --peers 4 [--iterations N] [--compare gloo,torch] ...
 //   lockstep-bench allreduce --master HOST:PORT --peers N [--optimize] ...   (one peer of a run
 //       on several hosts: each host runs it against the same master; see scripts/bench-wan-topology.py)
 //   lockstep-bench recovery --peers 4 --size 16MiB --trials 20 [--stop]
@@ -19,41 +22,61 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 
 int main(int argc, char** argv) {
-  CLI::App app{"lockstep-bench: all-reduce throughput and latency, recovery time, shared-state sync, content hash"};
+  CLI::App app{"lockstep-bench: collective throughput and latency, recovery time, shared-state sync, content hash"};
   app.require_subcommand(1);
   lockstep::bench::Settings s;
   std::string sizes = "16MiB";
   std::string dtype = "f32";
   std::string op = "sum";
-  std::string compare;
   std::string quant = "none";
 
-  auto* allreduce = app.add_subcommand("allreduce", "effective all-reduce throughput, latency percentiles");
-  allreduce->add_option("--peers", s.peers, "number of peer processes")->check(CLI::Range(1, 64));
-  allreduce->add_option("--size", sizes, "bytes per peer, comma-separated (suffixes KiB, MiB, GiB)");
-  allreduce->add_option("--dtype", dtype, "element type")->check(CLI::IsMember(lockstep::bench::dtype_names()));
-  allreduce->add_option("--op", op, "reduce op")->check(CLI::IsMember({"sum", "avg", "prod", "max", "min"}));
-  allreduce->add_option("--concurrency", s.concurrency, "all-reduces in flight at once")->check(CLI::Range(1, 256));
-  allreduce->add_option("--pool", s.pool, "p2p connections per neighbour")->check(CLI::Range(1, 256));
-  allreduce->add_option("--streams", s.streams, "connections one all-reduce stripes over per hop (0: adaptive)")
-      ->check(CLI::Range(0, 16));
-  allreduce->add_option("--cc", s.congestion, "TCP congestion control of the p2p connections (default: the system's)");
-  allreduce->add_option("--iterations", s.iterations, "timed repetitions per size")->check(CLI::Range(5, 100000));
-  allreduce->add_option("--warmup", s.warmup, "untimed repetitions first")->check(CLI::Range(0, 1000));
+  // The collectives share their options; --op and --quant where they reduce.
   std::string order = "turns";
-  allreduce
-      ->add_option("--order", order,
-                   "turns: lockstep, the plain ring and Gloo take turns round by round; blocks: each runs its "
-                   "rounds back to back (sequential operations)")
-      ->check(CLI::IsMember({"turns", "blocks"}));
-  allreduce->add_option("--quant", quant, "8-bit quantization on the wire")
-      ->check(CLI::IsMember({"none", "minmax", "zeropoint"}));
-  allreduce->add_flag("--encrypt", s.encrypt,
-                      "encrypt the data plane (encrypt_data) under a run secret generated for this run");
-  allreduce->add_option("--compare", compare, "also measure this library (gloo)")->check(CLI::IsMember({"gloo"}));
+  std::vector<std::string> compare;
+  const auto add_collective = [&](const char* name, const char* what, bool reduces, bool sized) {
+    auto* sub = app.add_subcommand(name, what);
+    sub->add_option("--peers", s.peers, "number of peer processes")->check(CLI::Range(2, 64));
+    if (sized) {
+      sub->add_option("--size", sizes,
+                      "bytes one peer contributes, comma-separated (suffixes KiB, MiB, GiB)");
+      sub->add_option("--dtype", dtype, "element type")->check(CLI::IsMember(lockstep::bench::dtype_names()));
+    }
+    if (reduces) {
+      sub->add_option("--op", op, "reduce op")->check(CLI::IsMember({"sum", "avg", "prod", "max", "min"}));
+      sub->add_option("--quant", quant, "8-bit quantization on the wire")
+          ->check(CLI::IsMember({"none", "minmax", "zeropoint"}));
+    }
+    sub->add_option("--concurrency", s.concurrency, "collectives in flight at once")->check(CLI::Range(1, 256));
+    sub->add_option("--pool", s.pool, "p2p connections per neighbour")->check(CLI::Range(1, 256));
+    sub->add_option("--streams", s.streams, "connections one collective stripes over per hop (0: adaptive)")
+        ->check(CLI::Range(0, 16));
+    sub->add_option("--cc", s.congestion, "TCP congestion control of the p2p connections (default: the system's)");
+    sub->add_option("--iterations", s.iterations, "timed repetitions per size")->check(CLI::Range(5, 100000));
+    sub->add_option("--warmup", s.warmup, "untimed repetitions first")->check(CLI::Range(0, 1000));
+    sub->add_option("--order", order,
+                    "turns: lockstep, the plain ring and Gloo take turns round by round; blocks: each runs its "
+                    "rounds back to back (sequential operations)")
+        ->check(CLI::IsMember({"turns", "blocks"}));
+    sub->add_flag("--encrypt", s.encrypt,
+                  "encrypt the data plane (encrypt_data) under a run secret generated for this run");
+    sub->add_option("--compare", compare,
+                    "also measure gloo (Gloo's collective in the same processes) and/or torch (torch.distributed, "
+                    "gloo backend, in processes of its own), comma-separated")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"gloo", "torch"}));
+    return sub;
+  };
+  auto* allreduce = add_collective("allreduce", "effective all-reduce throughput, latency percentiles", true, true);
+  std::vector<CLI::App*> collectives = {
+      allreduce,
+      add_collective("broadcast", "broadcast from rank 0: the root's buffer over the slowest peer's time", false, true),
+      add_collective("allgather", "all-gather: one peer's input over the slowest peer's time", false, true),
+      add_collective("reducescatter", "reduce-scatter: one peer's input over the slowest peer's time", true, true),
+      add_collective("barrier", "barrier latency percentiles", false, false)};
   std::string join_master;
   allreduce->add_option("--master", join_master,
                         "HOST:PORT of a running master: be ONE peer of a run started on several hosts (each host "
@@ -104,6 +127,7 @@ int main(int argc, char** argv) {
   worker->add_option("--quant", quant);
   worker->add_option("--secret-file", s.secret_file);
   worker->add_flag("--encrypt", s.encrypt);
+  worker->add_flag("--paced", s.paced);
   CLI11_PARSE(app, argc, argv);
 
   if (*hash) {
@@ -129,7 +153,8 @@ int main(int argc, char** argv) {
   s.dtype = lockstep::bench::dtype_from_name(dtype);
   s.op = lockstep::bench::op_from_name(op);
   s.quant = lockstep::bench::quant_from_name(quant);
-  s.compare_gloo = compare == "gloo";
+  s.compare_gloo = std::find(compare.begin(), compare.end(), "gloo") != compare.end();
+  s.compare_torch = std::find(compare.begin(), compare.end(), "torch") != compare.end();
   s.self = lockstep::bench::self_path(argv[0]);
   if (*worker) return lockstep::bench::run_worker(s);
   if (*allreduce && !join_master.empty()) {
@@ -142,7 +167,14 @@ int main(int argc, char** argv) {
     s.master_port = static_cast<std::uint16_t>(std::stoi(join_master.substr(colon + 1)));
     return lockstep::bench::run_joined(s);
   }
-  if (*allreduce) return lockstep::bench::run_allreduce(s);
+  for (auto* sub : collectives) {
+    if (*sub) {
+      s.collective = *lockstep::bench::collective_from_name(sub->get_name());
+      // A barrier has no buffers: one measurement, whatever the (unused) size.
+      if (s.collective == lockstep::bench::Collective::kBarrier) s.sizes.resize(1);
+      return lockstep::bench::run_collective(s);
+    }
+  }
   if (*sync) {
     s.trials = sync_trials;
     return lockstep::bench::run_sync(s);
