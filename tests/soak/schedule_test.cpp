@@ -322,6 +322,10 @@ struct Model {
           EXPECT_LT(f.a, f.b);
           EXPECT_EQ(by_host.count(f.a), 1u);
           EXPECT_EQ(by_host.count(f.b), 1u);
+          // The state survives the cut: an active holder lives on a third host.
+          std::size_t elsewhere = 0;
+          for (const auto& name : s.holders) elsewhere += s.hosts.at(name) != f.a && s.hosts.at(name) != f.b ? 1u : 0u;
+          EXPECT_GT(elsewhere, 0u);
         }
         partition_until = now + f.duration_ms;
         break;

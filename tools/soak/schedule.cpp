@@ -25,12 +25,18 @@ void partition_choices(const ScheduleState& state, std::vector<std::uint32_t>* h
                        std::vector<std::pair<std::uint32_t, std::uint32_t>>* pairs) {
   const auto by_host = active_by_host(state);
   const auto& holders = state.holders;
-  for (const auto& [host, names] : by_host) {
+  const auto holders_on = [&](std::uint32_t host) {
     std::size_t inside = 0;
-    for (const auto& n : names) inside += holders.count(n);
-    if (holders.size() > inside) hosts->push_back(host);
+    for (const auto& n : by_host.at(host)) inside += holders.count(n);
+    return inside;
+  };
+  for (const auto& [host, names] : by_host) {
+    if (holders.size() > holders_on(host)) hosts->push_back(host);
+    // A cut between two hosts makes the master remove the ring neighbours across it
+    // that fail to connect at the next update (both ends): some holder must live on a
+    // third host, or the cut may evict every one of them and the state with them.
     for (const auto& [other, unused] : by_host) {
-      if (other > host) pairs->emplace_back(host, other);
+      if (other > host && holders.size() > holders_on(host) + holders_on(other)) pairs->emplace_back(host, other);
     }
   }
 }

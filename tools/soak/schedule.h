@@ -70,7 +70,8 @@ struct Fault {
 
 // The partitions possible in a state: worker hosts that may be cut off (active holders
 // remain elsewhere, so the state survives their eviction), and pairs of hosts with
-// active workers.
+// active workers that may be cut apart (an active holder lives on a third host: the
+// master may remove the peers on both sides of the cut).
 void partition_choices(const ScheduleState& state, std::vector<std::uint32_t>* hosts,
                        std::vector<std::pair<std::uint32_t, std::uint32_t>>* pairs);
 
