@@ -594,7 +594,7 @@ lockstep_status_t refuse_quietly(const char* function, const lockstep::Status& s
 
 // ---- the collectives since 0.4: each struct's first version is whole (no shorter size).
 extern "C++" {
-bool valid_dtype(lockstep_dtype_t d) { return raw(d) >= LOCKSTEP_U8 && raw(d) <= LOCKSTEP_F64; }
+bool valid_dtype(const lockstep_dtype_t& d) { return raw(d) >= LOCKSTEP_U8 && raw(d) <= LOCKSTEP_F64; }
 
 lockstep::Result<lockstep::peer::ReduceDescriptor> to_descriptor(const lockstep_reduce_desc_t& d) {
   if (!valid_descriptor(d)) return lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
@@ -643,7 +643,16 @@ lockstep::Result<lockstep::peer::ReduceDescriptor> to_descriptor(const lockstep_
   return out;
 }
 lockstep::Result<lockstep::peer::ReduceDescriptor> to_descriptor(const lockstep_reduce_scatter_desc_t& d) {
-  lockstep_reduce_desc_t as_reduce{d.src, d.dst, d.count_per_rank, d.dtype, d.op, d.quantization, d.tag};
+  // The enums are checked before they are copied (loading an out-of-range one is undefined).
+  lockstep_reduce_desc_t as_reduce{};
+  std::memcpy(&as_reduce.dtype, &d.dtype, sizeof d.dtype);
+  std::memcpy(&as_reduce.op, &d.op, sizeof d.op);
+  std::memcpy(&as_reduce.quantization, &d.quantization, sizeof d.quantization);
+  if (!valid_descriptor(as_reduce)) return lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
+  as_reduce.src = d.src;
+  as_reduce.dst = d.dst;
+  as_reduce.count = d.count_per_rank;
+  as_reduce.tag = d.tag;
   auto out = to_descriptor(as_reduce);
   if (out.is_ok()) out.value().kind = lockstep::proto::CollectiveKind::kReduceScatter;
   return out;

@@ -127,7 +127,7 @@ Outcome run_case(const Case& c) {
         if (c.in_place) {
           std::size_t at = 0;
           for (std::size_t r = 0; r < i; ++r) at += counts[r];
-          std::memcpy(dst[i].data() + at * es, src[i].data(), src[i].size());
+          if (!src[i].empty()) std::memcpy(dst[i].data() + at * es, src[i].data(), src[i].size());
         }
         break;
       case RingKind::kReduceScatter:
