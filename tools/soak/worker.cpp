@@ -18,7 +18,8 @@
 //         goes on without them; the state does not depend on them)
 //       weights, momentum, steps += f(results); revision R+1 (synced next step)
 //     are-peers-pending -> update topology (retried while UPDATE_TOPOLOGY_FAILED); also
-//       after a collective found this peer alone (TOO_FEW_PEERS: the step is dropped)
+//       after a collective found this peer alone (TOO_FEW_PEERS: the step goes on alone,
+//       each all-reduce's result its own contribution, as a world of one gives)
 //
 // Every line on stdout is one JSON object with "ev": sync (after every successful
 // sync: revision, hash of the whole state, world, t_ms), allreduce (after every
@@ -313,19 +314,25 @@ class Worker {
           // A failed all-reduce leaves the buffer exactly as it was before the call.
           fill(expected_, contribution_key(k));
           j["restored"] = std::memcmp(expected_.data(), buffers_[k].data(), expected_.size() * sizeof(float)) == 0;
-          if (s == LOCKSTEP_STATUS_TOO_FEW_PEERS) alone = true;
-          else if (s != LOCKSTEP_STATUS_PEER_CONNECTION_LOST && fatal == LOCKSTEP_OK) fatal = s;
+          if (s == LOCKSTEP_STATUS_TOO_FEW_PEERS) {
+            // The others are gone: the step goes on alone. The buffer holds this peer's
+            // own contribution, which is what an all-reduce over one peer gives.
+            done[k] = true;
+            alone = true;
+          } else if (s != LOCKSTEP_STATUS_PEER_CONNECTION_LOST && fatal == LOCKSTEP_OK) {
+            fatal = s;
+          }
         }
         emit(j);
       }
       if (fatal != LOCKSTEP_OK) return end(fatal_op, fatal);
-      if (alone) {
-        // The others are gone: drop the step and learn the new view.
-        refresh_view_ = true;
-        return -1;
-      }
     }
-    if (int rc = shape_collectives(); rc >= 0) return rc;
+    // Alone: the view is learned anew at the end of the step (the revision advances as
+    // always: the next sync presents exactly one more).
+    if (alone) refresh_view_ = true;
+    if (!alone) {
+      if (int rc = shape_collectives(); rc >= 0) return rc;
+    }
     // Advance the state from the results, identically on every peer.
     const std::size_t m = buffers_[0].size();
     const std::vector<float>& a = buffers_[0];
@@ -366,22 +373,29 @@ class Worker {
     lockstep_status_t s = lockstep_comm_reduce_scatter(comm_, &rs, &info);
     // The slices differ by rank: no checksum to compare.
     if (!report_shape(base, s, info, "", [&] { return std::all_of(shape_part_.begin(), shape_part_.end(), [](float v) { return v == -1.0f; }); })) {
-      return s == LOCKSTEP_STATUS_PEER_CONNECTION_LOST || s == LOCKSTEP_STATUS_VIEW_CHANGED ? -1 : end("reduce_scatter", s);
+      return shape_failure_expected(s) ? -1 : end("reduce_scatter", s);
     }
     const lockstep_all_gather_desc_t ag = {shape_part_.data(), m, shape_all_.data(), shape_all_.size(), LOCKSTEP_F32,
                                            nullptr, 0, base + 1};
     s = lockstep_comm_all_gather(comm_, &ag, &info);
     if (!report_shape(base + 1, s, info, hash_of(shape_all_.data(), shape_all_.size() * sizeof(float)),
                       [&] { return std::all_of(shape_all_.begin(), shape_all_.end(), [](float v) { return v == -1.0f; }); })) {
-      return s == LOCKSTEP_STATUS_PEER_CONNECTION_LOST || s == LOCKSTEP_STATUS_VIEW_CHANGED ? -1 : end("all_gather", s);
+      return shape_failure_expected(s) ? -1 : end("all_gather", s);
     }
     const lockstep_broadcast_desc_t bc = {shape_bcast_.data(), m, LOCKSTEP_F32, root, base + 2};
     s = lockstep_comm_broadcast(comm_, &bc, &info);
     if (!report_shape(base + 2, s, info, hash_of(shape_bcast_.data(), shape_bcast_.size() * sizeof(float)),
                       [&] { return shape_bcast_ == bcast_before; })) {
-      return s == LOCKSTEP_STATUS_PEER_CONNECTION_LOST || s == LOCKSTEP_STATUS_VIEW_CHANGED ? -1 : end("broadcast", s);
+      return shape_failure_expected(s) ? -1 : end("broadcast", s);
     }
     return -1;
+  }
+
+  // After a loss they fail (PEER_CONNECTION_LOST, then VIEW_CHANGED, or TOO_FEW_PEERS
+  // once alone) until the next update topology: the step goes on without them.
+  static bool shape_failure_expected(lockstep_status_t s) {
+    return s == LOCKSTEP_STATUS_PEER_CONNECTION_LOST || s == LOCKSTEP_STATUS_VIEW_CHANGED ||
+           s == LOCKSTEP_STATUS_TOO_FEW_PEERS;
   }
 
   // One shape-bound collective's line, like an all-reduce's (the checker holds them to
