@@ -21,6 +21,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -233,8 +234,19 @@ void expect_reduce_scatter(const Case& c) {
       EXPECT_EQ(o.out[r], want) << "rank " << r;
       continue;
     }
-    // Quantized (f32 here): each of the n-1 hops and the final encoding is off by at most
-    // half a step of its range; the inputs are within [-100, 100].
+    // Quantized: the result is the decoded form of one final 8-bit encoding per
+    // sub-chunk (1024 f32 of 4096 bytes here), so each sub-chunk takes at most 256 values.
+    for (std::size_t at = 0; at < c.count; at += 1024) {
+      std::set<std::uint32_t> seen;
+      for (std::size_t e = at; e < std::min(c.count, at + 1024); ++e) {
+        std::uint32_t bits;
+        std::memcpy(&bits, o.out[r].data() + e * 4, 4);
+        seen.insert(bits);
+      }
+      EXPECT_LE(seen.size(), 256u) << "rank " << r << " sub-chunk at " << at << ": not one 8-bit encoding's values";
+    }
+    // Each of the n-1 hops and the final encoding is off by at most half a step of its
+    // range; the inputs are within [-100, 100].
     const float bound = static_cast<float>(c.world) * 200.0f * static_cast<float>(c.world) / 255.0f;
     for (std::size_t e = 0; e < c.count; ++e) {
       float got, exact;
