@@ -553,8 +553,9 @@ def test_jitter_bounded_in_order_and_reordering(testbed_factory):
     """jitter adds 0..J ms to each packet: without --reorder every datagram arrives
     within [delay, delay + J] and in sending order; with --reorder later datagrams
     overtake earlier ones, still within the bound. The bound is checked exactly on the
-    delay program's counter (the extra delay it gave) and, at the receiver, with room
-    for a busy machine's scheduling (SLACK_MS)."""
+    delay program's counter (the extra delay it gave) and, at the receiver, on the 99th
+    percentile with room for a busy machine's scheduling (SLACK_MS): a receiver stalled
+    once for 100 ms delays every datagram that arrived meanwhile."""
     SLACK_MS = 15
     bed = testbed_factory(2)
     bed.delay(0, 1, 10)
@@ -564,8 +565,8 @@ def test_jitter_bounded_in_order_and_reordering(testbed_factory):
     print(f"\n  delay 10 ms, jitter 10 ms, in order: {r}\n  counters: jittered {st['jittered']}, "
           f"reordered {st['reordered']}, max_extra_us {st['max_extra_us']}")
     assert r["received"] == 2000 and r["out_of_order"] == 0, r
-    assert r["delay_min_ms"] >= 9.9 and r["delay_max_ms"] <= 10 + 10 + SLACK_MS, r
-    assert r["delay_max_ms"] - r["delay_min_ms"] >= 5, r  # the jitter is there
+    assert r["delay_min_ms"] >= 9.9 and r["delay_p99_ms"] <= 10 + 10 + SLACK_MS, r
+    assert r["delay_p99_ms"] - r["delay_min_ms"] >= 5, r  # the jitter is there
     assert st["jittered"] > 1000 and st["reordered"] == 0 and not st["reorder"], st
     assert st["max_extra_us"] <= 10_000, st
 
@@ -576,7 +577,7 @@ def test_jitter_bounded_in_order_and_reordering(testbed_factory):
     st = pair_stats(bed, 0, 1)
     print(f"  with --reorder: {r}\n  counters: reordered {st['reordered']}")
     assert r["received"] == 2000 and r["out_of_order"] >= 200, r
-    assert r["delay_min_ms"] >= 9.9 and r["delay_max_ms"] <= 10 + 10 + SLACK_MS, r
+    assert r["delay_min_ms"] >= 9.9 and r["delay_p99_ms"] <= 10 + 10 + SLACK_MS, r
     assert st["reorder"] and st["reordered"] >= 200 and st["max_extra_us"] <= 10_000, st
 
     bed.run("unjitter")
