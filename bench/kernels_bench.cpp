@@ -79,6 +79,20 @@ void BM_Memcpy(benchmark::State& state) {
   count_bytes(state);
 }
 
+// The optional finiteness check of a contribution (check_finite): one read of a clean
+// buffer.
+template <lockstep_dtype_t D>
+void BM_FirstNonFinite(benchmark::State& state) {
+  const auto buf = make_buffer(D, 1);
+  const std::size_t n = kBytes / coll::dtype_size(D);
+  for (auto _ : state) {
+    const std::size_t at = coll::first_non_finite(buf.data(), n, D);
+    if (at != n) state.SkipWithError("a finite buffer was flagged");
+    benchmark::DoNotOptimize(at);
+  }
+  count_bytes(state);
+}
+
 template <lockstep_dtype_t D, lockstep_reduce_op_t Op>
 void BM_Reduce(benchmark::State& state) {
   auto dst = make_buffer(D, 2);
@@ -175,6 +189,8 @@ void BM_DequantizeReduce(benchmark::State& state) {
 }
 
 BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_FirstNonFinite<LOCKSTEP_F32>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_FirstNonFinite<LOCKSTEP_BF16>)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Reduce<LOCKSTEP_F32, LOCKSTEP_SUM>)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Reduce<LOCKSTEP_F64, LOCKSTEP_SUM>)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Reduce<LOCKSTEP_I32, LOCKSTEP_SUM>)->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -31,7 +31,7 @@ extern "C" {
 #endif
 
 #define LOCKSTEP_VERSION_MAJOR 0
-#define LOCKSTEP_VERSION_MINOR 4
+#define LOCKSTEP_VERSION_MINOR 5
 #define LOCKSTEP_VERSION_PATCH 0
 #define LOCKSTEP_VERSION_HEX \
   ((LOCKSTEP_VERSION_MAJOR << 16) | (LOCKSTEP_VERSION_MINOR << 8) | LOCKSTEP_VERSION_PATCH)
@@ -54,6 +54,10 @@ extern "C" {
  *    for peers (are-peers-pending, update topology) or go on alone.
  *  - VIEW_CHANGED: a broadcast, all-gather or reduce-scatter failed on every participant
  *    because a peer left since the last update topology; update it, then retry.
+ *  - NON_FINITE_CONTRIBUTION: a collective failed on every participant because a peer's
+ *    contribution held NaN or infinity (check_finite); fix the data, then retry.
+ *  - KEY_NOT_FOUND / LIMIT_EXCEEDED: a key-value store request was answered so; nothing
+ *    changed.
  *  - UPDATE_TOPOLOGY_FAILED / TOPOLOGY_OPTIMIZATION_FAILED: the phase failed on every
  *    participant; the only legal action is to call it again.
  *  - NO_SHARED_STATE_AVAILABLE / HASH_MISMATCH: the sync failed on every peer of the
@@ -102,7 +106,17 @@ typedef enum lockstep_status {
    * view that has lost a peer since (their shapes depend on the world): it failed on
    * every peer before any byte moved. Call update topology, then call it again with
    * buffers sized for the new view. */
-  LOCKSTEP_STATUS_VIEW_CHANGED = 25
+  LOCKSTEP_STATUS_VIEW_CHANGED = 25,
+  /** Since 0.5. The key-value store holds no such key (lockstep_comm_kv_get). */
+  LOCKSTEP_STATUS_KEY_NOT_FOUND = 26,
+  /** Since 0.5. A bound of the master was reached (the key-value store's keys, key or
+   * value size, or open waits per peer); the message names the bound and its flag.
+   * Nothing changed. */
+  LOCKSTEP_STATUS_LIMIT_EXCEEDED = 27,
+  /** Since 0.5. With check_finite, a peer's contribution to a float collective held NaN
+   * or infinity: the collective failed on every peer before any byte moved (buffers
+   * unchanged), and the message names the peer. Fix the data, then call it again. */
+  LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION = 28
 } lockstep_status_t;
 
 /** A static, human-readable description of a status code (never NULL). */
@@ -210,6 +224,12 @@ typedef struct lockstep_master_config {
    * (anyone who can reach it sees the run). 0 (the default): such an address without a
    * token makes lockstep_master_create fail with INVALID_ARGUMENT. */
   uint32_t http_insecure;
+  /** Since 0.5. Bounds of the key-value store (lockstep_comm_kv_set): keys held (0 means
+   * 4096, at most 1048576), bytes per key (0 means 256, at most 1024) and per value (0
+   * means 65536, at most 524288). Above a maximum: INVALID_ARGUMENT. */
+  uint32_t kv_keys_max;
+  uint32_t kv_key_bytes_max;
+  uint32_t kv_value_bytes_max;
 } lockstep_master_config_t;
 
 /** Fills the struct_size bytes of a config with the defaults (port 48148, all interfaces)
@@ -313,6 +333,12 @@ typedef struct lockstep_comm_config {
    * 15 of a-z, 0-9, _ and -): INVALID_ARGUMENT; one the kernel refuses (not loaded, or
    * not allowed for this user): one warning in the log and the system's default. */
   const char* tcp_congestion;
+  /** Since 0.5. Nonzero: before each float collective (f16, bf16, f32, f64) this peer
+   * checks its own contribution (its input; a broadcast's root its buffer) for NaN and
+   * infinity; one found fails the collective on every peer with NON_FINITE_CONTRIBUTION
+   * before any byte moves, naming this peer and the element. Costs one read of the
+   * contribution (BENCHMARKS.md). 0 (default): no check. */
+  int check_finite;
 } lockstep_comm_config_t;
 
 /** Fills the struct_size bytes of a config with the defaults (master_host "127.0.0.1")
@@ -377,6 +403,31 @@ typedef enum lockstep_agree_mode {
 LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_agree_value(lockstep_comm_t* comm, lockstep_agree_mode_t mode,
                                                              const void* value, size_t size, void* out,
                                                              size_t out_capacity, size_t* out_size);
+
+/* ------------------------------------------ key-value store (since 0.5) */
+
+/** Since 0.5. The master's key-value store of run metadata (a step number, a config, a
+ * checkpoint's location; docs/collectives.md), open to every connected peer, accepted or
+ * not. Keys are NUL-terminated strings of 1 to 256 bytes, values byte strings of up to
+ * 64 KiB (the master's --kv-key-bytes-max and --kv-value-bytes-max; at most 4096 keys,
+ * --kv-keys-max); beyond a bound: LIMIT_EXCEEDED, nothing changed. The store lives as
+ * long as the master; it is not part of the shared state. Calls from the thread that
+ * created the communicator, one at a time like every call. */
+/** Stores `size` bytes of `value` under `key`, replacing any earlier value; wakes every
+ * peer waiting for the key. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_kv_set(lockstep_comm_t* comm, const char* key, const void* value,
+                                                        size_t size);
+/** Copies the value of `key` into out (out_capacity bytes) and sets *out_size to its
+ * size: KEY_NOT_FOUND if no such key; INVALID_ARGUMENT with *out_size set and nothing
+ * written if it does not fit (call again with a larger buffer). */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_kv_get(lockstep_comm_t* comm, const char* key, void* out,
+                                                        size_t out_capacity, size_t* out_size);
+/** As lockstep_comm_kv_get, but waits until the key is set (at once if it is):
+ * TIMEOUT after timeout_ms (0: no deadline; the master checks deadlines every 20 ms). */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_kv_wait(lockstep_comm_t* comm, const char* key, uint32_t timeout_ms,
+                                                         void* out, size_t out_capacity, size_t* out_size);
+/** Removes `key` and its value; OK whether or not it was there. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_kv_delete(lockstep_comm_t* comm, const char* key);
 
 typedef enum lockstep_attribute {
   LOCKSTEP_ATTR_GLOBAL_WORLD_SIZE = 0,

@@ -79,6 +79,9 @@ from ._errors import (
     TopologyOptimizationFailedError,
     UpdateTopologyFailedError,
     ViewChangedError,
+    KeyNotFoundError,
+    LimitExceededError,
+    NonFiniteContributionError,
     WrongThreadError,
     error_for_status,
 )
@@ -144,4 +147,7 @@ __all__ = [
     "HashMismatchError",
     "AuthenticationFailedError",
     "ViewChangedError",
+    "KeyNotFoundError",
+    "LimitExceededError",
+    "NonFiniteContributionError",
 ]

@@ -53,6 +53,9 @@ class Status(enum.IntEnum):
     HASH_MISMATCH = 23
     AUTHENTICATION_FAILED = 24
     VIEW_CHANGED = 25
+    KEY_NOT_FOUND = 26
+    LIMIT_EXCEEDED = 27
+    NON_FINITE_CONTRIBUTION = 28
 
 class DType(enum.IntEnum):
     """Element types. NumPy: uint8, int8, uint16, int16, uint32, int32, uint64, int64,
@@ -205,6 +208,16 @@ class ViewChangedError(Error):
     left the view; it failed on every peer before any byte moved. update_topology(), then
     call it again with buffers sized for the new view."""
 
+class KeyNotFoundError(Error, KeyError):
+    """26: the master's key-value store holds no such key."""
+
+class LimitExceededError(Error):
+    """27: a bound of the master was reached (key-value store); nothing changed."""
+
+class NonFiniteContributionError(Error):
+    """28: with check_finite, a peer's contribution held NaN or infinity; the collective
+    failed on every peer before any byte moved."""
+
 #: status code -> exception class
 ERROR_CLASSES: Mapping[int, Type[Error]]
 
@@ -250,7 +263,8 @@ class Master:
     def __init__(self, listen: str = "127.0.0.1:0", heartbeat_timeout_ms: int = 0, vote_timeout_ms: int = 0,
                  peers_max: int = 0, secret_file: Optional[str] = None, handshake_timeout_ms: int = 0,
                  pending_handshakes_max: int = 0, http: Optional[str] = None,
-                 http_token_file: Optional[str] = None, http_insecure: bool = False) -> None:
+                 http_token_file: Optional[str] = None, http_insecure: bool = False, kv_keys_max: int = 0,
+                 kv_key_bytes_max: int = 0, kv_value_bytes_max: int = 0) -> None:
         """listen: "host:port" (port 0: ephemeral; empty host: all interfaces).
         heartbeat_timeout_ms: 0 means 5000 (range 100..3600000). vote_timeout_ms: 0 means
         off. peers_max: 0 means 1024. secret_file: the run secret (None: $LOCKSTEP_SECRET_FILE
@@ -258,7 +272,8 @@ class Master:
         pending_handshakes_max: 0 means 256. http: "host:port" of the status page,
         /api/state and /metrics (None: off; port 0: ephemeral). http_token_file: the access
         token every HTTP request must carry (Authorization: Bearer TOKEN). http_insecure:
-        allow a non-loopback http host without a token."""
+        allow a non-loopback http host without a token. kv_keys_max, kv_key_bytes_max,
+        kv_value_bytes_max: the key-value store's bounds (0: 4096, 256, 65536)."""
     def run(self) -> None:
         """Starts listening and serving on background threads; MasterConnectionFailedError
         if it cannot bind."""
@@ -337,8 +352,10 @@ class Communicator:
                  secret: Optional[Union[bytes, str]] = None, inbound_handshake_timeout_ms: int = 0,
                  inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
                  encrypt_data: bool = False, p2p_streams: int = 0,
-                 tcp_congestion: Optional[str] = None) -> None:
-        """master: "host:port" (port 48148 if omitted). group: the peer group. pool_size: p2p
+                 tcp_congestion: Optional[str] = None, check_finite: bool = False) -> None:
+        """check_finite: check this peer's contribution to each float collective for NaN
+        and infinity first (NonFiniteContributionError on every peer, naming it).
+        master: "host:port" (port 48148 if omitted). group: the peer group. pool_size: p2p
         connections per neighbour and direction. base_port: -1 first free ports above
         48148, 0 ephemeral, else the first port tried. connect_timeout_ms: 0 means 10000.
         advertised_host: the address others use to reach this peer. bind_host: the
@@ -363,6 +380,16 @@ class Communicator:
         """Votes whether registered peers wait to join; the same answer for all."""
     def agree(self, flag: bool) -> bool:
         """True for all only if every accepted peer of the group said True."""
+    def kv_set(self, key: str, value: bytes) -> None:
+        """Stores value under key in the master's key-value store (replacing it; wakes
+        waiters). LimitExceededError beyond the master's bounds."""
+    def kv_get(self, key: str) -> bytes:
+        """The value under key; KeyNotFoundError if none."""
+    def kv_wait(self, key: str, timeout_ms: int = 0) -> bytes:
+        """The value under key once some peer sets it; LockstepTimeoutError after
+        timeout_ms (0: no deadline)."""
+    def kv_delete(self, key: str) -> None:
+        """Removes key (no error if absent)."""
     def agree_value(self, value: bytes, mode: str = "all_equal") -> bytes:
         """The same value (up to 4096 bytes) for every accepted peer of the group: the
         common proposal ("all_equal"; OperationMismatchError if any differs) or the

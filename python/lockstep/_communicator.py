@@ -236,6 +236,10 @@ class Communicator:
         tcp_congestion: TCP congestion control of the p2p connections (e.g. ``"bbr"``);
             None: the system's default. One the kernel refuses is logged once and the
             default used.
+        check_finite: before each float collective, check this peer's contribution for
+            NaN and infinity; one found fails the collective on every peer with
+            NonFiniteContributionError (naming this peer and the element) before any
+            byte moves. Costs one read of the contribution.
     """
 
     def __init__(self, master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}", group: int = 0, pool_size: int = 1,
@@ -244,7 +248,7 @@ class Communicator:
                  secret: Optional[Union[bytes, str]] = None, inbound_handshake_timeout_ms: int = 0,
                  inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
                  encrypt_data: bool = False, p2p_streams: int = 0,
-                 tcp_congestion: Optional[str] = None) -> None:
+                 tcp_congestion: Optional[str] = None, check_finite: bool = False) -> None:
         host, port = _split_address(master, DEFAULT_MASTER_PORT, "master")
         if not host:
             raise InvalidArgumentError(f"master {master!r}: the host is empty")
@@ -265,7 +269,7 @@ class Communicator:
             _check_uint("inbound_handshake_timeout_ms", inbound_handshake_timeout_ms, 32),
             _check_uint("inbound_handshakes_max", inbound_handshakes_max, 32),
             _check_uint("p2p_stall_timeout_ms", p2p_stall_timeout_ms, 32), bool(encrypt_data),
-            _check_uint("p2p_streams", p2p_streams, 32), tcp_congestion or "")
+            _check_uint("p2p_streams", p2p_streams, 32), tcp_congestion or "", bool(check_finite))
         self.master = f"{host}:{port}"
 
     # -- membership ---------------------------------------------------------
@@ -308,6 +312,34 @@ class Communicator:
         if len(value) > 4096:
             raise InvalidArgumentError(f"agree_value takes at most 4096 bytes, not {len(value)}")
         return self._impl.agree_value(value, modes[mode])
+
+    # ---- the master's key-value store (docs/collectives.md)
+
+    @staticmethod
+    def _kv_key(key: str) -> str:
+        if not isinstance(key, str) or not key or "\0" in key:
+            raise InvalidArgumentError(f"a key-value store key is a non-empty str without NUL, not {key!r}")
+        return key
+
+    def kv_set(self, key: str, value: bytes) -> None:
+        """Stores ``value`` (bytes-like, up to 64 KiB by default) under ``key`` (up to 256
+        UTF-8 bytes by default) in the master's key-value store, replacing any earlier
+        value, and wakes every peer waiting for it. LimitExceededError beyond the
+        master's bounds (keys held, key or value size)."""
+        self._impl.kv_set(self._kv_key(key), bytes(value))
+
+    def kv_get(self, key: str) -> bytes:
+        """The value under ``key``; KeyNotFoundError (a KeyError) if there is none."""
+        return self._impl.kv_read(self._kv_key(key), False, 0)
+
+    def kv_wait(self, key: str, timeout_ms: int = 0) -> bytes:
+        """The value under ``key``, waiting until some peer sets it: LockstepTimeoutError
+        after ``timeout_ms`` (0: no deadline). The GIL is released while waiting."""
+        return self._impl.kv_read(self._kv_key(key), True, _check_uint("timeout_ms", timeout_ms, 32))
+
+    def kv_delete(self, key: str) -> None:
+        """Removes ``key`` and its value (no error if absent)."""
+        self._impl.kv_delete(self._kv_key(key))
 
     @property
     def rank(self) -> int:

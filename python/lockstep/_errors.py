@@ -12,9 +12,11 @@ Every failed call raises a subclass of :class:`Error` named after the C status c
   REVISION_VIOLATION, SHARED_STATE_MISMATCH, PROTOCOL_ERROR, AUTHENTICATION_FAILED.
 
 Two peer conditions that no retry as such resolves derive from :class:`Error` directly:
-TOO_FEW_PEERS (a collective in a group of one: wait for peers) and VIEW_CHANGED (a
+TOO_FEW_PEERS (a collective in a group of one: wait for peers), VIEW_CHANGED (a
 broadcast, all-gather or reduce-scatter after a peer left: update the topology, then
-call it again with buffers sized for the new view). Everything else (NOT_INITIALIZED,
+call it again with buffers sized for the new view) and NON_FINITE_CONTRIBUTION (a
+peer's contribution held NaN or infinity: fix the data). KEY_NOT_FOUND and
+LIMIT_EXCEEDED answer key-value store requests. Everything else (NOT_INITIALIZED,
 INVALID_ARGUMENT, INVALID_USAGE, WRONG_THREAD, ...) derives from :class:`Error` directly
 and is a bug in the calling program.
 """
@@ -54,6 +56,9 @@ class Status(enum.IntEnum):
     HASH_MISMATCH = 23
     AUTHENTICATION_FAILED = 24
     VIEW_CHANGED = 25
+    KEY_NOT_FOUND = 26
+    LIMIT_EXCEEDED = 27
+    NON_FINITE_CONTRIBUTION = 28
 
 
 class Error(Exception):
@@ -260,6 +265,32 @@ class ViewChangedError(Error):
     default_status = Status.VIEW_CHANGED
 
 
+class KeyNotFoundError(Error, KeyError):
+    """KEY_NOT_FOUND: the master's key-value store holds no such key (kv_get)."""
+
+    default_status = Status.KEY_NOT_FOUND
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return Error.__str__(self)
+
+
+class LimitExceededError(Error):
+    """LIMIT_EXCEEDED: a bound of the master was reached (the key-value store's keys, key
+    or value size, or open waits per peer); the message names the bound and its flag.
+    Nothing changed."""
+
+    default_status = Status.LIMIT_EXCEEDED
+
+
+class NonFiniteContributionError(Error):
+    """NON_FINITE_CONTRIBUTION: with check_finite, a peer's contribution to a float
+    collective held NaN or infinity; the collective failed on every peer before any byte
+    moved (buffers unchanged) and the message names the peer. Fix the data, then call it
+    again."""
+
+    default_status = Status.NON_FINITE_CONTRIBUTION
+
+
 #: The exception class of every non-OK status code.
 ERROR_CLASSES: Dict[int, Type[Error]] = {
     cls.default_status: cls
@@ -289,6 +320,9 @@ ERROR_CLASSES: Dict[int, Type[Error]] = {
         HashMismatchError,
         AuthenticationFailedError,
         ViewChangedError,
+        KeyNotFoundError,
+        LimitExceededError,
+        NonFiniteContributionError,
     )
 }
 

@@ -61,12 +61,16 @@ class Master:
             characters): every request must carry ``Authorization: Bearer TOKEN``
             (docs/operations.md).
         http_insecure: serve ``http`` on a non-loopback host without a token.
+        kv_keys_max, kv_key_bytes_max, kv_value_bytes_max: bounds of the key-value store
+            (keys held, bytes per key, bytes per value); 0 means 4096, 256 and 65536; at
+            most 1048576, 1024 and 524288.
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", heartbeat_timeout_ms: int = 0, vote_timeout_ms: int = 0,
                  peers_max: int = 0, secret_file: Optional[str] = None, handshake_timeout_ms: int = 0,
                  pending_handshakes_max: int = 0, http: Optional[str] = None, http_token_file: Optional[str] = None,
-                 http_insecure: bool = False) -> None:
+                 http_insecure: bool = False, kv_keys_max: int = 0, kv_key_bytes_max: int = 0,
+                 kv_value_bytes_max: int = 0) -> None:
         host, port = _split_address(listen, DEFAULT_MASTER_PORT, "listen")
         if secret_file is not None and not isinstance(secret_file, str):
             raise InvalidArgumentError("secret_file must be a str or None")
@@ -85,7 +89,9 @@ class Master:
             _check_uint("vote_timeout_ms", vote_timeout_ms, 32), _check_uint("peers_max", peers_max, 32),
             secret_file or "", _check_uint("handshake_timeout_ms", handshake_timeout_ms, 32),
             _check_uint("pending_handshakes_max", pending_handshakes_max, 32), http or "", http_token_file or "",
-            bool(http_insecure))
+            bool(http_insecure), _check_uint("kv_keys_max", kv_keys_max, 32),
+            _check_uint("kv_key_bytes_max", kv_key_bytes_max, 32),
+            _check_uint("kv_value_bytes_max", kv_value_bytes_max, 32))
         self._running = False
 
     def run(self) -> None:

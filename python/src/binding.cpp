@@ -47,7 +47,7 @@ py::object& error_factory() {
 }
 
 const char* status_name(int status) {
-  if (status < LOCKSTEP_OK || status > LOCKSTEP_STATUS_VIEW_CHANGED) return "UNKNOWN_STATUS";
+  if (status < LOCKSTEP_OK || status > LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION) return "UNKNOWN_STATUS";
   return lockstep_status_name(static_cast<lockstep_status_t>(status));
 }
 
@@ -157,7 +157,8 @@ class PyMaster {
   PyMaster(const std::string& host, std::uint16_t port, std::uint32_t heartbeat_timeout_ms,
            std::uint32_t vote_timeout_ms, std::uint32_t peers_max, const std::string& secret_file,
            std::uint32_t handshake_timeout_ms, std::uint32_t pending_handshakes_max, const std::string& http_listen,
-           const std::string& http_token_file, bool http_insecure) {
+           const std::string& http_token_file, bool http_insecure, std::uint32_t kv_keys_max,
+           std::uint32_t kv_key_bytes_max, std::uint32_t kv_value_bytes_max) {
     lockstep_master_config_t config;
     check(lockstep_master_config_init(&config), nullptr);
     config.listen_host = host.c_str();
@@ -171,13 +172,17 @@ class PyMaster {
     config.http_listen = http_listen.c_str();
     config.http_token_file = http_token_file.c_str();
     config.http_insecure = http_insecure ? 1 : 0;
+    config.kv_keys_max = kv_keys_max;
+    config.kv_key_bytes_max = kv_key_bytes_max;
+    config.kv_value_bytes_max = kv_value_bytes_max;
     lockstep_master_t* master = nullptr;
     const int s = lockstep_master_create(&config, &master);
     if (s != LOCKSTEP_OK) {
       fail(s, s == LOCKSTEP_STATUS_INVALID_ARGUMENT
                   ? plain_message(s) + " (heartbeat_timeout_ms out of range, a bad listen address, an "
                                        "unreadable or too short secret file, a bad http address, an unreadable or "
-                                       "malformed token file, or a non-loopback http address without a token)"
+                                       "malformed token file, a non-loopback http address without a token, or a kv bound above its "
+                                       "maximum)"
                   : plain_message(s));
     }
     master_ = master;
@@ -352,7 +357,7 @@ class PyComm {
          const std::string& bind_host, const std::string& secret_file, const py::object& secret,
          std::uint32_t inbound_handshake_timeout_ms, std::uint32_t inbound_handshakes_max,
          std::uint32_t p2p_stall_timeout_ms, bool encrypt_data, std::uint32_t p2p_streams,
-         const std::string& tcp_congestion)
+         const std::string& tcp_congestion, bool check_finite)
       : state_(std::make_shared<CommState>()) {
     lockstep_comm_config_t config;
     check(lockstep_comm_config_init(&config), nullptr);
@@ -377,6 +382,7 @@ class PyComm {
     config.encrypt_data = encrypt_data ? 1 : 0;
     config.p2p_streams = p2p_streams;
     config.tcp_congestion = tcp_congestion.c_str();
+    config.check_finite = check_finite ? 1 : 0;
     lockstep_comm_t* comm = nullptr;
     int s = LOCKSTEP_OK;
     {
@@ -426,6 +432,26 @@ class PyComm {
     });
     out.resize(size);
     return py::bytes(out);
+  }
+
+  void kv_set(const std::string& key, const std::string& value) {
+    simple([&](lockstep_comm_t* c) { return lockstep_comm_kv_set(c, key.c_str(), value.data(), value.size()); });
+  }
+
+  // get (wait false) or wait: into a buffer as large as the largest value a master allows.
+  py::bytes kv_read(const std::string& key, bool wait, std::uint32_t timeout_ms) {
+    std::string out(512 << 10, '\0');
+    std::size_t size = 0;
+    simple([&](lockstep_comm_t* c) {
+      return wait ? lockstep_comm_kv_wait(c, key.c_str(), timeout_ms, out.data(), out.size(), &size)
+                  : lockstep_comm_kv_get(c, key.c_str(), out.data(), out.size(), &size);
+    });
+    out.resize(size);
+    return py::bytes(out);
+  }
+
+  void kv_delete(const std::string& key) {
+    simple([&](lockstep_comm_t* c) { return lockstep_comm_kv_delete(c, key.c_str()); });
   }
 
   std::int64_t attribute(int attribute) {
@@ -808,11 +834,13 @@ PYBIND11_MODULE(_lockstep, m) {
 
   py::class_<PyMaster>(m, "Master")
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::uint32_t, const std::string&,
-                    std::uint32_t, std::uint32_t, const std::string&, const std::string&, bool>(),
+                    std::uint32_t, std::uint32_t, const std::string&, const std::string&, bool, std::uint32_t,
+                    std::uint32_t, std::uint32_t>(),
            py::arg("host"), py::arg("port"), py::arg("heartbeat_timeout_ms"), py::arg("vote_timeout_ms"),
            py::arg("peers_max"), py::arg("secret_file") = "", py::arg("handshake_timeout_ms") = 0,
            py::arg("pending_handshakes_max") = 0, py::arg("http_listen") = "", py::arg("http_token_file") = "",
-           py::arg("http_insecure") = false)
+           py::arg("http_insecure") = false, py::arg("kv_keys_max") = 0, py::arg("kv_key_bytes_max") = 0,
+           py::arg("kv_value_bytes_max") = 0)
       .def("run", &PyMaster::run)
       .def("port", &PyMaster::port)
       .def("http_port", &PyMaster::http_port)
@@ -826,18 +854,22 @@ PYBIND11_MODULE(_lockstep, m) {
   py::class_<PyComm>(m, "Comm")
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::int32_t, std::uint32_t,
                     const std::string&, const std::string&, const std::string&, const py::object&, std::uint32_t,
-                    std::uint32_t, std::uint32_t, bool, std::uint32_t, const std::string&>(),
+                    std::uint32_t, std::uint32_t, bool, std::uint32_t, const std::string&, bool>(),
            py::arg("master_host"), py::arg("master_port"), py::arg("group"), py::arg("pool_size"), py::arg("base_port"),
            py::arg("connect_timeout_ms"), py::arg("advertised_host"), py::arg("bind_host"), py::arg("secret_file") = "",
            py::arg("secret") = py::none(), py::arg("inbound_handshake_timeout_ms") = 0,
            py::arg("inbound_handshakes_max") = 0, py::arg("p2p_stall_timeout_ms") = 0,
-           py::arg("encrypt_data") = false, py::arg("p2p_streams") = 0, py::arg("tcp_congestion") = "")
+           py::arg("encrypt_data") = false, py::arg("p2p_streams") = 0, py::arg("tcp_congestion") = "",
+           py::arg("check_finite") = false)
       .def("connect", &PyComm::connect)
       .def("update_topology", &PyComm::update_topology)
       .def("optimize_topology", &PyComm::optimize_topology)
       .def("are_peers_pending", &PyComm::are_peers_pending)
       .def("agree", &PyComm::agree, py::arg("flag"))
       .def("agree_value", &PyComm::agree_value, py::arg("value"), py::arg("mode"))
+      .def("kv_set", &PyComm::kv_set, py::arg("key"), py::arg("value"))
+      .def("kv_read", &PyComm::kv_read, py::arg("key"), py::arg("wait"), py::arg("timeout_ms"))
+      .def("kv_delete", &PyComm::kv_delete, py::arg("key"))
       .def("attribute", &PyComm::attribute, py::arg("attribute"))
       .def("rank", &PyComm::rank)
       .def("id", &PyComm::id)

@@ -229,6 +229,18 @@ lockstep_status_t lockstep_master_create(const lockstep_master_config_t* caller_
     if (config->peers_max != 0) options.coordinator.peers_max = config->peers_max;
     if (config->handshake_timeout_ms != 0) options.coordinator.handshake_timeout_ms = config->handshake_timeout_ms;
     if (config->pending_handshakes_max != 0) options.coordinator.pending_handshakes_max = config->pending_handshakes_max;
+    using lockstep::limits::kKvKeysMaxLimit, lockstep::limits::kKvKeyBytesMaxLimit, lockstep::limits::kKvValueBytesMaxLimit;
+    if (config->kv_keys_max > kKvKeysMaxLimit || config->kv_key_bytes_max > kKvKeyBytesMaxLimit ||
+        config->kv_value_bytes_max > kKvValueBytesMaxLimit) {
+      return refuse("lockstep_master_create",
+                    lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                                     "kv_keys_max, kv_key_bytes_max or kv_value_bytes_max above its maximum (" +
+                                         std::to_string(kKvKeysMaxLimit) + ", " + std::to_string(kKvKeyBytesMaxLimit) +
+                                         ", " + std::to_string(kKvValueBytesMaxLimit) + ")"));
+    }
+    if (config->kv_keys_max != 0) options.coordinator.kv.keys_max = config->kv_keys_max;
+    if (config->kv_key_bytes_max != 0) options.coordinator.kv.key_bytes_max = config->kv_key_bytes_max;
+    if (config->kv_value_bytes_max != 0) options.coordinator.kv.value_bytes_max = config->kv_value_bytes_max;
     auto secret = load_secret(config->secret_file, nullptr, 0);
     if (!secret.is_ok()) {
       LOG_ERROR("capi", "lockstep_master_create: " << secret.status().to_string());
@@ -376,6 +388,7 @@ lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* caller_conf
     options.encrypt_data = config->encrypt_data != 0;
     options.p2p_streams = config->p2p_streams;
     if (config->tcp_congestion != nullptr) options.tcp_congestion = config->tcp_congestion;
+    options.check_finite = config->check_finite != 0;
     auto created = lockstep::peer::Communicator::create(options);
     if (!created.is_ok()) {
       LOG_ERROR("capi", "lockstep_comm_create: " << created.status().to_string());
@@ -413,6 +426,21 @@ lockstep_status_t lockstep_comm_are_peers_pending(lockstep_comm_t* comm, int* ou
   });
 }
 
+namespace {
+// Copies a value into the caller's buffer, or says how large it is.
+lockstep_status_t give_value(const char* function, const std::vector<std::uint8_t>& value, void* out,
+                             size_t out_capacity, size_t* out_size) {
+  *out_size = value.size();
+  if (value.size() > out_capacity) {
+    return refuse(function, lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                                             "the value has " + std::to_string(value.size()) +
+                                                 " bytes; out_capacity is " + std::to_string(out_capacity)));
+  }
+  if (!value.empty()) std::memcpy(out, value.data(), value.size());
+  return LOCKSTEP_OK;
+}
+}  // namespace
+
 lockstep_status_t lockstep_comm_agree(lockstep_comm_t* comm, int flag, int* out_result) {
   if (comm == nullptr || out_result == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   return guarded([&] {
@@ -436,16 +464,50 @@ lockstep_status_t lockstep_comm_agree_value(lockstep_comm_t* comm, lockstep_agre
     auto r = comm->comm->agree_value(static_cast<lockstep::proto::AgreeMode>(raw(mode)),
                                      std::vector<std::uint8_t>(bytes, bytes + size));
     if (!r.is_ok()) return r.status().code();
-    *out_size = r.value().size();
-    if (r.value().size() > out_capacity) {
-      return refuse("lockstep_comm_agree_value",
-                    lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
-                                     "the agreed value has " + std::to_string(r.value().size()) +
-                                         " bytes; out_capacity is " + std::to_string(out_capacity)));
-    }
-    if (!r.value().empty()) std::memcpy(out, r.value().data(), r.value().size());
-    return LOCKSTEP_OK;
+    return give_value("lockstep_comm_agree_value", r.value(), out, out_capacity, out_size);
   });
+}
+
+lockstep_status_t lockstep_comm_kv_set(lockstep_comm_t* comm, const char* key, const void* value, size_t size) {
+  if (comm == nullptr || key == nullptr || (size > 0 && value == nullptr)) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  if (size > lockstep::limits::kKvValueBytesMaxLimit) {
+    return refuse("lockstep_comm_kv_set", lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                                                           "a value of " + std::to_string(size) + " bytes; at most " +
+                                                               std::to_string(lockstep::limits::kKvValueBytesMaxLimit)));
+  }
+  return guarded([&] {
+    const auto* bytes = static_cast<const std::uint8_t*>(value);
+    return comm->comm->kv_set(key, std::vector<std::uint8_t>(bytes, bytes + size)).code();
+  });
+}
+
+lockstep_status_t lockstep_comm_kv_get(lockstep_comm_t* comm, const char* key, void* out, size_t out_capacity,
+                                       size_t* out_size) {
+  if (comm == nullptr || key == nullptr || out_size == nullptr || (out_capacity > 0 && out == nullptr)) {
+    return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  }
+  return guarded([&] {
+    auto r = comm->comm->kv_get(key);
+    if (!r.is_ok()) return r.status().code();
+    return give_value("lockstep_comm_kv_get", r.value(), out, out_capacity, out_size);
+  });
+}
+
+lockstep_status_t lockstep_comm_kv_wait(lockstep_comm_t* comm, const char* key, uint32_t timeout_ms, void* out,
+                                        size_t out_capacity, size_t* out_size) {
+  if (comm == nullptr || key == nullptr || out_size == nullptr || (out_capacity > 0 && out == nullptr)) {
+    return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  }
+  return guarded([&] {
+    auto r = comm->comm->kv_wait(key, timeout_ms);
+    if (!r.is_ok()) return r.status().code();
+    return give_value("lockstep_comm_kv_wait", r.value(), out, out_capacity, out_size);
+  });
+}
+
+lockstep_status_t lockstep_comm_kv_delete(lockstep_comm_t* comm, const char* key) {
+  if (comm == nullptr || key == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  return guarded([&] { return comm->comm->kv_delete(key).code(); });
 }
 
 lockstep_status_t lockstep_comm_get_attribute(const lockstep_comm_t* comm, lockstep_attribute_t attribute,

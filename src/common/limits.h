@@ -71,6 +71,17 @@ inline constexpr std::uint32_t kP2PStreamsAdaptiveMax = 8;
 inline constexpr std::uint32_t kVoteCarriedBytesMax = 16u << 10;
 // The value one peer proposes in an agree on a value (lockstep_comm_agree_value).
 inline constexpr std::uint32_t kAgreeValueBytesMax = 4096;
+// The master's key-value store of run metadata (docs/collectives.md, "Key-value
+// store"): the defaults of lockstep-master's --kv-keys-max, --kv-key-bytes-max and
+// --kv-value-bytes-max, and the most a flag may raise each to (the wire's bounds);
+// waits one peer may have open at once (more are refused with LIMIT_EXCEEDED).
+inline constexpr std::uint32_t kKvKeysMaxDefault = 4096;
+inline constexpr std::uint32_t kKvKeysMaxLimit = 1u << 20;
+inline constexpr std::uint32_t kKvKeyBytesMaxDefault = 256;
+inline constexpr std::uint32_t kKvKeyBytesMaxLimit = 1024;
+inline constexpr std::uint32_t kKvValueBytesMaxDefault = 64u << 10;
+inline constexpr std::uint32_t kKvValueBytesMaxLimit = 512u << 10;
+inline constexpr std::uint32_t kKvWaitsPerPeerMax = 64;
 // Contributions of one peer that the master holds in votes not yet complete; a vote
 // beyond it is refused.
 inline constexpr std::size_t kVoteCarriedBytesHeldPerPeerMax = 4u << 20;

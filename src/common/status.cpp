@@ -33,6 +33,9 @@ const char* status_name(StatusCode code) {
     case LOCKSTEP_STATUS_HASH_MISMATCH: return "HASH_MISMATCH";
     case LOCKSTEP_STATUS_AUTHENTICATION_FAILED: return "AUTHENTICATION_FAILED";
     case LOCKSTEP_STATUS_VIEW_CHANGED: return "VIEW_CHANGED";
+    case LOCKSTEP_STATUS_KEY_NOT_FOUND: return "KEY_NOT_FOUND";
+    case LOCKSTEP_STATUS_LIMIT_EXCEEDED: return "LIMIT_EXCEEDED";
+    case LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION: return "NON_FINITE_CONTRIBUTION";
   }
   return "UNKNOWN_STATUS";
 }
@@ -85,6 +88,9 @@ extern "C" const char* lockstep_status_string(lockstep_status_t status) {
     case LOCKSTEP_STATUS_HASH_MISMATCH: return "a transferred shared-state tensor did not match its hash; retry the sync";
     case LOCKSTEP_STATUS_AUTHENTICATION_FAILED: return "the other side could not prove the run secret (missing or different secret, or not this run's master)";
     case LOCKSTEP_STATUS_VIEW_CHANGED: return "a peer left since the last update topology; a collective whose shape depends on the world needs a new view";
+    case LOCKSTEP_STATUS_KEY_NOT_FOUND: return "the key-value store holds no such key";
+    case LOCKSTEP_STATUS_LIMIT_EXCEEDED: return "a bound of the master was reached; nothing changed";
+    case LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION: return "a peer's contribution held NaN or infinity; the collective failed on every peer";
   }
   return "unknown status";
 }

@@ -115,7 +115,13 @@ std::string id_list(const std::vector<PeerId>& ids) {
 
 }  // namespace
 
-Coordinator::Coordinator(Config config) : config_(config) {}
+Coordinator::Coordinator(Config config) : config_(config), kv_(config.kv) {}
+
+void Coordinator::send_kv_replies(const KvStore::Replies& replies, Outbox& out) {
+  for (const auto& reply : replies) {
+    if (const Peer* p = find_peer(reply.peer)) send(*p, reply.result, out);
+  }
+}
 
 std::optional<std::uint64_t> Coordinator::revision(std::uint32_t group) const {
   auto it = revisions_.find(group);
@@ -326,6 +332,11 @@ void Coordinator::on_tick(TimeMs now_ms, Outbox& out) {
   kick_stragglers(now_ms, out);
   kick_silent_measurers(now_ms, out);
   step_background_search();
+  {
+    KvStore::Replies replies;
+    kv_.on_tick(now_ms, replies);
+    send_kv_replies(replies, out);
+  }
   // Participants of a p2p establishment that never report.
   if (topology_phase_ == TopologyPhase::kEstablishing && now_ms - topology_started_ms_ >= config_.establish_timeout_ms) {
     std::vector<PeerId> late;
@@ -428,13 +439,18 @@ void Coordinator::handle_hello(ConnId conn, const proto::Hello& hello, TimeMs no
 
 // ---------------------------------------------------------------- requests
 
-void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message, TimeMs, Outbox& out) {
+void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message, TimeMs now_ms, Outbox& out) {
   const MsgType type = proto::type_of(message);
   const bool accepted = peer.phase == Phase::kAccepted;
   switch (type) {
     case MsgType::kHeartbeat:
       send(peer, proto::HeartbeatAck{}, out);
       return;
+    case MsgType::kKvRequest: {  // registered peers too: newcomers read the run's metadata
+      KvStore::Replies replies;
+      kv_.on_request(peer.id, std::get<proto::KvRequest>(message), now_ms, replies);
+      return send_kv_replies(replies, out);
+    }
     case MsgType::kVoteUpdateTopology:
     case MsgType::kVoteOptimizeTopology:
       if (!accepted) return refuse(peer, type, LOCKSTEP_STATUS_NOT_INITIALIZED, "peer is not accepted yet", out);
@@ -566,7 +582,7 @@ void Coordinator::handle_collective_init(Peer& peer, const proto::CollectiveInit
   }
   it->second.votes[peer.id] = init.descriptor;
   if (carried) it->second.contributions[peer.id] = init.data;
-  if (!init.refusal.empty()) it->second.refusals[peer.id] = init.refusal;
+  if (!init.refusal.empty()) it->second.refusals[peer.id] = {init.refusal_status, init.refusal};
 }
 
 std::size_t Coordinator::contribution_bytes_held(const Peer& peer) const {
@@ -697,9 +713,18 @@ bool Coordinator::try_start_collectives(Outbox& out) {
       // found unusable, a group of one, a view that lost a peer since the call's shape
       // was set.
       if (!c.refusals.empty()) {
-        const auto& [id, why] = *c.refusals.begin();
-        finish_collective(group, tag, voters, LOCKSTEP_STATUS_INVALID_ARGUMENT,
-                          "peer " + id.to_string() + " refused tag " + std::to_string(tag) + ": " + why, out);
+        const auto& [id, refusal] = *c.refusals.begin();
+        const auto& [status, why] = refusal;
+        std::string who = "peer " + id.to_string();
+        if (auto r = std::find(members.begin(), members.end(), id); r != members.end()) {
+          who += " (rank " + std::to_string(r - members.begin()) + ")";
+        }
+        finish_collective(group, tag, voters, status,
+                          who +
+                              (status == LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION ? ": its contribution to tag "
+                                                                                 : " refused tag ") +
+                              std::to_string(tag) + ": " + why,
+                          out);
         continue;
       }
       if (members.size() < 2) {
@@ -790,6 +815,7 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
   }
   by_conn_.erase(peer.conn);
   peers_.erase(it);
+  kv_.on_peer_removed(id);
   if (peer.phase == Phase::kAccepted) {
     auto& ids = rings_[peer.group];
     ids.erase(std::remove(ids.begin(), ids.end(), id), ids.end());
@@ -1370,11 +1396,12 @@ std::string Coordinator::digest() const {
     << (measurement_ ? std::to_string(measurement_->test) + "/" + std::to_string(measurement_->round) : "-")
     << " bandwidth=" << bandwidth_.size() << " revisions=[";
   for (const auto& [g, r] : revisions_) s << g << ":" << r << " ";
-  s << "]";
+  s << "] " << kv_.digest();
   return s.str();
 }
 
 std::optional<std::string> Coordinator::check_invariants() const {
+  if (auto kv = kv_.check_invariants([this](PeerId id) { return peers_.count(id) != 0; })) return kv;
   // The ring of each group lists exactly its accepted peers, each once.
   std::size_t in_rings = 0;
   for (const auto& [group, ids] : rings_) {

@@ -23,12 +23,14 @@
 //  - optimize topology (run-wide): a vote, bandwidth tests of the missing edges in
 //    rounds of disjoint pairs, the ring solver per group, and a rewiring like update
 //    topology that admits nobody;
+//  - the key-value store of run metadata (kv_store.h), open to every registered peer;
 //  - failure detection: closed connections and heartbeat timeouts;
 //  - the ring order (join order) and the membership view per group.
 #pragma once
 
 #include "common/ids.h"
 #include "common/limits.h"
+#include "coordinator/kv_store.h"
 #include "protocol/messages.h"
 #include "topology/solver.h"
 
@@ -66,6 +68,8 @@ struct Config {
   std::uint64_t background_solver_steps_per_tick = 200'000;
   // Random bits from the shell: the high half of every PeerId this master gives out.
   std::uint64_t instance_nonce = 0;
+  // The key-value store's bounds (lockstep-master --kv-*).
+  KvConfig kv{};
 };
 
 enum class Phase { kRegistered, kAccepted };
@@ -115,8 +119,9 @@ struct Collective {
   std::map<PeerId, proto::CollectiveDescriptor> votes;
   // The voters' contributions when the all-reduce travels with the votes.
   std::map<PeerId, std::vector<std::uint8_t>> contributions;
-  // Voters that found their own arguments unusable, and why (CollectiveInit::refusal).
-  std::map<PeerId, std::string> refusals;
+  // Voters that found their own arguments (or contribution) unusable: the status and
+  // why (CollectiveInit::refusal, refusal_status).
+  std::map<PeerId, std::pair<StatusCode, std::string>> refusals;
   std::uint64_t attempt = 0;
   std::uint32_t slot = 0;
   std::vector<PeerId> participants;  // ring order
@@ -253,6 +258,7 @@ class Coordinator {
   const std::map<std::pair<PeerId, PeerId>, std::uint64_t>& bandwidth() const { return bandwidth_; }
   // The bandwidth matrix of a group's current ring order (unknown edges are 0).
   topo::Matrix bandwidth_matrix(const std::vector<PeerId>& ids) const;
+  const KvStore& kv() const { return kv_; }
   // The revision of the group's last successful sync, if it ever had one.
   std::optional<std::uint64_t> revision(std::uint32_t group) const;
   // True if the peer voted for, or takes part in, a collective that is not finished.
@@ -315,6 +321,7 @@ class Coordinator {
   // The solver's ring for each group (background results adopted when better).
   std::map<std::uint32_t, std::vector<PeerId>> solve_rings(Outbox& out);
 
+  void send_kv_replies(const KvStore::Replies& replies, Outbox& out);
   void handle_sync_vote(Peer& peer, const proto::SyncVote& vote, Outbox& out);
   void handle_sync_done(Peer& peer, const proto::SyncDone& done, Outbox& out);
   bool try_complete_syncs(Outbox& out);
@@ -382,6 +389,8 @@ class Coordinator {
   // Revision of each group's last successful sync; kept when every peer is gone, so
   // that a peer restoring a checkpoint must present exactly the next one.
   std::map<std::uint32_t, std::uint64_t> revisions_;
+
+  KvStore kv_;
 };
 
 }  // namespace lockstep::coord

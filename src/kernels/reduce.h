@@ -93,6 +93,11 @@ void reduce3_saving(void* out, void* saved, const void* a, const void* b, std::s
 void finalize(void* data, std::size_t count, lockstep_dtype_t dtype, lockstep_reduce_op_t op,
               std::uint32_t world_size);
 
+// The index of the first element of `data` that is NaN or an infinity, or `count` if
+// none is (always `count` for the integer dtypes): the optional check of a collective's
+// contribution (check_finite). Reads every element once at memory speed when none is.
+std::size_t first_non_finite(const void* data, std::size_t count, lockstep_dtype_t dtype);
+
 // ---------------------------------------------------------------- conversions
 // Bit-exact, table-free and branch-free (selects only), so that loops over them
 // vectorize. NaN stays NaN and comes out quiet (the quiet bit set, the upper payload

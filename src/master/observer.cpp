@@ -271,6 +271,7 @@ std::string Observer::state_json(const coord::Coordinator& c, TimeMs now_ms) con
     peers.push_back(std::move(peer));
   }
   root["peers"] = std::move(peers);
+  root["kv"] = json{{"keys", c.kv().keys()}, {"bytes", c.kv().bytes()}, {"waits", c.kv().waits()}};
 
   // Per pool slot of a group: the ring bytes reported on it and the all-reduce attempts
   // running on it now; every slot of the current pool, and any other that carried bytes.
@@ -539,6 +540,11 @@ std::string Observer::metrics_text(const coord::Coordinator& c, TimeMs now_ms) c
   }
   Family(out, "lockstep_bandwidth_edges_measured", "gauge", "Measured directed edges of the bandwidth matrix.")
       .sample({}, static_cast<double>(c.bandwidth().size()));
+  Family(out, "lockstep_kv_keys", "gauge", "Keys in the key-value store.").sample({}, static_cast<double>(c.kv().keys()));
+  Family(out, "lockstep_kv_bytes", "gauge", "Bytes of the key-value store's keys and values.")
+      .sample({}, static_cast<double>(c.kv().bytes()));
+  Family(out, "lockstep_kv_waits", "gauge", "Open waits for a key-value store key.")
+      .sample({}, static_cast<double>(c.kv().waits()));
   {
     auto it = succeeded_.find(Operation::kOptimizeTopology);
     Family(out, "lockstep_topology_optimizations_total", "counter", "Topology optimizations that rewired the run.")

@@ -14,6 +14,7 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -574,6 +575,46 @@ Result<proto::AgreeResult> Communicator::vote_agree(proto::VoteAgree vote) {
   return std::move(result);
 }
 
+// ------------------------------------------------------------------ key-value store
+
+Result<std::vector<std::uint8_t>> Communicator::kv_request(proto::KvRequest request) {
+  if (Status s = check_call(false); !s.is_ok()) return remember(s);
+  if (!connected_) return remember(Status(LOCKSTEP_STATUS_NOT_INITIALIZED, "connect the communicator first"));
+  if (request.key.empty()) return remember(Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "an empty key"));
+  if (request.key.size() > limits::kKvKeyBytesMaxLimit || request.value.size() > limits::kKvValueBytesMaxLimit) {
+    return remember(Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                           "keys of at most " + std::to_string(limits::kKvKeyBytesMaxLimit) + " bytes and values of at most " +
+                               std::to_string(limits::kKvValueBytesMaxLimit) + " (and the master's bounds, which may be lower)"));
+  }
+  const std::uint64_t id = ++kv_requests_;
+  request.request = id;
+  link_->send(std::move(request));
+  auto reply = link_->wait([id](const proto::Message& m) {
+    const auto* r = std::get_if<proto::KvResult>(&m);
+    return r != nullptr && r->request == id;
+  });
+  if (!reply.is_ok()) return remember(reply.status());
+  auto& result = std::get<proto::KvResult>(reply.value());
+  if (result.status != LOCKSTEP_OK) return remember(Status(result.status, "master: " + result.reason));
+  return std::move(result.value);
+}
+
+Status Communicator::kv_set(const std::string& key, std::vector<std::uint8_t> value) {
+  return kv_request(proto::KvRequest{0, proto::KvOp::kSet, key, std::move(value)}).status();
+}
+
+Result<std::vector<std::uint8_t>> Communicator::kv_get(const std::string& key) {
+  return kv_request(proto::KvRequest{0, proto::KvOp::kGet, key});
+}
+
+Result<std::vector<std::uint8_t>> Communicator::kv_wait(const std::string& key, std::uint32_t timeout_ms) {
+  return kv_request(proto::KvRequest{0, proto::KvOp::kWait, key, {}, timeout_ms});
+}
+
+Status Communicator::kv_delete(const std::string& key) {
+  return kv_request(proto::KvRequest{0, proto::KvOp::kDelete, key}).status();
+}
+
 // ------------------------------------------------------------------ collectives
 
 Status Communicator::check_collective_call(const ReduceDescriptor& d) {
@@ -792,6 +833,38 @@ Status Communicator::all_reduce_multiple_with_retry(const std::vector<ReduceDesc
   return Status::ok();
 }
 
+void Communicator::check_contribution(const ReduceDescriptor& d, proto::CollectiveInit* init) const {
+  using Kind = proto::CollectiveKind;
+  if (d.kind == Kind::kBarrier || !coll::is_float(d.dtype)) return;
+  const std::uint32_t rank = view_rank_.load();
+  const void* data = d.src;
+  std::uint64_t count = d.count;
+  switch (d.kind) {
+    case Kind::kReduceScatter: count = d.count * view_size_.load(); break;
+    case Kind::kAllGather:
+      if (!d.counts.empty()) count = rank < d.counts.size() ? d.counts[rank] : 0;
+      break;
+    case Kind::kBroadcast:
+      if (d.root != rank) return;  // only the root contributes
+      data = d.dst;
+      break;
+    default: break;
+  }
+  if (data == nullptr || count == 0) return;
+  const std::size_t at = coll::first_non_finite(data, count, d.dtype);
+  if (at == count) return;
+  const auto* bytes = static_cast<const std::uint8_t*>(data) + at * coll::dtype_size(d.dtype);
+  double value = 0;
+  switch (d.dtype) {
+    case LOCKSTEP_F16: value = coll::f16_to_f32(*reinterpret_cast<const std::uint16_t*>(bytes)); break;
+    case LOCKSTEP_BF16: value = coll::bf16_to_f32(*reinterpret_cast<const std::uint16_t*>(bytes)); break;
+    case LOCKSTEP_F32: value = *reinterpret_cast<const float*>(bytes); break;
+    default: value = *reinterpret_cast<const double*>(bytes); break;
+  }
+  init->refusal = "element " + std::to_string(at) + " is " + (std::isnan(value) ? "NaN" : value > 0 ? "+inf" : "-inf");
+  init->refusal_status = LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION;
+}
+
 // How many peers of this ring run on this host, by the host the master recorded for
 // each member (0 if this peer is not in the view): with the core count it decides
 // whether the ring sends from a second thread (coll::ring_sender_thread). A local
@@ -815,6 +888,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   proto::CollectiveInit init;
   init.tag = d.tag;
   init.descriptor = wire_descriptor(d, &init.refusal);
+  if (options_.check_finite && init.refusal.empty()) check_contribution(d, &init);
   // A small all-reduce (and a barrier) travels with the votes: the contribution goes with
   // this vote and the master's outcome brings the result (nothing is written before it).
   const bool carried = coll::travels_with_votes(init.descriptor);

@@ -65,6 +65,9 @@ struct Options {
   // empty: the system's default. One the kernel refuses is warned about once, at
   // create, and the default is used.
   std::string tcp_congestion;
+  // Check this peer's contribution to each float collective for NaN and infinity first;
+  // one found ends the collective on every peer with NON_FINITE_CONTRIBUTION.
+  bool check_finite = false;
 };
 
 class Link;       // the background thread and everything it owns (communicator.cpp)
@@ -192,6 +195,15 @@ class Communicator {
   // the group gets the same value.
   Result<std::vector<std::uint8_t>> agree_value(proto::AgreeMode mode, std::vector<std::uint8_t> value);
 
+  // The master's key-value store (docs/collectives.md), open once connected: set
+  // (create or overwrite), get (KEY_NOT_FOUND if absent), wait (until the key is set;
+  // TIMEOUT after timeout_ms, 0: no deadline), erase (absent is fine). Bounds beyond the
+  // master's: LIMIT_EXCEEDED.
+  Status kv_set(const std::string& key, std::vector<std::uint8_t> value);
+  Result<std::vector<std::uint8_t>> kv_get(const std::string& key);
+  Result<std::vector<std::uint8_t>> kv_wait(const std::string& key, std::uint32_t timeout_ms);
+  Status kv_delete(const std::string& key);
+
   // Collectives of any kind (descriptor.kind). The blocking form is launch + await on
   // the calling thread.
   Result<ReduceInfo> all_reduce(const ReduceDescriptor& descriptor);
@@ -222,6 +234,10 @@ class Communicator {
   explicit Communicator(const Options& options);
   Status check_call(bool need_accepted) const;
   Result<proto::AgreeResult> vote_agree(proto::VoteAgree vote);
+  Result<std::vector<std::uint8_t>> kv_request(proto::KvRequest request);
+  // With Options::check_finite: turns a vote into a NON_FINITE_CONTRIBUTION refusal when
+  // this peer's contribution holds NaN or infinity.
+  void check_contribution(const ReduceDescriptor& d, proto::CollectiveInit* init) const;
   Status remember(Status status);
   // Waits for the master's EstablishP2P, wires the ring, reports, and waits for the
   // outcome. Returns the TopologyResult (its status may be a failure) or a fatal status.
@@ -258,6 +274,7 @@ class Communicator {
   std::unique_ptr<Link> link_;
   bool connected_ = false;
   bool accepted_ = false;
+  std::uint64_t kv_requests_ = 0;  // the last KvRequest id
   PeerId id_;
   std::uint64_t epoch_ = 0;
   std::vector<proto::MemberInfo> view_;

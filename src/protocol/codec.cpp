@@ -36,6 +36,12 @@ class Writer {
     u<std::uint16_t>(static_cast<std::uint16_t>(n));
     out_.insert(out_.end(), value.begin(), value.begin() + static_cast<std::ptrdiff_t>(n));
   }
+  // Byte strings with a u32 length, cut at bytes_max.
+  void bytes32(const std::vector<std::uint8_t>& value, std::size_t bytes_max) {
+    const std::size_t n = std::min<std::size_t>(value.size(), bytes_max);
+    u<std::uint32_t>(static_cast<std::uint32_t>(n));
+    out_.insert(out_.end(), value.begin(), value.begin() + static_cast<std::ptrdiff_t>(n));
+  }
   void id(const PeerId& value) {
     u(value.hi);
     u(value.lo);
@@ -84,6 +90,15 @@ class Reader {
   }
   bool bytes(std::vector<std::uint8_t>* value, std::uint32_t bytes_max, const char* field) {
     std::uint16_t len = 0;
+    if (!u(&len, field)) return false;
+    if (len > bytes_max) return fail(std::string(field) + ": longer than " + std::to_string(bytes_max) + " bytes");
+    if (!need(len, field)) return false;
+    value->assign(in_.begin() + static_cast<std::ptrdiff_t>(pos_), in_.begin() + static_cast<std::ptrdiff_t>(pos_ + len));
+    pos_ += len;
+    return true;
+  }
+  bool bytes32(std::vector<std::uint8_t>* value, std::uint32_t bytes_max, const char* field) {
+    std::uint32_t len = 0;
     if (!u(&len, field)) return false;
     if (len > bytes_max) return fail(std::string(field) + ": longer than " + std::to_string(bytes_max) + " bytes");
     if (!need(len, field)) return false;
@@ -256,11 +271,50 @@ void encode_body(Writer& w, const CollectiveInit& m) {
   put(w, m.descriptor);
   w.bytes(m.data, limits::kVoteCarriedBytesMax);
   w.str(m.refusal);
+  w.status(m.refusal_status);
 }
 bool decode_body(Reader& r, CollectiveInit* m) {
-  return r.u(&m->tag, "init.tag") && get(r, &m->descriptor) &&
-         r.bytes(&m->data, limits::kVoteCarriedBytesMax, "init.data") &&
-         r.str(&m->refusal, limits::kWireStringBytesMax, "init.refusal");
+  if (!(r.u(&m->tag, "init.tag") && get(r, &m->descriptor) &&
+        r.bytes(&m->data, limits::kVoteCarriedBytesMax, "init.data") &&
+        r.str(&m->refusal, limits::kWireStringBytesMax, "init.refusal") &&
+        r.status(&m->refusal_status, "init.refusal_status"))) {
+    return false;
+  }
+  if (m->refusal_status != LOCKSTEP_STATUS_INVALID_ARGUMENT &&
+      m->refusal_status != LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION) {
+    return r.fail("init.refusal_status: not a status a refusal may carry");
+  }
+  return true;
+}
+void encode_body(Writer& w, const KvRequest& m) {
+  w.u(m.request);
+  w.u(static_cast<std::uint8_t>(m.op));
+  w.str(m.key);
+  w.bytes32(m.value, limits::kKvValueBytesMaxLimit);
+  w.u(m.timeout_ms);
+}
+bool decode_body(Reader& r, KvRequest* m) {
+  std::uint8_t op = 0;
+  if (!(r.u(&m->request, "kv_request.request") && r.u(&op, "kv_request.op") &&
+        r.str(&m->key, limits::kKvKeyBytesMaxLimit, "kv_request.key") &&
+        r.bytes32(&m->value, limits::kKvValueBytesMaxLimit, "kv_request.value") &&
+        r.u(&m->timeout_ms, "kv_request.timeout_ms"))) {
+    return false;
+  }
+  if (op == 0 || op > kKvOpMax) return r.fail("kv_request.op: unknown operation");
+  m->op = static_cast<KvOp>(op);
+  return true;
+}
+void encode_body(Writer& w, const KvResult& m) {
+  w.u(m.request);
+  w.status(m.status);
+  w.str(m.reason);
+  w.bytes32(m.value, limits::kKvValueBytesMaxLimit);
+}
+bool decode_body(Reader& r, KvResult* m) {
+  return r.u(&m->request, "kv_result.request") && r.status(&m->status, "kv_result.status") &&
+         r.str(&m->reason, limits::kWireStringBytesMax, "kv_result.reason") &&
+         r.bytes32(&m->value, limits::kKvValueBytesMaxLimit, "kv_result.value");
 }
 void encode_body(Writer& w, const CollectiveDone& m) {
   w.u(m.tag);
@@ -627,10 +681,16 @@ const char* msg_type_name(MsgType type) {
     case MsgType::kBandwidthTest: return "BandwidthTest";
     case MsgType::kAuthChallenge: return "AuthChallenge";
     case MsgType::kAuthProof: return "AuthProof";
+    case MsgType::kKvRequest: return "KvRequest";
+    case MsgType::kKvResult: return "KvResult";
     case MsgType::kSealed: return "Sealed";
   }
   return "Unknown";
 }
+
+static_assert(8 + 1 + 2 + limits::kKvKeyBytesMaxLimit + 4 + limits::kKvValueBytesMaxLimit + 4 <=
+                  limits::kControlFramePayloadBytesMax,
+              "a key-value request must fit a control frame (and so a sealed one)");
 
 std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
   switch (static_cast<MsgType>(raw_type)) {
@@ -665,6 +725,10 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
       return limits::kSmallPayloadBytesMax + 2 + limits::kVoteCarriedBytesMax + 8 * limits::kMembersPerMessageMax;
     case MsgType::kCollectiveResult:
       return limits::kSmallPayloadBytesMax + 2 + limits::kVoteCarriedBytesMax;  // and a small all-reduce's data
+    case MsgType::kKvRequest:  // id, op, key, value, timeout
+      return 8 + 1 + 2 + limits::kKvKeyBytesMaxLimit + 4 + limits::kKvValueBytesMaxLimit + 4;
+    case MsgType::kKvResult:  // id, status, reason, value
+      return 8 + 4 + 2 + limits::kWireStringBytesMax + 4 + limits::kKvValueBytesMaxLimit;
     case MsgType::kCollectiveGo:
     case MsgType::kP2PReport:
     case MsgType::kEstablishP2P:
@@ -725,6 +789,8 @@ Result<Message> decode_payload(MsgType type, std::span<const std::uint8_t> paylo
     case MsgType::kBandwidthTest: return decode_as<BandwidthTest>(payload);
     case MsgType::kAuthChallenge: return decode_as<AuthChallenge>(payload);
     case MsgType::kAuthProof: return decode_as<AuthProof>(payload);
+    case MsgType::kKvRequest: return decode_as<KvRequest>(payload);
+    case MsgType::kKvResult: return decode_as<KvResult>(payload);
     case MsgType::kSealed:
       return protocol_error("Sealed: an encrypted frame on a connection that has no keys (it was not authenticated)");
   }

@@ -23,7 +23,8 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 // 5: ring frame header with stream index and count (striping), streams in pool_index
 // 6: collective kinds (broadcast, all-gather, reduce-scatter, barrier) in the
 //    descriptor, with root, world and per-rank counts; a vote may carry its refusal
-inline constexpr std::uint16_t kProtocolVersion = 6;
+// 7: the key-value store (KvRequest, KvResult); a refusal carries its status
+inline constexpr std::uint16_t kProtocolVersion = 7;
 
 enum class MsgType : std::uint16_t {
   // peer -> master
@@ -39,6 +40,7 @@ enum class MsgType : std::uint16_t {
   kSyncDone = 10,
   kVoteOptimizeTopology = 11,
   kBandwidthReport = 12,
+  kKvRequest = 14,
   // peer -> master, and on p2p channels connector -> acceptor (with a secret)
   kAuthProof = 13,
   // master -> peer
@@ -55,6 +57,7 @@ enum class MsgType : std::uint16_t {
   kSyncPlan = 74,
   kSyncResult = 75,
   kBandwidthTest = 76,
+  kKvResult = 78,
   // master -> peer, and on p2p channels acceptor -> connector (with a secret)
   kAuthChallenge = 77,
   // peer -> peer (p2p, shared-state and benchmark sockets)
@@ -178,8 +181,10 @@ struct CollectiveInit {
   std::vector<std::uint8_t> data = {};
   // Non-empty: this peer found the call's arguments unusable (a destination too small
   // for the world, a root outside it, ...). It still votes, so that every peer of the
-  // collective ends it with INVALID_ARGUMENT and this reason, rather than waiting.
+  // collective ends it with `refusal_status` (INVALID_ARGUMENT, or
+  // NON_FINITE_CONTRIBUTION from the optional check) and this reason, rather than waiting.
   std::string refusal = {};
+  StatusCode refusal_status = LOCKSTEP_STATUS_INVALID_ARGUMENT;
   bool operator==(const CollectiveInit&) const = default;
 };
 // Vote to complete: this peer finished its part of the attempt (ok) or failed it.
@@ -286,6 +291,29 @@ struct AgreeResult {
   std::string reason;
   std::vector<std::uint8_t> agreed = {};  // the value agreed on (modes other than kFlag)
   bool operator==(const AgreeResult&) const = default;
+};
+// The master's key-value store of run metadata (run-wide, not per group).
+enum class KvOp : std::uint8_t { kSet = 1, kGet = 2, kWait = 3, kDelete = 4 };
+inline constexpr std::uint8_t kKvOpMax = 4;
+// A peer's request; `value` only for kSet, `timeout_ms` only for kWait (0: no deadline).
+struct KvRequest {
+  static constexpr MsgType kType = MsgType::kKvRequest;
+  std::uint64_t request = 0;  // chosen by the peer, echoed in the result
+  KvOp op = KvOp::kGet;
+  std::string key;
+  std::vector<std::uint8_t> value = {};
+  std::uint32_t timeout_ms = 0;
+  bool operator==(const KvRequest&) const = default;
+};
+// The answer to one KvRequest: OK (with the value for kGet and kWait), KEY_NOT_FOUND,
+// TIMEOUT, INVALID_ARGUMENT or LIMIT_EXCEEDED with the reason.
+struct KvResult {
+  static constexpr MsgType kType = MsgType::kKvResult;
+  std::uint64_t request = 0;
+  StatusCode status = LOCKSTEP_OK;
+  std::string reason;
+  std::vector<std::uint8_t> value = {};
+  bool operator==(const KvResult&) const = default;
 };
 // A well-formed request that is illegal in the current state; nothing changed.
 struct Refused {
@@ -446,7 +474,7 @@ using Message = std::variant<Hello, Heartbeat, VoteUpdateTopology, P2PReport, Vo
                              EstablishP2P, TopologyResult, PeersPendingResult, AgreeResult, Refused,
                              Goodbye, CollectiveGo, CollectiveResult, P2PHello, P2PHelloAck, SyncVote,
                              SyncDone, SyncPlan, SyncResult, StateRequest, StateResponse, VoteOptimizeTopology,
-                             BandwidthReport, BandwidthTest, AuthChallenge, AuthProof>;
+                             BandwidthReport, BandwidthTest, AuthChallenge, AuthProof, KvRequest, KvResult>;
 
 MsgType type_of(const Message& message);
 

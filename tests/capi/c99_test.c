@@ -94,6 +94,25 @@ int main(void) {
   CHECK(members[0].rank == 0 && strcmp(members[0].host, "127.0.0.1") == 0);
   CHECK(lockstep_comm_update_topology(comm) == LOCKSTEP_OK);
 
+  /* The master's key-value store: set, get (a buffer too small says the size), wait,
+   * delete, KEY_NOT_FOUND, TIMEOUT, bad arguments. */
+  {
+    char value[16];
+    size_t size = 0;
+    CHECK(lockstep_comm_kv_set(comm, "step", "12345", 5) == LOCKSTEP_OK);
+    CHECK(lockstep_comm_kv_get(comm, "step", value, sizeof value, &size) == LOCKSTEP_OK && size == 5 &&
+          memcmp(value, "12345", 5) == 0);
+    CHECK(lockstep_comm_kv_get(comm, "step", value, 2, &size) == LOCKSTEP_STATUS_INVALID_ARGUMENT && size == 5);
+    CHECK(lockstep_comm_kv_wait(comm, "step", 0, value, sizeof value, &size) == LOCKSTEP_OK && size == 5);
+    CHECK(lockstep_comm_kv_wait(comm, "absent", 50, value, sizeof value, &size) == LOCKSTEP_STATUS_TIMEOUT);
+    CHECK(lockstep_comm_kv_delete(comm, "step") == LOCKSTEP_OK);
+    CHECK(lockstep_comm_kv_get(comm, "step", value, sizeof value, &size) == LOCKSTEP_STATUS_KEY_NOT_FOUND);
+    CHECK(lockstep_comm_kv_set(comm, "", "x", 1) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    CHECK(lockstep_comm_kv_set(comm, NULL, "x", 1) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    CHECK(lockstep_comm_kv_get(comm, "step", NULL, 0, NULL) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    CHECK(strcmp(lockstep_status_name(LOCKSTEP_STATUS_LIMIT_EXCEEDED), "LIMIT_EXCEEDED") == 0);
+  }
+
   /* The content hash: 32 hex digits, the same for the same bytes, different otherwise. */
   for (i = 0; i < 1000; ++i) weights[i] = (float)i * 0.5f;
   CHECK(lockstep_hash(weights, sizeof weights, hex) == LOCKSTEP_OK && strlen(hex) == 32);

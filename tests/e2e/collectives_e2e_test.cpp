@@ -163,6 +163,55 @@ TEST(Collectives, AgreeOnAValue) {
   EXPECT_EQ(first[0].value("value", ""), "from-" + run.members[0]->name()) << first[0].dump();
 }
 
+// The master's key-value store between real processes: a wait ends when another peer
+// sets the key; get, overwrite, delete, KEY_NOT_FOUND, TIMEOUT; the master's bounds
+// (flags) answer LIMIT_EXCEEDED naming the flag; the master's death ends a wait with
+// MASTER_CONNECTION_LOST.
+TEST(KeyValueStore, BetweenPeersWithTheMastersBounds) {
+  auto run = start(2, {"--http", "127.0.0.1:0", "--kv-keys-max", "2", "--kv-value-bytes-max", "16"});
+  ASSERT_EQ(run.members.size(), 2u);
+  Peer& a = *run.members[0];
+  Peer& b = *run.members[1];
+  const auto kv_state = [&](const std::string& field, std::size_t n) {
+    return run.master->wait_for_state([&](const json& s) { return s["kv"][field] == n; });
+  };
+  b.send("kv wait ckpt 0");
+  ASSERT_TRUE(kv_state("waits", 1)) << run.master->state().dump();
+  ASSERT_EQ(code(a.call("kv set ckpt /ckpt/100")), 0);
+  json r = b.reply();
+  ASSERT_EQ(code(r), 0) << r.dump();
+  EXPECT_EQ(r.value("value", ""), "/ckpt/100");
+  EXPECT_TRUE(kv_state("waits", 0));
+  r = b.call("kv get ckpt");
+  EXPECT_EQ(r.value("value", ""), "/ckpt/100") << r.dump();
+  ASSERT_EQ(code(b.call("kv set ckpt /ckpt/200")), 0);
+  EXPECT_EQ(a.call("kv get ckpt").value("value", ""), "/ckpt/200");
+  r = a.call("kv get missing");
+  EXPECT_EQ(code(r), LOCKSTEP_STATUS_KEY_NOT_FOUND) << r.dump();
+  r = a.call("kv wait missing " + std::to_string(scaled(200ms).count()));
+  EXPECT_EQ(code(r), LOCKSTEP_STATUS_TIMEOUT) << r.dump();
+  // The bounds: two keys, values of 16 bytes.
+  ASSERT_EQ(code(a.call("kv set second x")), 0);
+  r = a.call("kv set third x");
+  EXPECT_EQ(code(r), LOCKSTEP_STATUS_LIMIT_EXCEEDED) << r.dump();
+  EXPECT_NE(r.value("error", "").find("--kv-keys-max"), std::string::npos) << r.dump();
+  r = a.call("kv set ckpt 0123456789abcdefX");
+  EXPECT_EQ(code(r), LOCKSTEP_STATUS_LIMIT_EXCEEDED) << r.dump();
+  EXPECT_NE(r.value("error", "").find("--kv-value-bytes-max"), std::string::npos) << r.dump();
+  EXPECT_EQ(b.call("kv get ckpt").value("value", ""), "/ckpt/200") << "a refused set changed the value";
+  ASSERT_EQ(code(a.call("kv delete ckpt")), 0);
+  EXPECT_EQ(code(b.call("kv get ckpt")), LOCKSTEP_STATUS_KEY_NOT_FOUND);
+  ASSERT_EQ(code(a.call("kv set third x")), 0) << "the delete made room";
+  EXPECT_TRUE(kv_state("keys", 2));
+  // The collectives go on beside the store.
+  for (const auto& reply : run_all(run.members, "barrier", 0, 5)) EXPECT_EQ(code(reply), 0) << reply.dump();
+  b.send("kv wait never 0");
+  ASSERT_TRUE(kv_state("waits", 1));
+  run.master->proc().signal(SIGKILL);
+  r = b.reply();
+  EXPECT_EQ(code(r), LOCKSTEP_STATUS_MASTER_CONNECTION_LOST) << r.dump();
+}
+
 // The update topology of the survivors (the master removed the victim meanwhile).
 void update_all(std::vector<Peer*>& survivors) {
   const auto replies = call_all(survivors, "update", scaled(60s));

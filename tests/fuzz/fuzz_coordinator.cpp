@@ -59,12 +59,13 @@ enum Op : std::uint8_t {
   kKeepAlive,
   kVoteOptimize,
   kBandwidthReport,
+  kKv,
   kOpCount
 };
 constexpr std::array<const char*, kOpCount> kOpNames = {
     "connect",   "hello",     "vote-topology", "report",     "vote-pending",   "vote-agree", "init", "done",
     "sync-vote", "sync-done", "heartbeat",     "raw",        "disconnect",     "protocol-error", "tick",
-    "keep-alive", "vote-optimize", "bandwidth-report"};
+    "keep-alive", "vote-optimize", "bandwidth-report", "kv"};
 
 // LOCKSTEP_FUZZ_VERBOSE=1: print every event and command (to read a failing input).
 bool verbose() {
@@ -297,6 +298,17 @@ class Driver {
           default: report.bytes_per_s = in_.u<std::uint64_t>(); break;
         }
         return deliver(conn, report);
+      }
+      case kKv: {
+        // Few keys, so that sets, waits and deletes meet; now and then an oversized one.
+        p::KvRequest request;
+        request.request = in_.byte() % 4;
+        request.op = static_cast<p::KvOp>(1 + in_.byte() % p::kKvOpMax);
+        const std::uint8_t k = in_.byte();
+        request.key = k % 16 == 15 ? std::string(300, 'k') : k % 16 == 14 ? "" : "key" + std::to_string(k % 3);
+        if (request.op == p::KvOp::kSet) request.value.assign(in_.byte() % 8 == 7 ? 70'000 : in_.byte() % 4, 0x5a);
+        if (request.op == p::KvOp::kWait) request.timeout_ms = in_.byte() * 10u;
+        return deliver(pick_conn(), request);
       }
       case kOpCount: break;
     }

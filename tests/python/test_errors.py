@@ -32,7 +32,8 @@ EXPECTED_NAMES = {
     14: "KickedError", 15: "RejectedError", 16: "OperationMismatchError", 17: "ProtocolError",
     18: "LockstepTimeoutError", 19: "WrongThreadError", 20: "LockstepInterruptedError",
     21: "RevisionViolationError", 22: "SharedStateMismatchError", 23: "HashMismatchError",
-    24: "AuthenticationFailedError", 25: "ViewChangedError",
+    24: "AuthenticationFailedError", 25: "ViewChangedError", 26: "KeyNotFoundError", 27: "LimitExceededError",
+    28: "NonFiniteContributionError",
 }
 
 
@@ -54,7 +55,7 @@ def offline():
 
 
 def test_one_class_per_status_with_status_values():
-    assert sorted(lockstep.ERROR_CLASSES) == list(range(1, 26))
+    assert sorted(lockstep.ERROR_CLASSES) == list(range(1, 29))
     assert sorted(lockstep.ERROR_CLASSES) == sorted(s for s in Status if s != Status.OK)
     for code, name in EXPECTED_NAMES.items():
         cls = getattr(lockstep, name)
@@ -74,8 +75,10 @@ def test_group_bases_tell_peer_failures_from_misuse():
         assert issubclass(cls, lockstep.FatalError) == (code in FATAL), cls
     assert issubclass(lockstep.InvalidArgumentError, ValueError)
     for cls in (lockstep.NotInitializedError, lockstep.InvalidUsageError, lockstep.WrongThreadError,
-                lockstep.TooFewPeersError, lockstep.ViewChangedError):
+                lockstep.TooFewPeersError, lockstep.ViewChangedError, lockstep.KeyNotFoundError,
+                lockstep.LimitExceededError, lockstep.NonFiniteContributionError):
         assert not issubclass(cls, (lockstep.RetryableError, lockstep.FatalError))
+    assert issubclass(lockstep.KeyNotFoundError, KeyError)
     # Not the builtins of the same name.
     assert not issubclass(lockstep.LockstepTimeoutError, TimeoutError)
     assert not issubclass(lockstep.LockstepInterruptedError, InterruptedError)

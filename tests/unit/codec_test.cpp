@@ -157,6 +157,13 @@ std::vector<Message> samples() {
   all.push_back(AuthChallenge{Bytes(32, 1), Bytes(32, 2)});
   all.push_back(AuthChallenge{});
   all.push_back(AuthProof{Bytes(32, 3)});
+  all.push_back(KvRequest{1, KvOp::kSet, "run/step", Bytes(limits::kKvValueBytesMaxLimit, 0x5a)});
+  all.push_back(KvRequest{2, KvOp::kGet, std::string(limits::kKvKeyBytesMaxLimit, 'k')});
+  all.push_back(KvRequest{3, KvOp::kWait, "k", {}, 60'000});
+  all.push_back(KvRequest{~0ull, KvOp::kDelete, "k"});
+  all.push_back(KvResult{1, LOCKSTEP_OK, "", Bytes(limits::kKvValueBytesMaxLimit, 0xa5)});
+  all.push_back(KvResult{2, LOCKSTEP_STATUS_KEY_NOT_FOUND, "no key 'k'"});
+  all.push_back(KvResult{});
   return all;
 }
 
@@ -169,7 +176,8 @@ const std::vector<MsgType>& all_types() {
       MsgType::kCollectiveGo,   MsgType::kCollectiveResult,   MsgType::kP2PHello,           MsgType::kP2PHelloAck,
       MsgType::kSyncVote,       MsgType::kSyncDone,           MsgType::kSyncPlan,           MsgType::kSyncResult,
       MsgType::kStateRequest,   MsgType::kStateResponse,      MsgType::kVoteOptimizeTopology,
-      MsgType::kBandwidthReport, MsgType::kBandwidthTest, MsgType::kAuthChallenge, MsgType::kAuthProof};
+      MsgType::kBandwidthReport, MsgType::kBandwidthTest, MsgType::kAuthChallenge, MsgType::kAuthProof,
+      MsgType::kKvRequest,      MsgType::kKvResult};
   return types;
 }
 
@@ -412,8 +420,9 @@ TEST(CodecNames, EveryTypeHasANameAndABound) {
   }
   EXPECT_STREQ(msg_type_name(static_cast<MsgType>(999)), "Unknown");
   EXPECT_EQ(payload_bytes_max(0), 0u);
-  EXPECT_EQ(payload_bytes_max(14), 0u);
+  EXPECT_EQ(payload_bytes_max(15), 0u);
   EXPECT_EQ(payload_bytes_max(63), 0u);
+  EXPECT_EQ(payload_bytes_max(79), 0u);
   EXPECT_EQ(payload_bytes_max(0xffff), 0u);
   for (const Message& m : samples()) EXPECT_EQ(payload_of(encode_frame(m)).size() == 0, has_empty_payload(type_of(m)));
 }
@@ -538,6 +547,7 @@ CollectiveInit collective_init_case() {
   m.descriptor.counts = {8, 9};
   m.data = {5};
   m.refusal = "r";
+  m.refusal_status = LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION;
   return m;
 }
 
@@ -554,7 +564,11 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
       {VoteAgree{true, AgreeMode::kAllEqual, {1}}, {"vote_agree.flag", "vote_agree.mode", "vote_agree.value"}},
       {collective_init_case(),
        {"init.tag", "descriptor.count", "descriptor.dtype", "descriptor.op", "descriptor.quantization",
-        "descriptor.kind", "descriptor.root", "descriptor.world", "descriptor.counts", "init.data", "init.refusal"}},
+        "descriptor.kind", "descriptor.root", "descriptor.world", "descriptor.counts", "init.data", "init.refusal",
+        "init.refusal_status"}},
+      {KvRequest{1, KvOp::kSet, "k", {2}, 0},
+       {"kv_request.request", "kv_request.op", "kv_request.key", "kv_request.value", "kv_request.timeout_ms"}},
+      {KvResult{1, LOCKSTEP_OK, "r", {2}}, {"kv_result.request", "kv_result.status", "kv_result.reason", "kv_result.value"}},
       {CollectiveDone{1, 2, true, "r", 3, 4},
        {"done.tag", "done.attempt", "done.ok", "done.reason", "done.bytes_sent", "done.bytes_received"}},
       {Welcome{PeerId{1, 2}, "abc", 7}, {"welcome.id", "welcome.observed_host", "welcome.heartbeat_timeout_ms"}},
@@ -703,6 +717,7 @@ TEST(CodecPayload, UnknownStatusCodesAreRejected) {
       {Goodbye{LOCKSTEP_OK, ""}, Goodbye{LOCKSTEP_STATUS_KICKED, ""}, "goodbye.status"},
       {CollectiveResult{1, 1, LOCKSTEP_OK, 1, ""}, CollectiveResult{1, 1, LOCKSTEP_STATUS_KICKED, 1, ""}, "result.status"},
       {P2PHelloAck{LOCKSTEP_OK}, P2PHelloAck{LOCKSTEP_STATUS_KICKED}, "p2p_hello_ack.status"},
+      {KvResult{1, LOCKSTEP_OK, ""}, KvResult{1, LOCKSTEP_STATUS_KICKED, ""}, "kv_result.status"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.field);
@@ -942,7 +957,7 @@ TEST(CodecPayload, WrongMagicOrVersion) {
     p[0] ^= 1;
     EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"Hello", "hello.magic", "not a lockstep peer"}));
   }
-  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}, std::uint16_t{4}, std::uint16_t{5}, std::uint16_t{7}, std::uint16_t{0xffff}}) {
+  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}, std::uint16_t{4}, std::uint16_t{5}, std::uint16_t{6}, std::uint16_t{8}, std::uint16_t{0xffff}}) {
     Hello h = hello_of("");
     h.version = version;
     const Bytes p = payload_copy(h);
@@ -988,6 +1003,53 @@ TEST(CodecPayload, AgreeModeOutOfRange) {
     } else {
       ASSERT_FALSE(r.is_ok()) << v;
       EXPECT_TRUE(is_protocol_error(r.status(), {"VoteAgree", "vote_agree.mode", "unknown mode"}));
+    }
+  }
+}
+
+// The key-value request's operation (byte 8 of the payload) is 1..4.
+TEST(CodecPayload, KvOperationOutOfRange) {
+  for (int v = 0; v < 256; ++v) {
+    Bytes p = payload_copy(KvRequest{7, KvOp::kGet, "key"});
+    p[8] = static_cast<std::uint8_t>(v);
+    auto r = decode_payload(MsgType::kKvRequest, p);
+    if (v >= 1 && v <= kKvOpMax) {
+      ASSERT_TRUE(r.is_ok()) << v << ": " << r.status().to_string();
+      EXPECT_EQ(static_cast<int>(std::get<KvRequest>(r.value()).op), v);
+    } else {
+      ASSERT_FALSE(r.is_ok()) << v;
+      EXPECT_TRUE(is_protocol_error(r.status(), {"KvRequest", "kv_request.op", "unknown operation"}));
+    }
+  }
+}
+
+// Keys and values above the wire's bounds are rejected (not cut), naming the field.
+TEST(CodecPayload, KvKeysAndValuesAboveTheirBound) {
+  Bytes key = payload_copy(KvRequest{1, KvOp::kGet, std::string(limits::kKvKeyBytesMaxLimit, 'k')});
+  key[9] = static_cast<std::uint8_t>((limits::kKvKeyBytesMaxLimit + 1) & 0xff);  // the length's low byte
+  key[10] = static_cast<std::uint8_t>((limits::kKvKeyBytesMaxLimit + 1) >> 8);
+  EXPECT_TRUE(payload_rejected(MsgType::kKvRequest, key, {"kv_request.key", "longer than"}));
+  Bytes value = payload_copy(KvResult{1, LOCKSTEP_OK, "", Bytes(4, 1)});
+  const std::size_t at = 8 + 4 + 2;  // the value's u32 length
+  const std::uint32_t big = limits::kKvValueBytesMaxLimit + 1;
+  for (std::size_t i = 0; i < 4; ++i) value[at + i] = static_cast<std::uint8_t>(big >> (8 * i));
+  EXPECT_TRUE(payload_rejected(MsgType::kKvResult, value, {"kv_result.value", "longer than"}));
+}
+
+// A refusal carries INVALID_ARGUMENT or NON_FINITE_CONTRIBUTION, nothing else (a peer
+// must not make the master end a collective with KICKED for everyone).
+TEST(CodecPayload, RefusalStatusIsBounded) {
+  CollectiveInit init{9, CollectiveDescriptor{4, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE}, {}, "nan"};
+  const Bytes base = payload_copy(init);
+  for (std::uint32_t code = 0; code <= static_cast<std::uint32_t>(kStatusCodeMax) + 1; ++code) {
+    Bytes p = base;
+    for (std::size_t i = 0; i < 4; ++i) p[p.size() - 4 + i] = static_cast<std::uint8_t>(code >> (8 * i));
+    auto r = decode_payload(MsgType::kCollectiveInit, p);
+    if (code == LOCKSTEP_STATUS_INVALID_ARGUMENT || code == LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION) {
+      ASSERT_TRUE(r.is_ok()) << code;
+      EXPECT_EQ(std::get<CollectiveInit>(r.value()).refusal_status, static_cast<StatusCode>(code));
+    } else {
+      EXPECT_FALSE(r.is_ok()) << code;
     }
   }
 }
@@ -1079,7 +1141,7 @@ TEST(CodecPayload, UnknownP2PHelloFlags) {
 }
 
 TEST(CodecPayload, RefusedOfUnknownRequestType) {
-  for (std::uint16_t raw : {std::uint16_t{0}, std::uint16_t{14}, std::uint16_t{63}, std::uint16_t{132}, std::uint16_t{0xffff}}) {
+  for (std::uint16_t raw : {std::uint16_t{0}, std::uint16_t{15}, std::uint16_t{63}, std::uint16_t{132}, std::uint16_t{0xffff}}) {
     Bytes p = payload_copy(Refused{});
     p[0] = static_cast<std::uint8_t>(raw);
     p[1] = static_cast<std::uint8_t>(raw >> 8);

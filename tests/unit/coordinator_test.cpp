@@ -1985,6 +1985,20 @@ TEST(CoordinatorCollectiveKinds, ARefusalEndsTheTagForEveryVoterWithItsReason) {
   expect_ended_for_all(h, out, peers, LOCKSTEP_STATUS_INVALID_ARGUMENT, peers[1].id.to_string());
 }
 
+// The optional finiteness check: a peer's refusal with NON_FINITE_CONTRIBUTION ends the
+// tag for every voter with that status, naming the peer whose contribution it was.
+TEST(CoordinatorCollectiveKinds, ANonFiniteContributionEndsTheTagForAllNamingItsPeer) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  EXPECT_EQ(send_count(h.send(peers[0], p::CollectiveInit{4, kSum})), 0u);
+  p::CollectiveInit poisoned{4, kSum, {}, "NaN at element 17"};
+  poisoned.refusal_status = LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION;
+  EXPECT_EQ(send_count(h.send(peers[2], poisoned)), 0u);  // a vote like any other: waits for all
+  const Outbox out = h.send(peers[1], p::CollectiveInit{4, kSum});
+  expect_ended_for_all(h, out, peers, LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION,
+                       "peer " + peers[2].id.to_string() + " (rank 2): its contribution to tag 4: NaN at element 17");
+}
+
 TEST(CoordinatorCollectiveKinds, DescriptorsThatDifferInKindRootOrCountsFailForAll) {
   Harness h;
   const auto peers = h.run_of(2);
@@ -2896,6 +2910,148 @@ TEST(CoordinatorOptimize, BackgroundSearchNeverMakesTheRingWorse) {
   std::vector<int> order(second.size());
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
   EXPECT_GE(topo::ring_bottleneck(h.c.bandwidth_matrix(second), order), first_bottleneck);
+}
+
+
+// ---- the key-value store (kv_store.h, docs/collectives.md)
+
+std::vector<p::KvResult> kv_results(const Outbox& out, ConnId conn) { return all_of<p::KvResult>(out, conn); }
+
+p::KvResult kv_one(const Outbox& out, const FakePeer& peer) {
+  const auto results = kv_results(out, peer.conn);
+  EXPECT_EQ(results.size(), 1u) << describe(out);
+  return results.empty() ? p::KvResult{~0ull, LOCKSTEP_STATUS_INTERNAL_ERROR, "no answer"} : results[0];
+}
+
+std::vector<std::uint8_t> bytes_of(const std::string& text) { return {text.begin(), text.end()}; }
+
+// A registered peer (not yet accepted) may use the store, as may accepted ones.
+TEST(CoordinatorKv, SetGetOverwriteDelete) {
+  Harness h;
+  const auto accepted = h.run_of(1);
+  const FakePeer newcomer = h.join(0);
+  auto r = kv_one(h.send(accepted[0], p::KvRequest{1, p::KvOp::kSet, "run/step", bytes_of("41")}), accepted[0]);
+  EXPECT_EQ(r.request, 1u);
+  EXPECT_EQ(r.status, LOCKSTEP_OK);
+  r = kv_one(h.send(newcomer, p::KvRequest{7, p::KvOp::kGet, "run/step"}), newcomer);
+  EXPECT_EQ(r.request, 7u);
+  EXPECT_EQ(r.status, LOCKSTEP_OK);
+  EXPECT_EQ(r.value, bytes_of("41"));
+  EXPECT_EQ(kv_one(h.send(newcomer, p::KvRequest{8, p::KvOp::kSet, "run/step", bytes_of("42000")}), newcomer).status,
+            LOCKSTEP_OK);
+  EXPECT_EQ(kv_one(h.send(accepted[0], p::KvRequest{2, p::KvOp::kGet, "run/step"}), accepted[0]).value,
+            bytes_of("42000"));
+  EXPECT_EQ(h.c.kv().keys(), 1u);
+  EXPECT_EQ(h.c.kv().bytes(), std::string("run/step").size() + 5);
+  // An empty value is a value.
+  EXPECT_EQ(kv_one(h.send(accepted[0], p::KvRequest{3, p::KvOp::kSet, "flag"}), accepted[0]).status, LOCKSTEP_OK);
+  r = kv_one(h.send(accepted[0], p::KvRequest{4, p::KvOp::kGet, "flag"}), accepted[0]);
+  EXPECT_EQ(r.status, LOCKSTEP_OK);
+  EXPECT_TRUE(r.value.empty());
+  EXPECT_EQ(kv_one(h.send(newcomer, p::KvRequest{9, p::KvOp::kDelete, "run/step"}), newcomer).status, LOCKSTEP_OK);
+  r = kv_one(h.send(newcomer, p::KvRequest{10, p::KvOp::kGet, "run/step"}), newcomer);
+  EXPECT_EQ(r.status, LOCKSTEP_STATUS_KEY_NOT_FOUND);
+  EXPECT_NE(r.reason.find("run/step"), std::string::npos) << r.reason;
+  EXPECT_EQ(kv_one(h.send(newcomer, p::KvRequest{11, p::KvOp::kDelete, "run/step"}), newcomer).status, LOCKSTEP_OK);
+  EXPECT_EQ(h.c.kv().keys(), 1u);
+  EXPECT_EQ(h.c.kv().bytes(), 4u);
+}
+
+// Waits are answered at once when the key is set, else when any peer sets it (every
+// waiter of the key, with its own request id), else TIMEOUT at the deadline.
+TEST(CoordinatorKv, WaitsEndWhenTheKeyIsSetOrAtTheirDeadline) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  EXPECT_EQ(send_count(h.send(peers[1], p::KvRequest{5, p::KvOp::kWait, "ckpt", {}, 0})), 0u);
+  EXPECT_EQ(send_count(h.send(peers[2], p::KvRequest{6, p::KvOp::kWait, "ckpt", {}, 60'000})), 0u);
+  EXPECT_EQ(send_count(h.send(peers[2], p::KvRequest{7, p::KvOp::kWait, "other", {}, 0})), 0u);
+  EXPECT_EQ(h.c.kv().waits(), 3u);
+  Outbox out = h.send(peers[0], p::KvRequest{1, p::KvOp::kSet, "ckpt", bytes_of("/ckpt/100")});
+  EXPECT_EQ(kv_one(out, peers[0]).status, LOCKSTEP_OK);
+  const auto r1 = kv_one(out, peers[1]);
+  EXPECT_EQ(r1.request, 5u);
+  EXPECT_EQ(r1.status, LOCKSTEP_OK);
+  EXPECT_EQ(r1.value, bytes_of("/ckpt/100"));
+  const auto r2 = kv_one(out, peers[2]);
+  EXPECT_EQ(r2.request, 6u);
+  EXPECT_EQ(r2.value, bytes_of("/ckpt/100"));
+  EXPECT_EQ(h.c.kv().waits(), 1u);  // "other" still waits
+  // A key already set answers at once.
+  const auto now = kv_one(h.send(peers[1], p::KvRequest{8, p::KvOp::kWait, "ckpt", {}, 10}), peers[1]);
+  EXPECT_EQ(now.value, bytes_of("/ckpt/100"));
+  // A deadline: nothing before it, TIMEOUT at it.
+  EXPECT_EQ(send_count(h.send(peers[0], p::KvRequest{2, p::KvOp::kWait, "late", {}, 100})), 0u);
+  h.heartbeat(peers);
+  EXPECT_TRUE(kv_results(h.advance(99), peers[0].conn).empty());
+  const auto timed_out = kv_one(h.advance(1), peers[0]);
+  EXPECT_EQ(timed_out.request, 2u);
+  EXPECT_EQ(timed_out.status, LOCKSTEP_STATUS_TIMEOUT);
+  EXPECT_NE(timed_out.reason.find("late"), std::string::npos) << timed_out.reason;
+  EXPECT_EQ(h.c.kv().waits(), 1u);
+}
+
+// A peer that leaves takes its waits with it; the store's keys stay.
+TEST(CoordinatorKv, TheWaitsOfAPeerThatLeftAreForgotten) {
+  Harness h;
+  const auto peers = h.run_of(2);
+  h.send(peers[0], p::KvRequest{1, p::KvOp::kSet, "kept", bytes_of("v")});
+  h.send(peers[1], p::KvRequest{2, p::KvOp::kWait, "never", {}, 0});
+  EXPECT_EQ(h.c.kv().waits(), 1u);
+  h.disconnect(peers[1]);
+  EXPECT_EQ(h.c.kv().waits(), 0u);
+  const Outbox out = h.send(peers[0], p::KvRequest{3, p::KvOp::kSet, "never", bytes_of("x")});
+  EXPECT_EQ(send_count(out), 1u) << describe(out);  // only the setter's answer
+  EXPECT_EQ(kv_one(h.send(peers[0], p::KvRequest{4, p::KvOp::kGet, "kept"}), peers[0]).value, bytes_of("v"));
+}
+
+// Every bound is a flag, answered LIMIT_EXCEEDED (malformed requests INVALID_ARGUMENT or
+// INVALID_USAGE) with the reason, and a refused request changes nothing.
+TEST(CoordinatorKv, BoundsAreRefusedAndChangeNothing) {
+  Config config = test_config();
+  config.kv = KvConfig{2, 4, 8, 2};
+  Harness h(config);
+  const auto peers = h.run_of(1);
+  const FakePeer& a = peers[0];
+  ASSERT_EQ(kv_one(h.send(a, p::KvRequest{1, p::KvOp::kSet, "k1", bytes_of("12345678")}), a).status, LOCKSTEP_OK);
+  ASSERT_EQ(kv_one(h.send(a, p::KvRequest{2, p::KvOp::kSet, "k2", {}}), a).status, LOCKSTEP_OK);
+  ASSERT_EQ(send_count(h.send(a, p::KvRequest{3, p::KvOp::kWait, "w1", {}, 0})), 0u);  // no answer yet
+  struct Case {
+    p::KvRequest request;
+    StatusCode status;
+    std::string reason;
+  };
+  const std::vector<Case> cases = {
+      {p::KvRequest{10, p::KvOp::kSet, "k3", {}}, LOCKSTEP_STATUS_LIMIT_EXCEEDED, "--kv-keys-max"},
+      {p::KvRequest{11, p::KvOp::kSet, "long1", {}}, LOCKSTEP_STATUS_LIMIT_EXCEEDED, "--kv-key-bytes-max"},
+      {p::KvRequest{12, p::KvOp::kGet, "long1"}, LOCKSTEP_STATUS_LIMIT_EXCEEDED, "--kv-key-bytes-max"},
+      {p::KvRequest{13, p::KvOp::kSet, "k1", bytes_of("123456789")}, LOCKSTEP_STATUS_LIMIT_EXCEEDED,
+       "--kv-value-bytes-max"},
+      {p::KvRequest{14, p::KvOp::kSet, "", {}}, LOCKSTEP_STATUS_INVALID_ARGUMENT, "empty key"},
+      {p::KvRequest{15, p::KvOp::kGet, "k1", bytes_of("x")}, LOCKSTEP_STATUS_INVALID_ARGUMENT, "takes none"},
+      {p::KvRequest{16, p::KvOp::kDelete, "k1", {}, 5}, LOCKSTEP_STATUS_INVALID_ARGUMENT, "takes none"},
+      {p::KvRequest{3, p::KvOp::kWait, "w1", {}, 0}, LOCKSTEP_STATUS_INVALID_USAGE, "already waiting"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.reason);
+    const std::string before = h.c.digest();
+    const auto r = kv_one(h.send(a, c.request), a);
+    EXPECT_EQ(r.request, c.request.request);
+    EXPECT_EQ(r.status, c.status) << r.reason;
+    EXPECT_NE(r.reason.find(c.reason), std::string::npos) << r.reason;
+    EXPECT_EQ(h.c.digest(), before);
+  }
+  // Waits per peer: the second is taken, the third refused.
+  EXPECT_EQ(send_count(h.send(a, p::KvRequest{4, p::KvOp::kWait, "w2", {}, 0})), 0u);
+  const std::string before = h.c.digest();
+  const auto r = kv_one(h.send(a, p::KvRequest{5, p::KvOp::kWait, "w3", {}, 0}), a);
+  EXPECT_EQ(r.status, LOCKSTEP_STATUS_LIMIT_EXCEEDED);
+  EXPECT_NE(r.reason.find("2 waits open"), std::string::npos) << r.reason;
+  EXPECT_EQ(h.c.digest(), before);
+  // A full store still takes new values for its keys, and room made by a delete.
+  EXPECT_EQ(kv_one(h.send(a, p::KvRequest{6, p::KvOp::kSet, "k2", bytes_of("new")}), a).status, LOCKSTEP_OK);
+  EXPECT_EQ(kv_one(h.send(a, p::KvRequest{7, p::KvOp::kDelete, "k1"}), a).status, LOCKSTEP_OK);
+  EXPECT_EQ(kv_one(h.send(a, p::KvRequest{8, p::KvOp::kSet, "k3", {}}), a).status, LOCKSTEP_OK);
+  EXPECT_EQ(h.c.kv().keys(), 2u);
 }
 
 }  // namespace

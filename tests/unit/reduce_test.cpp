@@ -958,3 +958,66 @@ TEST(Conversion, RandomPatternsMatchTheReference) {
 }
 
 }  // namespace
+
+// ---- the finiteness check of a contribution (check_finite)
+
+namespace {
+
+// Bits of a NaN, +inf, -inf and the largest finite value per float dtype, and the
+// element size.
+struct FloatBits {
+  lockstep_dtype_t dtype;
+  std::size_t size;
+  std::uint64_t nan, pos_inf, neg_inf, max_finite, signalling_nan;
+};
+const FloatBits kFloatBits[] = {
+    {LOCKSTEP_F16, 2, 0x7e00, 0x7c00, 0xfc00, 0x7bff, 0x7c01},
+    {LOCKSTEP_BF16, 2, 0x7fc0, 0x7f80, 0xff80, 0x7f7f, 0x7f81},
+    {LOCKSTEP_F32, 4, 0x7fc00000, 0x7f800000, 0xff800000, 0x7f7fffff, 0x7f800001},
+    {LOCKSTEP_F64, 8, 0x7ff8000000000000ull, 0x7ff0000000000000ull, 0xfff0000000000000ull, 0x7fefffffffffffffull,
+     0x7ff0000000000001ull},
+};
+
+void put_bits(std::vector<std::uint8_t>& buf, std::size_t size, std::size_t i, std::uint64_t bits) {
+  std::memcpy(buf.data() + i * size, &bits, size);  // little-endian: the low bytes
+}
+
+}  // namespace
+
+TEST(FirstNonFinite, FindsTheFirstNanOrInfinityAtAnyPosition) {
+  using lockstep::coll::first_non_finite;
+  for (const auto& f : kFloatBits) {
+    SCOPED_TRACE(f.dtype);
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{1000}, std::size_t{70'001}}) {
+      // Finite values of every kind pass: the largest, negative ones, zeros, subnormals.
+      std::vector<std::uint8_t> buf(count * f.size, 0);
+      for (std::size_t i = 0; i < count; ++i) {
+        const std::uint64_t sign = (i % 2) << (f.size * 8 - 1);
+        put_bits(buf, f.size, i, (i % 3 == 0 ? f.max_finite : i % 3 == 1 ? 1 : 0) | sign);
+      }
+      EXPECT_EQ(first_non_finite(buf.data(), count, f.dtype), count);
+      if (count == 0) continue;
+      // One bad value anywhere (first, last, across a 64 KiB block or cache line) is found;
+      // with two, the first.
+      for (std::size_t at : {std::size_t{0}, count / 2, count - 1, std::min(count - 1, (64u << 10) / f.size)}) {
+        for (std::uint64_t bad : {f.nan, f.pos_inf, f.neg_inf, f.signalling_nan}) {
+          std::vector<std::uint8_t> b = buf;
+          put_bits(b, f.size, at, bad);
+          EXPECT_EQ(first_non_finite(b.data(), count, f.dtype), at) << "at " << at << " count " << count;
+          if (at + 1 < count) {
+            put_bits(b, f.size, count - 1, f.nan);
+            EXPECT_EQ(first_non_finite(b.data(), count, f.dtype), at);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(FirstNonFinite, IntegersAreNeverFlagged) {
+  std::vector<std::uint8_t> all_ones(800, 0xff);
+  for (lockstep_dtype_t dtype : {LOCKSTEP_U8, LOCKSTEP_I16, LOCKSTEP_U32, LOCKSTEP_I64}) {
+    const std::size_t count = all_ones.size() / lockstep::coll::dtype_size(dtype);
+    EXPECT_EQ(lockstep::coll::first_non_finite(all_ones.data(), count, dtype), count);
+  }
+}

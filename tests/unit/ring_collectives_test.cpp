@@ -1,7 +1,8 @@
 // Broadcast, all-gather (equal and per-rank counts) and reduce-scatter on the ring, over
 // socket pairs and without a master, against a reference computed here:
 //  - 2, 3, 4 and 8 peers; counts 1, world - 1, odd and large; every dtype for the
-//    copies, every op (and both quantizations) for reduce-scatter; plain, striped and
+//    copies, every op (and both quantizations) for reduce-scatter (LOCKSTEP_FULL_MATRIX=1:
+//    every op and dtype for every world size, and 4 Mi elements); plain, striped and
 //    encrypted hops, one thread and a sender thread; in place where it applies;
 //  - restore() gives every destination back exactly;
 //  - an attempt whose neighbour stops midway fails at the stall timeout and leaves the
@@ -18,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -258,7 +260,19 @@ void expect_reduce_scatter(const Case& c) {
 }
 
 const std::size_t kWorlds[] = {2, 3, 4, 8};
-std::vector<std::size_t> counts_for(std::size_t world) { return {1, world - 1 == 0 ? 1 : world - 1, 1001, 40'000}; }
+// LOCKSTEP_FULL_MATRIX=1 (README): every op and dtype for every world size, and larger counts.
+bool full_matrix() {
+  const char* env = std::getenv("LOCKSTEP_FULL_MATRIX");
+  return env != nullptr && env[0] == '1';
+}
+std::vector<std::size_t> counts_for(std::size_t world) {
+  std::vector<std::size_t> counts = {1, world - 1 == 0 ? 1 : world - 1, 1001, 40'000};
+  if (full_matrix()) counts.push_back(std::size_t{4} << 20);
+  return counts;
+}
+std::vector<std::size_t> worlds_of_the_matrix() {
+  return full_matrix() ? std::vector<std::size_t>(std::begin(kWorlds), std::end(kWorlds)) : std::vector<std::size_t>{3};
+}
 
 TEST(RingCollectives, BroadcastFromEveryRootGivesEveryPeerTheRootsBytes) {
   for (const std::size_t n : kWorlds) {
@@ -315,17 +329,19 @@ TEST(RingCollectives, ReduceScatterGivesEachRankItsReducedChunk) {
 }
 
 TEST(RingCollectives, ReduceScatterEveryOpAndDtype) {
+  for (const std::size_t world : worlds_of_the_matrix()) {
   for (const auto op : {LOCKSTEP_SUM, LOCKSTEP_AVG, LOCKSTEP_PROD, LOCKSTEP_MAX, LOCKSTEP_MIN}) {
     for (int d = LOCKSTEP_U8; d <= LOCKSTEP_F64; ++d) {
       Case c;
       c.kind = RingKind::kReduceScatter;
-      c.world = 3;
+      c.world = world;
       c.count = 777;
       c.dtype = static_cast<lockstep_dtype_t>(d);
       c.op = op;
-      SCOPED_TRACE("op " + std::to_string(op) + " dtype " + std::to_string(d));
+      SCOPED_TRACE("world " + std::to_string(world) + " op " + std::to_string(op) + " dtype " + std::to_string(d));
       expect_reduce_scatter(c);
     }
+  }
   }
 }
 
@@ -343,16 +359,19 @@ TEST(RingCollectives, QuantizedReduceScatterStaysWithinTheBound) {
 }
 
 TEST(RingCollectives, EveryDtypeIsCopiedBitForBit) {
+  for (const std::size_t world : worlds_of_the_matrix()) {
   for (int d = LOCKSTEP_U8; d <= LOCKSTEP_F64; ++d) {
+    SCOPED_TRACE("world " + std::to_string(world) + " dtype " + std::to_string(d));
     Case c;
-    c.world = 3;
+    c.world = world;
     c.count = 1234;
     c.dtype = static_cast<lockstep_dtype_t>(d);
     c.kind = RingKind::kAllGather;
     expect_all_gather(c);
     c.kind = RingKind::kBroadcast;
-    c.root = 2;
+    c.root = world - 1;
     expect_broadcast(c);
+  }
   }
 }
 

@@ -344,6 +344,7 @@ int worker_collective(const Settings& s) {
     options.secret = key.value();
   }
   options.encrypt_data = s.encrypt;
+  options.check_finite = s.check_finite;
   auto created = peer::Communicator::create(options);
   if (!created.is_ok() || !join(*created.value(), s.peers)) {
     std::fprintf(stderr, "worker %d: could not join: %s\n", s.index,
@@ -534,6 +535,7 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& mode,
   }
   if (!s.secret_file.empty()) argv.insert(argv.end(), {"--secret-file", s.secret_file});
   if (s.encrypt) argv.push_back("--encrypt");
+  if (s.check_finite) argv.push_back("--check-finite");
   if (s.compare_torch) argv.push_back("--paced");
   argv.insert(argv.end(), {"--streams", std::to_string(s.streams)});
   if (!s.congestion.empty()) argv.insert(argv.end(), {"--cc", s.congestion});
@@ -812,6 +814,7 @@ int run_collective(const Settings& settings) {
                 {"streams", s.streams},
                 {"cc", s.congestion.empty() ? "default" : s.congestion},
                 {"encrypt", s.encrypt},
+                {"check_finite", s.check_finite},
                 {"iterations", s.iterations},
                 {"order", s.in_turns ? "turns" : "blocks"},
                 {"p50_us", p50},

@@ -64,6 +64,7 @@ struct Settings {
   // allreduce: a run secret generated for this run (written to secret_file for the
   // workers) and encrypt_data on every peer.
   bool encrypt = false;
+  bool check_finite = false;
   std::string secret_file;
   int index = 0;
   std::string self;

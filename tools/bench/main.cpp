@@ -63,6 +63,8 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"turns", "blocks"}));
     sub->add_flag("--encrypt", s.encrypt,
                   "encrypt the data plane (encrypt_data) under a run secret generated for this run");
+    sub->add_flag("--check-finite", s.check_finite,
+                  "every peer checks its contribution for NaN and infinity first (check_finite)");
     sub->add_option("--compare", compare,
                     "also measure gloo (Gloo's collective in the same processes) and/or torch (torch.distributed, "
                     "gloo backend, in processes of its own), comma-separated")
@@ -127,6 +129,7 @@ int main(int argc, char** argv) {
   worker->add_option("--quant", quant);
   worker->add_option("--secret-file", s.secret_file);
   worker->add_flag("--encrypt", s.encrypt);
+  worker->add_flag("--check-finite", s.check_finite);
   worker->add_flag("--paced", s.paced);
   CLI11_PARSE(app, argc, argv);
 

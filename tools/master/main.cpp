@@ -47,6 +47,9 @@ struct Settings {
   std::uint32_t secret_rotation_window_s = 600;
   std::uint32_t handshake_timeout_ms = limits::kHandshakeTimeoutMsDefault;
   std::uint32_t pending_handshakes_max = limits::kPendingHandshakesMax;
+  std::uint32_t kv_keys_max = limits::kKvKeysMaxDefault;
+  std::uint32_t kv_key_bytes_max = limits::kKvKeyBytesMaxDefault;
+  std::uint32_t kv_value_bytes_max = limits::kKvValueBytesMaxDefault;
 };
 
 // What a key of the configuration file must hold.
@@ -108,6 +111,13 @@ void add_options(CLI::App& app, Settings& s, Kinds* kinds) {
           "connections that may be in their handshake at once; a new one beyond that displaces the oldest of the "
           "address holding the most")
       ->check(CLI::Range(1u, 1u << 20));
+  integer("--kv-keys-max", s.kv_keys_max, "keys the key-value store holds at most (a set of a new key beyond: "
+          "LIMIT_EXCEEDED)")
+      ->check(CLI::Range(1u, limits::kKvKeysMaxLimit));
+  integer("--kv-key-bytes-max", s.kv_key_bytes_max, "bytes of one key-value store key at most")
+      ->check(CLI::Range(1u, limits::kKvKeyBytesMaxLimit));
+  integer("--kv-value-bytes-max", s.kv_value_bytes_max, "bytes of one key-value store value at most")
+      ->check(CLI::Range(0u, limits::kKvValueBytesMaxLimit));
   text("--http", s.http,
        "HOST:PORT for the status page (/), /api/state and /metrics (port 0: ephemeral, printed at start); off unless "
        "given. A non-loopback address needs --http-token-file (or --http-insecure)");
@@ -303,6 +313,7 @@ int main(int argc, char** argv) {
   options.coordinator.bandwidth_streams_max = settings.bandwidth_streams;
   options.coordinator.handshake_timeout_ms = settings.handshake_timeout_ms;
   options.coordinator.pending_handshakes_max = settings.pending_handshakes_max;
+  options.coordinator.kv = lockstep::coord::KvConfig{settings.kv_keys_max, settings.kv_key_bytes_max, settings.kv_value_bytes_max};
   options.stall_report_ms = settings.stall_report_ms;
 
   std::optional<std::pair<std::string, std::uint16_t>> http_address;

@@ -281,6 +281,29 @@ int main(int argc, char** argv) {
           peer.comm, mode == "first" ? LOCKSTEP_AGREE_FIRST_ACCEPTED : LOCKSTEP_AGREE_ALL_EQUAL, text.data(), text.size(),
           out.data(), out.size(), &size);
       peer.emit(op, s, s == LOCKSTEP_OK ? "\"value\":\"" + escape(std::string(out.data(), size)) + "\"" : "");
+    } else if (op == "kv") {
+      // kv set KEY VALUE | kv get KEY | kv wait KEY TIMEOUT_MS | kv delete KEY: the
+      // reply's "value" is the value read (get, wait), "size" its size.
+      std::string what, key, value;
+      words >> what >> key;
+      std::vector<char> out(512 << 10);  // the largest value a master may allow
+      std::size_t size = 0;
+      lockstep_status_t s = LOCKSTEP_STATUS_INVALID_ARGUMENT;
+      if (what == "set") {
+        words >> value;
+        s = lockstep_comm_kv_set(peer.comm, key.c_str(), value.data(), value.size());
+      } else if (what == "get") {
+        s = lockstep_comm_kv_get(peer.comm, key.c_str(), out.data(), out.size(), &size);
+      } else if (what == "wait") {
+        std::uint32_t timeout_ms = 0;
+        words >> timeout_ms;
+        s = lockstep_comm_kv_wait(peer.comm, key.c_str(), timeout_ms, out.data(), out.size(), &size);
+      } else if (what == "delete") {
+        s = lockstep_comm_kv_delete(peer.comm, key.c_str());
+      }
+      peer.emit(op, s, s == LOCKSTEP_OK && (what == "get" || what == "wait")
+                           ? "\"value\":\"" + escape(std::string(out.data(), size)) + "\",\"size\":" + std::to_string(size)
+                           : "");
     } else if (op == "allreduce") {
       // Every element is FILL; the reply says whether the result is uniform, its
       // value, and (on failure) whether the destination kept its previous content.
