@@ -217,7 +217,6 @@ class Runner {
     start_cursor(rx_[0].cur, 0, 1, false);
     publish(rx_[0]);
     prepare();
-    place_own_chunk();
     // Tunings: where the kernel refuses one, the ring runs as it would without it.
     for (std::size_t k = 0; k < ntx_; ++k) set_buffer(tx_[k].fd, SO_SNDBUF, p_.tx_buffer_bytes);
     set_buffer(rx_[0].fd, SO_RCVBUF, p_.rx_buffer_bytes);
@@ -236,6 +235,7 @@ class Runner {
         idle = false;
         continue;
       }
+      if (place_own_sub_chunk()) continue;
       int timeout_ms = -1;
       if (io_.stall_timeout_ms > 0) {
         const auto now = std::chrono::steady_clock::now();
@@ -262,6 +262,7 @@ class Runner {
       }
       if (fds[nfds - 1].revents != 0) return aborted();
     }
+    place_own_chunk();
     reset_lowats();
     return Status::ok();
   }
@@ -333,6 +334,7 @@ class Runner {
     wake_fd_ = -1;
     if (!st.is_ok()) return fail(st);
     if (!send_status_.is_ok()) return fail(send_status_);
+    place_own_chunk();
     reset_lowats();
     return Status::ok();
   }
@@ -380,6 +382,7 @@ class Runner {
         last_move_ns_.store(now_ns(), std::memory_order_relaxed);
         continue;
       }
+      if (place_own_sub_chunk()) continue;
       const int timeout_ms = stall_left_ms();
       if (timeout_ms == 0) return stalled();
       pollfd fds[kRingStreamsMax + 2];
@@ -490,14 +493,25 @@ class Runner {
   }
 
   // All-gather: this peer's own chunk goes into its place in the destination (unless the
-  // input already is that place); the ring sends it from the input meanwhile.
-  void place_own_chunk() {
+  // input already is that place), one sub-chunk at a time in the moments the thread that
+  // receives would otherwise wait, and the rest at the end: the ring sends the chunk from
+  // the input meanwhile, so nothing waits for the copy (and its backup) up front.
+  bool own_chunk_to_place() const {
     const std::size_t c = l_.own_chunk();
-    if (l_.kind() != RingKind::kAllGather || l_.len(c) == 0 || src_at(l_.start(c)) == dst_at(c, l_.start(c))) return;
-    for (std::size_t j = 0; j < l_.nsub(c); ++j) {
-      const std::size_t start = l_.sub_start(c, j);
-      touch(l_.sub_index(c, j), start, l_.sub_len(c, j));
-      std::memcpy(dst_at(c, start), src_at(start), l_.sub_len(c, j) * l_.esize());
+    return l_.kind() == RingKind::kAllGather && l_.len(c) != 0 && own_placed_ < l_.nsub(c) &&
+           src_at(l_.start(c)) != bytes_of(p_.dst) + l_.dst_offset(l_.start(c));
+  }
+  bool place_own_sub_chunk() {
+    if (!own_chunk_to_place()) return false;
+    const std::size_t c = l_.own_chunk();
+    const std::size_t j = own_placed_++;
+    const std::size_t start = l_.sub_start(c, j);
+    touch(l_.sub_index(c, j), start, l_.sub_len(c, j));
+    std::memcpy(dst_at(c, start), src_at(start), l_.sub_len(c, j) * l_.esize());
+    return true;
+  }
+  void place_own_chunk() {
+    while (place_own_sub_chunk()) {
     }
   }
 
@@ -813,6 +827,7 @@ class Runner {
   Layout l_;
   std::array<TxStream, kRingStreamsMax> tx_;
   std::size_t ntx_ = 1;
+  std::size_t own_placed_ = 0;  // sub-chunks of the own chunk placed (all-gather)
   std::array<RxStream, kRingStreamsMax> rx_;
   std::atomic<std::size_t> nrx_{0};  // 0 until stream 0's first header names the count
   // Two threads (see start_sender).
