@@ -550,20 +550,13 @@ void reduce3_saving(void* out, void* saved, const void* a, const void* b, std::s
 
 namespace {
 // Whether any of n elements has every exponent bit set (NaN or an infinity): an OR over
-// whole cache lines without a branch, which GCC vectorizes.
+// all of them without a branch, which GCC vectorizes (the caller passes blocks of 64 KiB,
+// so a bad element costs at most one block read in vain).
 template <typename U, U kExponent>
 [[LOCKSTEP_KERNEL_CLONES gnu::noinline]] bool any_exponent_full(const U* p, std::size_t n) {
-  constexpr std::size_t kStep = kLineBytes / sizeof(U);
-  std::size_t i = 0;
-  for (; i + kStep <= n; i += kStep) {
-    U full = 0;
-    for (std::size_t k = i; k < i + kStep; ++k) full |= static_cast<U>((p[k] & kExponent) == kExponent);
-    if (full != 0) return true;
-  }
-  for (; i < n; ++i) {
-    if ((p[i] & kExponent) == kExponent) return true;
-  }
-  return false;
+  U full = 0;
+  for (std::size_t i = 0; i < n; ++i) full |= static_cast<U>((p[i] & kExponent) == kExponent);
+  return full != 0;
 }
 
 template <typename U, U kExponent>
