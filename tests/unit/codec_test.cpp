@@ -157,11 +157,13 @@ std::vector<Message> samples() {
   all.push_back(AuthChallenge{Bytes(32, 1), Bytes(32, 2)});
   all.push_back(AuthChallenge{});
   all.push_back(AuthProof{Bytes(32, 3)});
-  all.push_back(KvRequest{1, KvOp::kSet, "run/step", Bytes(limits::kKvValueBytesMaxLimit, 0x5a)});
-  all.push_back(KvRequest{2, KvOp::kGet, std::string(limits::kKvKeyBytesMaxLimit, 'k')});
+  // Small values: every test over the samples is at least linear in their size (some
+  // quadratic: a truncation at every byte); the wire's bounds are in StringsAndBytesAtTheirBounds.
+  all.push_back(KvRequest{1, KvOp::kSet, "run/step", Bytes(300, 0x5a)});
+  all.push_back(KvRequest{2, KvOp::kGet, "key"});
   all.push_back(KvRequest{3, KvOp::kWait, "k", {}, 60'000});
   all.push_back(KvRequest{~0ull, KvOp::kDelete, "k"});
-  all.push_back(KvResult{1, LOCKSTEP_OK, "", Bytes(limits::kKvValueBytesMaxLimit, 0xa5)});
+  all.push_back(KvResult{1, LOCKSTEP_OK, "", Bytes(300, 0xa5)});
   all.push_back(KvResult{2, LOCKSTEP_STATUS_KEY_NOT_FOUND, "no key 'k'"});
   all.push_back(KvResult{});
   return all;
@@ -361,6 +363,9 @@ TEST(CodecRoundTrip, StringsAndBytesAtTheirBounds) {
       PeersPendingResult{LOCKSTEP_OK, true, reason1024},
       P2PHello{kMagic, kProtocolVersion, Channel::kRing, PeerId{~0ull, 1}, PeerId{2, ~0ull}, ~0ull, ~0u, auth512, kP2PFlagsKnown},
       TopologyResult{~0ull, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED, reason1024, {member(1, host255)}, {1, 2, 3, 4}},
+      KvRequest{~0ull, KvOp::kSet, std::string(limits::kKvKeyBytesMaxLimit, 'k'),
+                Bytes(limits::kKvValueBytesMaxLimit, 0x5a), ~0u},
+      KvResult{~0ull, LOCKSTEP_STATUS_LIMIT_EXCEEDED, reason1024, Bytes(limits::kKvValueBytesMaxLimit, 0xa5)},
   };
   for (const auto& m : edge) {
     SCOPED_TRACE(msg_type_name(type_of(m)));
