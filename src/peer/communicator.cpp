@@ -856,9 +856,9 @@ void Communicator::check_contribution(const ReduceDescriptor& d, proto::Collecti
   const auto* bytes = static_cast<const std::uint8_t*>(data) + at * coll::dtype_size(d.dtype);
   double value = 0;
   switch (d.dtype) {
-    case LOCKSTEP_F16: value = coll::f16_to_f32(*reinterpret_cast<const std::uint16_t*>(bytes)); break;
-    case LOCKSTEP_BF16: value = coll::bf16_to_f32(*reinterpret_cast<const std::uint16_t*>(bytes)); break;
-    case LOCKSTEP_F32: value = *reinterpret_cast<const float*>(bytes); break;
+    case LOCKSTEP_F16: value = static_cast<double>(coll::f16_to_f32(*reinterpret_cast<const std::uint16_t*>(bytes))); break;
+    case LOCKSTEP_BF16: value = static_cast<double>(coll::bf16_to_f32(*reinterpret_cast<const std::uint16_t*>(bytes))); break;
+    case LOCKSTEP_F32: value = static_cast<double>(*reinterpret_cast<const float*>(bytes)); break;
     default: value = *reinterpret_cast<const double*>(bytes); break;
   }
   init->refusal = "element " + std::to_string(at) + " is " + (std::isnan(value) ? "NaN" : value > 0 ? "+inf" : "-inf");
