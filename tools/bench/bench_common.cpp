@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -434,10 +435,23 @@ int worker_collective(const Settings& s) {
       return true;
     };
     if (s.in_turns) {
-      // Round by round, so that the three medians sample the same moments of a shared machine.
+      // Round by round, so that the three medians sample the same moments of a shared
+      // machine, in an order that changes from round to round: something periodic on the
+      // machine whose period is near a round's (BENCHMARKS.md: a VM's memory monitor
+      // stalling memory-bound processes every 0.5 s) would otherwise fall on the same
+      // one's turns for a whole run. The order is a fixed function of the round, the same
+      // in every worker, as the collectives require.
+      const std::array<std::function<bool(bool)>, 3> turns = {lockstep_turn, raw_turn, gloo_turn};
       for (int round = 0; round < rounds; ++round) {
         const bool timed = round >= s.warmup;
-        if (!lockstep_turn(timed) || !raw_turn(timed) || !gloo_turn(timed)) return 1;
+        std::array<std::size_t, 3> order = {0, 1, 2};
+        std::uint64_t x = static_cast<std::uint64_t>(round) * std::uint64_t{0x9e3779b97f4a7c15};
+        x = (x ^ (x >> 31)) * std::uint64_t{0xbf58476d1ce4e5b9};
+        x ^= x >> 29;
+        for (std::size_t i = order.size() - 1; i > 0; --i) std::swap(order[i], order[x % (i + 1)]);
+        for (const std::size_t k : order) {
+          if (!turns[k](timed)) return 1;
+        }
       }
     } else {
       // Each one's rounds back to back: sequential operations of one library.
@@ -817,6 +831,7 @@ int run_collective(const Settings& settings) {
                 {"check_finite", s.check_finite},
                 {"iterations", s.iterations},
                 {"order", s.in_turns ? "turns" : "blocks"},
+                {"pages", s.pages},
                 {"p50_us", p50},
                 {"p99_us", percentile(lockstep_us, 0.99)},
                 {"wire_bytes_per_peer", wire_bytes}};

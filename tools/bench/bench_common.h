@@ -45,7 +45,8 @@ struct Settings {
   std::string congestion;   // tcp_congestion: empty for the system's
   int iterations = 9;
   int warmup = 2;
-  // allreduce: lockstep, the raw ring and Gloo take turns round by round (true), or each
+  // allreduce: lockstep, the raw ring and Gloo take turns round by round, in an order
+  // that changes from round to round (true), or each
   // runs all its rounds back to back (false).
   bool in_turns = true;
   int trials = 20;
@@ -65,6 +66,9 @@ struct Settings {
   // workers) and encrypt_data on every peer.
   bool encrypt = false;
   bool check_finite = false;
+  // The workers' pages: "huge" (GLIBC_TUNABLES set for them), "small", or "environment"
+  // (GLIBC_TUNABLES was set already).
+  std::string pages = "small";
   std::string secret_file;
   int index = 0;
   std::string self;

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 
 int main(int argc, char** argv) {
   CLI::App app{"lockstep-bench: collective throughput and latency, recovery time, shared-state sync, content hash"};
@@ -36,6 +37,7 @@ int main(int argc, char** argv) {
 
   // The collectives share their options; --op and --quant where they reduce.
   std::string order = "turns";
+  bool small_pages = false;
   std::vector<std::string> compare;
   const auto add_collective = [&](const char* name, const char* what, bool reduces, bool sized) {
     auto* sub = app.add_subcommand(name, what);
@@ -58,13 +60,17 @@ int main(int argc, char** argv) {
     sub->add_option("--iterations", s.iterations, "timed repetitions per size")->check(CLI::Range(5, 100000));
     sub->add_option("--warmup", s.warmup, "untimed repetitions first")->check(CLI::Range(0, 1000));
     sub->add_option("--order", order,
-                    "turns: lockstep, the plain ring and Gloo take turns round by round; blocks: each runs its "
+                    "turns: lockstep, the plain ring and Gloo take turns round by round, in an order that changes "
+                    "from round to round; blocks: each runs its "
                     "rounds back to back (sequential operations)")
         ->check(CLI::IsMember({"turns", "blocks"}));
     sub->add_flag("--encrypt", s.encrypt,
                   "encrypt the data plane (encrypt_data) under a run secret generated for this run");
     sub->add_flag("--check-finite", s.check_finite,
                   "every peer checks its contribution for NaN and infinity first (check_finite)");
+    sub->add_flag("--small-pages", small_pages,
+                  "leave every process's malloc in the system's default pages (by default the workers of "
+                  "every library run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, unless it is set already)");
     sub->add_option("--compare", compare,
                     "also measure gloo (Gloo's collective in the same processes) and/or torch (torch.distributed, "
                     "gloo backend, in processes of its own), comma-separated")
@@ -175,6 +181,17 @@ int main(int argc, char** argv) {
       s.collective = *lockstep::bench::collective_from_name(sub->get_name());
       // A barrier has no buffers: one measurement, whatever the (unused) size.
       if (s.collective == lockstep::bench::Collective::kBarrier) s.sizes.resize(1);
+      // Every worker's buffers in transparent huge pages, lockstep's, the plain ring's, Gloo's
+      // and torch's alike: in small pages a VM's memory monitor stalls whichever process it
+      // catches walking hundreds of MiB (BENCHMARKS.md, "Huge pages"). The workers inherit it.
+      if (std::getenv("GLIBC_TUNABLES") != nullptr) {
+        s.pages = "environment";
+      } else if (small_pages) {
+        s.pages = "small";
+      } else {
+        ::setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1", 0);
+        s.pages = "huge";
+      }
       return lockstep::bench::run_collective(s);
     }
   }
