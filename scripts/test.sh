@@ -6,7 +6,10 @@
 #   2. the AddressSanitizer + UndefinedBehaviorSanitizer build: the same tests but the
 #      test bed's (which measure rates), with timeouts scaled up so slow peers live;
 #   3. the fuzz build (Clang, libFuzzer + ASan + UBSan): each fuzzer for 20 s;
-#   4. the ThreadSanitizer build: the same tests again.
+#   4. the ThreadSanitizer build: the same tests again, but those of single-threaded
+#      code (tests/CMakeLists.txt, SINGLE_THREADED).
+# The sanitizer builds leave out the Python module (its tests run in the plain pass
+# only: tests/CMakeLists.txt says why) and the benchmarks.
 # After the first pass, the mutation suite's stage (scripts/mutants.sh --changed).
 # Every build treats warnings as errors (-DLOCKSTEP_WERROR=ON; off by default for users).
 # Options: --quick (skip the sanitizer and fuzz passes), --no-tsan (skip the ThreadSanitizer pass).
@@ -49,10 +52,11 @@ ctest --test-dir build --output-on-failure -L testbed
 stamp "mutants"
 ./scripts/mutants.sh --changed --budget-s 60 "${main_flags[@]/#/--cmake-arg=}"
 
+sanitizer_flags=(-DLOCKSTEP_BUILD_PYTHON=OFF -DLOCKSTEP_BUILD_BENCH=OFF)
 if [ "$quick" = 0 ]; then
   stamp "ASan+UBSan build"
   cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DLOCKSTEP_WERROR=ON -DLOCKSTEP_SANITIZE_ADDRESS=ON \
-    -DLOCKSTEP_SANITIZE_UNDEFINED=ON -DLOCKSTEP_BUILD_TESTBED=OFF -DLOCKSTEP_TEST_TIME_SCALE=4 >/dev/null
+    -DLOCKSTEP_SANITIZE_UNDEFINED=ON -DLOCKSTEP_BUILD_TESTBED=OFF -DLOCKSTEP_TEST_TIME_SCALE=4 "${sanitizer_flags[@]}" >/dev/null
   cmake --build build-asan -j"$jobs"
   stamp "ASan+UBSan tests"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
@@ -73,7 +77,7 @@ fi
 if [ "$quick" = 0 ] && [ "$tsan" = 1 ]; then
   stamp "TSan build"
   cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DLOCKSTEP_WERROR=ON -DLOCKSTEP_SANITIZE_THREAD=ON \
-    -DLOCKSTEP_BUILD_TESTBED=OFF -DLOCKSTEP_TEST_TIME_SCALE=6 >/dev/null
+    -DLOCKSTEP_BUILD_TESTBED=OFF -DLOCKSTEP_TEST_TIME_SCALE=6 "${sanitizer_flags[@]}" >/dev/null
   cmake --build build-tsan -j"$jobs"
   stamp "TSan tests"
   TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan --output-on-failure -j"$jobs"
