@@ -439,13 +439,14 @@ int worker_collective(const Settings& s) {
       // machine, in an order that changes from round to round: something periodic on the
       // machine whose period is near a round's (BENCHMARKS.md: a VM's memory monitor
       // stalling memory-bound processes every 0.5 s) would otherwise fall on the same
-      // one's turns for a whole run. The order is a fixed function of the round, the same
-      // in every worker, as the collectives require.
+      // one's turns for a whole run. The order is a shuffle of the round and the run's
+      // seed (drawn by the orchestrator), the same in every worker, as the collectives
+      // require.
       const std::array<std::function<bool(bool)>, 3> turns = {lockstep_turn, raw_turn, gloo_turn};
       for (int round = 0; round < rounds; ++round) {
         const bool timed = round >= s.warmup;
         std::array<std::size_t, 3> order = {0, 1, 2};
-        std::uint64_t x = static_cast<std::uint64_t>(round) * std::uint64_t{0x9e3779b97f4a7c15};
+        std::uint64_t x = (s.turn_seed + static_cast<std::uint64_t>(round)) * std::uint64_t{0x9e3779b97f4a7c15};
         x = (x ^ (x >> 31)) * std::uint64_t{0xbf58476d1ce4e5b9};
         x ^= x >> 29;
         for (std::size_t i = order.size() - 1; i > 0; --i) std::swap(order[i], order[x % (i + 1)]);
@@ -540,7 +541,8 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& mode,
                                    "--op", std::to_string(static_cast<int>(s.op)), "--concurrency",
                                    std::to_string(s.concurrency), "--pool", std::to_string(s.pool),
                                    "--iterations", std::to_string(s.iterations), "--warmup", std::to_string(s.warmup),
-                                   "--order", s.in_turns ? "turns" : "blocks"};
+                                   "--order", s.in_turns ? "turns" : "blocks", "--turn-seed",
+                                   std::to_string(s.turn_seed)};
   if (s.quant == LOCKSTEP_QUANT_MINMAX_U8) argv.insert(argv.end(), {"--quant", "minmax"});
   if (s.quant == LOCKSTEP_QUANT_ZERO_POINT_U8) argv.insert(argv.end(), {"--quant", "zeropoint"});
   if (!s.gloo_store.empty()) {

@@ -49,6 +49,7 @@ struct Settings {
   // that changes from round to round (true), or each
   // runs all its rounds back to back (false).
   bool in_turns = true;
+  std::uint64_t turn_seed = 0;  // the turns' shuffle, drawn once per run for all workers
   int trials = 20;
   bool stop_instead_of_kill = false;  // recovery: SIGSTOP (a silent peer) instead of SIGKILL
   std::uint32_t heartbeat_timeout_ms = 5000;

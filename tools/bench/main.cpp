@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <random>
 
 int main(int argc, char** argv) {
   CLI::App app{"lockstep-bench: collective throughput and latency, recovery time, shared-state sync, content hash"};
@@ -118,6 +119,7 @@ int main(int argc, char** argv) {
   auto* worker = app.add_subcommand("worker", "(internal) one peer of a benchmark");
   worker->group("");
   worker->add_option("--mode", s.mode)->required();
+  worker->add_option("--turn-seed", s.turn_seed);
   worker->add_option("--master-port", s.master_port)->required();
   worker->add_option("--index", s.index)->required();
   worker->add_option("--peers", s.peers);
@@ -181,6 +183,7 @@ int main(int argc, char** argv) {
       s.collective = *lockstep::bench::collective_from_name(sub->get_name());
       // A barrier has no buffers: one measurement, whatever the (unused) size.
       if (s.collective == lockstep::bench::Collective::kBarrier) s.sizes.resize(1);
+      s.turn_seed = (std::uint64_t{std::random_device{}()} << 32) | std::random_device{}();
       // Every worker's buffers in transparent huge pages, lockstep's, the plain ring's, Gloo's
       // and torch's alike: in small pages a VM's memory monitor stalls whichever process it
       // catches walking hundreds of MiB (BENCHMARKS.md, "Huge pages"). The workers inherit it.
