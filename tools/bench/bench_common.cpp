@@ -439,17 +439,14 @@ int worker_collective(const Settings& s) {
       // machine, in an order that changes from round to round: something periodic on the
       // machine whose period is near a round's (BENCHMARKS.md: a VM's memory monitor
       // stalling memory-bound processes every 0.5 s) would otherwise fall on the same
-      // one's turns for a whole run. The order is a shuffle of the round and the run's
-      // seed (drawn by the orchestrator), the same in every worker, as the collectives
-      // require.
+      // one's turns for a whole run. The shuffles come from the run's seed (drawn by the
+      // orchestrator), the same in every worker, as the collectives require.
       const std::array<std::function<bool(bool)>, 3> turns = {lockstep_turn, raw_turn, gloo_turn};
+      std::mt19937_64 shuffler(s.turn_seed);
+      std::array<std::size_t, 3> order = {0, 1, 2};
       for (int round = 0; round < rounds; ++round) {
         const bool timed = round >= s.warmup;
-        std::array<std::size_t, 3> order = {0, 1, 2};
-        std::uint64_t x = (s.turn_seed + static_cast<std::uint64_t>(round)) * std::uint64_t{0x9e3779b97f4a7c15};
-        x = (x ^ (x >> 31)) * std::uint64_t{0xbf58476d1ce4e5b9};
-        x ^= x >> 29;
-        for (std::size_t i = order.size() - 1; i > 0; --i) std::swap(order[i], order[x % (i + 1)]);
+        std::shuffle(order.begin(), order.end(), shuffler);
         for (const std::size_t k : order) {
           if (!turns[k](timed)) return 1;
         }
