@@ -603,9 +603,12 @@ def test_bottleneck_caps_the_sum(testbed_factory):
     total = sum(r["measured_bps"] for r in results)
     print(f"\n  egress bottleneck 100 Mbit/s with --fq, two pairs at once: {total / 1e6:.1f} Mbit/s in all")
     assert 0.75e8 <= total <= 1.3e8, total
-    # Four flows each, in per-flow fair shares: about half each (a FIFO gave 8% to one).
-    assert all(r["measured_bps"] >= 0.25 * total for r in results), results
     [eg] = [json.loads(line) for line in bed.run("stats").stdout.splitlines()]
+    # Four flows each, in per-flow fair shares: about half each (a FIFO gave 8% to one).
+    # Once in many runs one pair got 12% (not reproduced in 8 runs after it): the message
+    # carries the windows and the buckets' counters to tell which was to blame.
+    windows = [(r["src"], r["dst"], r["measured_bps"], r["start"], r["end"]) for r in results]
+    assert all(r["measured_bps"] >= 0.25 * total for r in results), (windows, eg)
     assert (eg["host"], eg["bottleneck"], eg["bps"], eg["fq"]) == (0, "egress", 100_000_000, "fq"), eg
     assert eg["sent_bytes"] >= 0.8 * total / 8 * 3, eg
     # Eight data flows (and two control connections) hashed into 16 buckets: a broken
