@@ -608,7 +608,7 @@ def test_bottleneck_caps_the_sum(testbed_factory):
     # Once in many runs one pair got 12% (not reproduced in 8 runs after it): the message
     # carries the windows and the buckets' counters to tell which was to blame.
     windows = [(r["src"], r["dst"], r["measured_bps"], r["start"], r["end"]) for r in results]
-    assert all(r["measured_bps"] >= 0.25 * total for r in results), (windows, eg)
+    assert all(r["measured_bps"] >= 0.25 * total for r in results), f"{windows} {json.dumps(eg)}"
     assert (eg["host"], eg["bottleneck"], eg["bps"], eg["fq"]) == (0, "egress", 100_000_000, "fq"), eg
     assert eg["sent_bytes"] >= 0.8 * total / 8 * 3, eg
     # Eight data flows (and two control connections) hashed into 16 buckets: a broken
