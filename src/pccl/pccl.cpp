@@ -63,14 +63,30 @@ std::set<const pcclMasterInstance_t*>& live_masters() {
   return masters;
 }
 
-pcclComm_t* find_comm(const pcclComm_t* comm) {
+// The handle if it is live, else null (a stale or made-up pointer is never dereferenced).
+template <typename Handle>
+Handle* find_live(std::set<const Handle*>& live, const Handle* handle) {
   std::lock_guard<std::mutex> lock(g_handles_mu);
-  return live_comms().count(comm) != 0 ? const_cast<pcclComm_t*>(comm) : nullptr;
+  return live.count(handle) != 0 ? const_cast<Handle*>(handle) : nullptr;
+}
+pcclComm_t* find_comm(const pcclComm_t* comm) { return find_live(live_comms(), comm); }
+pcclMasterInstance_t* find_master(const pcclMasterInstance_t* master) { return find_live(live_masters(), master); }
+
+// Makes a new handle live and hands it to the caller.
+template <typename Handle>
+void publish(std::set<const Handle*>& live, Handle* handle, Handle** out) {
+  {
+    std::lock_guard<std::mutex> lock(g_handles_mu);
+    live.insert(handle);
+  }
+  *out = handle;
 }
 
-pcclMasterInstance_t* find_master(const pcclMasterInstance_t* master) {
+// Takes a handle out of the live set; false if it was not live.
+template <typename Handle>
+bool retire(std::set<const Handle*>& live, const Handle* handle) {
   std::lock_guard<std::mutex> lock(g_handles_mu);
-  return live_masters().count(master) != 0 ? const_cast<pcclMasterInstance_t*>(master) : nullptr;
+  return live.erase(handle) != 0;
 }
 
 void complain(const char* call, const std::string& why) {
@@ -302,11 +318,7 @@ pcclResult_t pcclCreateCommunicator(const pcclCommCreateParams_t* params, pcclCo
     if (status != LOCKSTEP_OK) return to_pccl(status, Call::kGeneral);
     auto* handle = new pcclComm_t;
     handle->comm = comm;
-    {
-      std::lock_guard<std::mutex> lock(g_handles_mu);
-      live_comms().insert(handle);
-    }
-    *comm_out = handle;
+    publish(live_comms(), handle, comm_out);
     return pcclSuccess;
   });
 }
@@ -332,10 +344,7 @@ pcclResult_t pcclGetAttribute(const pcclComm_t* comm, pcclAttribute_t attribute,
 
 pcclResult_t pcclDestroyCommunicator(pcclComm_t* comm) {
   PCCL_REQUIRE_INIT();
-  {
-    std::lock_guard<std::mutex> lock(g_handles_mu);
-    if (live_comms().erase(comm) == 0) return pcclInvalidArgument;
-  }
+  if (!retire(live_comms(), comm)) return pcclInvalidArgument;
   lockstep_comm_destroy(comm->comm);
   // Operations never awaited end with the communicator; their lockstep handles are
   // freed by waiting for them.
@@ -561,11 +570,7 @@ pcclResult_t pcclCreateMaster(ccoip_socket_address_t listen_address, pcclMasterI
     if (status != LOCKSTEP_OK) return to_pccl(status, Call::kGeneral);
     auto* handle = new pcclMasterInstance_t;
     handle->master = master;
-    {
-      std::lock_guard<std::mutex> lock(g_handles_mu);
-      live_masters().insert(handle);
-    }
-    *master_out = handle;
+    publish(live_masters(), handle, master_out);
     return pcclSuccess;
   });
 }
@@ -593,10 +598,7 @@ pcclResult_t pcclMasterAwaitTermination(pcclMasterInstance_t* master) {
 
 pcclResult_t pcclDestroyMaster(pcclMasterInstance_t* master) {
   PCCL_REQUIRE_INIT();
-  {
-    std::lock_guard<std::mutex> lock(g_handles_mu);
-    if (live_masters().erase(master) == 0) return pcclInvalidArgument;
-  }
+  if (!retire(live_masters(), master)) return pcclInvalidArgument;
   lockstep_master_destroy(master->master);
   delete master;
   return pcclSuccess;
