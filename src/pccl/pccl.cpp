@@ -107,7 +107,18 @@ pcclResult_t guarded(const char* call, F&& body) noexcept {
   return pcclInternalError;
 }
 
-std::optional<lockstep_dtype_t> to_dtype(pcclDataType_t type) {
+// The value of an enum field or argument as the caller stored it. A C caller may store any
+// int there; loading one outside the enumerators through the C++ enum type would be
+// undefined, so every enum that comes from the caller is read through this.
+template <typename Enum>
+std::int32_t raw(const Enum& value) {
+  static_assert(sizeof(Enum) == sizeof(std::int32_t), "PCCL's enums are 4 bytes");
+  std::int32_t out;
+  std::memcpy(&out, &value, sizeof out);
+  return out;
+}
+
+std::optional<lockstep_dtype_t> to_dtype(std::int32_t type) {
   switch (type) {
     case pcclUint8: return LOCKSTEP_U8;
     case pcclInt8: return LOCKSTEP_I8;
@@ -125,7 +136,7 @@ std::optional<lockstep_dtype_t> to_dtype(pcclDataType_t type) {
   return std::nullopt;
 }
 
-std::optional<lockstep_reduce_op_t> to_op(pcclRedOp_t op) {
+std::optional<lockstep_reduce_op_t> to_op(std::int32_t op) {
   switch (op) {
     case pcclSum: return LOCKSTEP_SUM;
     case pcclAvg: return LOCKSTEP_AVG;
@@ -140,42 +151,44 @@ std::optional<lockstep_reduce_op_t> to_op(pcclRedOp_t op) {
 // under min-max and zero-point/scale. The code type of pcclQuantNone is not looked at
 // beyond being a dtype (PCCL programs pass their source type there).
 std::optional<lockstep_quantization_t> to_quantization(const pcclQuantizationOptions_t& q, std::string* why) {
-  if (!to_dtype(q.quantized_datatype)) {
-    *why = "quantized_datatype " + std::to_string(static_cast<int>(q.quantized_datatype)) + " is not a pcclDataType_t";
+  const std::int32_t code_type = raw(q.quantized_datatype);
+  const std::int32_t algorithm = raw(q.algorithm);
+  if (!to_dtype(code_type)) {
+    *why = "quantized_datatype " + std::to_string(code_type) + " is not a pcclDataType_t";
     return std::nullopt;
   }
-  switch (q.algorithm) {
+  switch (algorithm) {
     case pcclQuantNone: return LOCKSTEP_QUANT_NONE;
     case pcclQuantMinMax:
     case pcclQuantZeroPointScale:
-      if (q.quantized_datatype != pcclUint8) {
+      if (code_type != pcclUint8) {
         *why = "quantized_datatype must be pcclUint8 (lockstep quantizes to 8-bit codes)";
         return std::nullopt;
       }
-      return q.algorithm == pcclQuantMinMax ? LOCKSTEP_QUANT_MINMAX_U8 : LOCKSTEP_QUANT_ZERO_POINT_U8;
+      return algorithm == pcclQuantMinMax ? LOCKSTEP_QUANT_MINMAX_U8 : LOCKSTEP_QUANT_ZERO_POINT_U8;
   }
-  *why = "quantization algorithm " + std::to_string(static_cast<int>(q.algorithm)) + " is not a pcclQuantizationAlgorithm_t";
+  *why = "quantization algorithm " + std::to_string(algorithm) + " is not a pcclQuantizationAlgorithm_t";
   return std::nullopt;
 }
 
 bool to_reduce_desc(const void* sendbuf, void* recvbuf, const pcclReduceDescriptor_t& d, lockstep_reduce_desc_t* out,
                     std::string* why) {
-  auto dtype = to_dtype(d.src_descriptor.datatype);
+  auto dtype = to_dtype(raw(d.src_descriptor.datatype));
   if (!dtype) {
-    *why = "datatype " + std::to_string(static_cast<int>(d.src_descriptor.datatype)) + " is not a pcclDataType_t";
+    *why = "datatype " + std::to_string(raw(d.src_descriptor.datatype)) + " is not a pcclDataType_t";
     return false;
   }
-  auto op = to_op(d.op);
+  auto op = to_op(raw(d.op));
   if (!op) {
-    *why = "op " + std::to_string(static_cast<int>(d.op)) + " is not a pcclRedOp_t";
+    *why = "op " + std::to_string(raw(d.op)) + " is not a pcclRedOp_t";
     return false;
   }
-  switch (d.src_descriptor.distribution_hint) {
+  switch (raw(d.src_descriptor.distribution_hint)) {
     case pcclDistributionNone:
     case pcclDistributionNormal:
     case pcclDistributionUniform: break;
     default:
-      *why = "distribution_hint " + std::to_string(static_cast<int>(d.src_descriptor.distribution_hint)) +
+      *why = "distribution_hint " + std::to_string(raw(d.src_descriptor.distribution_hint)) +
              " is not a pcclDistributionHint_t";
       return false;
   }
@@ -202,12 +215,13 @@ void fill_info(pcclReduceInfo_t* out, const lockstep_reduce_info_t& info) {
 // "a.b.c.d" of an IPv4 socket address; nothing (and why) for IPv6 or a protocol value
 // PCCL does not define.
 std::optional<std::string> ipv4_host(const ccoip_socket_address_t& address, std::string* why) {
-  if (address.inet.protocol == inetIPv6) {
+  const std::int32_t protocol = raw(address.inet.protocol);
+  if (protocol == inetIPv6) {
     *why = "IPv6 addresses are not supported yet; use an IPv4 address";
     return std::nullopt;
   }
-  if (address.inet.protocol != inetIPv4) {
-    *why = "inet.protocol " + std::to_string(static_cast<int>(address.inet.protocol)) + " is not a ccoip_inet_protocol_t";
+  if (protocol != inetIPv4) {
+    *why = "inet.protocol " + std::to_string(protocol) + " is not a ccoip_inet_protocol_t";
     return std::nullopt;
   }
   const std::uint8_t* a = address.inet.ipv4.data;
@@ -328,7 +342,7 @@ pcclResult_t pcclGetAttribute(const pcclComm_t* comm, pcclAttribute_t attribute,
   pcclComm_t* c = find_comm(comm);
   if (c == nullptr || value_out == nullptr) return pcclInvalidArgument;
   lockstep_attribute_t which;
-  switch (attribute) {
+  switch (raw(attribute)) {
     case PCCL_ATTRIBUTE_GLOBAL_WORLD_SIZE: which = LOCKSTEP_ATTR_GLOBAL_WORLD_SIZE; break;
     case PCCL_ATTRIBUTE_PEER_GROUP_WORLD_SIZE: which = LOCKSTEP_ATTR_PEER_GROUP_WORLD_SIZE; break;
     case PCCL_ATTRIBUTE_NUM_DISTINCT_PEER_GROUPS: which = LOCKSTEP_ATTR_NUM_DISTINCT_PEER_GROUPS; break;
@@ -510,14 +524,13 @@ pcclResult_t pcclSynchronizeSharedState(const pcclComm_t* comm, pcclSharedState_
     std::vector<lockstep_tensor_t> tensors(shared_state->count);
     for (std::size_t i = 0; i < shared_state->count; ++i) {
       const pcclTensorInfo_t& info = shared_state->infos[i];
-      auto dtype = to_dtype(info.datatype);
+      auto dtype = to_dtype(raw(info.datatype));
+      const std::int32_t device = raw(info.device_type);
       std::string why;
       if (info.name == nullptr) why = "name is NULL";
-      else if (!dtype) why = "datatype " + std::to_string(static_cast<int>(info.datatype)) + " is not a pcclDataType_t";
-      else if (info.device_type == pcclDeviceCuda) why = "CUDA tensors are not supported (pcclGetBuildInfo: no CUDA)";
-      else if (info.device_type != pcclDeviceCpu) {
-        why = "device_type " + std::to_string(static_cast<int>(info.device_type)) + " is not a pcclDeviceType_t";
-      }
+      else if (!dtype) why = "datatype " + std::to_string(raw(info.datatype)) + " is not a pcclDataType_t";
+      else if (device == pcclDeviceCuda) why = "CUDA tensors are not supported (pcclGetBuildInfo: no CUDA)";
+      else if (device != pcclDeviceCpu) why = "device_type " + std::to_string(device) + " is not a pcclDeviceType_t";
       if (!why.empty()) {
         complain("pcclSynchronizeSharedState", "tensor " + std::to_string(i) + ": " + why);
         return pcclInvalidArgument;
@@ -528,7 +541,10 @@ pcclResult_t pcclSynchronizeSharedState(const pcclComm_t* comm, pcclSharedState_
       tensors[i].count = info.count;
       tensors[i].dtype = *dtype;
       tensors[i].device = LOCKSTEP_DEVICE_CPU;
-      tensors[i].allow_content_inequality = info.allow_content_inequality ? 1 : 0;
+      // A C bool may hold any byte; read it as one.
+      unsigned char allow = 0;
+      std::memcpy(&allow, &info.allow_content_inequality, 1);
+      tensors[i].allow_content_inequality = allow != 0 ? 1 : 0;
     }
     lockstep_shared_state_t state{};
     state.revision = shared_state->revision;
