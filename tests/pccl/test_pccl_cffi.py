@@ -119,10 +119,15 @@ WORKER = """
     # Quantized through the descriptor's options: 8-bit codes, a quarter of the bytes.
     q = ffi.new("float[]", [k / n for k in range(n * 8)])
     _, qtx, _ = comm.all_reduce(q, q, n * 8, C.pcclFloat, C.pcclSum, 3, C.pcclUint8, C.pcclQuantMinMax)
-    # Shared state: peer 0 holds revision 1; peer 1 presents 0 and receives it.
-    w = ffi.new("double[]", [float(k) if index == 0 else 0.0 for k in range(n)])
-    revision, stx, srx = comm.sync_shared_state(1 if index == 0 else 0, [("w", w, n, C.pcclDouble)])
-    state_ok = all(w[k] == float(k) for k in range(n))
+    # Shared state: revision 1 the same everywhere; then peer 0 advances to revision 2
+    # with new content while peer 1 presents 1 with other content: peer 1 receives
+    # revision 2 (the group's revision written back into its pcclSharedState_t).
+    w = ffi.new("double[]", [float(k) for k in range(n)])
+    first = comm.sync_shared_state(1, [("w", w, n, C.pcclDouble)])
+    for k in range(n):
+        w[k] = 2.0 * k if index == 0 else -1.0
+    revision, stx, srx = comm.sync_shared_state(2 if index == 0 else 1, [("w", w, n, C.pcclDouble)])
+    state_ok = first == (1, 0, 0) and all(w[k] == 2.0 * k for k in range(n))
     print(json.dumps({"world": world, "tx": tx, "sums_ok": sums_ok, "max_ok": max_ok, "qtx": qtx,
                       "revision": revision, "srx": srx, "state_ok": state_ok}), flush=True)
     del comm  # the finalizer: pcclDestroyCommunicator
@@ -153,6 +158,6 @@ def test_two_peers_through_cffi_with_an_embedded_master(package):
     r1 = json.loads(out1.splitlines()[0])
     assert "finished" in out0 and "finished" in out1
     for r in (r0, r1):
-        assert r["world"] == 2 and r["sums_ok"] and r["max_ok"] and r["state_ok"] and r["revision"] == 1, r
+        assert r["world"] == 2 and r["sums_ok"] and r["max_ok"] and r["state_ok"] and r["revision"] == 2, r
         assert 0 < r["qtx"] < 0.4 * 4 * 5000 * 8, r  # 8-bit codes of 40000 floats
     assert r1["srx"] >= 5000 * 8 and r0["srx"] == 0
