@@ -36,6 +36,10 @@ struct pcclComm_t {
 
 struct pcclMasterInstance_t {
   lockstep_master_t* master = nullptr;
+  // As PCCL's, awaiting termination is legal only for a master that runs and was
+  // interrupted (else it could never return).
+  std::atomic<bool> running{false};
+  std::atomic<bool> interrupted{false};
 };
 
 namespace {
@@ -595,20 +599,28 @@ pcclResult_t pcclRunMaster(pcclMasterInstance_t* master) {
   PCCL_REQUIRE_INIT();
   pcclMasterInstance_t* m = find_master(master);
   if (m == nullptr) return pcclInvalidArgument;
-  return to_pccl(lockstep_master_run(m->master), Call::kGeneral);
+  pcclResult_t r = to_pccl(lockstep_master_run(m->master), Call::kGeneral);
+  if (r == pcclSuccess) m->running = true;
+  return r;
 }
 
 pcclResult_t pcclInterruptMaster(pcclMasterInstance_t* master) {
   PCCL_REQUIRE_INIT();
   pcclMasterInstance_t* m = find_master(master);
   if (m == nullptr) return pcclInvalidArgument;
-  return to_pccl(lockstep_master_interrupt(m->master), Call::kGeneral);
+  pcclResult_t r = to_pccl(lockstep_master_interrupt(m->master), Call::kGeneral);
+  if (r == pcclSuccess) m->interrupted = true;
+  return r;
 }
 
 pcclResult_t pcclMasterAwaitTermination(pcclMasterInstance_t* master) {
   PCCL_REQUIRE_INIT();
   pcclMasterInstance_t* m = find_master(master);
   if (m == nullptr) return pcclInvalidArgument;
+  if (!m->running || !m->interrupted) {
+    complain("pcclMasterAwaitTermination", "the master is not running or was not interrupted: it would never end");
+    return pcclInvalidUsage;
+  }
   return to_pccl(lockstep_master_await(m->master), Call::kGeneral);
 }
 
@@ -620,8 +632,8 @@ pcclResult_t pcclDestroyMaster(pcclMasterInstance_t* master) {
   return pcclSuccess;
 }
 
+// Like PCCL's, the one call that needs no pcclInit.
 pcclResult_t pcclGetBuildInfo(pcclBuildInfo_t* info_out) {
-  PCCL_REQUIRE_INIT();
   if (info_out == nullptr) return pcclInvalidArgument;
   info_out->has_cuda_support = false;
   return pcclSuccess;

@@ -199,7 +199,7 @@ def test_peer_killed_mid_all_reduce(master):
 
 def test_invalid_calls_get_pccl_codes(master):
     outputs = finish_all(start_peers("errors", master, 1))
-    assert len(checks(outputs[0])) >= 50
+    assert len(checks(outputs[0])) >= 49
 
 
 def test_embedded_master_serves_pccl_programs():
@@ -221,7 +221,7 @@ def test_embedded_master_serves_pccl_programs():
             assert master_proc.proc.stdin is not None
             master_proc.proc.stdin.close()
         assert master_proc.finish() == 0, "\n".join(master_proc.lines)
-        assert "ok master_run_twice" in master_proc.lines and "ok master_destroy_twice" in master_proc.lines
+        assert {"ok master_run_twice", "ok master_await_uninterrupted", "ok master_destroy_twice"} <= set(master_proc.lines)
         return
     pytest.fail("no free port for the embedded master")
 
