@@ -178,7 +178,8 @@ def test_optimize_topology(master):
 def test_peer_killed_mid_all_reduce(master):
     """Peer 2 of 3 is SIGKILLed while 16 MiB all-reduces run: the survivors retry
     (pcclRankConnectionLost, recvbuf as before), go on with two, and the last one alone
-    gets pcclTooFewPeers from the retry helper."""
+    gets pcclTooFewPeers from the retry helper. (The status a lost peer maps to is also
+    pinned by pccl_status_map_test, whatever moment the kill hits.)"""
     procs = start_peers("churn", master, 3, ["--victim", "2", "--iterations", "3"])
     try:
         for proc in procs:
@@ -190,10 +191,11 @@ def test_peer_killed_mid_all_reduce(master):
     outputs = finish_all(procs[:2])
     for lines in outputs:
         assert {"churn_restored", "churn_survivors"} <= set(checks(lines))
-    # The kill fell inside an all-reduce: an attempt failed, and the check of the restored
-    # buffer above saw it.
+    # Where the kill fell inside an all-reduce's data (almost always: they run back to
+    # back), an attempt failed and churn_restored checked the buffer; where it fell in a
+    # vote, the master removed the peer first and the attempt went on with two.
     lost = [int(m[1]) for lines in outputs for line in lines if (m := re.match(r"lost (\d+)$", line))]
-    assert len(lost) == 2 and sum(lost) >= 1, lost
+    assert len(lost) == 2, lost
     assert {"churn_alone", "churn_alone_async"} <= set(checks(outputs[0]))
 
 
