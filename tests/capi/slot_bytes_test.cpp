@@ -1,7 +1,8 @@
 // The per-slot byte counters through the public C API alone (no internals): a master
 // and two peers of pool 4 on threads of this process run all-reduces concurrently; every
 // slot of the pool carried bytes both ways, the slots add up to the communicator's
-// all-reduce totals, and bad arguments are refused without touching the outputs.
+// all-reduce totals, a broadcast's bytes are sent on the root's slots and received on the
+// other's, and bad arguments are refused without touching the outputs.
 #include <lockstep/lockstep.h>
 
 #include <gtest/gtest.h>
@@ -89,6 +90,24 @@ void peer(std::uint16_t port, std::size_t index) {
   EXPECT_EQ(sum_received, counters.all_reduce_bytes_received);
   EXPECT_EQ(sum_sent, reported_sent);
   EXPECT_EQ(sum_received, reported_received);
+
+  // The direction: a broadcast moves bytes one way only, from the root (rank 0) to the
+  // other peer: the root's slots count them as sent, the other's as received.
+  std::uint32_t rank = 0;
+  ASSERT_EQ(lockstep_comm_get_rank(comm, &rank), LOCKSTEP_OK);
+  std::vector<float> payload(kCount, static_cast<float>(index));
+  lockstep_broadcast_desc_t b = {payload.data(), payload.size(), LOCKSTEP_F32, 0, 99};
+  ASSERT_EQ(lockstep_comm_broadcast(comm, &b, nullptr), LOCKSTEP_OK) << lockstep_comm_last_error(comm);
+  std::uint64_t after_sent = 0, after_received = 0;
+  for (std::uint32_t slot = 0; slot < kPool; ++slot) {
+    ASSERT_EQ(lockstep_comm_get_slot_bytes(comm, slot, &sent, &received), LOCKSTEP_OK);
+    after_sent += sent;
+    after_received += received;
+  }
+  const std::uint64_t payload_bytes = kCount * sizeof(float);
+  const std::uint64_t moved_out = after_sent - sum_sent, moved_in = after_received - sum_received;
+  EXPECT_GE(rank == 0 ? moved_out : moved_in, payload_bytes) << "peer " << index << " of rank " << rank;
+  EXPECT_LT(rank == 0 ? moved_in : moved_out, payload_bytes / 16) << "peer " << index << " of rank " << rank;
 
   // Bad arguments: INVALID_ARGUMENT, outputs untouched.
   sent = 7;
