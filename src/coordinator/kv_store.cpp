@@ -1,5 +1,7 @@
 #include "coordinator/kv_store.h"
 
+#include <algorithm>
+
 #include <sstream>
 
 namespace lockstep::coord {
@@ -52,13 +54,12 @@ void KvStore::on_request(PeerId peer, const proto::KvRequest& request, TimeMs no
       it->second = request.value;
       bytes_ += it->second.size();
       out.push_back({peer, answer(request, LOCKSTEP_OK)});
-      // Every wait for this key ends now, with the value.
-      for (auto w = waits_.begin(); w != waits_.end();) {
-        if (w->second.key == request.key) {
-          out.push_back({w->first.first, proto::KvResult{w->first.second, LOCKSTEP_OK, {}, it->second}});
-          w = waits_.erase(w);
-        } else {
-          ++w;
+      // Every wait for this key ends now, with the value (in (peer, request) order).
+      if (auto k = waits_by_key_.find(request.key); k != waits_by_key_.end()) {
+        const std::set<WaitId> ids = k->second;
+        for (const WaitId& id : ids) {
+          out.push_back({id.first, proto::KvResult{id.second, LOCKSTEP_OK, {}, it->second}});
+          erase_wait(waits_.find(id));
         }
       }
       return;
@@ -84,7 +85,7 @@ void KvStore::on_request(PeerId peer, const proto::KvRequest& request, TimeMs no
                                         " waits open, the master's bound")});
         return;
       }
-      waits_[{peer, request.request}] = Wait{request.key, request.timeout_ms == 0 ? 0 : now_ms + request.timeout_ms};
+      add_wait({peer, request.request}, Wait{request.key, request.timeout_ms == 0 ? 0 : now_ms + request.timeout_ms});
       return;
     }
     case proto::KvOp::kDelete: {
@@ -99,21 +100,35 @@ void KvStore::on_request(PeerId peer, const proto::KvRequest& request, TimeMs no
 }
 
 void KvStore::on_tick(TimeMs now_ms, Replies& out) {
-  for (auto w = waits_.begin(); w != waits_.end();) {
-    if (w->second.deadline_ms != 0 && now_ms >= w->second.deadline_ms) {
-      out.push_back({w->first.first, proto::KvResult{w->first.second, LOCKSTEP_STATUS_TIMEOUT,
-                                                     "key '" + w->second.key + "' was not set in time", {}}});
-      w = waits_.erase(w);
-    } else {
-      ++w;
-    }
+  // The waits whose deadline has passed, answered in (peer, request) order.
+  std::vector<WaitId> expired;
+  for (auto d = deadlines_.begin(); d != deadlines_.end() && d->first <= now_ms; ++d) expired.push_back(d->second);
+  std::sort(expired.begin(), expired.end());
+  for (const WaitId& id : expired) {
+    auto w = waits_.find(id);
+    out.push_back({id.first, proto::KvResult{id.second, LOCKSTEP_STATUS_TIMEOUT,
+                                             "key '" + w->second.key + "' was not set in time", {}}});
+    erase_wait(w);
   }
 }
 
 void KvStore::on_peer_removed(PeerId peer) {
-  for (auto w = waits_.begin(); w != waits_.end();) {
-    w = w->first.first == peer ? waits_.erase(w) : std::next(w);
-  }
+  auto w = waits_.lower_bound({peer, 0});
+  while (w != waits_.end() && w->first.first == peer) w = erase_wait(w);
+}
+
+void KvStore::add_wait(const WaitId& id, Wait wait) {
+  waits_by_key_[wait.key].insert(id);
+  if (wait.deadline_ms != 0) deadlines_.insert({wait.deadline_ms, id});
+  waits_.emplace(id, std::move(wait));
+}
+
+KvStore::Waits::iterator KvStore::erase_wait(Waits::iterator it) {
+  auto k = waits_by_key_.find(it->second.key);
+  k->second.erase(it->first);
+  if (k->second.empty()) waits_by_key_.erase(k);
+  if (it->second.deadline_ms != 0) deadlines_.erase({it->second.deadline_ms, it->first});
+  return waits_.erase(it);
 }
 
 std::size_t KvStore::waits_of(PeerId peer) const {
@@ -145,10 +160,19 @@ std::optional<std::string> KvStore::check_invariants(const std::function<bool(Pe
     bytes += key.size() + value.size();
   }
   if (bytes != bytes_) return "the key-value store's byte count is off";
+  std::size_t by_key = 0, with_deadline = 0;
+  for (const auto& [key, ids] : waits_by_key_) by_key += ids.size();
   for (const auto& [who, wait] : waits_) {
     if (entries_.count(wait.key) != 0) return "a wait for a key that is set: '" + wait.key + "'";
     if (!known(who.first)) return "a wait of peer " + who.first.to_string() + ", which left";
+    auto k = waits_by_key_.find(wait.key);
+    if (k == waits_by_key_.end() || k->second.count(who) == 0) return "a wait missing from the index by key";
+    if (wait.deadline_ms != 0) {
+      ++with_deadline;
+      if (deadlines_.count({wait.deadline_ms, who}) == 0) return "a wait missing from the index by deadline";
+    }
   }
+  if (by_key != waits_.size() || with_deadline != deadlines_.size()) return "a wait index holds waits that are gone";
   return std::nullopt;
 }
 

@@ -14,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -59,14 +60,21 @@ class KvStore {
     std::string key;
     TimeMs deadline_ms = 0;  // 0: none
   };
+  using WaitId = std::pair<PeerId, std::uint64_t>;  // (peer, request id)
+  using Waits = std::map<WaitId, Wait>;
   // A reason for a request that breaks a bound, or empty.
   std::string bound_error(const proto::KvRequest& request, StatusCode* status) const;
+  void add_wait(const WaitId& id, Wait wait);
+  Waits::iterator erase_wait(Waits::iterator it);
 
   KvConfig config_;
   std::map<std::string, std::vector<std::uint8_t>> entries_;
   std::size_t bytes_ = 0;
-  // Open waits by (peer, request id).
-  std::map<std::pair<PeerId, std::uint64_t>, Wait> waits_;
+  // Open waits, and two indexes of them, so that a set, a tick and a leaver cost what
+  // they touch, not every wait of the run (up to 64 per peer).
+  Waits waits_;
+  std::map<std::string, std::set<WaitId>> waits_by_key_;
+  std::set<std::pair<TimeMs, WaitId>> deadlines_;  // the waits that have one
 };
 
 }  // namespace lockstep::coord
