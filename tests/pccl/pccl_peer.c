@@ -605,6 +605,10 @@ static void scenario_errors(void) {
   setenv("LOCKSTEP_P2P_STREAMS", "x", 1);
   check(pcclCreateCommunicator(&params, &comm) == pcclInvalidArgument, "create_malformed_environment", "");
   unsetenv("LOCKSTEP_P2P_STREAMS");
+  /* A well-formed variable reaches lockstep: encryption without a run secret is refused. */
+  setenv("LOCKSTEP_ENCRYPT_DATA", "1", 1);
+  check(pcclCreateCommunicator(&params, &comm) == pcclInvalidArgument, "create_encrypt_without_secret", "");
+  unsetenv("LOCKSTEP_ENCRYPT_DATA");
   MUST(pcclCreateCommunicator(&params, &comm));
 
   /* Unknown handles: a made-up pointer is refused, never dereferenced. */
