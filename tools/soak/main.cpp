@@ -44,6 +44,9 @@ int main(int argc, char** argv) {
   lockstep::soak::WorkerOptions worker;
   CLI::App* w = app.add_subcommand("worker", "a training-like peer (started by `run`)");
   lockstep::soak::add_worker_cli(w, worker);
+  w->add_flag("--all-reduces-only", worker.all_reduces_only,
+              "leave out each step's reduce-scatter, all-gather and broadcast, which PCCL v1.0 lacks (run sets it "
+              "when it has PCCL workers)");
 
   lockstep::soak::RunOptions run;
   std::string peers = "4..6";

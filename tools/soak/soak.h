@@ -33,6 +33,10 @@ struct WorkerOptions {
   std::uint32_t p2p_stall_timeout_ms = 0;
   // Report an unexpected status of connect or update_topology and go on (see worker.cpp).
   bool keep_going = false;
+  // The native worker leaves out the reduce-scatter, all-gather and broadcast of each
+  // step, so that it runs the collectives of a PCCL worker (which has only all-reduces)
+  // in the same group.
+  bool all_reduces_only = false;
 };
 
 int run_worker(const WorkerOptions& options);

@@ -15,7 +15,8 @@
 //         PEER_CONNECTION_LOST are retried with the survivors
 //       a reduce-scatter, an all-gather of its result and a broadcast (bound to the
 //         view: after a loss they fail until the next update topology, and the step
-//         goes on without them; the state does not depend on them)
+//         goes on without them; the state does not depend on them), unless
+//         --all-reduces-only (a run with PCCL workers, which have none of them)
 //       weights, momentum, steps += f(results); revision R+1 (synced next step)
 //     are-peers-pending -> update topology (retried while UPDATE_TOPOLOGY_FAILED); also
 //       after a collective found this peer alone (TOO_FEW_PEERS: the step goes on alone,
@@ -290,7 +291,7 @@ class Worker {
     // Alone: the view is learned anew at the end of the step (the revision advances as
     // always: the next sync presents exactly one more).
     if (alone) refresh_view_ = true;
-    if (!alone) {
+    if (!alone && !o_.all_reduces_only) {
       if (int rc = shape_collectives(); rc >= 0) return rc;
     }
     // Advance the state from the results, identically on every peer.
