@@ -1,6 +1,8 @@
 // lockstep-soak: a chaos soak of lockstep with real processes (docs/soak.md).
 //   worker: a training-like peer written against the public C API only;
 //   run:    the orchestrator: a master, workers, kills, stops and spawns, live checks.
+// lockstep-soak-pccl-worker is the same peer written against PCCL's API (pccl.h alone,
+// linked with liblockstep-pccl).
 #pragma once
 
 #include <cstdint>

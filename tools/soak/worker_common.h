@@ -1,7 +1,8 @@
 // What the soak's two workers share: the native one (worker.cpp, lockstep's C API) and
 // the PCCL one (pccl_worker.cpp, pccl.h alone). Nothing here includes a lockstep header,
 // so that the PCCL worker is built without one: the deterministic values, the state and
-// its advance, the JSON lines, the command line and the signal handling. Both workers run the same loop over these and print the same
+// its advance, the content digest computed locally, the JSON lines, the command line and
+// the signal handling. Both workers run the same loop over these and print the same
 // lines, which the checker (checker.h) reads without knowing which API printed them.
 #pragma once
 
@@ -46,6 +47,12 @@ struct TrainState {
 
 // Advances the state from the step's all-reduce results, identically on every peer.
 void advance(TrainState& state, const std::vector<std::vector<float>>& results);
+
+// The content digest of lockstep's shared state (src/state/hash.h: XXH3-128 leaves of 1
+// MiB seeded with their index, the root over their canonical forms seeded with the
+// length), as 32 lowercase hex digits: what lockstep_hash prints, computed here from
+// its definition for a worker that has no lockstep call for it.
+std::string local_digest(const void* data, std::size_t bytes);
 
 // The state's hash in the sync lines: the digest of the three tensors' digests.
 using Digest = std::string (*)(const void* data, std::size_t bytes);
