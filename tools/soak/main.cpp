@@ -1,5 +1,5 @@
 // lockstep-soak: the chaos soak (docs/soak.md).
-//   lockstep-soak run [--seconds 150] [--peers 4..6] [--seed S] [--heartbeat-timeout-ms 1000] ...
+//   lockstep-soak run [--seconds 150] [--peers 4..6] [--seed S] [--pccl-workers N] ...
 //   lockstep-soak worker --master HOST:PORT --name N [--bootstrap] ...   (started by run)
 #include "soak.h"
 #include "worker_common.h"
@@ -85,12 +85,20 @@ int main(int argc, char** argv) {
   r->add_option("--testbed-delay-ms", run.testbed_delay_ms, "one-way delay of every link (0: none)")->capture_default_str();
   r->add_option("--partition-min-ms", run.partition_min_ms, "shortest partition")->capture_default_str();
   r->add_option("--partition-max-ms", run.partition_max_ms, "longest partition")->capture_default_str();
+  r->add_option("--pccl-workers", run.pccl_workers,
+                "worker slots that run lockstep-soak-pccl-worker (PCCL's API over liblockstep-pccl) instead of the "
+                "native worker; restarts keep a slot's kind, and the native workers then run only all-reduces")
+      ->capture_default_str();
   lockstep::soak::add_worker_sizing(r, run.worker);
 
   CLI11_PARSE(app, argc, argv);
   if (w->parsed()) return lockstep::soak::run_worker(worker);
   if (!parse_peers(peers, &run.peers_initial, &run.peers_max)) {
     std::fprintf(stderr, "--peers must be N or MIN..MAX with 2 <= MIN <= MAX <= 64\n");
+    return 2;
+  }
+  if (run.pccl_workers > run.peers_max) {
+    std::fprintf(stderr, "--pccl-workers must be at most the largest number of workers (--peers)\n");
     return 2;
   }
   if (run.event_min_ms == 0 || run.event_max_ms < run.event_min_ms) {

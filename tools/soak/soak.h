@@ -2,7 +2,7 @@
 //   worker: a training-like peer written against the public C API only;
 //   run:    the orchestrator: a master, workers, kills, stops and spawns, live checks.
 // lockstep-soak-pccl-worker is the same peer written against PCCL's API (pccl.h alone,
-// linked with liblockstep-pccl).
+// linked with liblockstep-pccl); `run --pccl-workers N` starts it in N worker slots.
 #pragma once
 
 #include <cstdint>
@@ -71,6 +71,10 @@ struct RunOptions {
   // A partition lasts partition_min_ms..partition_max_ms.
   std::uint32_t partition_min_ms = 500;
   std::uint32_t partition_max_ms = 3000;
+  // Worker slots 0..pccl_workers-1 run lockstep-soak-pccl-worker (a worker spawned takes
+  // the lowest free slot, so a slot keeps its kind across restarts); with any, every
+  // native worker runs --all-reduces-only.
+  std::uint32_t pccl_workers = 0;
   // Passed to every worker.
   WorkerOptions worker;
 };
