@@ -1,6 +1,9 @@
 // The chaos soak as a test: `lockstep-soak run` for 150 s (60 s with a longer heartbeat
 // timeout and smaller buffers under the sanitizers, whose builds set
 // LOCKSTEP_TEST_TIME_SCALE above 1), and its JSON summary must say "ok": true.
+// Two of its worker slots run the PCCL worker (lockstep-soak-pccl-worker, PCCL's API over
+// liblockstep-pccl) in the same group as the native ones, and they must have synced and
+// all-reduced. LOCKSTEP_SOAK_PCCL_WORKERS=N changes how many (0: none).
 // LOCKSTEP_SOAK_SEED=S replays a seed; LOCKSTEP_SOAK_SECONDS=N changes the length.
 // LOCKSTEP_SOAK_TESTBED=N runs the WAN mode on a test bed of N hosts, with partitions
 // (CTest testbed.soak_wan, registered with the test bed's tests: it needs root).
@@ -25,6 +28,7 @@ TEST(Soak, ChaosKeepsParityOneOutcomeAndProgress) {
   const std::string testbed = env("LOCKSTEP_SOAK_TESTBED", "");
   const std::string seconds = env("LOCKSTEP_SOAK_SECONDS", sanitized ? "60" : "150");
   const std::string seed = env("LOCKSTEP_SOAK_SEED", "0");  // 0: a random seed, printed
+  const std::string pccl_workers = env("LOCKSTEP_SOAK_PCCL_WORKERS", "2");
   const std::string log_dir = std::string(LOCKSTEP_SOAK_LOG_ROOT) + "/run-" + std::to_string(::getpid());
   std::vector<std::string> argv = {bin("lockstep-soak"),
                                    "run",
@@ -43,7 +47,9 @@ TEST(Soak, ChaosKeepsParityOneOutcomeAndProgress) {
                                    "--outcome-skew-ms",
                                    std::to_string(2'000 * kTimeScale),
                                    "--progress-window-ms",
-                                   std::to_string(20'000 * kTimeScale)};
+                                   std::to_string(20'000 * kTimeScale),
+                                   "--pccl-workers",
+                                   pccl_workers};
   if (!testbed.empty()) {
     // The master in host 0, workers in the others; links capped and delayed (the
     // defaults of --testbed-rate and --testbed-delay-ms); the bed's prefix is derived
@@ -89,6 +95,13 @@ TEST(Soak, ChaosKeepsParityOneOutcomeAndProgress) {
   EXPECT_EQ(status.value_or(-1), 0);
   EXPECT_GT(summary.value("revisions", 0), 0);
   EXPECT_GT(summary["events"].value("kills", 0), 0);
+  if (std::stoi(pccl_workers) > 0) {
+    // The PCCL workers took part: started, synced and all-reduced.
+    ASSERT_TRUE(summary["pccl"].is_object()) << summary.dump();
+    EXPECT_GE(summary["pccl"].value("workers_started", 0), std::stoi(pccl_workers));
+    EXPECT_GT(summary["pccl"].value("syncs", 0), 0);
+    EXPECT_GT(summary["pccl"].value("allreduces_ok", 0), 0);
+  }
   if (!testbed.empty()) {
     EXPECT_GT(summary["events"].value("host_partitions", 0), 0);
     EXPECT_GT(summary["events"].value("pair_partitions", 0), 0);

@@ -1,7 +1,8 @@
 // lockstep-soak: the chaos soak (docs/soak.md).
-//   lockstep-soak run [--seconds 150] [--peers 4..6] [--seed S] [--heartbeat-timeout-ms 1000] ...
+//   lockstep-soak run [--seconds 150] [--peers 4..6] [--seed S] [--pccl-workers N] ...
 //   lockstep-soak worker --master HOST:PORT --name N [--bootstrap] ...   (started by run)
 #include "soak.h"
+#include "worker_common.h"
 
 #include <CLI/CLI.hpp>
 
@@ -34,17 +35,6 @@ bool parse_peers(const std::string& text, std::uint32_t* initial, std::uint32_t*
   return *initial >= 2 && *max >= *initial && *max <= 64;
 }
 
-void add_worker_options(CLI::App* app, lockstep::soak::WorkerOptions& w) {
-  app->add_option("--state-elements", w.state_elements, "f32 elements of each shared-state tensor (weights, momentum)")
-      ->capture_default_str();
-  app->add_option("--reduce-elements", w.reduce_elements, "f32 elements of each all-reduce")->capture_default_str();
-  app->add_option("--reduces", w.reduces, "concurrent all-reduces per step")->capture_default_str();
-  app->add_option("--compute-ms", w.compute_ms, "time each step spends computing (a sleep)")->capture_default_str();
-  app->add_option("--p2p-stall-timeout-ms", w.p2p_stall_timeout_ms,
-                  "an all-reduce attempt fails when no byte moves to or from its ring neighbours this long (0: 30000)")
-      ->capture_default_str();
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -53,16 +43,10 @@ int main(int argc, char** argv) {
 
   lockstep::soak::WorkerOptions worker;
   CLI::App* w = app.add_subcommand("worker", "a training-like peer (started by `run`)");
-  w->add_option("--master", worker.master, "HOST:PORT of the master")->required();
-  w->add_option("--name", worker.name, "name printed in every line")->required();
-  w->add_option("--seed", worker.seed, "seed of every deterministic value")->capture_default_str();
-  w->add_flag("--bootstrap", worker.bootstrap, "present the initial state at the first sync (the run's first workers)");
-  w->add_flag("--keep-going", worker.keep_going,
-              "after an unexpected status of connect or update_topology (reported), call it again");
-  w->add_option("--connect-timeout-ms", worker.connect_timeout_ms, "timeout to reach the master")->capture_default_str();
-  w->add_option("--advertised-host", worker.advertised_host, "address other peers reach this one at (default: as the master sees it)");
-  w->add_option("--bind-host", worker.bind_host, "IPv4 address the p2p sockets bind to (default: 0.0.0.0)");
-  add_worker_options(w, worker);
+  lockstep::soak::add_worker_cli(w, worker);
+  w->add_flag("--all-reduces-only", worker.all_reduces_only,
+              "leave out each step's reduce-scatter, all-gather and broadcast, which PCCL v1.0 lacks (run sets it "
+              "when it has PCCL workers)");
 
   lockstep::soak::RunOptions run;
   std::string peers = "4..6";
@@ -101,12 +85,20 @@ int main(int argc, char** argv) {
   r->add_option("--testbed-delay-ms", run.testbed_delay_ms, "one-way delay of every link (0: none)")->capture_default_str();
   r->add_option("--partition-min-ms", run.partition_min_ms, "shortest partition")->capture_default_str();
   r->add_option("--partition-max-ms", run.partition_max_ms, "longest partition")->capture_default_str();
-  add_worker_options(r, run.worker);
+  r->add_option("--pccl-workers", run.pccl_workers,
+                "worker slots that run lockstep-soak-pccl-worker (PCCL's API over liblockstep-pccl) instead of the "
+                "native worker; restarts keep a slot's kind, and the native workers then run only all-reduces")
+      ->capture_default_str();
+  lockstep::soak::add_worker_sizing(r, run.worker);
 
   CLI11_PARSE(app, argc, argv);
   if (w->parsed()) return lockstep::soak::run_worker(worker);
   if (!parse_peers(peers, &run.peers_initial, &run.peers_max)) {
     std::fprintf(stderr, "--peers must be N or MIN..MAX with 2 <= MIN <= MAX <= 64\n");
+    return 2;
+  }
+  if (run.pccl_workers > run.peers_max) {
+    std::fprintf(stderr, "--pccl-workers must be at most the largest number of workers (--peers)\n");
     return 2;
   }
   if (run.event_min_ms == 0 || run.event_max_ms < run.event_min_ms) {

@@ -3,6 +3,9 @@
 // (SIGKILL a worker, SIGSTOP one and SIGCONT it after the heartbeat timeout, or spawn
 // one); every worker line goes through the Checker; the master's memory is measured;
 // a JSON summary ends the run (docs/soak.md).
+// Each worker holds a slot (the lowest free one when it is spawned, released when it is
+// gone); with --pccl-workers N, slots 0..N-1 run lockstep-soak-pccl-worker and the
+// native workers run --all-reduces-only, so that both kinds run the same collectives.
 // In WAN mode (--testbed N) the same runs on a lockstep-testbed bed: the master in host
 // 0, the workers round-robin in hosts 1..N-1, and a fourth event, the partition: a worker
 // host cut off from every other host, or the link between two worker hosts cut both
@@ -59,6 +62,8 @@ struct WorkerProc {
   bool gone = false;
   bool printed = false;  // its first line was read
   std::uint32_t host = 0;  // its test bed host (WAN mode)
+  std::uint32_t slot = 0;
+  bool pccl = false;  // lockstep-soak-pccl-worker (its slot is below --pccl-workers)
 };
 
 // The partition in flight (WAN mode): a host cut off (b unused), or the link a<->b cut.
@@ -138,6 +143,12 @@ class Soak {
     }
     if (o_.trace) trace_.open(o_.log_dir + "/trace.jsonl", std::ios::app);
     const std::string dir = self_.substr(0, self_.rfind('/') + 1);
+    pccl_worker_ = dir + "lockstep-soak-pccl-worker";
+    if (o_.pccl_workers > 0 && ::access(pccl_worker_.c_str(), X_OK) != 0) {
+      std::fprintf(stderr, "lockstep-soak: --pccl-workers needs %s (build target lockstep-soak-pccl-worker)\n",
+                   pccl_worker_.c_str());
+      return false;
+    }
     if (wan() && !setup_bed(dir)) return false;
     const std::string master_host = wan() ? addrs_[0] : "127.0.0.1";
     std::vector<std::string> master_argv = {dir + "lockstep-master", "--listen", master_host + ":0",
@@ -241,25 +252,38 @@ class Soak {
     if (recent_.size() > 4000) recent_.pop_front();
   }
 
+  // The lowest free slot, taken.
+  std::uint32_t take_slot() {
+    for (std::uint32_t i = 0; i < slots_.size(); ++i) {
+      if (!slots_[i]) {
+        slots_[i] = true;
+        return i;
+      }
+    }
+    slots_.push_back(true);
+    return static_cast<std::uint32_t>(slots_.size() - 1);
+  }
+
+  // The worker has ended or was killed: its slot is free for the next spawn.
+  void gone(WorkerProc& w) {
+    w.gone = true;
+    if (w.slot < slots_.size()) slots_[w.slot] = false;
+  }
+
   void spawn(bool bootstrap) {
     const std::string name = "w" + std::to_string(++spawned_);
-    std::vector<std::string> argv = {self_,
-                                     "worker",
-                                     "--master",
-                                     master_address_,
-                                     "--name",
-                                     name,
-                                     "--seed",
-                                     std::to_string(o_.seed),
-                                     "--state-elements",
-                                     std::to_string(o_.worker.state_elements),
-                                     "--reduce-elements",
-                                     std::to_string(o_.worker.reduce_elements),
-                                     "--reduces",
-                                     std::to_string(o_.worker.reduces),
-                                     "--compute-ms",
-                                     std::to_string(o_.worker.compute_ms)};
+    const std::uint32_t slot = take_slot();
+    const bool pccl = slot < o_.pccl_workers;
+    std::vector<std::string> argv = pccl ? std::vector<std::string>{pccl_worker_}
+                                         : std::vector<std::string>{self_, "worker"};
+    argv.insert(argv.end(), {"--master", master_address_, "--name", name, "--seed", std::to_string(o_.seed),
+                             "--state-elements", std::to_string(o_.worker.state_elements), "--reduce-elements",
+                             std::to_string(o_.worker.reduce_elements), "--reduces",
+                             std::to_string(o_.worker.reduces), "--compute-ms", std::to_string(o_.worker.compute_ms)});
     if (bootstrap) argv.push_back("--bootstrap");
+    // PCCL has no reduce-scatter, all-gather or broadcast: with PCCL workers in the
+    // group, the native ones leave theirs out.
+    if (!pccl && o_.pccl_workers > 0) argv.push_back("--all-reduces-only");
     if (o_.keep_going) argv.push_back("--keep-going");
     if (o_.worker.p2p_stall_timeout_ms != 0) {
       argv.insert(argv.end(), {"--p2p-stall-timeout-ms", std::to_string(o_.worker.p2p_stall_timeout_ms)});
@@ -277,18 +301,22 @@ class Soak {
     }
     auto p = Subprocess::spawn(argv, o_.log_dir + "/" + name + ".log");
     if (!p) {
-      checker_->fail("spawn", "cannot start a worker process", now_ms());
+      slots_[slot] = false;
+      checker_->fail("spawn", std::string("cannot start a ") + (pccl ? "PCCL " : "") + "worker process", now_ms());
       return;
     }
     auto w = std::make_unique<WorkerProc>();
     w->name = name;
     w->proc = std::make_unique<Subprocess>(std::move(*p));
     w->host = host;
-    log("spawn " + name + " (pid " + std::to_string(w->proc->pid()) + (wan() ? ", host " + std::to_string(host) : "") +
-        (bootstrap ? ", bootstrap)" : ")"));
+    w->slot = slot;
+    w->pccl = pccl;
+    log("spawn " + name + " (pid " + std::to_string(w->proc->pid()) + ", slot " + std::to_string(slot) +
+        (pccl ? ", pccl" : "") + (wan() ? ", host " + std::to_string(host) : "") + (bootstrap ? ", bootstrap)" : ")"));
     checker_->spawned(name, now_ms());
     workers_[name] = std::move(w);
     if (!bootstrap) ++counts_.spawns;
+    if (pccl) ++counts_.pccl_workers_started;
   }
 
   // Reads every worker's lines and notices exits. Returns whether any line was read.
@@ -300,7 +328,7 @@ class Soak {
       if (w->stopped) continue;  // a stopped process cannot exit (but may be killed)
       if (auto status = w->proc->wait(std::chrono::milliseconds(0))) {
         drain(*w);
-        w->gone = true;
+        gone(*w);
         log(name + " exited with status " + std::to_string(*status));
         checker_->exited(name, *status, now, shutting_down);
         drop_empty_log(name);
@@ -325,9 +353,23 @@ class Soak {
       const std::int64_t now = now_ms();
       remember(w.name + " " + *text);
       if (trace_) trace_ << *text << "\n";
+      if (w.pccl) count_pccl(*text);
       checker_->line(w.name, *text, now);
     }
     return any;
+  }
+
+  // What the PCCL workers' lines report, for the summary.
+  void count_pccl(const std::string& text) {
+    const json j = json::parse(text, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) return;  // the checker reports it
+    const std::string ev = j.value("ev", "");
+    if (ev == "sync") {
+      ++counts_.pccl_syncs;
+      if (j.value("strategy", "") == "receive") ++counts_.pccl_newcomer_syncs;
+    } else if (ev == "allreduce" && j.value("code", -1) == 0) {
+      ++counts_.pccl_allreduces_ok;
+    }
   }
 
   bool master_alive(std::int64_t now) {
@@ -391,7 +433,7 @@ class Soak {
       drain(w);
       w.proc->kill();
       drain(w);
-      w.gone = true;
+      gone(w);
       ++counts_.kills;
       log("SIGKILL " + victim);
       checker_->killed(victim, now);
@@ -549,7 +591,7 @@ class Soak {
       report_violations(now);
       for (const auto& n : hung) {
         workers_.at(n)->proc->kill();
-        workers_.at(n)->gone = true;
+        gone(*workers_.at(n));
         drop_empty_log(n);
       }
     }
@@ -580,6 +622,8 @@ class Soak {
 
   RunOptions o_;
   std::string self_;
+  std::string pccl_worker_;  // lockstep-soak-pccl-worker, next to self_
+  std::vector<bool> slots_;  // taken or free
   ChaosSchedule schedule_;
   // Declared before every process: destroyed after them, it takes the bed down last.
   std::unique_ptr<Bed> bed_;

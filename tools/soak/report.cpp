@@ -27,6 +27,7 @@ json start_report(const RunOptions& o, const std::string& master_address, pid_t 
                         {"delay_ms", o.testbed_delay_ms},
                         {"p2p_stall_timeout_ms", o.worker.p2p_stall_timeout_ms}};
   }
+  if (o.pccl_workers > 0) start["pccl_workers"] = o.pccl_workers;
   start["master_pid"] = master_pid;
   start["log_dir"] = o.log_dir;
   return start;
@@ -80,6 +81,13 @@ json summary_report(const RunOptions& o, const Checker& checker, const EventCoun
     s["longest_heal_settle_ms"] = checker.longest_heal_settle_ms();
   }
   s["workers_started"] = counts.workers_started;
+  if (o.pccl_workers > 0) {
+    s["pccl"] = {{"slots", o.pccl_workers},
+                 {"workers_started", counts.pccl_workers_started},
+                 {"syncs", counts.pccl_syncs},
+                 {"newcomer_syncs", counts.pccl_newcomer_syncs},
+                 {"allreduces_ok", counts.pccl_allreduces_ok}};
+  }
   s["revisions"] = checker.max_revision();
   s["syncs_reported"] = checker.syncs_reported();
   s["newcomer_syncs"] = checker.newcomer_syncs();

@@ -22,6 +22,12 @@ struct EventCounts {
   std::uint64_t host_partitions = 0;
   std::uint64_t pair_partitions = 0;
   std::uint64_t workers_started = 0;
+  // The PCCL workers (--pccl-workers): how many were started, and what their lines
+  // reported (successful syncs, newcomers' among them, and successful all-reduce attempts).
+  std::uint64_t pccl_workers_started = 0;
+  std::uint64_t pccl_syncs = 0;
+  std::uint64_t pccl_newcomer_syncs = 0;
+  std::uint64_t pccl_allreduces_ok = 0;
 };
 
 // The master's memory (KiB of /proc/PID/status; -1: not measured).

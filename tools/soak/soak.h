@@ -1,6 +1,8 @@
 // lockstep-soak: a chaos soak of lockstep with real processes (docs/soak.md).
 //   worker: a training-like peer written against the public C API only;
 //   run:    the orchestrator: a master, workers, kills, stops and spawns, live checks.
+// lockstep-soak-pccl-worker is the same peer written against PCCL's API (pccl.h alone,
+// linked with liblockstep-pccl); `run --pccl-workers N` starts it in N worker slots.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +35,10 @@ struct WorkerOptions {
   std::uint32_t p2p_stall_timeout_ms = 0;
   // Report an unexpected status of connect or update_topology and go on (see worker.cpp).
   bool keep_going = false;
+  // The native worker leaves out the reduce-scatter, all-gather and broadcast of each
+  // step, so that it runs the collectives of a PCCL worker (which has only all-reduces)
+  // in the same group.
+  bool all_reduces_only = false;
 };
 
 int run_worker(const WorkerOptions& options);
@@ -65,6 +71,10 @@ struct RunOptions {
   // A partition lasts partition_min_ms..partition_max_ms.
   std::uint32_t partition_min_ms = 500;
   std::uint32_t partition_max_ms = 3000;
+  // Worker slots 0..pccl_workers-1 run lockstep-soak-pccl-worker (a worker spawned takes
+  // the lowest free slot, so a slot keeps its kind across restarts); with any, every
+  // native worker runs --all-reduces-only.
+  std::uint32_t pccl_workers = 0;
   // Passed to every worker.
   WorkerOptions worker;
 };

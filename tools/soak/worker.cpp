@@ -15,7 +15,8 @@
 //         PEER_CONNECTION_LOST are retried with the survivors
 //       a reduce-scatter, an all-gather of its result and a broadcast (bound to the
 //         view: after a loss they fail until the next update topology, and the step
-//         goes on without them; the state does not depend on them)
+//         goes on without them; the state does not depend on them), unless
+//         --all-reduces-only (a run with PCCL workers, which have none of them)
 //       weights, momentum, steps += f(results); revision R+1 (synced next step)
 //     are-peers-pending -> update topology (retried while UPDATE_TOPOLOGY_FAILED); also
 //       after a collective found this peer alone (TOO_FEW_PEERS: the step goes on alone,
@@ -30,20 +31,20 @@
 // With --keep-going an unexpected status of connect or update_topology is reported and
 // the call made again (with a new communicator for connect), so that a long run goes on
 // looking for more after a first finding.
+// The values, the state and its advance, the lines and the command line are shared with
+// the PCCL worker (worker_common.h, pccl_worker.cpp), which runs the same loop.
 #include "checker.h"
 #include "soak.h"
+#include "worker_common.h"
 
 #include <lockstep/lockstep.h>
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
-#include <csignal>
 #include <cstdio>
 #include <cstring>
-#include <pthread.h>
 #include <string>
 #include <thread>
 #include <unistd.h>
@@ -53,24 +54,6 @@ namespace lockstep::soak {
 namespace {
 
 using nlohmann::json;
-
-std::atomic<bool> g_stop{false};
-
-std::uint64_t mix(std::uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// Deterministic f32 values in [-0.5, 0.5) from a key (splitmix64 stream).
-void fill(std::vector<float>& out, std::uint64_t key) {
-  std::uint64_t x = mix(key);
-  for (auto& v : out) {
-    x += 0x9e3779b97f4a7c15ull;
-    const auto bits = static_cast<std::uint32_t>(mix(x) >> 40);  // 24 bits
-    v = static_cast<float>(bits) * (1.0f / 16777216.0f) - 0.5f;
-  }
-}
 
 std::string hash_of(const void* data, std::size_t bytes) {
   char hex[33] = {};
@@ -83,14 +66,8 @@ bool finished(lockstep_status_t s) { return finished_status(s); }
 class Worker {
  public:
   explicit Worker(const WorkerOptions& o)
-      : o_(o),
-        weights_(o.state_elements),
-        momentum_(o.state_elements, 0.0f),
-        steps_(1, 0),
-        buffers_(o.reduces, std::vector<float>(o.reduce_elements)),
-        expected_(o.reduce_elements) {
-    fill(weights_, o.seed ^ 0x5eedull);
-  }
+      : o_(o), lines_(o.name), state_(o), buffers_(o.reduces, std::vector<float>(o.reduce_elements)),
+        expected_(o.reduce_elements) {}
   ~Worker() { lockstep_comm_destroy(comm_); }
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -105,6 +82,7 @@ class Worker {
     json started = line("start");
     started["pid"] = static_cast<std::int64_t>(::getpid());
     started["bootstrap"] = o_.bootstrap;
+    started["api"] = "lockstep";
     emit(started);
     lockstep_comm_config_t config;
     lockstep_comm_config_init(&config);
@@ -133,13 +111,13 @@ class Worker {
     emit(j);
 
     revision_ = o_.bootstrap ? 1 : 0;
-    while (!g_stop) {
+    while (!stop_requested()) {
       if (world() >= 2) {
         if (int rc = sync(); rc >= 0) return rc;
-        if (g_stop) break;
+        if (stop_requested()) break;
         if (o_.compute_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o_.compute_ms));
         if (int rc = reduce_and_advance(); rc >= 0) return rc;
-        if (g_stop) break;
+        if (stop_requested()) break;
       } else {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));  // alone: wait for peers
       }
@@ -150,18 +128,8 @@ class Worker {
   }
 
  private:
-  json line(const char* ev) const {
-    json j;
-    j["name"] = o_.name;
-    j["ev"] = ev;
-    j["t_ms"] = now_ms();
-    return j;
-  }
-  static void emit(const json& j) {
-    const std::string text = j.dump() + "\n";
-    std::fputs(text.c_str(), stdout);
-    std::fflush(stdout);
-  }
+  json line(const char* ev) const { return lines_.line(ev); }
+  static void emit(const json& j) { Lines::emit(j); }
   void with_status(json& j, lockstep_status_t s) const {
     j["code"] = static_cast<int>(s);
     j["status"] = lockstep_status_string(s);
@@ -191,19 +159,14 @@ class Worker {
     return finished(s) ? 3 : 4;
   }
 
-  std::string state_hash() const {
-    const std::string all = hash_of(weights_.data(), weights_.size() * sizeof(float)) +
-                            hash_of(momentum_.data(), momentum_.size() * sizeof(float)) +
-                            hash_of(steps_.data(), steps_.size() * sizeof(std::uint64_t));
-    return hash_of(all.data(), all.size());
-  }
+  std::string state_hash() const { return soak::state_hash(state_, hash_of); }
 
   // Returns -1 to go on, or the process's exit status.
   int sync() {
     const lockstep_tensor_t tensors[] = {
-        {"weights", weights_.data(), weights_.size(), LOCKSTEP_F32, LOCKSTEP_DEVICE_CPU, 0},
-        {"momentum", momentum_.data(), momentum_.size(), LOCKSTEP_F32, LOCKSTEP_DEVICE_CPU, 0},
-        {"steps", steps_.data(), steps_.size(), LOCKSTEP_U64, LOCKSTEP_DEVICE_CPU, 0},
+        {"weights", state_.weights.data(), state_.weights.size(), LOCKSTEP_F32, LOCKSTEP_DEVICE_CPU, 0},
+        {"momentum", state_.momentum.data(), state_.momentum.size(), LOCKSTEP_F32, LOCKSTEP_DEVICE_CPU, 0},
+        {"steps", state_.steps.data(), state_.steps.size(), LOCKSTEP_U64, LOCKSTEP_DEVICE_CPU, 0},
     };
     const bool receive = !synced_ && !o_.bootstrap;
     for (std::uint64_t attempt = 1;; ++attempt) {
@@ -224,7 +187,7 @@ class Worker {
         j["attempt"] = attempt;
         j["bytes_received"] = info.bytes_received;
         j["bytes_sent"] = info.bytes_sent;
-        j["steps"] = steps_[0];
+        j["steps"] = state_.steps[0];
         j["ms"] = ms;
         emit(j);
         return -1;
@@ -239,15 +202,13 @@ class Worker {
       j["attempt"] = attempt;
       with_status(j, s);
       emit(j);
-      if (g_stop) return -1;
+      if (stop_requested()) return -1;
       // Nobody holds the next revision: wait rather than spin (the checker reports it).
       if (s == LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE) std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
   }
 
-  std::uint64_t contribution_key(std::uint32_t k) const {
-    return mix(o_.seed) ^ mix(revision_ * 0x100000001b3ull + k) ^ (static_cast<std::uint64_t>(rank_) << 48);
-  }
+  std::uint64_t contribution_key(std::uint32_t k) const { return soak::contribution_key(o_.seed, revision_, k, rank_); }
 
   int reduce_and_advance() {
     lockstep_comm_get_rank(comm_, &rank_);
@@ -330,20 +291,11 @@ class Worker {
     // Alone: the view is learned anew at the end of the step (the revision advances as
     // always: the next sync presents exactly one more).
     if (alone) refresh_view_ = true;
-    if (!alone) {
+    if (!alone && !o_.all_reduces_only) {
       if (int rc = shape_collectives(); rc >= 0) return rc;
     }
     // Advance the state from the results, identically on every peer.
-    const std::size_t m = buffers_[0].size();
-    const std::vector<float>& a = buffers_[0];
-    const std::vector<float>& b = buffers_[K > 1 ? 1 : 0];
-    const std::vector<float>& c = buffers_[K > 2 ? 2 : 0];
-    for (std::size_t i = 0; i < weights_.size(); ++i) {
-      const float g = a[i % m] - b[(i * 3) % m];
-      momentum_[i] = 0.9f * momentum_[i] + 0.1f * g;
-      weights_[i] = weights_[i] - 0.01f * momentum_[i] + 0.001f * c[(i * 7) % m];
-    }
-    steps_[0] += 1;
+    advance(state_, buffers_);
     revision_ += 1;  // exactly one per sync
     return -1;
   }
@@ -450,14 +402,13 @@ class Worker {
   }
 
   WorkerOptions o_;
+  Lines lines_;
   std::string host_;
   lockstep_comm_t* comm_ = nullptr;
   std::uint64_t revision_ = 0;
   bool synced_ = false;
   std::uint32_t rank_ = 0;
-  std::vector<float> weights_;
-  std::vector<float> momentum_;
-  std::vector<std::uint64_t> steps_;
+  TrainState state_;
   std::vector<std::vector<float>> buffers_;
   std::vector<float> expected_;
   std::vector<float> shape_src_, shape_part_, shape_all_, shape_bcast_;
@@ -466,28 +417,9 @@ class Worker {
 
 }  // namespace
 
-std::int64_t now_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 int run_worker(const WorkerOptions& options) {
-  // SIGTERM and SIGINT end the loop at the next step boundary: blocked in every thread
-  // (the library's threads inherit the mask) and taken by one thread with sigwait.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  std::thread([signals] {
-    int received = 0;
-    sigwait(&signals, &received);
-    g_stop = true;
-  }).detach();
-  if (options.reduces == 0 || options.reduce_elements == 0 || options.state_elements == 0) {
-    std::fprintf(stderr, "--reduces, --reduce-elements and --state-elements must be positive\n");
-    return 2;
-  }
+  stop_on_signals();
+  if (!valid_sizes(options)) return 2;
   Worker worker(options);
   return worker.run();
 }
