@@ -1,6 +1,6 @@
 // What lets the checker read the PCCL worker's lines unchanged (tools/soak/pccl_worker.cpp),
-// checked against lockstep itself: the digest it computes from the definition of
-// lockstep's content digest equals lockstep_hash, byte for byte, on the sizes the soak
+// checked against lockstep itself: the digest it computes without the C API equals
+// lockstep_hash, byte for byte, on the sizes the soak
 // hashes and around the leaf size; and the statuses it reports are lockstep's numbers,
 // with a finished communicator read as an eviction and a lost peer as a retryable failure.
 #include "checker.h"

@@ -24,8 +24,8 @@
 //
 // Where the native worker uses what PCCL lacks, this one computes it: the contribution's
 // `who` is drawn from its name (no rank), and the digests of the state and of the
-// results are computed from the definition of lockstep's content digest
-// (local_digest), so that they compare with the native workers'. Options PCCL has no
+// results are lockstep's content hash (local_digest, linked from the soak's common
+// code), so that they compare with the native workers'. Options PCCL has no
 // parameter for (p2p base port 0, connect and stall timeouts, advertised and bind host)
 // go through the LOCKSTEP_* variables the library reads at pcclCreateCommunicator.
 // Results are reported in lockstep's numbers (pccl_codes.h). Exit status as the native

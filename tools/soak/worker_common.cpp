@@ -1,8 +1,9 @@
 // What the soak's two workers share (worker_common.h).
 #include "worker_common.h"
 
+#include "state/hash.h"
+
 #include <CLI/CLI.hpp>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -66,25 +67,7 @@ void advance(TrainState& state, const std::vector<std::vector<float>>& results) 
 }
 
 std::string local_digest(const void* data, std::size_t bytes) {
-  // src/state/hash.h's definition, single-threaded.
-  constexpr std::size_t kLeaf = std::size_t{1} << 20;
-  const auto* base = static_cast<const unsigned char*>(data);
-  const std::size_t leaves = bytes / kLeaf + (bytes % kLeaf != 0 ? 1 : 0);
-  std::vector<XXH128_canonical_t> list(leaves);
-  for (std::size_t i = 0; i < leaves; ++i) {
-    const std::size_t offset = i * kLeaf;
-    const std::size_t length = std::min(kLeaf, bytes - offset);
-    XXH128_canonicalFromHash(&list[i], XXH3_128bits_withSeed(base + offset, length, XXH64_hash_t{i}));
-  }
-  const XXH128_hash_t root =
-      XXH3_128bits_withSeed(list.data(), list.size() * sizeof(XXH128_canonical_t), XXH64_hash_t{bytes});
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string out(32, '0');
-  for (std::size_t i = 0; i < 16; ++i) {
-    out[15 - i] = kDigits[(root.high64 >> (4 * i)) & 0xfu];
-    out[31 - i] = kDigits[(root.low64 >> (4 * i)) & 0xfu];
-  }
-  return out;
+  return lockstep::state::hash_bytes(data, bytes, 1).to_hex();
 }
 
 std::string state_hash(const TrainState& state, Digest digest) {

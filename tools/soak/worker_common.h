@@ -48,10 +48,8 @@ struct TrainState {
 // Advances the state from the step's all-reduce results, identically on every peer.
 void advance(TrainState& state, const std::vector<std::vector<float>>& results);
 
-// The content digest of lockstep's shared state (src/state/hash.h: XXH3-128 leaves of 1
-// MiB seeded with their index, the root over their canonical forms seeded with the
-// length), as 32 lowercase hex digits: what lockstep_hash prints, computed here from
-// its definition for a worker that has no lockstep call for it.
+// The content digest of lockstep's shared state (src/state/hash.h), as 32 lowercase hex
+// digits: what lockstep_hash prints, for a worker that has no lockstep call for it.
 std::string local_digest(const void* data, std::size_t bytes);
 
 // The state's hash in the sync lines: the digest of the three tensors' digests.
