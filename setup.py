@@ -71,7 +71,8 @@ class EggInfoOutsideTree(egg_info):
 
 
 class CMakeBuildExt(build_ext):
-    """Builds lockstep._lockstep and liblockstep with CMake and copies both into the package."""
+    """Builds lockstep._lockstep (and lockstep._torch where libtorch-dev is there) and liblockstep
+    with CMake and copies them into the package."""
 
     def build_extension(self, ext):
         build_dir = os.environ.get("LOCKSTEP_BUILD_DIR") or os.path.join(scratch_dir(), "cmake-build")
@@ -101,6 +102,19 @@ class CMakeBuildExt(build_ext):
         # copied under its soname, the name the module asks for.
         shutil.copyfile(modules[0], os.path.join(destination, os.path.basename(modules[0])))
         shutil.copyfile(library, os.path.join(destination, "liblockstep.so.1"))
+        # The torch.distributed backend (lockstep.torch), where CMake found libtorch-dev.
+        if torch_backend_configured(build_dir):
+            subprocess.run(["cmake", "--build", build_dir, "--target", "_torch", "--parallel", jobs], check=True)
+            for module in glob.glob(os.path.join(build_dir, "python", "lockstep", "_torch*.so")):
+                shutil.copyfile(module, os.path.join(destination, os.path.basename(module)))
+
+
+def torch_backend_configured(build_dir):
+    """Whether the CMake build has the target _torch (libtorch-dev found, not turned off)."""
+    with open(os.path.join(build_dir, "CMakeCache.txt"), encoding="utf-8") as cache:
+        entries = dict(line.rstrip("\n").split("=", 1) for line in cache if "=" in line and not line.startswith(("#", "//")))
+    library = entries.get("LOCKSTEP_TORCH_PYTHON_LIBRARY:FILEPATH", "")
+    return entries.get("LOCKSTEP_BUILD_TORCH:BOOL", "ON") == "ON" and bool(library) and not library.endswith("NOTFOUND")
 
 
 setup(

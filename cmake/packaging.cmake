@@ -4,6 +4,8 @@
 #   liblockstep-dev   component dev     header, CMake package config, lockstep.pc
 #   lockstep-master   component master  the master and its systemd unit
 #   python3-lockstep  component python  the Python package for Debian's python3
+#   python3-lockstep-torch  component torch  lockstep.torch, the torch.distributed backend
+#                     (where libtorch-dev was found: it depends on libtorch)
 # Debian's layout needs the build configured with -DCMAKE_INSTALL_PREFIX=/usr (the
 # library in lib/<multiarch>, the Python package in lib/python3/dist-packages): with any
 # other prefix the package target stops with a message saying so.
@@ -23,6 +25,9 @@ if(NOT LOCKSTEP_BUILD_TOOLS)
 endif()
 if(NOT LOCKSTEP_BUILD_PYTHON)
   list(REMOVE_ITEM CPACK_COMPONENTS_ALL python)
+endif()
+if(LOCKSTEP_TORCH_BUILT)
+  list(APPEND CPACK_COMPONENTS_ALL torch)
 endif()
 
 set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)
@@ -80,6 +85,13 @@ set(CPACK_DEBIAN_PYTHON_PACKAGE_SUGGESTS "python3-torch")
 set(CPACK_DEBIAN_PYTHON_DESCRIPTION "fault-tolerant collective communication: Python 3 package
 The Python package lockstep over liblockstep: NumPy arrays and CPU PyTorch tensors
 used in place, exceptions per status code, every blocking call releasing the GIL.")
+set(CPACK_DEBIAN_TORCH_PACKAGE_NAME python3-lockstep-torch)
+set(CPACK_DEBIAN_TORCH_PACKAGE_SECTION python)
+set(CPACK_DEBIAN_TORCH_PACKAGE_DEPENDS "python3-torch")
+set(CPACK_DEBIAN_TORCH_DESCRIPTION "fault-tolerant collective communication: PyTorch backend
+lockstep.torch: the torch.distributed backend \"lockstep\" (dist.init_process_group(
+\"lockstep\", ...)) over liblockstep, for fixed-size jobs and elastic ones.")
+
 # Python writes __pycache__ into the package's directory when run as root: removed
 # with the package (what py3clean does for packages built by dh_python3).
 configure_file(${CMAKE_CURRENT_LIST_DIR}/python3-lockstep.prerm.in
@@ -102,3 +114,4 @@ cpack_add_component(lib DISPLAY_NAME "shared library")
 cpack_add_component(dev DISPLAY_NAME "development files" DEPENDS lib)
 cpack_add_component(master DISPLAY_NAME "master")
 cpack_add_component(python DISPLAY_NAME "Python package" DEPENDS lib)
+cpack_add_component(torch DISPLAY_NAME "PyTorch backend" DEPENDS python)

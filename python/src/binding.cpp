@@ -705,6 +705,18 @@ class PyComm {
 
   void close() { close_locked(/*release_gil=*/true); }
   bool closed() const { return state_->comm == nullptr; }
+
+  // The torch backend (lockstep.torch) launches collectives on this communicator from
+  // its own thread: while it holds the handle the communicator counts as busy, so that
+  // close() refuses instead of freeing it under that thread.
+  std::uintptr_t borrow_handle() {
+    if (state_->comm == nullptr) fail(LOCKSTEP_STATUS_INVALID_USAGE, "INVALID_USAGE: the communicator is closed");
+    ++state_->busy;
+    return reinterpret_cast<std::uintptr_t>(state_->comm);
+  }
+  void return_handle() {
+    if (state_->busy > 0) --state_->busy;
+  }
   std::size_t outstanding() const { return state_->outstanding.size(); }
 
  private:
@@ -901,6 +913,8 @@ PYBIND11_MODULE(_lockstep, m) {
       .def("sync_shared_state", &PyComm::sync_shared_state, py::arg("tensors"), py::arg("revision"),
            py::arg("strategy"))
       .def("close", &PyComm::close)
+      .def("_borrow_handle", &PyComm::borrow_handle)
+      .def("_return_handle", &PyComm::return_handle)
       .def_property_readonly("closed", &PyComm::closed)
       .def_property_readonly("outstanding", &PyComm::outstanding);
 }

@@ -33,6 +33,18 @@ root="$work/root"
 
 cpack --config "$build_dir/CPackConfig.cmake" -B "$work/packages" >"$work/cpack.log" 2>&1 || {
   cat "$work/cpack.log"; echo "cpack failed"; exit 1; }
+# python3-lockstep-torch (built where libtorch-dev is) is checked for its files and
+# Depends only: installing it would copy PyTorch and its dependencies into the root.
+torch_deb="$(find "$work/packages" -maxdepth 1 -name 'python3-lockstep-torch_*.deb')"
+if [ -n "$torch_deb" ]; then
+  dpkg-deb --contents "$torch_deb" | grep -q '/lockstep/_torch\..*\.so$' || { echo "no lockstep/_torch module in $torch_deb"; exit 1; }
+  dpkg-deb --contents "$torch_deb" | grep -q '/lockstep/torch\.py$' || { echo "no lockstep/torch.py in $torch_deb"; exit 1; }
+  dpkg-deb --field "$torch_deb" Depends | grep -q 'python3-lockstep (= ' || { echo "python3-lockstep-torch does not depend on python3-lockstep"; exit 1; }
+  if dpkg-deb --contents "$work/packages"/python3-lockstep_*.deb | grep -q '/lockstep/_\?torch'; then
+    echo "python3-lockstep carries the torch backend's files"; exit 1
+  fi
+  rm "$torch_deb"
+fi
 mapfile -t debs < <(find "$work/packages" -maxdepth 1 -name '*.deb' | sort)
 [ "${#debs[@]}" = 4 ] || { echo "expected 4 packages, got: ${debs[*]}"; exit 1; }
 echo "packages ($((SECONDS - start)) s): $(for d in "${debs[@]}"; do basename "$d"; done | tr '\n' ' ')"
