@@ -37,10 +37,12 @@ cpack --config "$build_dir/CPackConfig.cmake" -B "$work/packages" >"$work/cpack.
 # Depends only: installing it would copy PyTorch and its dependencies into the root.
 torch_deb="$(find "$work/packages" -maxdepth 1 -name 'python3-lockstep-torch_*.deb')"
 if [ -n "$torch_deb" ]; then
-  dpkg-deb --contents "$torch_deb" | grep -q '/lockstep/_torch\..*\.so$' || { echo "no lockstep/_torch module in $torch_deb"; exit 1; }
-  dpkg-deb --contents "$torch_deb" | grep -q '/lockstep/torch\.py$' || { echo "no lockstep/torch.py in $torch_deb"; exit 1; }
-  dpkg-deb --field "$torch_deb" Depends | grep -q 'python3-lockstep (= ' || { echo "python3-lockstep-torch does not depend on python3-lockstep"; exit 1; }
-  if dpkg-deb --contents "$work/packages"/python3-lockstep_*.deb | grep -q '/lockstep/_\?torch'; then
+  torch_files="$(dpkg-deb --contents "$torch_deb")"
+  grep -q '/lockstep/_torch\..*\.so$' <<<"$torch_files" || { echo "no lockstep/_torch module in $torch_deb"; exit 1; }
+  grep -q '/lockstep/torch\.py$' <<<"$torch_files" || { echo "no lockstep/torch.py in $torch_deb"; exit 1; }
+  grep -q 'python3-lockstep (= ' <<<"$(dpkg-deb --field "$torch_deb" Depends)" || {
+    echo "python3-lockstep-torch does not depend on python3-lockstep"; exit 1; }
+  if grep -q '/lockstep/_\?torch' <<<"$(dpkg-deb --contents "$work/packages"/python3-lockstep_*.deb)"; then
     echo "python3-lockstep carries the torch backend's files"; exit 1
   fi
   rm "$torch_deb"
