@@ -118,6 +118,7 @@ struct Op {
   std::function<void()> after;
   c10::intrusive_ptr<WorkLockstep> work;
   std::string invalid;               // a local argument error: the peers are told by a mismatched vote
+  bool whole_group = false;          // an all-reduce: the survivors of a lost peer finish it without it
   std::vector<at::Tensor> keepalive;  // every buffer the C call reads or writes
 };
 
@@ -175,6 +176,7 @@ class ProcessGroupLockstep : public c10d::ProcessGroup {
       at::Tensor t = tensors[0];
       lockstep_dtype_t dt;
       to_dtype(t.scalar_type(), &dt);
+      op->whole_group = true;
       op->launch = [this, t, dt, rop](std::uint64_t tag, lockstep_async_t** h) {
         lockstep_reduce_desc_t d;
         std::memset(&d, 0, sizeof d);
@@ -438,6 +440,14 @@ class ProcessGroupLockstep : public c10d::ProcessGroup {
       error = std::make_exception_ptr(StatusError(LOCKSTEP_STATUS_INVALID_ARGUMENT, "INVALID_ARGUMENT: " + op->invalid));
     } else if (s != LOCKSTEP_OK) {
       error = std::make_exception_ptr(StatusError(s, status_message(s)));
+    } else if (op->whole_group && static_cast<int>(info.world_size) != size_) {
+      // lockstep's all-reduce goes on with the survivors of a lost peer; a torch group is
+      // fixed, so the call fails on every survivor (each sees the same count).
+      error = std::make_exception_ptr(StatusError(
+          LOCKSTEP_STATUS_VIEW_CHANGED, "VIEW_CHANGED: " + std::to_string(info.world_size) + " of the group's " +
+                                            std::to_string(size_) +
+                                            " ranks took part (a peer left): the tensor holds their reduction; update "
+                                            "the topology and call lockstep.torch.reconfigure()"));
     } else if (op->after) {
       try {
         op->after();

@@ -66,6 +66,11 @@ class Worker:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
 
+    def send_line(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
     def ask(self, **cmd: Any) -> Dict[str, Any]:
         self.send(**cmd)
         return self.read()
@@ -255,3 +260,118 @@ def test_elastic_job_admits_a_newcomer_and_a_killed_peer_leaves_a_working_group(
             assert answer["world"] == 2
         answers = ask_all(survivors, cmd="sum")
         assert {a["value"] for a in answers} == {3.0} and sorted(a["rank"] for a in answers) == [0, 1]
+
+
+# ------------------------------------------------------------ fault-tolerant DDP
+
+DDP_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_ddp_worker.py")
+
+
+class DdpWorker(Worker):
+    def __init__(self, *args: str) -> None:  # the same pipes, another script
+        self.proc = subprocess.Popen([sys.executable, DDP_WORKER, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+
+def test_fault_tolerant_ddp_matches_one_process_on_the_same_global_batches(workers):
+    from torch_ddp_worker import global_batch, make_model
+
+    steps, world = 50, 3
+    url = f"tcp://127.0.0.1:{free_port()}"
+    procs = [DdpWorker("fixed", url, str(r), str(world), str(steps)) for r in range(world)]
+    workers.extend(procs)
+    finals = []
+    for w in procs:
+        assert w.read() == {"ready": True}
+        while True:
+            line = w.read()
+            if "done" in line:
+                finals.append(line)
+                break
+            if "step" in line:
+                assert line["committed"], line  # nobody dies: every step commits
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for s in range(steps):
+        x, y = global_batch(s)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    reference = [p.detach().double().flatten() for p in model.parameters()]
+    for final in finals:
+        assert final["committed"] == steps and final["skipped"] == 0
+        for got, want in zip(final["params"], reference):
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=1e-4, atol=1e-6)
+    assert finals[0]["params"] == finals[1]["params"] == finals[2]["params"]  # bit for bit
+
+
+def peers_in_phase(master: lockstep.Master, phase: str) -> int:
+    with urllib.request.urlopen(f"http://{master.http_address}/api/state", timeout=10) as r:
+        return sum(1 for p in json.load(r)["peers"] if p["phase"] == phase)
+
+
+def wait_for(predicate: Any, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_fault_tolerant_ddp_through_a_kill_and_a_join_keeps_every_peer_identical(workers):
+    """The test drives the steps ("go" to every live peer, one step line back from each):
+    a peer is SIGKILLed right after a go, a newcomer joins once it is registered."""
+    with lockstep.Master("127.0.0.1:0", http="127.0.0.1:0") as master:
+        url = f"lockstep://127.0.0.1:{master.port}"
+        begins: Dict[int, set] = {}
+        afters: Dict[int, set] = {}
+
+        def start() -> DdpWorker:
+            w = DdpWorker("elastic", url, "-", "-", "0")
+            workers.append(w)
+            return w
+
+        live = [start()]
+        wait_for(lambda: peers_in_phase(master, "ACCEPTED") == 1, "the first peer was not accepted")
+        live += [start(), start()]
+        wait_for(lambda: peers_in_phase(master, "REGISTERED") == 2, "the others did not register")
+        victim, newcomer = live[1], None
+        worlds: List[int] = []
+        for round_ in range(30):
+            if round_ == 16:
+                newcomer = start()
+                wait_for(lambda: peers_in_phase(master, "REGISTERED") == 1, "the newcomer did not register")
+                live.append(newcomer)
+            for w in live:
+                w.send_line("go")
+            if round_ == 8:
+                victim.proc.send_signal(signal.SIGKILL)
+                victim.proc.wait()
+                live.remove(victim)
+            for w in live:
+                while True:
+                    line = w.read()
+                    if "ready" in line:
+                        continue
+                    if "begin" in line:
+                        begins.setdefault(line["begin"], set()).add(line["hash"])
+                        if not worlds or worlds[-1] != line["world"]:
+                            worlds.append(line["world"])
+                        if w is newcomer and not hasattr(w, "first_begin"):
+                            w.first_begin = line  # type: ignore[attr-defined]
+                    elif "step" in line:
+                        if line["committed"]:
+                            afters.setdefault(line["step"], set()).add(line["hash"])
+                        break
+        for step, hashes in list(begins.items()) + list(afters.items()):
+            assert len(hashes) == 1, f"peers differ at step {step}: {hashes}"
+        # The newcomer's state after its join equals the group's at that step, bit for bit.
+        first = newcomer.first_begin  # type: ignore[attr-defined]
+        assert first["world"] == 3 and begins[first["begin"]] == {first["hash"]}
+        # The survivors went on as two (the kill cost the step in flight, or was seen in
+        # the membership vote before it), then as three with the newcomer.
+        assert 2 in worlds and worlds[-1] == 3, worlds
+        assert max(afters) >= 25, f"too few steps committed: {max(afters)}"
+        for w in live:
+            w.close()

@@ -1,0 +1,88 @@
+"""Fault-tolerant data parallel training in a process of its own, driven by test_torch.py.
+
+    torch_ddp_worker.py fixed tcp://HOST:PORT RANK WORLD STEPS
+    torch_ddp_worker.py elastic lockstep://HOST:PORT - - STEPS
+
+Trains the model below with lockstep.torch.DataParallel until the group's step counter
+(part of the training state) reaches STEPS (STEPS 0: one step per "go" line read from
+stdin, until another line or the end of it), printing one JSON line per begin_step
+({"begin": step, "hash": ...}: the state every peer holds after the membership changes)
+and per step ({"step": step after it, "committed": ..., "hash": ...}), then the final
+parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import lockstep
+import lockstep.torch as lt
+
+GLOBAL_BATCH = 12
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def global_batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, 6, generator=g)
+    y = torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)
+    return x, y
+
+
+def state_hash(state: lt.TrainingState) -> str:
+    h = hashlib.sha256()
+    for name, t in state._tensors.items():
+        h.update(name.encode())
+        h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def emit(obj) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def main() -> None:
+    lockstep.set_log_level("error")
+    mode, url, steps = sys.argv[1], sys.argv[2], int(sys.argv[5])
+    if mode == "fixed":
+        dist.init_process_group("lockstep", init_method=url, rank=int(sys.argv[3]), world_size=int(sys.argv[4]))
+    else:
+        dist.init_process_group("lockstep", init_method=url)
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    counter = torch.zeros(1, dtype=torch.int64)
+    state = lt.TrainingState(model, optimizer, extra={"step": counter})
+    # Elastic peers wait for a second one instead of training alone (the test's schedule
+    # needs the group, not a first peer that finished alone).
+    ddp = lt.DataParallel(model, optimizer, state=state, alone="wait" if mode == "elastic" else "train")
+    emit({"ready": True})
+    while (int(counter) < steps) if steps > 0 else (sys.stdin.readline().strip() == "go"):
+        ddp.begin_step(batch_size=GLOBAL_BATCH // dist.get_world_size())
+        emit({"begin": int(counter), "hash": state_hash(state), "world": dist.get_world_size()})
+        x, y = global_batch(int(counter))
+        per = GLOBAL_BATCH // dist.get_world_size()
+        rank = dist.get_rank()
+        xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        torch.nn.functional.cross_entropy(model(xs), ys).backward()
+        committed = ddp.step()
+        if committed:
+            counter += 1
+        emit({"step": int(counter), "committed": committed, "hash": state_hash(state)})
+    emit({"done": True, "params": [p.detach().double().flatten().tolist() for p in model.parameters()],
+          "committed": ddp.committed, "skipped": ddp.skipped})
+    if steps > 0:
+        sys.stdin.read()  # stay until told: the others may still need this peer for their last step
+    lt.shutdown()
+
+
+if __name__ == "__main__":
+    main()
