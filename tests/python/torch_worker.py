@@ -93,6 +93,17 @@ def bad(kind: str) -> Dict[str, Any]:
         return {"ok": False, "error": type(e).__name__, "status": e.status_name, "message": str(e)}
 
 
+def update(comm: lockstep.Communicator) -> int:
+    """Update topology until it succeeds (a vote that lost a peer fails for all: again)."""
+    for _ in range(50):
+        try:
+            comm.update_topology()
+            break
+        except lockstep.UpdateTopologyFailedError:
+            continue
+    return comm.group_world_size
+
+
 def run(cmd: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
     what = cmd["cmd"]
     if what == "collectives":
@@ -114,14 +125,7 @@ def run(cmd: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
         return {"error": None}
     if what == "update":
         # After a peer was lost: the survivors' update removes it from the view.
-        comm = lt.communicator()
-        for _ in range(50):
-            try:
-                comm.update_topology()
-                break
-            except lockstep.UpdateTopologyFailedError:
-                continue
-        return {"world": comm.group_world_size}
+        return {"world": update(lt.communicator())}
     if what == "stale":
         try:
             dist.all_reduce(torch.ones(3))
@@ -136,13 +140,7 @@ def run(cmd: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
             if time.monotonic() > deadline:
                 return {"error": "nobody pending"}
             time.sleep(0.02)
-        while True:
-            try:
-                comm.update_topology()
-                break
-            except lockstep.UpdateTopologyFailedError:
-                continue
-        return {"world": comm.group_world_size}
+        return {"world": update(comm)}
     if what == "reconfigure":
         lt.reconfigure()
         return {"rank": dist.get_rank(), "world": dist.get_world_size()}
