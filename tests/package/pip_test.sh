@@ -59,6 +59,14 @@ runpath="$(readelf -d "$module" | sed -n 's/.*R\(UN\)\?PATH.*\[\(.*\)\]/\2/p')"
 # shellcheck disable=SC2016  # the literal $ORIGIN
 [ "$runpath" = '$ORIGIN' ] || { echo "the module's run path is '$runpath', not \$ORIGIN"; exit 1; }
 
+# Where libtorch-dev is installed, the package carries the torch backend too.
+if [ -f /usr/lib/x86_64-linux-gnu/cmake/Torch/TorchConfig.cmake ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+  torch_module="$(ls "$site"/lockstep/_torch.*.so 2>/dev/null || true)"
+  [ -n "$torch_module" ] || { echo "libtorch-dev is installed but the package has no lockstep/_torch"; ls -l "$site/lockstep"; exit 1; }
+  (cd "$work" && "$work/venv/bin/python" -c 'import lockstep.torch, torch.distributed as d; assert "LOCKSTEP" in d.Backend._plugins') ||
+    { echo "lockstep.torch does not import from the installed package"; exit 1; }
+fi
+
 cp "$source_dir/tests/package/allreduce.py" "$work/allreduce.py"
 "$work/venv/bin/python" "$work/allreduce.py" --expect-under "$work/venv"
 echo "pip test passed in $((SECONDS - start)) s"

@@ -252,6 +252,9 @@ def test_elastic_job_admits_a_newcomer_and_a_killed_peer_leaves_a_working_group(
             answer = p.read()
             assert answer["error"] == "PeerConnectionLostError" and answer["retryable"], answer
             assert answer["unchanged"], "the tensor of a failed all-reduce must be as before the call"
+        # Before the update, lockstep would reduce over the two survivors: the torch group
+        # of three refuses the result (every survivor sees the same count).
+        assert [a["error"] for a in ask_all(survivors, cmd="stale")] == ["ViewChangedError"] * 2
         for answer in ask_all(survivors, cmd="update"):
             assert answer == {"world": 2}
         # The old group belongs to the old view.
