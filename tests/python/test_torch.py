@@ -38,8 +38,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_worker.
 class Worker:
     """One torch process; JSON lines both ways."""
 
-    def __init__(self, *args: str, env: Optional[Dict[str, str]] = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, WORKER, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    def __init__(self, *args: str, env: Optional[Dict[str, str]] = None, script: str = WORKER) -> None:
+        self.proc = subprocess.Popen([sys.executable, script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env={**os.environ, **(env or {})})
         self.lines: "queue.Queue[str]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -123,10 +123,9 @@ def start_fixed(workers: List[Worker], world: int) -> List[Worker]:
     return new
 
 
-def accepted_peers(master: lockstep.Master) -> int:
+def peers_in_phase(master: lockstep.Master, phase: str) -> int:
     with urllib.request.urlopen(f"http://{master.http_address}/api/state", timeout=10) as r:
-        state = json.load(r)
-    return sum(1 for p in state["peers"] if p["phase"] == "ACCEPTED")
+        return sum(1 for p in json.load(r)["peers"] if p["phase"] == phase)
 
 
 def start_fixed_in_order(workers: List[Worker], master: lockstep.Master, order: List[int], store: str) -> List[Worker]:
@@ -140,7 +139,7 @@ def start_fixed_in_order(workers: List[Worker], master: lockstep.Master, order: 
         by_rank[r] = Worker("fixed", url, str(r), str(world), env={"LOCKSTEP_MASTER": master.address})
         workers.append(by_rank[r])
         deadline = time.monotonic() + WAIT_S
-        while accepted_peers(master) < i + 1:
+        while peers_in_phase(master, "ACCEPTED") < i + 1:
             assert time.monotonic() < deadline, f"rank {r} was not admitted"
             time.sleep(0.05)
     view_ranks = [check_ready(by_rank[r], r, world) for r in range(world)]
@@ -270,12 +269,8 @@ def test_elastic_job_admits_a_newcomer_and_a_killed_peer_leaves_a_working_group(
 DDP_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_ddp_worker.py")
 
 
-class DdpWorker(Worker):
-    def __init__(self, *args: str) -> None:  # the same pipes, another script
-        self.proc = subprocess.Popen([sys.executable, DDP_WORKER, *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=dict(os.environ))
-        self.lines = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+def DdpWorker(*args: str) -> Worker:
+    return Worker(*args, script=DDP_WORKER)
 
 
 def test_fault_tolerant_ddp_matches_one_process_on_the_same_global_batches(workers):
@@ -310,11 +305,6 @@ def test_fault_tolerant_ddp_matches_one_process_on_the_same_global_batches(worke
     assert finals[0]["params"] == finals[1]["params"] == finals[2]["params"]  # bit for bit
 
 
-def peers_in_phase(master: lockstep.Master, phase: str) -> int:
-    with urllib.request.urlopen(f"http://{master.http_address}/api/state", timeout=10) as r:
-        return sum(1 for p in json.load(r)["peers"] if p["phase"] == phase)
-
-
 def wait_for(predicate: Any, what: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while not predicate():
@@ -330,7 +320,7 @@ def test_fault_tolerant_ddp_through_a_kill_and_a_join_keeps_every_peer_identical
         begins: Dict[int, set] = {}
         afters: Dict[int, set] = {}
 
-        def start() -> DdpWorker:
+        def start() -> Worker:
             w = DdpWorker("elastic", url, "-", "-", "0")
             workers.append(w)
             return w
