@@ -4,8 +4,9 @@
 Every mutant in tests/mutants/*.mutants is one small source change that breaks a
 guarantee or a documented capability, with the tests expected to notice. The runner
 copies the tree to a scratch directory (build-mutants/tree; the work tree is never
-touched), builds it once, then for each mutant: applies it, rebuilds incrementally (only
-the targets its tests need), runs its tests with a time bound, and puts the file back.
+touched), then for each mutant: builds the targets its tests need unmutated (once per
+target; a tree that does not build unmutated is an error of its own), applies the mutant,
+rebuilds incrementally, runs its tests with a time bound, and puts the file back.
 One JSON line per mutant, then a summary. It fails when a mutant survives, when one no
 longer applies ("stale": its lines are not in the file exactly once), or when one does
 not build.
@@ -164,6 +165,20 @@ class Build:
             launcher = ["-DCMAKE_CXX_COMPILER_LAUNCHER=ccache", "-DCMAKE_C_COMPILER_LAUNCHER=ccache"]
         self.cmake_args = cmake_args + launcher
         self.tests = None
+        self.built = set()
+
+    def ensure(self, targets):
+        """Builds these targets unmutated, those not built yet; returns the seconds it took."""
+        todo = sorted(set(targets) - self.built)
+        if not todo or "all" in self.built:
+            return 0.0
+        started = time.monotonic()
+        ok, log = self.build(todo, 3600)
+        if not ok:
+            print(log, file=sys.stderr)
+            raise MutantError("the unmutated scratch tree does not build: " + " ".join(todo))
+        self.built.update(todo)
+        return time.monotonic() - started
 
     def prepare(self):
         self.tree.mkdir(parents=True, exist_ok=True)
@@ -306,13 +321,19 @@ def main():
     elif args.changed:
         base = args.base or os.environ.get("LOCKSTEP_MUTANTS_BASE") or default_base()
         changed = changed_files(base)
-        shared = any(f.startswith(SHARED_PREFIXES) for f in changed)
-        first = [m for m in mutants if shared or m["file"] in changed]
+        shared = sorted(f for f in changed if f.startswith(SHARED_PREFIXES))
+        # First the mutants of the files changed, then (every mutant is selected when a
+        # shared header changed) the others in an order that rotates with HEAD, so that
+        # successive submissions under a budget cover the whole suite.
+        first = [m for m in mutants if m["file"] in changed]
         key = head()
         rest = sorted((m for m in mutants if m not in first),
                       key=lambda m: hashlib.sha256((key + m["mutant"]).encode()).hexdigest())
         selected = first + rest
-        note = f"changed since {base[:12]}: {len(first)} mutant(s) of changed files" + (" (a shared header changed)" if shared else "")
+        of_changed = {m["mutant"] for m in (mutants if shared else first)}
+        note = (f"changed since {base[:12]}: {len(first)} mutant(s) of changed files"
+                + (f", every mutant selected ({shared[0]} changed)" if shared else "")
+                + ", then the others in rotation")
     print(json.dumps({"mutants": len(mutants), "selected": note}), flush=True)
 
     cmake_args = args.cmake_arg or ["-DCMAKE_BUILD_TYPE=RelWithDebInfo"]
@@ -321,12 +342,7 @@ def main():
     started = time.monotonic()
     try:
         build.prepare()
-        ok, log = build.build(sorted({t for m in selected for t in targets_of(m)}), 3600)
-        if not ok:
-            print(log, file=sys.stderr)
-            print("mutants: the unmutated scratch tree does not build", file=sys.stderr)
-            return 2
-    except (subprocess.CalledProcessError, MutantError) as e:
+    except subprocess.CalledProcessError as e:
         print(f"mutants: {e}", file=sys.stderr)
         return 2
     prepared = time.monotonic() - started
@@ -340,6 +356,7 @@ def main():
             not_run.append(m["mutant"])
             continue
         try:
+            prepared += build.ensure(targets_of(m))
             r = run_mutant(build, m, build_timeout=1200)
         except MutantError as e:
             print(f"mutants: {m['mutant']}: {e}", file=sys.stderr)
@@ -359,6 +376,7 @@ def main():
             "stale": [r["mutant"] for r in results if r["status"] == "stale"],
             "build_failed": [r["mutant"] for r in results if r["status"] == "build_failed"],
             "not_run_budget": len(not_run),
+            **({"of_changed_not_run": len(of_changed & set(not_run))} if args.changed else {}),
             "prepare_seconds": round(prepared, 1),
             "seconds": round(time.monotonic() - started, 1),
         }

@@ -189,14 +189,15 @@ def wait_in_ns(proc: subprocess.Popen, ns: str) -> None:
 # --- life cycle ---------------------------------------------------------------------
 
 def test_up_down_repeated():
-    """20 times up (8 hosts, with caps, delays, a cut and a running process) and down:
+    """10 times up (8 hosts, with caps, delays, a cut and a running process) and down:
     nothing of the bed is left, and the root namespace is exactly as before."""
+    rounds = 10
     require_root()
     before = root_snapshot()
     bed = Testbed(8)
     t0 = time.monotonic()
     try:
-        for round_ in range(20):
+        for round_ in range(rounds):
             bed.up()
             assert sorted(bed_namespaces([bed.prefix])) == sorted(bed.namespaces)
             inodes = [ns_inode(n) for n in bed.namespaces]
@@ -222,7 +223,7 @@ def test_up_down_repeated():
     finally:
         if bed.is_up:
             bed.down()
-    print(f"\n  20 x up/down of 8 hosts took {time.monotonic() - t0:.1f} s")
+    print(f"\n  {rounds} x up/down of 8 hosts took {time.monotonic() - t0:.1f} s")
 
 
 def test_down_kills_processes_and_leftovers(testbed_factory):
