@@ -524,6 +524,8 @@ class DataParallel:
         self.committed = 0
         self.skipped = 0
         self.reconfigurations = 0
+        #: Seconds the last step() waited for its reductions and the agree vote.
+        self.last_wait_s = 0.0
 
     def _hook(self, p: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
         def on_grad(grad: torch.Tensor) -> None:
@@ -599,6 +601,7 @@ class DataParallel:
                 except Error:
                     ok = False
         total = torch.tensor([self._batch], dtype=torch.float64)
+        waited = time.perf_counter()
         for w in self._works:
             try:
                 w.wait()
@@ -615,6 +618,7 @@ class DataParallel:
                 ok = comm.agree(ok)
             except RetryableError:
                 ok = False
+        self.last_wait_s = time.perf_counter() - waited
         if not ok:
             self.skipped += 1
             self._needs_update = True

@@ -31,6 +31,7 @@ class DataParallel:
     committed: int
     skipped: int
     reconfigurations: int
+    last_wait_s: float
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, bucket_bytes: int = ...,
                  weight_by_batch: bool = ..., alone: str = ..., state: Optional[TrainingState] = ...,
                  wait_poll_s: float = ..., reconfigure_timeout: datetime.timedelta = ...) -> None: ...

@@ -549,7 +549,7 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& mode,
   if (!s.secret_file.empty()) argv.insert(argv.end(), {"--secret-file", s.secret_file});
   if (s.encrypt) argv.push_back("--encrypt");
   if (s.check_finite) argv.push_back("--check-finite");
-  if (s.compare_torch) argv.push_back("--paced");
+  if (s.compare_torch || s.compare_torch_lockstep) argv.push_back("--paced");
   argv.insert(argv.end(), {"--streams", std::to_string(s.streams)});
   if (!s.congestion.empty()) argv.insert(argv.end(), {"--cc", s.congestion});
   return argv;
@@ -757,18 +757,22 @@ int run_collective(const Settings& settings) {
   } cleanup{s.secret_file, ""};
   auto master = start_master(60'000, s.secret_file);  // generous: a busy 2-core machine must not evict live workers
   if (!master) return 1;
-  if (s.compare_gloo || s.compare_torch) {
+  if (s.compare_gloo || s.compare_torch || s.compare_torch_lockstep) {
     char tmpl[] = "/tmp/lockstep-bench-store-XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) return 1;
     cleanup.store_dir = tmpl;
     if (s.compare_gloo) s.gloo_store = cleanup.store_dir + "/gloo";
     if (s.compare_gloo) std::filesystem::create_directory(s.gloo_store);
   }
-  const bool torch_measures = s.compare_torch && comparable(s);
   std::unique_ptr<TorchPeers> torch;
-  if (torch_measures) {
-    torch = TorchPeers::start(s, cleanup.store_dir);
+  if (s.compare_torch && comparable(s)) {
+    torch = TorchPeers::start(s, cleanup.store_dir, "gloo");
     if (!torch) return 1;
+  }
+  std::unique_ptr<TorchPeers> torch_lockstep;
+  if (s.compare_torch_lockstep && comparable(s)) {
+    torch_lockstep = TorchPeers::start(s, cleanup.store_dir, "lockstep");
+    if (!torch_lockstep) return 1;
   }
   std::vector<tools::Subprocess> workers;
   for (int i = 0; i < s.peers; ++i) {
@@ -796,7 +800,7 @@ int run_collective(const Settings& settings) {
   for (const std::uint64_t bytes : s.sizes) {
     std::vector<json> replies;
     for (auto& w : workers) {
-      if (s.compare_torch) w.write_line("go");
+      if (s.compare_torch || s.compare_torch_lockstep) w.write_line("go");
     }
     for (auto& w : workers) {
       auto j = read_json(w, std::chrono::seconds(1800));
@@ -807,7 +811,10 @@ int run_collective(const Settings& settings) {
       replies.push_back(*j);
     }
     std::string torch_why = "not measured (dtype, op or concurrency not supported by the comparison)";
+    std::string torch_lockstep_why = torch_why;
     const auto torch_us = torch ? torch->measure(bytes, &torch_why) : std::vector<double>{};
+    const auto torch_lockstep_us =
+        torch_lockstep ? torch_lockstep->measure(bytes, &torch_lockstep_why) : std::vector<double>{};
     const auto lockstep_us = slowest(replies, "lockstep_us");
     const auto raw_us = slowest(replies, "raw_us");
     const auto gloo_us = slowest(replies, "gloo_us");
@@ -846,6 +853,11 @@ int run_collective(const Settings& settings) {
     } else if (s.compare_torch) {
       out["torch"] = torch_why;
     }
+    if (!torch_lockstep_us.empty()) {
+      add_compared(out, "torch_lockstep", torch_lockstep_us, contribution, "torch_lockstep_ratio");
+    } else if (s.compare_torch_lockstep) {
+      out["torch_lockstep"] = torch_lockstep_why;
+    }
     std::printf("%s\n", out.dump().c_str());
     std::fflush(stdout);
   }
@@ -853,6 +865,7 @@ int run_collective(const Settings& settings) {
     if (w.wait(std::chrono::seconds(30)).value_or(1) != 0) rc = 1;
   }
   if (torch && !torch->finish()) rc = 1;
+  if (torch_lockstep && !torch_lockstep->finish()) rc = 1;
   return rc;
 }
 

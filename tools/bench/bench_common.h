@@ -58,6 +58,9 @@ struct Settings {
   // --compare torch: torch.distributed (gloo backend) in its own processes, size by size
   // between lockstep's; the workers then wait for a line on stdin before each size.
   bool compare_torch = false;
+  // --compare torch-lockstep: the same through torch.distributed's lockstep backend
+  // (lockstep.torch), to show what the backend adds to the C API's time.
+  bool compare_torch_lockstep = false;
   bool paced = false;
   std::uint16_t master_port = 0;
   std::string master_host = "127.0.0.1";
@@ -89,6 +92,24 @@ int run_recovery(const Settings& s);
 int run_sync(const Settings& s);  // sync_bench.cpp
 int run_joined(const Settings& s);  // joined_bench.cpp: one peer of a run on several hosts
 int run_worker(const Settings& s);
+
+// lockstep-bench ddp (torch_compare.cpp): a training step of a character-level
+// transformer without communication, under torch DDP over gloo and under
+// lockstep.torch.DataParallel, in turns (tools/bench/ddp_worker.py).
+struct DdpSettings {
+  int peers = 2;
+  int steps = 30;
+  int warmup = 5;
+  // The model and batch of examples/python/torch_text.py's long configuration.
+  int vocab = 96;
+  int width = 128;
+  int layers = 4;
+  int heads = 4;
+  int seq = 128;
+  int batch = 32;
+  int threads = 1;  // torch's threads per process
+};
+int run_ddp(const DdpSettings& d);
 int worker_sync(const Settings& s);  // sync_bench.cpp
 
 // Shared by the benchmarks.
@@ -117,12 +138,14 @@ Shape shape_of(Collective c, std::uint64_t bytes, std::size_t element_size, int 
 // Gloo and torch have no average.
 bool comparable(const Settings& s);
 
-// --compare torch (torch_compare.cpp): the torch.distributed processes of one run.
+// --compare torch and torch-lockstep (torch_compare.cpp): the torch.distributed
+// processes of one run, with the gloo or the lockstep backend.
 class TorchPeers {
  public:
   // Starts s.peers processes of /usr/bin/python3 on a file store in store_dir and waits
   // until they have formed their group; null (with a message on stderr) if they could not.
-  static std::unique_ptr<TorchPeers> start(const Settings& s, const std::string& store_dir);
+  // backend: "gloo" or "lockstep".
+  static std::unique_ptr<TorchPeers> start(const Settings& s, const std::string& store_dir, const std::string& backend);
   ~TorchPeers();
   // Runs the next size of s.sizes on every process: the slowest process's microseconds
   // per iteration, or why there are none (*why).

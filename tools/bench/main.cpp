@@ -5,7 +5,7 @@
 //
 //   lockstep-bench allreduce --peers 4 --size 1KiB,16MiB,256MiB [--dtype f32] [--op sum] [--encrypt]
 //                  [--concurrency K] [--pool P] [--iterations N] [--warmup W] [--quant minmax]
-//                  [--compare gloo,torch] [--order turns|blocks]
+//                  [--compare gloo,torch,torch-lockstep] [--order turns|blocks]
 //   lockstep-bench broadcast|allgather|reducescatter --peers 4 --size 256MiB ...   (the same
 //       options; --op and --quant for reducescatter; --size is the bytes one peer contributes)
 //   lockstep-bench barrier --peers 4 [--iterations N] [--compare gloo,torch] ...
@@ -14,6 +14,9 @@
 //   lockstep-bench recovery --peers 4 --size 16MiB --trials 20 [--stop]
 //   lockstep-bench sync --holders 1 --size 256MiB,1GiB [--trials 3]
 //       (join-and-sync time of a newcomer receiving the shared state from the holders)
+//   lockstep-bench ddp --peers 2 [--steps 30] [--warmup 5] [--width 128 --layers 4 ...]
+//       (a transformer's training step alone, under torch DDP over gloo and under
+//        lockstep.torch.DataParallel, in turns)
 //   lockstep-bench hash [--size 1GiB] [--threads 1,2,N] [--iterations 5]
 //       (the shared-state content hash in this process, against a single-thread
 //        memcpy; N = hardware threads; no master or workers)
@@ -73,10 +76,11 @@ int main(int argc, char** argv) {
                   "leave every process's malloc in the system's default pages (by default the workers of "
                   "every library run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, unless it is set already)");
     sub->add_option("--compare", compare,
-                    "also measure gloo (Gloo's collective in the same processes) and/or torch (torch.distributed, "
-                    "gloo backend, in processes of its own), comma-separated")
+                    "also measure gloo (Gloo's collective in the same processes), torch (torch.distributed, "
+                    "gloo backend, in processes of its own) and/or torch-lockstep (torch.distributed over "
+                    "lockstep's backend, lockstep.torch), comma-separated")
         ->delimiter(',')
-        ->check(CLI::IsMember({"gloo", "torch"}));
+        ->check(CLI::IsMember({"gloo", "torch", "torch-lockstep"}));
     return sub;
   };
   auto* allreduce = add_collective("allreduce", "effective all-reduce throughput, latency percentiles", true, true);
@@ -116,6 +120,21 @@ int main(int argc, char** argv) {
   hash->add_option("--iterations", hash_settings.iterations, "timed repetitions (median)")
       ->check(CLI::Range(1, 100000));
 
+  lockstep::bench::DdpSettings ddp_settings;
+  auto* ddp = app.add_subcommand(
+      "ddp", "a training step of a character-level transformer: alone, under torch DDP over gloo, and under "
+             "lockstep.torch.DataParallel, in turns");
+  ddp->add_option("--peers", ddp_settings.peers, "number of peer processes")->check(CLI::Range(2, 64));
+  ddp->add_option("--steps", ddp_settings.steps, "timed steps")->check(CLI::Range(1, 100000));
+  ddp->add_option("--warmup", ddp_settings.warmup, "untimed steps first")->check(CLI::Range(0, 1000));
+  ddp->add_option("--vocab", ddp_settings.vocab, "characters")->check(CLI::Range(2, 1 << 20));
+  ddp->add_option("--width", ddp_settings.width, "model width")->check(CLI::Range(8, 1 << 16));
+  ddp->add_option("--layers", ddp_settings.layers, "transformer layers")->check(CLI::Range(1, 256));
+  ddp->add_option("--heads", ddp_settings.heads, "attention heads (dividing the width)")->check(CLI::Range(1, 256));
+  ddp->add_option("--seq", ddp_settings.seq, "sequence length")->check(CLI::Range(2, 1 << 16));
+  ddp->add_option("--batch", ddp_settings.batch, "sequences per peer and step")->check(CLI::Range(1, 1 << 16));
+  ddp->add_option("--threads", ddp_settings.threads, "torch's threads per process")->check(CLI::Range(1, 1024));
+
   auto* worker = app.add_subcommand("worker", "(internal) one peer of a benchmark");
   worker->group("");
   worker->add_option("--mode", s.mode)->required();
@@ -154,6 +173,14 @@ int main(int argc, char** argv) {
     return lockstep::bench::run_hash(hash_settings);
   }
 
+  if (*ddp) {
+    if (ddp_settings.width % ddp_settings.heads != 0) {
+      std::fprintf(stderr, "lockstep-bench ddp: --heads must divide --width\n");
+      return 2;
+    }
+    return lockstep::bench::run_ddp(ddp_settings);
+  }
+
   auto parsed = lockstep::bench::parse_sizes(sizes);
   if (!parsed) {
     std::fprintf(stderr, "lockstep-bench: bad --size '%s' (e.g. 1KiB,16MiB,1GiB)\n", sizes.c_str());
@@ -166,6 +193,7 @@ int main(int argc, char** argv) {
   s.quant = lockstep::bench::quant_from_name(quant);
   s.compare_gloo = std::find(compare.begin(), compare.end(), "gloo") != compare.end();
   s.compare_torch = std::find(compare.begin(), compare.end(), "torch") != compare.end();
+  s.compare_torch_lockstep = std::find(compare.begin(), compare.end(), "torch-lockstep") != compare.end();
   s.self = lockstep::bench::self_path(argv[0]);
   if (*worker) return lockstep::bench::run_worker(s);
   if (*allreduce && !join_master.empty()) {

@@ -1,5 +1,6 @@
-# One process of lockstep-bench's --compare torch: torch.distributed with the gloo
-# backend over a file store, timing the collective that lockstep-bench times, with
+# One process of lockstep-bench's --compare torch or torch-lockstep: torch.distributed
+# with the gloo backend, or lockstep's (lockstep.torch: rank 0 hosts the master), over a
+# file store, timing the collective that lockstep-bench times, with
 # buffers of the same shapes (tools/bench/bench_common.cpp, shape_of). lockstep-bench
 # runs it as `python3 -c <this file> ARGS`; it prints {"ready": true} once the group is
 # formed, then, for each line on stdin, the next size's times as
@@ -47,8 +48,11 @@ def main():
         p.add_argument(name, type=int, required=True)
     for name in ("--store", "--collective", "--dtype", "--sizes"):
         p.add_argument(name, required=True)
+    p.add_argument("--backend", choices=("gloo", "lockstep"), default="gloo")
     a = p.parse_args()
-    dist.init_process_group("gloo", init_method="file://" + a.store, rank=a.rank, world_size=a.world)
+    if a.backend == "lockstep":
+        import lockstep.torch  # noqa: F401 (registers the backend)
+    dist.init_process_group(a.backend, init_method="file://" + a.store, rank=a.rank, world_size=a.world)
     say({"ready": True, "torch": torch.__version__})
     for size in (int(x) for x in a.sizes.split(",")):
         if not sys.stdin.readline():
