@@ -427,10 +427,13 @@ class TrainingState:
         return info
 
     def state_dict(self) -> Dict[str, Any]:
-        """A checkpoint: the model's, the optimizer's and the revision."""
+        """A checkpoint: the model's, the optimizer's, the extra tensors and the revision."""
         out: Dict[str, Any] = {"revision": self.revision, "model": self.model.state_dict()}
         if self.optimizer is not None:
             out["optimizer"] = self.optimizer.state_dict()
+        extra = {k[len("extra/"):]: t.clone() for k, t in self._tensors.items() if k.startswith("extra/")}
+        if extra:
+            out["extra"] = extra
         return out
 
     def load_state_dict(self, checkpoint: Dict[str, Any]) -> None:
@@ -450,6 +453,9 @@ class TrainingState:
                         current.copy_(value)
                     else:
                         self.optimizer.state[p][key] = value
+        with torch.no_grad():
+            for name, value in checkpoint.get("extra", {}).items():
+                self._tensors[f"extra/{name}"].copy_(value)
         self.revision = int(checkpoint["revision"])
 
 

@@ -269,27 +269,34 @@ def test_elastic_job_admits_a_newcomer_and_a_killed_peer_leaves_a_working_group(
 DDP_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_ddp_worker.py")
 
 
-def DdpWorker(*args: str) -> Worker:
-    return Worker(*args, script=DDP_WORKER)
+def DdpWorker(*args: str, env: Optional[Dict[str, str]] = None) -> Worker:
+    return Worker(*args, script=DDP_WORKER, env=env)
 
 
-def test_fault_tolerant_ddp_matches_one_process_on_the_same_global_batches(workers):
-    from torch_ddp_worker import global_batch, make_model
-
-    steps, world = 50, 3
+def run_fixed_ddp(workers: List[Worker], world: int, steps: int,
+                  env_of: Any = lambda rank: None) -> List[Dict[str, Any]]:
+    """A fixed-size DDP job that nobody leaves: every step commits. Each worker's lines,
+    the last one its final parameters."""
     url = f"tcp://127.0.0.1:{free_port()}"
-    procs = [DdpWorker("fixed", url, str(r), str(world), str(steps)) for r in range(world)]
+    procs = [DdpWorker("fixed", url, str(r), str(world), str(steps), env=env_of(r)) for r in range(world)]
     workers.extend(procs)
-    finals = []
+    lines: List[List[Dict[str, Any]]] = []
     for w in procs:
         assert w.read() == {"ready": True}
-        while True:
-            line = w.read()
-            if "done" in line:
-                finals.append(line)
-                break
-            if "step" in line:
-                assert line["committed"], line  # nobody dies: every step commits
+        got: List[Dict[str, Any]] = []
+        while not got or "done" not in got[-1]:
+            got.append(w.read())
+            if "step" in got[-1]:
+                assert got[-1]["committed"], got[-1]  # nobody dies: every step commits
+        lines.append(got)
+    for w in procs:
+        w.close()
+    return lines
+
+
+def one_process_reference(steps: int) -> List[Any]:
+    from torch_ddp_worker import global_batch, make_model
+
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     for s in range(steps):
@@ -297,12 +304,42 @@ def test_fault_tolerant_ddp_matches_one_process_on_the_same_global_batches(worke
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
-    reference = [p.detach().double().flatten() for p in model.parameters()]
+    return [p.detach().double().flatten() for p in model.parameters()]
+
+
+def assert_params_match(finals: List[Dict[str, Any]], reference: List[Any]) -> None:
     for final in finals:
-        assert final["committed"] == steps and final["skipped"] == 0
         for got, want in zip(final["params"], reference):
             torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=1e-4, atol=1e-6)
-    assert finals[0]["params"] == finals[1]["params"] == finals[2]["params"]  # bit for bit
+    assert all(f["params"] == finals[0]["params"] for f in finals)  # bit for bit
+
+
+def test_fault_tolerant_ddp_matches_one_process_on_the_same_global_batches(workers):
+    steps, world = 50, 3
+    finals = [lines[-1] for lines in run_fixed_ddp(workers, world, steps)]
+    for final in finals:
+        assert final["committed"] == steps and final["skipped"] == 0
+    assert_params_match(finals, one_process_reference(steps))
+
+
+def test_a_run_restarted_from_its_checkpoints_goes_on_as_if_never_stopped(workers, tmp_path):
+    """Two peers train 6 steps and checkpoint (TrainingState.state_dict: model, Adam's
+    moments and step counts, the data position, the revision); a new run of two peers
+    resumes from those files and trains to 12: the parameters are those of 12 steps in
+    one process, and the resumed peers present the checkpoint's revision."""
+    world = 2
+    ckpt = [str(tmp_path / f"rank{r}.pt") for r in range(world)]
+    run_fixed_ddp(workers, world, 6, lambda r: {"LOCKSTEP_TEST_CHECKPOINT": ckpt[r]})
+    saved = [torch.load(c) for c in ckpt]
+    assert saved[0]["revision"] == saved[1]["revision"] > 0
+    assert int(saved[0]["extra"]["step"]) == 6
+    resumed = run_fixed_ddp(workers, world, 12, lambda r: {"LOCKSTEP_TEST_RESUME": ckpt[r]})
+    for lines in resumed:
+        first = next(line for line in lines if "begin" in line)
+        # The data position came back, and the first sync advanced the checkpoint's revision.
+        assert first["begin"] == 6 and first["revision"] == saved[0]["revision"] + 1, first
+        assert lines[-1]["committed"] == 6
+    assert_params_match([lines[-1] for lines in resumed], one_process_reference(12))
 
 
 def wait_for(predicate: Any, what: str) -> None:

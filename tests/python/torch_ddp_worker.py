@@ -8,13 +8,15 @@ Trains the model below with lockstep.torch.DataParallel until the group's step c
 stdin, until another line or the end of it), printing one JSON line per begin_step
 ({"begin": step, "hash": ...}: the state every peer holds after the membership changes)
 and per step ({"step": step after it, "committed": ..., "hash": ...}), then the final
-parameters.
+parameters. LOCKSTEP_TEST_RESUME=FILE starts from a checkpoint (TrainingState.state_dict,
+torch.save'd); LOCKSTEP_TEST_CHECKPOINT=FILE writes one when the steps are done.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 
 import torch
@@ -61,13 +63,16 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     counter = torch.zeros(1, dtype=torch.int64)
     state = lt.TrainingState(model, optimizer, extra={"step": counter})
+    if "LOCKSTEP_TEST_RESUME" in os.environ:
+        state.load_state_dict(torch.load(os.environ["LOCKSTEP_TEST_RESUME"]))
     # Elastic peers wait for a second one instead of training alone (the test's schedule
     # needs the group, not a first peer that finished alone).
     ddp = lt.DataParallel(model, optimizer, state=state, alone="wait" if mode == "elastic" else "train")
     emit({"ready": True})
     while (int(counter) < steps) if steps > 0 else (sys.stdin.readline().strip() == "go"):
         ddp.begin_step(batch_size=GLOBAL_BATCH // dist.get_world_size())
-        emit({"begin": int(counter), "hash": state_hash(state), "world": dist.get_world_size()})
+        emit({"begin": int(counter), "hash": state_hash(state), "world": dist.get_world_size(),
+              "revision": state.revision})
         x, y = global_batch(int(counter))
         per = GLOBAL_BATCH // dist.get_world_size()
         rank = dist.get_rank()
@@ -77,6 +82,8 @@ def main() -> None:
         if committed:
             counter += 1
         emit({"step": int(counter), "committed": committed, "hash": state_hash(state)})
+    if "LOCKSTEP_TEST_CHECKPOINT" in os.environ:
+        torch.save(state.state_dict(), os.environ["LOCKSTEP_TEST_CHECKPOINT"])
     emit({"done": True, "params": [p.detach().double().flatten().tolist() for p in model.parameters()],
           "committed": ddp.committed, "skipped": ddp.skipped})
     if steps > 0:
