@@ -322,6 +322,14 @@ def test_fault_tolerant_ddp_matches_one_process_on_the_same_global_batches(worke
     assert_params_match(finals, one_process_reference(steps))
 
 
+def test_uneven_batches_weighted_by_batch_match_one_process(workers):
+    """weight_by_batch: ranks holding 8 and 4 of each global batch of 12 train as one
+    process on the whole batch (a mean over every sample, not over the ranks' means)."""
+    steps = 20
+    finals = [lines[-1] for lines in run_fixed_ddp(workers, 2, steps, lambda r: {"LOCKSTEP_TEST_UNEVEN": "1"})]
+    assert_params_match(finals, one_process_reference(steps))
+
+
 def test_a_run_restarted_from_its_checkpoints_goes_on_as_if_never_stopped(workers, tmp_path):
     """Two peers train 6 steps and checkpoint (TrainingState.state_dict: model, Adam's
     moments and step counts, the data position, the revision); a new run of two peers

@@ -10,6 +10,8 @@ stdin, until another line or the end of it), printing one JSON line per begin_st
 and per step ({"step": step after it, "committed": ..., "hash": ...}), then the final
 parameters. LOCKSTEP_TEST_RESUME=FILE starts from a checkpoint (TrainingState.state_dict,
 torch.save'd); LOCKSTEP_TEST_CHECKPOINT=FILE writes one when the steps are done.
+LOCKSTEP_TEST_UNEVEN=1 splits each global batch unevenly (rank r's share in proportion to
+world - r) and weights the gradients by batch (weight_by_batch).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import hashlib
 import json
 import os
 import sys
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -38,6 +41,14 @@ def global_batch(step: int):
     x = torch.randn(GLOBAL_BATCH, 6, generator=g)
     y = torch.randint(0, 3, (GLOBAL_BATCH,), generator=g)
     return x, y
+
+
+def shares(world: int, uneven: bool) -> List[int]:
+    """Each rank's part of the global batch."""
+    if not uneven:
+        return [GLOBAL_BATCH // world] * world
+    weights = [world - r for r in range(world)]
+    return [GLOBAL_BATCH * w // sum(weights) for w in weights]
 
 
 def state_hash(state: lt.TrainingState) -> str:
@@ -67,16 +78,19 @@ def main() -> None:
         state.load_state_dict(torch.load(os.environ["LOCKSTEP_TEST_RESUME"]))
     # Elastic peers wait for a second one instead of training alone (the test's schedule
     # needs the group, not a first peer that finished alone).
-    ddp = lt.DataParallel(model, optimizer, state=state, alone="wait" if mode == "elastic" else "train")
+    uneven = os.environ.get("LOCKSTEP_TEST_UNEVEN") == "1"
+    ddp = lt.DataParallel(model, optimizer, state=state, alone="wait" if mode == "elastic" else "train",
+                          weight_by_batch=uneven)
     emit({"ready": True})
     while (int(counter) < steps) if steps > 0 else (sys.stdin.readline().strip() == "go"):
-        ddp.begin_step(batch_size=GLOBAL_BATCH // dist.get_world_size())
+        share = shares(dist.get_world_size(), uneven)
+        rank = dist.get_rank()
+        ddp.begin_step(batch_size=share[rank])
         emit({"begin": int(counter), "hash": state_hash(state), "world": dist.get_world_size(),
               "revision": state.revision})
         x, y = global_batch(int(counter))
-        per = GLOBAL_BATCH // dist.get_world_size()
-        rank = dist.get_rank()
-        xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        first = sum(share[:rank])
+        xs, ys = x[first:first + share[rank]], y[first:first + share[rank]]
         torch.nn.functional.cross_entropy(model(xs), ys).backward()
         committed = ddp.step()
         if committed:
