@@ -102,11 +102,11 @@ struct DdpSettings {
   int warmup = 5;
   // The model and batch of examples/python/torch_text.py's long configuration.
   int vocab = 96;
-  int width = 128;
-  int layers = 4;
+  int width = 64;
+  int layers = 2;
   int heads = 4;
-  int seq = 128;
-  int batch = 32;
+  int seq = 48;
+  int batch = 16;
   int threads = 1;  // torch's threads per process
 };
 int run_ddp(const DdpSettings& d);

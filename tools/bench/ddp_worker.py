@@ -19,18 +19,23 @@ import lockstep.torch
 
 
 class CharTransformer(torch.nn.Module):
+    """examples/python/torch_text.py's model."""
+
     def __init__(self, vocab, width, layers, heads, seq):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, width)
-        self.position = torch.nn.Parameter(torch.zeros(seq, width))
-        layer = torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True)
-        self.blocks = torch.nn.TransformerEncoder(layer, layers)
+        self.position = torch.nn.Embedding(seq, width)
+        layer = torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True,
+                                                 norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(width)
         self.head = torch.nn.Linear(width, vocab)
-        self.register_buffer("mask", torch.triu(torch.full((seq, seq), -math.inf), diagonal=1))
+        self.register_buffer("mask", torch.triu(torch.full((seq, seq), -math.inf), diagonal=1), persistent=False)
 
     def forward(self, x):
-        h = self.embed(x) + self.position[: x.shape[1]]
-        return self.head(self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]]))
+        t = x.shape[1]
+        h = self.embed(x) + self.position(torch.arange(t))
+        return self.head(self.norm(self.blocks(h, mask=self.mask[:t, :t])))
 
 
 def main():

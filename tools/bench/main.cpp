@@ -14,7 +14,7 @@
 //   lockstep-bench recovery --peers 4 --size 16MiB --trials 20 [--stop]
 //   lockstep-bench sync --holders 1 --size 256MiB,1GiB [--trials 3]
 //       (join-and-sync time of a newcomer receiving the shared state from the holders)
-//   lockstep-bench ddp --peers 2 [--steps 30] [--warmup 5] [--width 128 --layers 4 ...]
+//   lockstep-bench ddp --peers 2 [--steps 30] [--warmup 5] [--width 64 --layers 2 ...]
 //       (a transformer's training step alone, under torch DDP over gloo and under
 //        lockstep.torch.DataParallel, in turns)
 //   lockstep-bench hash [--size 1GiB] [--threads 1,2,N] [--iterations 5]
