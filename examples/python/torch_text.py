@@ -31,8 +31,9 @@ Modes:
   momentum and the outer step counter; a newcomer's first sync is receive-only.
 
 Both modes train on alone when a kill leaves one peer. The default (long) configuration
-makes the README's figure: 3 peers, 2 layers of width 64, context 48, 1600 steps, about
-5 minutes on 2 cores; ``--short`` is the test's (2 peers, 120 steps, under 30 s).
+makes the README's figure: 3 peers, 2 layers of width 64, context 48, 1600 steps, 4.4
+minutes on 2 cores (2.5 with ``--mode ddp``); ``--short`` is the test's (2 peers, 120
+steps, under 30 s).
 
 Usage::
 
