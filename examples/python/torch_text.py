@@ -410,6 +410,8 @@ def drive(args: argparse.Namespace, cfg: dict) -> int:
     start = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
     n = args.peers or cfg["peers"]
+    if n < 2:
+        raise SystemExit("--peers: at least 2 (one of them is killed)")
     kill_at, join_at = int(KILL_AT * cfg["steps"]), int(JOIN_AT * cfg["steps"])
     mode = (f"DiLoCo (H={cfg['inner_steps']}{', 8-bit all-reduce' if args.quantize else ''})" if args.mode == "diloco"
             else "DataParallel")
