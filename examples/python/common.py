@@ -13,7 +13,6 @@ import time
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
 
 import lockstep
 
@@ -22,6 +21,8 @@ torch.set_num_threads(1)  # several peers share the machine's cores
 
 def digits(seed: int = 0):
     """(x_train, y_train, x_test, y_test) as tensors, the same split on every peer."""
+    from sklearn.datasets import load_digits  # here: the examples that do not use the digits skip its import
+
     data = load_digits()
     x = torch.tensor(data.data / 16.0, dtype=torch.float32)
     y = torch.tensor(data.target, dtype=torch.int64)
