@@ -217,7 +217,7 @@ class Build:
         """True if the test passed (the mutant survived it)."""
         if spec.startswith("ctest:"):
             cmd = ["ctest", "--test-dir", str(self.dir), "-R", "^" + spec[6:] + "$", "--output-on-failure",
-                   "--timeout", str(timeout)]
+                   "--timeout", str(max(1, int(timeout)))]
             env = self.env
             cwd = str(self.dir)
         else:
@@ -237,6 +237,8 @@ class Build:
             return False, "timeout"
         if spec.startswith("ctest:") and "No tests were found" in r.stdout + r.stderr:
             raise MutantError(f"no CTest named {spec[6:]}")
+        if spec.startswith("ctest:") and "***Timeout" in r.stdout:
+            return False, "timeout"
         if not spec.startswith("ctest:") and flt and "[==========] 0 tests from 0 test suites ran" in r.stdout:
             raise MutantError(f"the filter of {spec} selects no test")
         return r.returncode == 0, "failed"
@@ -249,25 +251,37 @@ def targets_of(m):
     return gtests
 
 
-def run_mutant(build, m, build_timeout):
+def run_mutant(build, m, build_timeout, deadline=None):
+    """Applies, builds, tests and restores one mutant. With a deadline (the budget's end),
+    no build or test runs past it: a mutant cut short by it has the status "budget"."""
     started = time.monotonic()
     result = {"mutant": m["mutant"], "file": m["file"], "killed": False, "killed_by": None}
     path = build.tree / m["file"]
     original = path.read_text() if path.is_file() else None
     mutated = apply(original, m) if original is not None else None
+
+    def bounded(limit):
+        return limit if deadline is None else min(limit, deadline - time.monotonic())
+
     if mutated is None:
         result["status"] = "stale"
     else:
         path.write_text(mutated)
         try:
-            ok, log = build.build(targets_of(m), build_timeout)
+            limit = bounded(build_timeout)
+            ok, log = build.build(targets_of(m), limit) if limit > 0 else (False, "build timed out")
             if not ok:
-                result["status"] = "build_failed"
+                cut = log == "build timed out" and limit < build_timeout
+                result["status"] = "budget" if cut else "build_failed"
                 result["log"] = log
             else:
                 result["status"] = "survived"
                 for spec in m["tests"]:
-                    passed, why = build.run_test(spec, m["timeout"])
+                    limit = bounded(m["timeout"])
+                    passed, why = build.run_test(spec, limit) if limit > 0 else (False, "timeout")
+                    if not passed and why == "timeout" and limit < m["timeout"]:
+                        result["status"] = "budget"
+                        break
                     if not passed:
                         result.update(killed=True, killed_by=spec + (" (timeout)" if why == "timeout" else ""),
                                       status="killed")
@@ -288,7 +302,8 @@ def main():
     mode.add_argument("--only", nargs="+", metavar="NAME", help="these mutants")
     mode.add_argument("--list", action="store_true", help="list the mutants and check that each applies")
     ap.add_argument("--base", help="with --changed: the commit to compare with (default: see default_base)")
-    ap.add_argument("--budget-s", type=float, default=0, help="stop starting mutants after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="run no mutant past this many seconds (one cut short counts as not run)")
     ap.add_argument("--scratch", default=str(ROOT / "build-mutants"), help="scratch directory")
     ap.add_argument("--cmake-arg", action="append", default=[], help="passed to cmake (repeatable)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
@@ -357,12 +372,15 @@ def main():
             continue
         try:
             prepared += build.ensure(targets_of(m))
-            r = run_mutant(build, m, build_timeout=1200)
+            r = run_mutant(build, m, build_timeout=1200, deadline=started + args.budget_s if args.budget_s else None)
         except MutantError as e:
             print(f"mutants: {m['mutant']}: {e}", file=sys.stderr)
             return 2
-        results.append(r)
         print(json.dumps({k: r[k] for k in ("mutant", "file", "killed", "killed_by", "seconds", "status")}), flush=True)
+        if r["status"] == "budget":
+            not_run.append(m["mutant"])  # cut short by the budget: neither killed nor survived
+            continue
+        results.append(r)
         if r["status"] == "build_failed":
             print(r["log"], file=sys.stderr)
 
