@@ -1,8 +1,9 @@
 // lockstep-bench --compare torch and torch-lockstep: torch.distributed with the gloo
 // backend or lockstep's (lockstep.torch), in processes of Debian's /usr/bin/python3
-// (python3-torch) running tools/bench/torch_worker.py, which the build embeds. They form their group on a file store, then time one size
-// each time the orchestrator asks, between lockstep's sizes, so that both sample the
-// same stretch of a shared machine and only one side holds its buffers at a time.
+// (python3-torch) running tools/bench/torch_worker.py, which the build embeds. They
+// form their group on a file store, then time one size each time the orchestrator asks,
+// between lockstep's sizes, so that both sample the same stretch of a shared machine and
+// only one side holds its buffers at a time.
 #include "bench_common.h"
 
 #include "subprocess.h"
@@ -19,10 +20,8 @@ namespace {
 // The lockstep Python package of the build tree this program belongs to (BUILD/python,
 // next to BUILD/bin), if there is one; an installed lockstep-bench finds the installed one.
 std::string build_tree_python() {
+  const auto dir = std::filesystem::path(self_path("lockstep-bench")).parent_path().parent_path() / "python";
   std::error_code ec;
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) return {};
-  const auto dir = exe.parent_path().parent_path() / "python";
   return std::filesystem::exists(dir / "lockstep" / "__init__.py", ec) ? dir.string() : std::string();
 }
 
