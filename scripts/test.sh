@@ -48,10 +48,10 @@ ctest --test-dir build --output-on-failure -j"$jobs" -LE testbed
 stamp "test-bed tests (one at a time: they measure rates)"
 ctest --test-dir build --output-on-failure -L testbed
 # The mutation suite (docs/testing.md): the mutants of the files changed since the last
-# landing, then a rotating sample of the others; nothing runs past 210 s (so that CI stays
+# landing, then a rotating sample of the others; nothing runs past 185 s (so that CI stays
 # under 45 minutes).
 stamp "mutants"
-./scripts/mutants.sh --changed --budget-s 210 "${main_flags[@]/#/--cmake-arg=}"
+./scripts/mutants.sh --changed --budget-s 185 "${main_flags[@]/#/--cmake-arg=}"
 
 sanitizer_flags=(-DLOCKSTEP_BUILD_PYTHON=OFF -DLOCKSTEP_BUILD_BENCH=OFF)
 if [ "$quick" = 0 ]; then
