@@ -31,7 +31,7 @@ extern "C" {
 #endif
 
 #define LOCKSTEP_VERSION_MAJOR 0
-#define LOCKSTEP_VERSION_MINOR 5
+#define LOCKSTEP_VERSION_MINOR 6
 #define LOCKSTEP_VERSION_PATCH 0
 #define LOCKSTEP_VERSION_HEX \
   ((LOCKSTEP_VERSION_MAJOR << 16) | (LOCKSTEP_VERSION_MINOR << 8) | LOCKSTEP_VERSION_PATCH)
@@ -230,6 +230,12 @@ typedef struct lockstep_master_config {
   uint32_t kv_keys_max;
   uint32_t kv_key_bytes_max;
   uint32_t kv_value_bytes_max;
+  /** Since 0.6. Semantics rule 2 bounded in time: a newcomer that has not reported its p2p
+   * connections this long after an update topology began connecting it is rejected, and
+   * the accepted peers' update topology fails with UPDATE_TOPOLOGY_FAILED so that they go
+   * on without it. 0 means the default (5000 ms); otherwise 100..3600000, else
+   * INVALID_ARGUMENT. */
+  uint32_t newcomer_timeout_ms;
 } lockstep_master_config_t;
 
 /** Fills the struct_size bytes of a config with the defaults (port 48148, all interfaces)

@@ -264,7 +264,8 @@ class Master:
                  peers_max: int = 0, secret_file: Optional[str] = None, handshake_timeout_ms: int = 0,
                  pending_handshakes_max: int = 0, http: Optional[str] = None,
                  http_token_file: Optional[str] = None, http_insecure: bool = False, kv_keys_max: int = 0,
-                 kv_key_bytes_max: int = 0, kv_value_bytes_max: int = 0) -> None:
+                 kv_key_bytes_max: int = 0, kv_value_bytes_max: int = 0,
+                 newcomer_timeout_ms: int = 0) -> None:
         """listen: "host:port" (port 0: ephemeral; empty host: all interfaces).
         heartbeat_timeout_ms: 0 means 5000 (range 100..3600000). vote_timeout_ms: 0 means
         off. peers_max: 0 means 1024. secret_file: the run secret (None: $LOCKSTEP_SECRET_FILE
@@ -273,7 +274,9 @@ class Master:
         /api/state and /metrics (None: off; port 0: ephemeral). http_token_file: the access
         token every HTTP request must carry (Authorization: Bearer TOKEN). http_insecure:
         allow a non-loopback http host without a token. kv_keys_max, kv_key_bytes_max,
-        kv_value_bytes_max: the key-value store's bounds (0: 4096, 256, 65536)."""
+        kv_value_bytes_max: the key-value store's bounds (0: 4096, 256, 65536).
+        newcomer_timeout_ms: how long a newcomer may hold an update topology before it is
+        rejected (0: 5000; range 100..3600000)."""
     def run(self) -> None:
         """Starts listening and serving on background threads; MasterConnectionFailedError
         if it cannot bind."""

@@ -64,13 +64,17 @@ class Master:
         kv_keys_max, kv_key_bytes_max, kv_value_bytes_max: bounds of the key-value store
             (keys held, bytes per key, bytes per value); 0 means 4096, 256 and 65536; at
             most 1048576, 1024 and 524288.
+        newcomer_timeout_ms: a newcomer that has not reported its p2p connections this
+            long after an update topology began connecting it is rejected, and the
+            accepted peers' update fails (UPDATE_TOPOLOGY_FAILED) so that they go on
+            without it; 0 means 5000 (range 100..3600000).
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", heartbeat_timeout_ms: int = 0, vote_timeout_ms: int = 0,
                  peers_max: int = 0, secret_file: Optional[str] = None, handshake_timeout_ms: int = 0,
                  pending_handshakes_max: int = 0, http: Optional[str] = None, http_token_file: Optional[str] = None,
                  http_insecure: bool = False, kv_keys_max: int = 0, kv_key_bytes_max: int = 0,
-                 kv_value_bytes_max: int = 0) -> None:
+                 kv_value_bytes_max: int = 0, newcomer_timeout_ms: int = 0) -> None:
         host, port = _split_address(listen, DEFAULT_MASTER_PORT, "listen")
         if secret_file is not None and not isinstance(secret_file, str):
             raise InvalidArgumentError("secret_file must be a str or None")
@@ -91,7 +95,8 @@ class Master:
             _check_uint("pending_handshakes_max", pending_handshakes_max, 32), http or "", http_token_file or "",
             bool(http_insecure), _check_uint("kv_keys_max", kv_keys_max, 32),
             _check_uint("kv_key_bytes_max", kv_key_bytes_max, 32),
-            _check_uint("kv_value_bytes_max", kv_value_bytes_max, 32))
+            _check_uint("kv_value_bytes_max", kv_value_bytes_max, 32),
+            _check_uint("newcomer_timeout_ms", newcomer_timeout_ms, 32))
         self._running = False
 
     def run(self) -> None:

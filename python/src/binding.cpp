@@ -158,7 +158,7 @@ class PyMaster {
            std::uint32_t vote_timeout_ms, std::uint32_t peers_max, const std::string& secret_file,
            std::uint32_t handshake_timeout_ms, std::uint32_t pending_handshakes_max, const std::string& http_listen,
            const std::string& http_token_file, bool http_insecure, std::uint32_t kv_keys_max,
-           std::uint32_t kv_key_bytes_max, std::uint32_t kv_value_bytes_max) {
+           std::uint32_t kv_key_bytes_max, std::uint32_t kv_value_bytes_max, std::uint32_t newcomer_timeout_ms) {
     lockstep_master_config_t config;
     check(lockstep_master_config_init(&config), nullptr);
     config.listen_host = host.c_str();
@@ -175,14 +175,15 @@ class PyMaster {
     config.kv_keys_max = kv_keys_max;
     config.kv_key_bytes_max = kv_key_bytes_max;
     config.kv_value_bytes_max = kv_value_bytes_max;
+    config.newcomer_timeout_ms = newcomer_timeout_ms;
     lockstep_master_t* master = nullptr;
     const int s = lockstep_master_create(&config, &master);
     if (s != LOCKSTEP_OK) {
       fail(s, s == LOCKSTEP_STATUS_INVALID_ARGUMENT
                   ? plain_message(s) + " (heartbeat_timeout_ms out of range, a bad listen address, an "
                                        "unreadable or too short secret file, a bad http address, an unreadable or "
-                                       "malformed token file, a non-loopback http address without a token, or a kv bound above its "
-                                       "maximum)"
+                                       "malformed token file, a non-loopback http address without a token, a kv bound above its "
+                                       "maximum, or newcomer_timeout_ms out of range)"
                   : plain_message(s));
     }
     master_ = master;
@@ -847,12 +848,12 @@ PYBIND11_MODULE(_lockstep, m) {
   py::class_<PyMaster>(m, "Master")
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::uint32_t, const std::string&,
                     std::uint32_t, std::uint32_t, const std::string&, const std::string&, bool, std::uint32_t,
-                    std::uint32_t, std::uint32_t>(),
+                    std::uint32_t, std::uint32_t, std::uint32_t>(),
            py::arg("host"), py::arg("port"), py::arg("heartbeat_timeout_ms"), py::arg("vote_timeout_ms"),
            py::arg("peers_max"), py::arg("secret_file") = "", py::arg("handshake_timeout_ms") = 0,
            py::arg("pending_handshakes_max") = 0, py::arg("http_listen") = "", py::arg("http_token_file") = "",
            py::arg("http_insecure") = false, py::arg("kv_keys_max") = 0, py::arg("kv_key_bytes_max") = 0,
-           py::arg("kv_value_bytes_max") = 0)
+           py::arg("kv_value_bytes_max") = 0, py::arg("newcomer_timeout_ms") = 0)
       .def("run", &PyMaster::run)
       .def("port", &PyMaster::port)
       .def("http_port", &PyMaster::http_port)

@@ -238,6 +238,17 @@ lockstep_status_t lockstep_master_create(const lockstep_master_config_t* caller_
                                          std::to_string(kKvKeysMaxLimit) + ", " + std::to_string(kKvKeyBytesMaxLimit) +
                                          ", " + std::to_string(kKvValueBytesMaxLimit) + ")"));
     }
+    if (config->newcomer_timeout_ms != 0) {
+      if (config->newcomer_timeout_ms < lockstep::limits::kNewcomerTimeoutMsMin ||
+          config->newcomer_timeout_ms > lockstep::limits::kNewcomerTimeoutMsMax) {
+        return refuse("lockstep_master_create",
+                      lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                                       "newcomer_timeout_ms is " + std::to_string(config->newcomer_timeout_ms) +
+                                           ", outside " + std::to_string(lockstep::limits::kNewcomerTimeoutMsMin) +
+                                           ".." + std::to_string(lockstep::limits::kNewcomerTimeoutMsMax)));
+      }
+      options.coordinator.newcomer_timeout_ms = config->newcomer_timeout_ms;
+    }
     if (config->kv_keys_max != 0) options.coordinator.kv.keys_max = config->kv_keys_max;
     if (config->kv_key_bytes_max != 0) options.coordinator.kv.key_bytes_max = config->kv_key_bytes_max;
     if (config->kv_value_bytes_max != 0) options.coordinator.kv.value_bytes_max = config->kv_value_bytes_max;

@@ -56,6 +56,11 @@ inline constexpr std::uint32_t kConnectTimeoutMsDefault = 10'000;
 // participants of a p2p establishment may take to report, the collectives (tags) in
 // flight per group, and how long a bandwidth measurement round may take.
 inline constexpr std::uint32_t kEstablishTimeoutMsDefault = 30'000;
+// How long a newcomer may hold an establishment before it is rejected (lockstep-master
+// --newcomer-timeout-ms), and the range a user may set.
+inline constexpr std::uint32_t kNewcomerTimeoutMsDefault = 5'000;
+inline constexpr std::uint32_t kNewcomerTimeoutMsMin = 100;
+inline constexpr std::uint32_t kNewcomerTimeoutMsMax = 3'600'000;
 inline constexpr std::uint32_t kCollectivesPerGroupMaxDefault = 4096;
 inline constexpr std::uint32_t kMeasureRoundTimeoutMsDefault = 30'000;
 // How long a peer waits for a p2p connection to a ring neighbour.

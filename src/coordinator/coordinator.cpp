@@ -337,17 +337,25 @@ void Coordinator::on_tick(TimeMs now_ms, Outbox& out) {
     kv_.on_tick(now_ms, replies);
     send_kv_replies(replies, out);
   }
-  // Participants of a p2p establishment that never report.
-  if (topology_phase_ == TopologyPhase::kEstablishing && now_ms - topology_started_ms_ >= config_.establish_timeout_ms) {
-    std::vector<PeerId> late;
+  // Participants of a p2p establishment that never report: a newcomer after
+  // newcomer_timeout_ms (it may hold the run no longer), an accepted peer after
+  // establish_timeout_ms.
+  if (topology_phase_ == TopologyPhase::kEstablishing) {
+    const TimeMs elapsed = now_ms - topology_started_ms_;
+    std::vector<std::pair<PeerId, std::uint32_t>> late;
     for (const auto& [id, peer] : peers_) {
-      if (peer.state == PeerState::kEstablishingP2P && !peer.p2p_reported) late.push_back(id);
+      if (peer.state != PeerState::kEstablishingP2P || peer.p2p_reported) continue;
+      const std::uint32_t limit = peer.phase == Phase::kRegistered
+                                      ? std::min(config_.newcomer_timeout_ms, config_.establish_timeout_ms)
+                                      : config_.establish_timeout_ms;
+      if (elapsed >= limit) late.emplace_back(id, limit);
     }
-    for (const auto& id : late) {
-      const Peer& peer = peers_.at(id);
-      const bool newcomer = peer.phase == Phase::kRegistered;
+    for (const auto& [id, limit] : late) {
+      const Peer* peer = find_peer(id);
+      if (peer == nullptr) continue;
+      const bool newcomer = peer->phase == Phase::kRegistered;
       remove_peer(id, newcomer ? LOCKSTEP_STATUS_REJECTED : LOCKSTEP_STATUS_KICKED,
-                  "did not report its p2p connections within " + std::to_string(config_.establish_timeout_ms) + " ms",
+                  "did not report its p2p connections within " + std::to_string(limit) + " ms",
                   /*connection_open=*/true, /*straggler=*/false, out);
     }
   }

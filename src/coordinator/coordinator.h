@@ -53,6 +53,10 @@ struct Config {
   // Participants of a p2p establishment that have not reported after this long are
   // blamed for the failure (a newcomer is rejected, an accepted peer removed).
   std::uint32_t establish_timeout_ms = limits::kEstablishTimeoutMsDefault;
+  // Semantics rule 2 bounded in time: a newcomer that has not reported its p2p
+  // connections this long after the establishment began is rejected (and the accepted
+  // peers' update topology fails), so that no newcomer holds a run for longer.
+  std::uint32_t newcomer_timeout_ms = limits::kNewcomerTimeoutMsDefault;
   std::uint32_t peers_max = limits::kPeersMaxDefault;
   std::uint32_t pending_handshakes_max = limits::kPendingHandshakesMax;
   // Collectives (tags) in flight per group; more initiate votes are refused.

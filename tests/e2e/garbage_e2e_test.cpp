@@ -14,6 +14,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <random>
+#include <thread>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -299,6 +300,93 @@ TEST_F(GarbageTest, ManyStrangersThatNeverSpeakDoNotBlockMembers) {
   }
   expect_run_works();
   for (int fd : fds) ::close(fd);
+}
+
+// Semantics rule 2 bounded in time (lockstep-master --newcomer-timeout-ms): a stranger
+// that registers with a p2p port that accepts connections but never answers (as a
+// firewall or a wrong port would), then only sends heartbeats, holds the members'
+// update topology no longer than the bound (not the 30 s establish timeout); it is
+// rejected, the update fails with UPDATE_TOPOLOGY_FAILED, and the next one goes on
+// without it.
+TEST(NewcomerBound, ARegisteredStrangerThatNeverConnectsHoldsTheUpdateOnlyForTheNewcomerTimeout) {
+  Master master({"--newcomer-timeout-ms", "2000"});
+  Peer a(master, "n0");
+  Peer b(master, "n1");
+  std::vector<Peer*> members;
+  admit(members, {&a, &b});
+  ASSERT_EQ(members.size(), 2u);
+
+  // A socket that listens and never accepts: connects succeed, the handshake gets no answer.
+  int silent = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(silent, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  ASSERT_EQ(::listen(silent, 16), 0);
+  socklen_t len = sizeof sa;
+  ASSERT_EQ(::getsockname(silent, reinterpret_cast<sockaddr*>(&sa), &len), 0);
+
+  int fd = connect_to(master.port());
+  ASSERT_GE(fd, 0);
+  proto::Hello h;
+  h.p2p_port = ntohs(sa.sin_port);
+  h.shared_state_port = h.p2p_port;
+  h.benchmark_port = h.p2p_port;
+  send_some(fd, proto::encode_frame(h));
+  // Heartbeats every 200 ms, so that silence is never why it goes; whatever the master
+  // sends is read and dropped; EOF ends the loop.
+  std::atomic<bool> stop{false};
+  std::atomic<bool> closed{false};
+  std::thread stranger([&] {
+    const auto heartbeat = proto::encode_frame(proto::Heartbeat{});
+    char buf[4096];
+    while (!stop.load()) {
+      send_some(fd, heartbeat);
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 200) > 0) {
+        const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+        if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) {
+          closed = true;
+          return;
+        }
+      }
+    }
+  });
+  // The members see it waiting (an are-peers-pending vote).
+  bool pending = false;
+  for (const auto deadline = std::chrono::steady_clock::now() + scaled(10s);
+       !pending && std::chrono::steady_clock::now() < deadline;) {
+    pending = call_all(members, "pending")[0].value("pending", false);
+  }
+  ASSERT_TRUE(pending) << "the stranger was never registered";
+
+  const auto started = std::chrono::steady_clock::now();
+  const auto updates = call_all(members, "update");
+  const auto took = std::chrono::steady_clock::now() - started;
+  for (const auto& r : updates) {
+    EXPECT_EQ(code(r), LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED) << r.dump();
+  }
+  // 2 s bound, 30 s establish timeout: 15 s tells them apart under any sanitizer.
+  EXPECT_LT(took, 15s) << "the stranger held the update for "
+                       << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms";
+  for (const auto deadline = std::chrono::steady_clock::now() + scaled(5s);
+       !closed.load() && std::chrono::steady_clock::now() < deadline;) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(closed.load()) << "the stranger was not rejected";
+  stop = true;
+  stranger.join();
+  ::close(fd);
+  ::close(silent);
+
+  for (const auto& r : call_all(members, "update")) {
+    ASSERT_EQ(code(r), 0) << r.dump();
+    EXPECT_EQ(r.value("world", 0), 2) << r.dump();
+  }
+  for (const auto& r : call_all(members, "agree 1")) {
+    ASSERT_EQ(code(r), 0) << r.dump();
+    EXPECT_TRUE(r["result"].get<bool>());
+  }
 }
 
 }  // namespace

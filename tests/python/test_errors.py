@@ -197,6 +197,10 @@ def test_master_lifecycle_and_errors():
         lockstep.Master("127.0.0.1:0", heartbeat_timeout_ms=1)
     with pytest.raises(lockstep.InvalidArgumentError):
         lockstep.Master("127.0.0.1:0", peers_max=-1)
+    for bad in (99, 3_600_001):
+        with pytest.raises(lockstep.InvalidArgumentError, match="newcomer_timeout_ms"):
+            lockstep.Master("127.0.0.1:0", newcomer_timeout_ms=bad)
+    lockstep.Master("127.0.0.1:0", newcomer_timeout_ms=100).close()
 
 
 def test_master_wait_returns_after_interrupt():

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <map>
 #include <set>
@@ -465,6 +466,38 @@ TEST(ChaosSchedule, PartitionsOnATestBedKeepTheStateAlive) {
   EXPECT_GT(partitions, 100u);
   EXPECT_GT(whole, 0u);
   EXPECT_LT(whole, partitions);
+}
+
+// Where both kinds are possible, the kind done fewer times so far comes next: a pair
+// partition (possible only while holders live on three hosts) is never left to chance.
+TEST(ChaosSchedule, AlternatesWholeHostAndPairPartitionsWhereBothArePossible) {
+  ScheduleConfig config = defaults();
+  config.partitions = true;
+  config.peers_min = 3;  // three active workers, none to kill, stop or spawn: every event partitions
+  config.peers_max = 3;
+  ScheduleState state;
+  state.started = true;
+  state.active = {"w1", "w2", "w3"};
+  state.holders = state.active;
+  state.hosts = {{"w1", 1}, {"w2", 2}, {"w3", 3}};
+  std::vector<std::uint32_t> hosts;
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> pairs;
+  partition_choices(state, &hosts, &pairs);
+  ASSERT_EQ(hosts.size(), 3u);
+  ASSERT_EQ(pairs.size(), 3u);
+  for (std::uint64_t seed = 1; seed <= 20; ++seed) {
+    ChaosSchedule schedule(config, seed);
+    std::int64_t whole = 0;
+    std::int64_t pair = 0;
+    for (std::int64_t now = 0; now < 40'000; now += 5) {
+      const Fault f = schedule.next(now, state);
+      if (f.kind == Kind::kNone) continue;
+      ASSERT_EQ(f.kind, Kind::kPartition);
+      ++(f.whole_host ? whole : pair);
+      ASSERT_LE(std::abs(whole - pair), 1) << "seed " << seed << " after " << whole + pair << " partitions";
+    }
+    EXPECT_GT(pair, 20) << "seed " << seed;
+  }
 }
 
 }  // namespace

@@ -641,7 +641,9 @@ TEST(CoordinatorP2P, AcceptedPeerThatCannotReachItsNeighbourIsKicked) {
 }
 
 TEST(CoordinatorP2P, EstablishTimeoutBlamesTheParticipantsThatNeverReported) {
-  Harness h;
+  Config config = test_config();
+  config.newcomer_timeout_ms = 60'000;  // above establish_timeout_ms: the smaller one holds for newcomers too
+  Harness h(config);
   const auto accepted = h.run_of(2);
   const FakePeer n = h.join(1);
   const FakePeer m = h.join(1);
@@ -673,6 +675,46 @@ TEST(CoordinatorP2P, EstablishTimeoutBlamesTheParticipantsThatNeverReported) {
   expect_topology_failed(out, accepted[0], LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
   expect_topology_failed(out, m, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
   EXPECT_EQ(h.c.ring(1), std::vector<PeerId>{accepted[0].id});
+}
+
+TEST(CoordinatorP2P, NewcomerThatNeverReportsIsRejectedAfterTheNewcomerTimeout) {
+  // A stranger that registers with p2p ports nobody listens on and then only sends
+  // heartbeats holds the update no longer than newcomer_timeout_ms; the accepted peers'
+  // update fails and the next one goes on without it.
+  Harness h;
+  const auto accepted = h.run_of(2);
+  const FakePeer n = h.join(1);
+  h.vote_topology(accepted);
+  const std::uint64_t epoch = h.c.epoch();
+  h.send(accepted[0], p::P2PReport{epoch, {}});
+  h.send(accepted[1], p::P2PReport{epoch, {}});
+  const TimeMs limit = h.c.config().newcomer_timeout_ms;
+  ASSERT_EQ(limit, limits::kNewcomerTimeoutMsDefault);
+  ASSERT_LT(limit, h.c.config().establish_timeout_ms);
+  h.now += limit - 1;
+  h.heartbeat({accepted[0], accepted[1], n});
+  Outbox out = h.tick();
+  EXPECT_EQ(send_count(out), 0u) << describe(out);
+  h.now += 1;
+  out = h.tick();
+  expect_goodbye(out, n, LOCKSTEP_STATUS_REJECTED);
+  for (const auto& f : accepted) expect_topology_failed(out, f, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+  EXPECT_TRUE(h.gone(n));
+  EXPECT_EQ(h.c.topology_phase(), TopologyPhase::kIdle);
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{accepted[0].id, accepted[1].id}));
+
+  // An accepted peer that has not reported by then is not blamed for it: it has
+  // establish_timeout_ms.
+  const FakePeer m = h.join(1);
+  h.vote_topology(accepted);
+  h.send(accepted[0], p::P2PReport{h.c.epoch(), {}});
+  h.send(m, p::P2PReport{h.c.epoch(), {}});
+  h.now += limit;
+  h.heartbeat({accepted[0], accepted[1], m});
+  out = h.tick();
+  EXPECT_EQ(send_count(out), 0u) << describe(out);
+  out = h.send(accepted[1], p::P2PReport{h.c.epoch(), {}});
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{accepted[0].id, accepted[1].id, m.id}));
 }
 
 // ---------------------------------------------------------------- disconnects

@@ -35,6 +35,7 @@ struct Settings {
   std::string listen = "0.0.0.0:48148";
   std::uint32_t heartbeat_timeout_ms = limits::kHeartbeatTimeoutMsDefault;
   std::uint32_t vote_timeout_ms = 0;
+  std::uint32_t newcomer_timeout_ms = limits::kNewcomerTimeoutMsDefault;
   std::uint32_t peers_max = limits::kPeersMaxDefault;
   std::uint32_t bandwidth_test_ms = 1000;
   std::uint32_t bandwidth_streams = 4;
@@ -89,6 +90,10 @@ void add_options(CLI::App& app, Settings& s, Kinds* kinds) {
       ->check(CLI::Range(limits::kHeartbeatTimeoutMsMin, limits::kHeartbeatTimeoutMsMax));
   integer("--vote-timeout-ms", s.vote_timeout_ms,
           "remove accepted peers that do not join an open vote within this time (0: off)");
+  integer("--newcomer-timeout-ms", s.newcomer_timeout_ms,
+          "reject a newcomer that has not reported its p2p connections this long after an update topology began "
+          "connecting it (the accepted peers' update then fails, and they go on without it)")
+      ->check(CLI::Range(limits::kNewcomerTimeoutMsMin, limits::kNewcomerTimeoutMsMax));
   integer("--bandwidth-test-ms", s.bandwidth_test_ms,
           "optimize topology: length of one bandwidth test (the first third is not counted)")
       ->check(CLI::Range(50u, 60'000u));
@@ -308,6 +313,7 @@ int main(int argc, char** argv) {
   options.listen_port = listen->second;
   options.coordinator.heartbeat_timeout_ms = settings.heartbeat_timeout_ms;
   options.coordinator.vote_timeout_ms = settings.vote_timeout_ms;
+  options.coordinator.newcomer_timeout_ms = settings.newcomer_timeout_ms;
   options.coordinator.peers_max = settings.peers_max;
   options.coordinator.bandwidth_test_ms = settings.bandwidth_test_ms;
   options.coordinator.bandwidth_streams_max = settings.bandwidth_streams;

@@ -107,7 +107,14 @@ Fault ChaosSchedule::partition(const ScheduleState& state) {
   partition_choices(state, &hosts, &pairs);
   Fault f;
   f.kind = Fault::Kind::kPartition;
-  const bool whole = !hosts.empty() && (pairs.empty() || uniform(0, 1) == 0);
+  // Where both kinds are possible, the one done fewer times so far (a coin where equal):
+  // a pair partition becomes possible only once holders live on three hosts, which may
+  // be rare in a short run, and then it should not be missed.
+  bool whole = !hosts.empty();
+  if (whole && !pairs.empty()) {
+    whole = whole_partitions_ == pair_partitions_ ? uniform(0, 1) == 0 : whole_partitions_ < pair_partitions_;
+  }
+  ++(whole ? whole_partitions_ : pair_partitions_);
   if (whole) {
     f.whole_host = true;
     f.a = hosts[static_cast<std::size_t>(uniform(0, static_cast<std::int64_t>(hosts.size()) - 1))];

@@ -98,6 +98,8 @@ class ChaosSchedule {
   std::optional<std::int64_t> next_event_ms_;
   std::uint64_t events_ = 0;
   std::uint64_t stops_ = 0;
+  std::uint64_t whole_partitions_ = 0;
+  std::uint64_t pair_partitions_ = 0;
 };
 
 }  // namespace lockstep::soak
