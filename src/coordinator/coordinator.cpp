@@ -692,14 +692,26 @@ bool Coordinator::try_start_collectives(Outbox& out) {
   bool changed = false;
   for (auto g = collectives_.begin(); g != collectives_.end();) {
     const std::uint32_t group = g->first;
-    const std::vector<PeerId> members = ring(group);
+    const auto ring_of_group = rings_.find(group);
+    if (ring_of_group == rings_.end() || ring_of_group->second.empty()) {
+      ++g;
+      continue;
+    }
+    // Called on every event: a collective is looked at member by member only once it
+    // has as many votes as the group has members (a round costs O(members), not
+    // O(members^2)).
     std::vector<std::uint64_t> ready;
     for (const auto& [tag, c] : g->second) {
-      if (c.phase != Collective::Phase::kVoting || members.empty()) continue;
+      if (c.phase != Collective::Phase::kVoting || c.votes.size() < ring_of_group->second.size()) continue;
       bool all = true;
-      for (const auto& id : members) all = all && c.votes.count(id) != 0;
+      for (const auto& id : ring_of_group->second) all = all && c.votes.count(id) != 0;
       if (all) ready.push_back(tag);
     }
+    if (ready.empty()) {
+      ++g;
+      continue;
+    }
+    const std::vector<PeerId> members = ring_of_group->second;
     ++g;  // the group may be erased below
     for (const auto tag : ready) {
       changed = true;

@@ -71,7 +71,7 @@ Bytes random_elements(std::size_t count, lockstep_dtype_t dtype, std::mt19937& r
     std::uint8_t* p = out.data() + i * esize(dtype);
     switch (dtype) {
       case LOCKSTEP_F32: { const float v = real(rng); std::memcpy(p, &v, 4); break; }
-      case LOCKSTEP_F64: { const double v = real(rng); std::memcpy(p, &v, 8); break; }
+      case LOCKSTEP_F64: { const double v = static_cast<double>(real(rng)); std::memcpy(p, &v, 8); break; }
       case LOCKSTEP_F16:
       case LOCKSTEP_BF16: {
         // Exactly representable small values in either 16-bit format: sign, exponent 2^k, top mantissa bits zero.

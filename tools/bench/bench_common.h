@@ -110,6 +110,15 @@ struct DdpSettings {
   int threads = 1;  // torch's threads per process
 };
 int run_ddp(const DdpSettings& d);
+
+// lockstep-bench control (control_bench.cpp): the master's vote rounds with N simulated peers.
+struct ControlSettings {
+  std::vector<int> peers = {16, 64, 256};
+  int rounds = 20;
+  int tags = 8;  // collectives in flight at once
+  std::string self;
+};
+int run_control(const ControlSettings& c);
 int worker_sync(const Settings& s);  // sync_bench.cpp
 
 // Shared by the benchmarks.

@@ -135,6 +135,15 @@ int main(int argc, char** argv) {
   ddp->add_option("--batch", ddp_settings.batch, "sequences per peer and step")->check(CLI::Range(1, 1 << 16));
   ddp->add_option("--threads", ddp_settings.threads, "torch's threads per process")->check(CLI::Range(1, 1024));
 
+  lockstep::bench::ControlSettings control_settings;
+  auto* control = app.add_subcommand(
+      "control", "the master's control plane: vote latency, CPU and memory per peer, with N simulated peers");
+  control->add_option("--peers", control_settings.peers, "simulated peers, comma-separated (one master each)")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 16384));
+  control->add_option("--rounds", control_settings.rounds, "rounds of each kind")->check(CLI::Range(1, 100000));
+  control->add_option("--tags", control_settings.tags, "collectives in flight at once")->check(CLI::Range(1, 4096));
+
   auto* worker = app.add_subcommand("worker", "(internal) one peer of a benchmark");
   worker->group("");
   worker->add_option("--mode", s.mode)->required();
@@ -160,6 +169,10 @@ int main(int argc, char** argv) {
   worker->add_flag("--paced", s.paced);
   CLI11_PARSE(app, argc, argv);
 
+  if (*control) {
+    control_settings.self = lockstep::bench::self_path(argv[0]);
+    return lockstep::bench::run_control(control_settings);
+  }
   if (*hash) {
     auto hash_parsed = lockstep::bench::parse_sizes(hash_sizes);
     auto threads_parsed = lockstep::bench::parse_thread_counts(hash_threads);
