@@ -23,6 +23,7 @@
 #include <optional>
 #include <pthread.h>
 #include <random>
+#include <sys/resource.h>
 #include <string>
 #include <vector>
 
@@ -305,6 +306,20 @@ int main(int argc, char** argv) {
     lockstep::log::Level level{};
     lockstep::log::parse_level(settings.log_level, &level);
     lockstep::log::set_level(level);
+  }
+  // One connection per peer: --peers-max can exceed the default limit of open files
+  // (1024 soft on most systems). The soft limit goes up to the hard one, and says so.
+  if (rlimit files{}; ::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    const rlim_t before = files.rlim_cur;
+    files.rlim_cur = files.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &files) == 0) {
+      LOG_INFO("master", "open-files limit raised from " << before << " to " << files.rlim_cur);
+    }
+  }
+  if (rlimit files{}; ::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < settings.peers_max + 64ull) {
+    LOG_WARN("master", "the open-files limit (" << files.rlim_cur << ") is below --peers-max (" << settings.peers_max
+                                                << ") plus room for the master's own files: connections beyond it "
+                                                   "cannot be accepted; raise it (ulimit -n) or lower --peers-max");
   }
   const auto listen = split_host_port(settings.listen);
   if (!listen) return fail(origin("listen") + ": must be HOST:PORT with a port in 0..65535, got '" + settings.listen + "'");
