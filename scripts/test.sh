@@ -53,7 +53,11 @@ ctest --test-dir build --output-on-failure -L testbed
 stamp "mutants"
 ./scripts/mutants.sh --changed --budget-s 185 "${main_flags[@]/#/--cmake-arg=}"
 
-sanitizer_flags=(-DLOCKSTEP_BUILD_PYTHON=OFF -DLOCKSTEP_BUILD_BENCH=OFF)
+# Line tables only (-g1): sanitizer reports keep their file:line stacks, and the builds
+# take less time than with full debug information (compiling one Asio-heavy file under
+# ASan+UBSan: 17.5 s against 20.6 s, objects 15 % smaller, links faster).
+sanitizer_flags=(-DLOCKSTEP_BUILD_PYTHON=OFF -DLOCKSTEP_BUILD_BENCH=OFF -DCMAKE_C_FLAGS_DEBUG=-g1
+  -DCMAKE_CXX_FLAGS_DEBUG=-g1)
 if [ "$quick" = 0 ]; then
   stamp "ASan+UBSan build"
   cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DLOCKSTEP_WERROR=ON -DLOCKSTEP_SANITIZE_ADDRESS=ON \
@@ -68,7 +72,8 @@ if [ "$quick" = 0 ]; then
   # directory of their own; each runs LOCKSTEP_FUZZ_SECONDS (default 20) over its corpus.
   stamp "fuzz build (Clang, libFuzzer + ASan + UBSan)"
   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOCKSTEP_WERROR=ON -DLOCKSTEP_BUILD_FUZZERS=ON -DLOCKSTEP_SANITIZE_ADDRESS=ON \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" \
+    "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" -DLOCKSTEP_WERROR=ON -DLOCKSTEP_BUILD_FUZZERS=ON -DLOCKSTEP_SANITIZE_ADDRESS=ON \
     -DLOCKSTEP_SANITIZE_UNDEFINED=ON -DLOCKSTEP_BUILD_TESTS=OFF -DLOCKSTEP_BUILD_TOOLS=OFF \
     -DLOCKSTEP_BUILD_TESTBED=OFF -DLOCKSTEP_BUILD_BENCH=OFF >/dev/null
   cmake --build build-fuzz -j"$jobs" --target lockstep_fuzzers

@@ -634,6 +634,9 @@ lockstep_status_t lockstep_comm_get_slot_bytes(const lockstep_comm_t* comm, uint
 }
 
 namespace {
+// C++ linkage for the helpers below (check_info_size returns a class): this block lies
+// inside extern "C".
+extern "C++" {
 
 bool valid_descriptor(const lockstep_reduce_desc_t& d) {
   return raw(d.dtype) >= LOCKSTEP_U8 && raw(d.dtype) <= LOCKSTEP_F64 && raw(d.op) >= LOCKSTEP_SUM &&
@@ -666,7 +669,6 @@ lockstep_status_t refuse_quietly(const char* function, const lockstep::Status& s
 }
 
 // ---- the collectives since 0.4: each struct's first version is whole (no shorter size).
-extern "C++" {
 bool valid_dtype(const lockstep_dtype_t& d) { return raw(d) >= LOCKSTEP_U8 && raw(d) <= LOCKSTEP_F64; }
 
 lockstep::Result<lockstep::peer::ReduceDescriptor> to_descriptor(const lockstep_reduce_desc_t& d) {

@@ -61,9 +61,9 @@ void store(void* buf, lockstep_dtype_t t, std::size_t i, double v) {
 
 double load_float(const void* buf, lockstep_dtype_t t, std::size_t i) {
   switch (t) {
-    case LOCKSTEP_F16: return coll::f16_to_f32(static_cast<const std::uint16_t*>(buf)[i]);
-    case LOCKSTEP_BF16: return coll::bf16_to_f32(static_cast<const std::uint16_t*>(buf)[i]);
-    case LOCKSTEP_F32: return static_cast<const float*>(buf)[i];
+    case LOCKSTEP_F16: return static_cast<double>(coll::f16_to_f32(static_cast<const std::uint16_t*>(buf)[i]));
+    case LOCKSTEP_BF16: return static_cast<double>(coll::bf16_to_f32(static_cast<const std::uint16_t*>(buf)[i]));
+    case LOCKSTEP_F32: return static_cast<double>(static_cast<const float*>(buf)[i]);
     default: return static_cast<const double*>(buf)[i];
   }
 }

@@ -608,7 +608,8 @@ class ReduceMatrix
     : public ::testing::TestWithParam<std::tuple<lockstep_dtype_t, lockstep_reduce_op_t>> {};
 
 TEST_P(ReduceMatrix, MatchesReference) {
-  const auto [dtype, op] = GetParam();
+  const lockstep_dtype_t dtype = std::get<0>(GetParam());
+  const lockstep_reduce_op_t op = std::get<1>(GetParam());  // a plain variable: lambdas capture it
   with_traits(dtype, [&]<typename Tr>() { check_op<Tr>(op); });
 }
 
