@@ -48,10 +48,10 @@ ctest --test-dir build --output-on-failure -j"$jobs" -LE testbed
 stamp "test-bed tests (one at a time: they measure rates)"
 ctest --test-dir build --output-on-failure -L testbed
 # The mutation suite (docs/testing.md): the mutants of the files changed since the last
-# landing, then a rotating sample of the others; nothing runs past 185 s (so that CI stays
+# landing, then a rotating sample of the others; nothing runs past 150 s (so that CI stays
 # under 45 minutes).
 stamp "mutants"
-./scripts/mutants.sh --changed --budget-s 185 "${main_flags[@]/#/--cmake-arg=}"
+./scripts/mutants.sh --changed --budget-s 150 "${main_flags[@]/#/--cmake-arg=}"
 
 # Line tables only (-g1): sanitizer reports keep their file:line stacks, and the builds
 # take less time than with full debug information (compiling one Asio-heavy file under

@@ -26,7 +26,7 @@ std::string env(const char* name, const std::string& fallback) {
 TEST(Soak, ChaosKeepsParityOneOutcomeAndProgress) {
   const bool sanitized = kTimeScale > 1;
   const std::string testbed = env("LOCKSTEP_SOAK_TESTBED", "");
-  const std::string seconds = env("LOCKSTEP_SOAK_SECONDS", sanitized ? "60" : "150");
+  const std::string seconds = env("LOCKSTEP_SOAK_SECONDS", sanitized ? "45" : "120");
   const std::string seed = env("LOCKSTEP_SOAK_SEED", "0");  // 0: a random seed, printed
   const std::string pccl_workers = env("LOCKSTEP_SOAK_PCCL_WORKERS", "2");
   const std::string log_dir = std::string(LOCKSTEP_SOAK_LOG_ROOT) + "/run-" + std::to_string(::getpid());
