@@ -19,7 +19,6 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
-#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -290,11 +289,10 @@ std::optional<json> admit_all(Swarm& swarm, int n) {
   const std::size_t newcomers = static_cast<std::size_t>(n) - accepted;
   // The accepted vote; every participant (newcomers too) gets EstablishP2P, reports, and
   // gets the result.
-  Clock::time_point last_vote;
   for (auto& p : peers) {
     if (p.accepted && !swarm.send(p, proto::VoteUpdateTopology{})) return std::nullopt;
   }
-  last_vote = Clock::now();
+  const Clock::time_point last_vote = Clock::now();
   Clock::time_point last_establish = last_vote;
   if (!swarm.await_each<proto::EstablishP2P>(
           [&](SimPeer& p, const proto::EstablishP2P& e, Clock::time_point at) {
