@@ -170,11 +170,17 @@ typedef enum lockstep_reduce_op {
   LOCKSTEP_MIN = 4
 } lockstep_reduce_op_t;
 
-/** Quantization on the wire (floating-point dtypes only). */
+/** Quantization on the wire (floating-point dtypes only; docs/collectives.md has each
+ * code's error bound). The 4-bit codes and the casts are since 0.7 and need a master of
+ * 0.7 or later. */
 typedef enum lockstep_quantization {
   LOCKSTEP_QUANT_NONE = 0,
-  LOCKSTEP_QUANT_MINMAX_U8 = 1,    /**< min and (max-min)/255 per chunk, 8-bit codes */
-  LOCKSTEP_QUANT_ZERO_POINT_U8 = 2 /**< scale and zero point per chunk, 8-bit codes */
+  LOCKSTEP_QUANT_MINMAX_U8 = 1,     /**< min and (max-min)/255 per chunk, 8-bit codes */
+  LOCKSTEP_QUANT_ZERO_POINT_U8 = 2, /**< scale and zero point per chunk, 8-bit codes */
+  LOCKSTEP_QUANT_MINMAX_U4 = 3,     /**< min and (max-min)/15 per chunk, 4-bit codes (two a byte) */
+  LOCKSTEP_QUANT_ZERO_POINT_U4 = 4, /**< scale and zero point per chunk, 4-bit codes (two a byte) */
+  LOCKSTEP_QUANT_CAST_F16 = 5,      /**< each element as an IEEE half (f32 and f64 dtypes only) */
+  LOCKSTEP_QUANT_CAST_BF16 = 6      /**< each element as a bfloat16 (f32 and f64 dtypes only) */
 } lockstep_quantization_t;
 
 /* ---------------------------------------------------------------- master */

@@ -87,12 +87,17 @@ class ReduceOp(enum.IntEnum):
     MIN = 4
 
 class Quantization(enum.IntEnum):
-    """8-bit quantization on the wire (floating-point dtypes only); also accepted as
-    None / "none", "minmax", "zeropoint"."""
+    """Quantization on the wire (floating-point dtypes only): 8-bit or 4-bit codes, or a
+    cast to float16/bfloat16 (float32 and float64 data only); also accepted as
+    None / "none", "minmax", "zeropoint", "minmax4", "zeropoint4", "f16", "bf16"."""
 
     NONE = 0
     MINMAX = 1
     ZEROPOINT = 2
+    MINMAX4 = 3
+    ZEROPOINT4 = 4
+    F16 = 5
+    BF16 = 6
 
 class SyncStrategy(enum.IntEnum):
     """Shared-state strategies; also accepted as "enforce_popular", "receive_only", "send_only"."""

@@ -43,11 +43,17 @@ class ReduceOp(enum.IntEnum):
 
 
 class Quantization(enum.IntEnum):
-    """Quantization on the wire (floating-point dtypes only)."""
+    """Quantization on the wire (floating-point dtypes only): 8-bit or 4-bit codes with
+    min-max or zero-point/scale parameters per chunk, or a cast of each element to
+    float16 or bfloat16 (float32 and float64 data only)."""
 
     NONE = 0
     MINMAX = 1
     ZEROPOINT = 2
+    MINMAX4 = 3
+    ZEROPOINT4 = 4
+    F16 = 5
+    BF16 = 6
 
 
 class SyncStrategy(enum.IntEnum):
@@ -88,7 +94,11 @@ def _parse_quantization(q: Union[None, str, int, Quantization]) -> int:
     if isinstance(q, str):
         name = q.strip().upper().replace("-", "").replace("_", "")
         aliases = {"NONE": Quantization.NONE, "MINMAX": Quantization.MINMAX, "MINMAXU8": Quantization.MINMAX,
-                   "ZEROPOINT": Quantization.ZEROPOINT, "ZEROPOINTU8": Quantization.ZEROPOINT}
+                   "ZEROPOINT": Quantization.ZEROPOINT, "ZEROPOINTU8": Quantization.ZEROPOINT,
+                   "MINMAX4": Quantization.MINMAX4, "MINMAXU4": Quantization.MINMAX4,
+                   "ZEROPOINT4": Quantization.ZEROPOINT4, "ZEROPOINTU4": Quantization.ZEROPOINT4,
+                   "F16": Quantization.F16, "FLOAT16": Quantization.F16, "HALF": Quantization.F16,
+                   "BF16": Quantization.BF16, "BFLOAT16": Quantization.BF16}
         if name in aliases:
             return aliases[name]
     elif isinstance(q, int) and not isinstance(q, bool):
@@ -96,7 +106,8 @@ def _parse_quantization(q: Union[None, str, int, Quantization]) -> int:
             return Quantization(q)
         except ValueError:
             pass
-    raise InvalidArgumentError(f"unknown quantization {q!r}: use None, 'minmax', 'zeropoint' or lockstep.Quantization")
+    raise InvalidArgumentError(f"unknown quantization {q!r}: use None, 'minmax', 'zeropoint', "
+                               "'minmax4', 'zeropoint4', 'f16', 'bf16' or lockstep.Quantization")
 
 
 def _parse_strategy(strategy: Union[str, int, SyncStrategy]) -> int:

@@ -641,7 +641,7 @@ extern "C++" {
 bool valid_descriptor(const lockstep_reduce_desc_t& d) {
   return raw(d.dtype) >= LOCKSTEP_U8 && raw(d.dtype) <= LOCKSTEP_F64 && raw(d.op) >= LOCKSTEP_SUM &&
          raw(d.op) <= LOCKSTEP_MIN && raw(d.quantization) >= LOCKSTEP_QUANT_NONE &&
-         raw(d.quantization) <= LOCKSTEP_QUANT_ZERO_POINT_U8;
+         raw(d.quantization) <= LOCKSTEP_QUANT_CAST_BF16;
 }
 
 // Writes an all-reduce's info into the caller's struct of info_size bytes (if any).

@@ -1,10 +1,11 @@
-// 8-bit chunk quantization (see quantize.h for the format, the error bound and the
-// determinism rule). Compiled with -ffp-contract=off and without -ffast-math: the
+// Chunk quantization: 8-bit and 4-bit codes, 16-bit casts (see quantize.h for the
+// formats, the error bounds and the determinism rule). Compiled with -ffp-contract=off and without -ffast-math: the
 // decoder's "min + code * scale" must not become a fused multiply-add on some builds.
 #include "collectives/quantize.h"
 
 #include "kernels/reduce.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -143,31 +144,88 @@ template <typename E>
 }
 
 // ---------------------------------------------------------------- encode
-// v = (x - off) * mul + add, clamped to [0, 255], truncated: with add = 0.5 that is
+// v = (x - off) * mul + add, clamped to [0, top], truncated: with add = 0.5 that is
 // round-half-up of (x - off) * mul. kDivide divides by `scale` instead of multiplying
 // by its reciprocal (for a subnormal f64 scale, whose reciprocal overflows).
 
 template <typename E, bool kDivide>
 [[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void encode(const typename E::Storage* __restrict src,
                                                      std::size_t n, std::uint8_t* __restrict out,
-                                                     double off, double mul_or_scale, double add) {
+                                                     double off, double mul_or_scale, double add,
+                                                     double top) {
   for (std::size_t i = 0; i < n; ++i) {
     const double x = static_cast<double>(E::load(src[i])) - off;
     double v = (kDivide ? x / mul_or_scale : x * mul_or_scale) + add;
     v = v < 0.0 ? 0.0 : v;
-    v = v > 255.0 ? 255.0 : v;
+    v = v > top ? top : v;
     out[i] = static_cast<std::uint8_t>(static_cast<std::int32_t>(v));
   }
 }
+
+bool four_bit(lockstep_quantization_t q) {
+  return q == LOCKSTEP_QUANT_MINMAX_U4 || q == LOCKSTEP_QUANT_ZERO_POINT_U4;
+}
+bool minmax(lockstep_quantization_t q) { return q == LOCKSTEP_QUANT_MINMAX_U8 || q == LOCKSTEP_QUANT_MINMAX_U4; }
+bool code_kind(lockstep_quantization_t q) {
+  return q == LOCKSTEP_QUANT_MINMAX_U8 || q == LOCKSTEP_QUANT_ZERO_POINT_U8 || four_bit(q);
+}
+bool cast_kind(lockstep_quantization_t q) { return q == LOCKSTEP_QUANT_CAST_F16 || q == LOCKSTEP_QUANT_CAST_BF16; }
+// The largest code.
+double top_code(lockstep_quantization_t q) { return four_bit(q) ? 15.0 : 255.0; }
+
+// 4-bit codes go through blocks of one-byte codes on the stack: kBlock is even, so a
+// block starts on a whole byte of the packed codes.
+constexpr std::size_t kBlock = 2048;
+
+void pack_nibbles(const std::uint8_t* __restrict codes, std::size_t n, std::uint8_t* __restrict out) {
+  std::size_t i = 0;
+  for (; i + 2 <= n; i += 2) out[i / 2] = static_cast<std::uint8_t>(codes[i] | (codes[i + 1] << 4));
+  if (i < n) out[i / 2] = codes[i];
+}
+void unpack_nibbles(const std::uint8_t* __restrict in, std::size_t n, std::uint8_t* __restrict codes) {
+  std::size_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    codes[i] = in[i / 2] & 0x0f;
+    codes[i + 1] = static_cast<std::uint8_t>(in[i / 2] >> 4);
+  }
+  if (i < n) codes[i] = in[i / 2] & 0x0f;
+}
+
+// Codes of n elements into `codes`: one byte each, or packed two a byte.
+template <typename E>
+void encode_codes(const typename E::Storage* src, std::size_t n, std::uint8_t* codes, bool divide, double off,
+                  double mul, double add, double top, bool packed) {
+  auto one = [&](const typename E::Storage* s, std::size_t m, std::uint8_t* out) {
+    if (divide) {
+      encode<E, true>(s, m, out, off, mul, add, top);
+    } else {
+      encode<E, false>(s, m, out, off, mul, add, top);
+    }
+  };
+  if (!packed) {
+    one(src, n, codes);
+    return;
+  }
+  std::uint8_t block[kBlock];
+  for (std::size_t at = 0; at < n; at += kBlock) {
+    const std::size_t m = std::min(kBlock, n - at);
+    one(src + at, m, block);
+    pack_nibbles(block, m, codes + at / 2);
+  }
+}
+
+std::size_t code_bytes(std::size_t n, lockstep_quantization_t q) { return four_bit(q) ? (n + 1) / 2 : n; }
 
 template <typename E>
 void quantize_chunk(const typename E::Storage* src, std::size_t n, lockstep_quantization_t quant,
                     std::uint8_t* out) {
   std::uint8_t* codes = out + kQuantHeaderBytes;
+  const std::size_t ncode = code_bytes(n, quant);
+  const double top = top_code(quant);
   const Range r = n == 0 ? Range{} : scan<E>(src, n);
   double lo = r.lo;
   double hi = r.hi;
-  if (quant == LOCKSTEP_QUANT_ZERO_POINT_U8) {
+  if (!minmax(quant)) {
     lo = lo < 0.0 ? lo : 0.0;
     hi = hi > 0.0 ? hi : 0.0;
   }
@@ -175,39 +233,53 @@ void quantize_chunk(const typename E::Storage* src, std::size_t n, lockstep_quan
   if (r.non_finite || !std::isfinite(range)) {
     put_f64(out, kNaN);
     put_f64(out + 8, kNaN);
-    if (n > 0) std::memset(codes, 0, n);
+    if (ncode > 0) std::memset(codes, 0, ncode);
     return;
   }
-  const double scale = range / 255.0;
+  const double scale = range / top;
   if (scale == 0.0) {
     // All values equal (MINMAX) or all zero (ZERO_POINT): every code is 0.
-    put_f64(out, quant == LOCKSTEP_QUANT_MINMAX_U8 ? lo : 0.0);
+    put_f64(out, minmax(quant) ? lo : 0.0);
     put_f64(out + 8, 0.0);
-    if (n > 0) std::memset(codes, 0, n);
+    if (ncode > 0) std::memset(codes, 0, ncode);
     return;
   }
   // Below 2^-1000 the reciprocal could overflow: divide instead.
   const bool divide = scale < 0x1p-1000;
   const double mul = divide ? scale : 1.0 / scale;
-  if (quant == LOCKSTEP_QUANT_MINMAX_U8) {
+  if (minmax(quant)) {
     put_f64(out, lo);
     put_f64(out + 8, scale);
-    if (divide) {
-      encode<E, true>(src, n, codes, lo, mul, 0.5);
-    } else {
-      encode<E, false>(src, n, codes, lo, mul, 0.5);
-    }
+    encode_codes<E>(src, n, codes, divide, lo, mul, 0.5, top, four_bit(quant));
   } else {
-    // -lo / scale is in [0, 255]: the zero point is a valid code.
+    // -lo / scale is in [0, top]: the zero point is a valid code.
     double zp = std::floor(-lo / scale + 0.5);
-    zp = zp < 0.0 ? 0.0 : (zp > 255.0 ? 255.0 : zp);
+    zp = zp < 0.0 ? 0.0 : (zp > top ? top : zp);
     put_f64(out, scale);
     put_f64(out + 8, zp);
-    if (divide) {
-      encode<E, true>(src, n, codes, 0.0, mul, zp + 0.5);
-    } else {
-      encode<E, false>(src, n, codes, 0.0, mul, zp + 0.5);
-    }
+    encode_codes<E>(src, n, codes, divide, 0.0, mul, zp + 0.5, top, four_bit(quant));
+  }
+}
+
+// Casts: 16-bit values, little-endian. Only f32 and f64 are cast (quantization_supported).
+template <typename E>
+void cast_chunk(const typename E::Storage* src, std::size_t n, lockstep_quantization_t quant, std::uint8_t* out) {
+  const bool half = quant == LOCKSTEP_QUANT_CAST_F16;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double x = static_cast<double>(E::load(src[i]));
+    const std::uint16_t v = half ? f64_to_f16(x) : f64_to_bf16(x);
+    out[2 * i] = static_cast<std::uint8_t>(v);
+    out[2 * i + 1] = static_cast<std::uint8_t>(v >> 8);
+  }
+}
+
+template <typename E>
+[[LOCKSTEP_KERNEL_CLONES gnu::noinline]] void uncast(const std::uint8_t* __restrict in, std::size_t n,
+                                                     typename E::Storage* __restrict dst, bool half) {
+  using S = typename E::Storage;
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto v = static_cast<std::uint16_t>(in[2 * i] | (in[2 * i + 1] << 8));
+    dst[i] = static_cast<S>(half ? f16_to_f32(v) : bf16_to_f32(v));
   }
 }
 
@@ -238,13 +310,13 @@ void fill(typename E::Storage* dst, std::size_t n, double v) {
   for (std::size_t i = 0; i < n; ++i) dst[i] = s;
 }
 
-// Decodes n codes with the given header parameters.
+// Decodes n one-byte codes with the given header parameters.
 template <typename E>
-void decode_chunk(const std::uint8_t* codes, std::size_t n, lockstep_quantization_t quant,
-                  const QuantParams& p, typename E::Storage* dst) {
+void decode_codes(const std::uint8_t* codes, std::size_t n, lockstep_quantization_t quant, const QuantParams& p,
+                  typename E::Storage* dst) {
   if (p.non_finite()) {
     fill<E>(dst, n, kNaN);
-  } else if (quant == LOCKSTEP_QUANT_MINMAX_U8) {
+  } else if (minmax(quant)) {
     if (p.p1 == 0.0) {
       fill<E>(dst, n, p.p0);  // all equal: exactly min, bit for bit
     } else {
@@ -255,53 +327,76 @@ void decode_chunk(const std::uint8_t* codes, std::size_t n, lockstep_quantizatio
   }
 }
 
-bool quant_valid(lockstep_quantization_t quant) {
-  return quant == LOCKSTEP_QUANT_MINMAX_U8 || quant == LOCKSTEP_QUANT_ZERO_POINT_U8;
+// Decodes elements [at, at + n) of the encoded chunk `in` (its header included); `at`
+// is even where the codes are 4-bit.
+template <typename E>
+void decode_range(const std::uint8_t* in, std::size_t at, std::size_t n, lockstep_quantization_t quant,
+                  typename E::Storage* dst) {
+  if (cast_kind(quant)) {
+    uncast<E>(in + 2 * at, n, dst, quant == LOCKSTEP_QUANT_CAST_F16);
+    return;
+  }
+  const QuantParams p = read_quant_params(in);
+  const std::uint8_t* codes = in + kQuantHeaderBytes;
+  if (!four_bit(quant)) {
+    decode_codes<E>(codes + at, n, quant, p, dst);
+    return;
+  }
+  std::uint8_t block[kBlock];
+  for (std::size_t off = 0; off < n; off += kBlock) {
+    const std::size_t m = std::min(kBlock, n - off);
+    unpack_nibbles(codes + (at + off) / 2, m, block);
+    decode_codes<E>(block, m, quant, p, dst + off);
+  }
 }
 
 }  // namespace
 
 bool quantization_supported(lockstep_dtype_t dtype, lockstep_quantization_t quant) {
-  return quant_valid(quant) && is_float(dtype);
+  if (cast_kind(quant)) return dtype == LOCKSTEP_F32 || dtype == LOCKSTEP_F64;
+  return code_kind(quant) && is_float(dtype);
 }
 
+bool quantization_has_header(lockstep_quantization_t quant) { return code_kind(quant); }
+
 std::size_t quantized_bytes(std::size_t count, lockstep_quantization_t quant) {
-  return quant_valid(quant) ? kQuantHeaderBytes + count : 0;
+  if (cast_kind(quant)) return 2 * count;
+  return code_kind(quant) ? kQuantHeaderBytes + code_bytes(count, quant) : 0;
 }
 
 void quantize(const void* src, std::size_t count, lockstep_dtype_t dtype,
               lockstep_quantization_t quant, std::uint8_t* out) {
-  if (!quant_valid(quant)) return;
+  if (!quantization_supported(dtype, quant)) return;
   with_qdtype(dtype, [&]<typename E>() {
-    quantize_chunk<E>(static_cast<const typename E::Storage*>(src), count, quant, out);
+    const auto* s = static_cast<const typename E::Storage*>(src);
+    if (cast_kind(quant)) {
+      cast_chunk<E>(s, count, quant, out);
+    } else {
+      quantize_chunk<E>(s, count, quant, out);
+    }
   });
 }
 
 void dequantize(const std::uint8_t* in, std::size_t count, lockstep_dtype_t dtype,
                 lockstep_quantization_t quant, void* dst) {
-  if (!quant_valid(quant)) return;
-  const QuantParams p = read_quant_params(in);
+  if (!quantization_supported(dtype, quant)) return;
   with_qdtype(dtype, [&]<typename E>() {
-    decode_chunk<E>(in + kQuantHeaderBytes, count, quant, p,
-                    static_cast<typename E::Storage*>(dst));
+    decode_range<E>(in, 0, count, quant, static_cast<typename E::Storage*>(dst));
   });
 }
 
 void dequantize_reduce(void* dst, const std::uint8_t* in, std::size_t count, lockstep_dtype_t dtype,
                        lockstep_quantization_t quant, lockstep_reduce_op_t op) {
-  if (!quant_valid(quant) || !op_valid(op)) return;
-  const QuantParams p = read_quant_params(in);
+  if (!quantization_supported(dtype, quant) || !op_valid(op)) return;
   with_qdtype(dtype, [&]<typename E>() {
     using S = typename E::Storage;
     // Decode a block into a stack buffer, then reduce it with the ordinary kernel:
     // the same bits as dequantize() followed by reduce(), no allocation.
-    constexpr std::size_t kBlock = 2048;
     S tmp[kBlock];
     S* d = static_cast<S*>(dst);
-    const std::uint8_t* codes = in + kQuantHeaderBytes;
     for (std::size_t off = 0; off < count; off += kBlock) {
       const std::size_t m = count - off < kBlock ? count - off : kBlock;
-      decode_chunk<E>(codes + off, m, quant, p, tmp);
+      decode_range<E>(in, off, m, quant, tmp);
       reduce(d + off, tmp, m, dtype, op);
     }
   });
@@ -317,6 +412,7 @@ QuantParams read_quant_params(const std::uint8_t* in) {
 bool quantized_header_valid(const std::uint8_t* in, lockstep_dtype_t dtype,
                             lockstep_quantization_t quant) {
   if (!quantization_supported(dtype, quant)) return false;
+  if (cast_kind(quant)) return true;
   const QuantParams p = read_quant_params(in);
   if (p.p0 != p.p0 && p.p1 != p.p1) return true;  // the non-finite marker
   if (!std::isfinite(p.p0) || !std::isfinite(p.p1)) return false;
@@ -324,17 +420,18 @@ bool quantized_header_valid(const std::uint8_t* in, lockstep_dtype_t dtype,
   with_qdtype(dtype, [&]<typename E>() { max = E::kMax; });
   // Decoded values may exceed the largest finite value by rounding only.
   const double limit = max + max * 0x1p-40;
-  if (quant == LOCKSTEP_QUANT_MINMAX_U8) {
+  const double codes = top_code(quant);
+  if (minmax(quant)) {
     const double min = p.p0;
     const double scale = p.p1;
     if (scale < 0.0 || std::fabs(min) > max) return false;
-    const double top = min + 255.0 * scale;
+    const double top = min + codes * scale;
     return std::isfinite(top) && std::fabs(top) <= limit;
   }
   const double scale = p.p0;
   const double zp = p.p1;
-  if (scale < 0.0 || zp < 0.0 || zp > 255.0 || zp != std::floor(zp)) return false;
-  return zp * scale <= limit && (255.0 - zp) * scale <= limit;
+  if (scale < 0.0 || zp < 0.0 || zp > codes || zp != std::floor(zp)) return false;
+  return zp * scale <= limit && (codes - zp) * scale <= limit;
 }
 
 }  // namespace lockstep::coll

@@ -47,6 +47,14 @@ class Layout {
     }
     sub_offset_.resize(chunks + 1, 0);
     for (std::size_t c = 0; c < chunks; ++c) sub_offset_[c + 1] = sub_offset_[c] + nsub(c);
+    if (p.quantization != LOCKSTEP_QUANT_NONE) {
+      encoded_start_.assign(1, 0);
+      for (std::size_t c = 0; c < chunks; ++c) {
+        for (std::size_t j = 0; j < nsub(c); ++j) {
+          encoded_start_.push_back(encoded_start_.back() + quantized_bytes(sub_len(c, j), p.quantization));
+        }
+      }
+    }
     const std::size_t position = (i_ + n_ - p.root % n_) % n_;  // broadcast: hops from the root
     switch (kind_) {
       case RingKind::kAllReduce: tx_steps_ = rx_steps_ = 2 * (n_ - 1); break;
@@ -114,10 +122,8 @@ class Layout {
     return q == LOCKSTEP_QUANT_NONE ? sub_len(c, j) * esize_ : quantized_bytes(sub_len(c, j), q);
   }
   // Where the encoded form of sub-chunk j of chunk c is kept during the all-gather.
-  std::size_t encoded_offset(std::size_t c, std::size_t j) const {
-    return (start(c) + j * sub_elems_) + sub_index(c, j) * kQuantHeaderBytes;
-  }
-  std::size_t encoded_total() const { return count_ + total_subs() * kQuantHeaderBytes; }
+  std::size_t encoded_offset(std::size_t c, std::size_t j) const { return encoded_start_[sub_index(c, j)]; }
+  std::size_t encoded_total() const { return encoded_start_.back(); }
 
  private:
   RingKind kind_;
@@ -128,6 +134,7 @@ class Layout {
   bool root_ = false;
   std::vector<std::size_t> chunk_start_;
   std::vector<std::size_t> sub_offset_;
+  std::vector<std::size_t> encoded_start_;  // quantized: where each sub-chunk's encoding is kept
 };
 
 // Position of one stream in the item sequence: step, sub-chunk, and bytes of the item

@@ -151,8 +151,9 @@ std::optional<lockstep_reduce_op_t> to_op(std::int32_t op) {
   return std::nullopt;
 }
 
-// PCCL names a quantization by its code type and algorithm; lockstep has 8-bit codes
-// under min-max and zero-point/scale. The code type of pcclQuantNone is not looked at
+// PCCL names a quantization by its code type and algorithm: 8-bit codes (pcclUint8) under
+// min-max or zero-point/scale, or a cast to pcclFloat16 / pcclBFloat16 (either
+// algorithm: a cast has no parameters). The code type of pcclQuantNone is not looked at
 // beyond being a dtype (PCCL programs pass their source type there).
 std::optional<lockstep_quantization_t> to_quantization(const pcclQuantizationOptions_t& q, std::string* why) {
   const std::int32_t code_type = raw(q.quantized_datatype);
@@ -165,8 +166,10 @@ std::optional<lockstep_quantization_t> to_quantization(const pcclQuantizationOpt
     case pcclQuantNone: return LOCKSTEP_QUANT_NONE;
     case pcclQuantMinMax:
     case pcclQuantZeroPointScale:
+      if (code_type == pcclFloat16) return LOCKSTEP_QUANT_CAST_F16;
+      if (code_type == pcclBFloat16) return LOCKSTEP_QUANT_CAST_BF16;
       if (code_type != pcclUint8) {
-        *why = "quantized_datatype must be pcclUint8 (lockstep quantizes to 8-bit codes)";
+        *why = "quantized_datatype must be pcclUint8, pcclFloat16 or pcclBFloat16";
         return std::nullopt;
       }
       return algorithm == pcclQuantMinMax ? LOCKSTEP_QUANT_MINMAX_U8 : LOCKSTEP_QUANT_ZERO_POINT_U8;

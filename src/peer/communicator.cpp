@@ -651,7 +651,8 @@ Status Communicator::check_collective_call(const ReduceDescriptor& d) {
   if (d.kind == Kind::kAllReduce || d.kind == Kind::kReduceScatter) {
     if (!coll::op_valid(static_cast<int>(d.op))) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "unknown reduce op");
     if (d.quantization != LOCKSTEP_QUANT_NONE && !coll::quantization_supported(d.dtype, d.quantization)) {
-      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "quantization needs a floating-point dtype (f16, bf16, f32, f64)");
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                    "quantization needs a floating-point dtype (f16, bf16, f32, f64; a cast to f16 or bf16: f32 or f64)");
     }
   }
   if (!accepted_) return Status(LOCKSTEP_STATUS_NOT_INITIALIZED, "connect the communicator (and be accepted) first");

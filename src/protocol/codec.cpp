@@ -261,7 +261,7 @@ bool get(Reader& r, CollectiveDescriptor* d) {
   }
   if (d->dtype > LOCKSTEP_F64) return r.fail("descriptor.dtype: unknown dtype");
   if (d->op > LOCKSTEP_MIN) return r.fail("descriptor.op: unknown reduce op");
-  if (d->quantization > LOCKSTEP_QUANT_ZERO_POINT_U8) return r.fail("descriptor.quantization: unknown kind");
+  if (d->quantization > LOCKSTEP_QUANT_CAST_BF16) return r.fail("descriptor.quantization: unknown kind");
   if (kind > kCollectiveKindMax) return r.fail("descriptor.kind: unknown collective");
   d->kind = static_cast<CollectiveKind>(kind);
   return true;

@@ -1,5 +1,6 @@
 // fuzz_ring_header: the quantized sub-chunk a ring peer receives (collectives/quantize.h):
-// a 16-byte parameter header and 8-bit codes, from a possibly misbehaving neighbour.
+// a 16-byte parameter header and 8-bit or 4-bit codes, or 16-bit casts, from a possibly
+// misbehaving neighbour.
 // The same 16 bytes are also read as a ring frame header (collectives/ring.h:
 // magic, stream, stream count, sequence, attempt): parse_ring_header accepts only a
 // stream below a count of 1 to kRingStreamsMax, and what it accepts writes back to the
@@ -12,7 +13,8 @@
 //    undefined behaviour (ASan, UBSan with float-cast-overflow);
 //  - an unsupported combination is never valid and decodes to nothing;
 //  - the non-finite marker decodes every element to the canonical quiet NaN;
-//  - a valid finite header decodes to finite values only;
+//  - a valid finite header decodes to finite values only (a code kind's: a cast has no
+//    header, and its infinities and NaNs are values);
 //  - dequantize_reduce gives exactly the bits of dequantize followed by reduce.
 #include "collectives/quantize.h"
 #include "collectives/ring.h"
@@ -104,7 +106,11 @@ fuzz::Seeds make_seeds() {
   for (std::size_t d = 0; d < 4; ++d) {
     add(std::string("minmax-") + names[d], d, LOCKSTEP_QUANT_MINMAX_U8, LOCKSTEP_SUM, ramp);
     add(std::string("zeropoint-") + names[d], d, LOCKSTEP_QUANT_ZERO_POINT_U8, LOCKSTEP_MAX, ramp);
+    add(std::string("minmax4-") + names[d], d, LOCKSTEP_QUANT_MINMAX_U4, LOCKSTEP_SUM, ramp);
+    add(std::string("zeropoint4-") + names[d], d, LOCKSTEP_QUANT_ZERO_POINT_U4, LOCKSTEP_MIN, ramp);
   }
+  add("cast-f16-f32", 2, LOCKSTEP_QUANT_CAST_F16, LOCKSTEP_SUM, ramp);
+  add("cast-bf16-f64", 3, LOCKSTEP_QUANT_CAST_BF16, LOCKSTEP_MAX, with_nan);
   add("minmax-flat-f32", 2, LOCKSTEP_QUANT_MINMAX_U8, LOCKSTEP_PROD, flat);
   add("zeropoint-positive-f64", 3, LOCKSTEP_QUANT_ZERO_POINT_U8, LOCKSTEP_AVG, positive);
   add("minmax-nan-f16", 0, LOCKSTEP_QUANT_MINMAX_U8, LOCKSTEP_MIN, with_nan);
@@ -122,7 +128,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   fuzz::Input in(data, size);
   const lockstep_dtype_t dtype = kDtypes[in.byte() % kDtypes.size()];
-  const auto quant = static_cast<lockstep_quantization_t>(in.byte() % 3);
+  // Every kind, and one value past the last.
+  const auto quant = static_cast<lockstep_quantization_t>(in.byte() % (coll::kQuantizationLast + 2));
   const auto op = static_cast<lockstep_reduce_op_t>(in.byte() % 5);
   const std::size_t esize = coll::dtype_size(dtype);
   std::array<std::uint8_t, coll::kQuantHeaderBytes> header{};
@@ -138,7 +145,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   const std::size_t count = std::min(in.left() / (1 + esize), kCountMax);
 
-  std::vector<std::uint8_t> encoded(coll::kQuantHeaderBytes + count);
+  // Room for any kind's encoding of count elements (a cast's: 2 x count bytes, from the
+  // header's first byte on).
+  std::vector<std::uint8_t> encoded(coll::kQuantHeaderBytes + 2 * count);
   std::copy(header.begin(), header.end(), encoded.begin());
   const auto codes = in.bytes(count);
   std::copy(codes.begin(), codes.end(), encoded.begin() + coll::kQuantHeaderBytes);
@@ -164,7 +173,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     return 0;
   }
   const coll::QuantParams params = coll::read_quant_params(encoded.data());
-  for (std::size_t i = 0; i < count; ++i) {
+  for (std::size_t i = 0; i < count && coll::quantization_has_header(quant); ++i) {
     const std::uint64_t bits = bits_at(decoded.data(), i, dtype);
     if (params.non_finite() && bits != canonical_nan(dtype)) fail("the non-finite marker decoded to a non-NaN");
     if (valid && !params.non_finite() && !finite_bits(bits, dtype)) {

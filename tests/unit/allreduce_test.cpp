@@ -248,14 +248,28 @@ TEST(AllReduce, LargeBufferFourPeersIsBitIdentical) {
 
 // Quantized: every peer ends with the same bits, within the error the encodings allow.
 // Inputs lie in [0.5, 1.5), so a partial sum of k contributions spans at most k and its
-// 8-bit min-max encoding errs by at most k/510 (scale/2); the n-1 reduce-scatter hops
-// and the one all-gather encoding add up to (n(n-1)/2 + n)/510, plus the dtype's own
-// rounding. The zero-point encoding widens each range to include 0 ([0, 1.5k)): x1.5.
-void run_quantized(std::size_t world) {
-  const lockstep_dtype_t dtypes[] = {LOCKSTEP_F16, LOCKSTEP_BF16, LOCKSTEP_F32, LOCKSTEP_F64};
+// min-max encoding with L levels errs by at most k/(2L) (scale/2); the n-1
+// reduce-scatter hops and the one all-gather encoding add up to (n(n-1)/2 + n)/(2L),
+// plus the dtype's own rounding. The zero-point encoding widens each range to include 0
+// ([0, 1.5k)): x1.5. A cast errs by at most its relative rounding of a value below 1.5k.
+struct QuantSet {
+  std::vector<lockstep_dtype_t> dtypes;
+  std::vector<lockstep_quantization_t> quants;
+  std::vector<std::size_t> counts;
+};
+
+double levels(lockstep_quantization_t q) {
+  return q == LOCKSTEP_QUANT_MINMAX_U4 || q == LOCKSTEP_QUANT_ZERO_POINT_U4 ? 15.0 : 255.0;
+}
+bool is_cast(lockstep_quantization_t q) { return q == LOCKSTEP_QUANT_CAST_F16 || q == LOCKSTEP_QUANT_CAST_BF16; }
+// Wire bytes per element of each encoding (headers aside).
+double wire_bytes_per_element(lockstep_quantization_t q) {
+  if (is_cast(q)) return 2.0;
+  return levels(q) == 15.0 ? 0.5 : 1.0;
+}
+
+void run_quantized(std::size_t world, const QuantSet& set) {
   const lockstep_reduce_op_t ops[] = {LOCKSTEP_SUM, LOCKSTEP_AVG, LOCKSTEP_MAX, LOCKSTEP_MIN};
-  const lockstep_quantization_t quants[] = {LOCKSTEP_QUANT_MINMAX_U8, LOCKSTEP_QUANT_ZERO_POINT_U8};
-  const std::size_t counts[] = {1, 3, 1001, 300'007};
   struct QCase {
     lockstep_dtype_t t;
     lockstep_reduce_op_t op;
@@ -263,10 +277,10 @@ void run_quantized(std::size_t world) {
     std::size_t count;
   };
   std::vector<QCase> cases;
-  for (auto t : dtypes) {
+  for (auto t : set.dtypes) {
     for (auto op : ops) {
-      for (auto q : quants) {
-        for (auto c : counts) cases.push_back({t, op, q, c});
+      for (auto q : set.quants) {
+        for (auto c : set.counts) cases.push_back({t, op, q, c});
       }
     }
   }
@@ -284,14 +298,27 @@ void run_quantized(std::size_t world) {
       auto r = comm.all_reduce(d);
       ASSERT_TRUE(r.is_ok()) << "case " << k << ": " << r.status().to_string();
       if (c.count > 1000) {
-        // 8-bit codes: about one byte per element on the wire, not esize.
-        EXPECT_LT(r.value().bytes_sent, c.count * 2 * (world - 1) / world * 11 / 10 + 4096) << "case " << k;
+        // The encoding's bytes per element on the wire, not esize.
+        const double per_element = wire_bytes_per_element(c.q);
+        EXPECT_LT(static_cast<double>(r.value().bytes_sent),
+                  static_cast<double>(c.count) * per_element * 2.0 * static_cast<double>(world - 1) /
+                          static_cast<double>(world) * 1.1 + 4096.0)
+            << "case " << k;
       }
       const double n = static_cast<double>(world);
-      double bound = (n * (n - 1) / 2 + n) / 510.0 * 1.01 + tolerance(c.t, world) * 1.5 * n;
-      if (c.op == LOCKSTEP_AVG) bound /= n;
-      if (c.op == LOCKSTEP_MAX || c.op == LOCKSTEP_MIN) bound = n / 510.0 * 1.01 + tolerance(c.t, world) * 1.5;
-      if (c.q == LOCKSTEP_QUANT_ZERO_POINT_U8) bound *= 1.5;
+      double bound = 0;
+      if (is_cast(c.q)) {
+        const double rel = c.q == LOCKSTEP_QUANT_CAST_F16 ? 0x1p-11 : 0x1p-8;
+        bound = 1.5 * (n * (n - 1) / 2 + n) * rel * 1.01 + tolerance(c.t, world) * 1.5 * n;
+        if (c.op == LOCKSTEP_AVG) bound /= n;
+        if (c.op == LOCKSTEP_MAX || c.op == LOCKSTEP_MIN) bound = 1.5 * n * rel * 1.01 + tolerance(c.t, world) * 1.5;
+      } else {
+        const double half_step = 2.0 * levels(c.q);
+        bound = (n * (n - 1) / 2 + n) / half_step * 1.01 + tolerance(c.t, world) * 1.5 * n;
+        if (c.op == LOCKSTEP_AVG) bound /= n;
+        if (c.op == LOCKSTEP_MAX || c.op == LOCKSTEP_MIN) bound = n / half_step * 1.01 + tolerance(c.t, world) * 1.5;
+        if (c.q == LOCKSTEP_QUANT_ZERO_POINT_U8 || c.q == LOCKSTEP_QUANT_ZERO_POINT_U4) bound *= 1.5;
+      }
       for (std::size_t i = 0; i < c.count; ++i) {
         const double got = load_float(buf.data(), c.t, i);
         const double want = float_reference(c.t, c.op, world, i);
@@ -308,8 +335,18 @@ void run_quantized(std::size_t world) {
   });
 }
 
-TEST(AllReduce, QuantizedTwoPeers) { run_quantized(2); }
-TEST(AllReduce, QuantizedFourPeers) { run_quantized(4); }
+const QuantSet kEightBit{{LOCKSTEP_F16, LOCKSTEP_BF16, LOCKSTEP_F32, LOCKSTEP_F64},
+                         {LOCKSTEP_QUANT_MINMAX_U8, LOCKSTEP_QUANT_ZERO_POINT_U8},
+                         {1, 3, 1001, 300'007}};
+const QuantSet kFourBitAndCasts{{LOCKSTEP_F32, LOCKSTEP_F64},
+                                {LOCKSTEP_QUANT_MINMAX_U4, LOCKSTEP_QUANT_ZERO_POINT_U4, LOCKSTEP_QUANT_CAST_F16,
+                                 LOCKSTEP_QUANT_CAST_BF16},
+                                {3, 300'007}};
+
+TEST(AllReduce, QuantizedTwoPeers) { run_quantized(2, kEightBit); }
+TEST(AllReduce, QuantizedFourPeers) { run_quantized(4, kEightBit); }
+TEST(AllReduce, FourBitAndCastsTwoPeers) { run_quantized(2, kFourBitAndCasts); }
+TEST(AllReduce, FourBitAndCastsFourPeers) { run_quantized(4, kFourBitAndCasts); }
 
 TEST(AllReduce, QuantizationNeedsAFloatDtype) {
   Cluster cluster;
@@ -317,6 +354,12 @@ TEST(AllReduce, QuantizationNeedsAFloatDtype) {
     std::int32_t x[2] = {1, 2};
     peer::ReduceDescriptor d{x, x, 2, LOCKSTEP_I32, LOCKSTEP_SUM, LOCKSTEP_QUANT_MINMAX_U8, 1};
     EXPECT_EQ(comm.all_reduce(d).status().code(), LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    // A cast to a 16-bit float needs a wider float: not f16 or bf16 data.
+    std::uint16_t h[2] = {0x3c00, 0x3c00};
+    peer::ReduceDescriptor c{h, h, 2, LOCKSTEP_F16, LOCKSTEP_SUM, LOCKSTEP_QUANT_CAST_BF16, 2};
+    EXPECT_EQ(comm.all_reduce(c).status().code(), LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    c.quantization = static_cast<lockstep_quantization_t>(7);
+    EXPECT_EQ(comm.all_reduce(c).status().code(), LOCKSTEP_STATUS_INVALID_ARGUMENT);
   });
 }
 

@@ -1093,7 +1093,7 @@ TEST(CodecPayload, CollectiveDescriptorOutOfRange) {
   const std::vector<Field> fields = {{"descriptor.dtype", &CollectiveDescriptor::dtype, LOCKSTEP_F64},
                                      {"descriptor.op", &CollectiveDescriptor::op, LOCKSTEP_MIN},
                                      {"descriptor.quantization", &CollectiveDescriptor::quantization,
-                                      LOCKSTEP_QUANT_ZERO_POINT_U8}};
+                                      LOCKSTEP_QUANT_CAST_BF16}};
   for (const auto& f : fields) {
     SCOPED_TRACE(f.name);
     for (int v = 0; v < 256; ++v) {

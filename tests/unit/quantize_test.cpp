@@ -1,8 +1,9 @@
-// 8-bit chunk quantization: the documented error bound on random data of every float
-// dtype (several distributions, one-sided and tiny and huge ranges), exact all-equal
-// chunks, exact zeros with a zero point, determinism of the decoder, the wire size and
-// header layout, the fused dequantize-and-reduce against dequantize-then-reduce, and
-// non-finite or garbage input handled as quantize.h documents.
+// Chunk quantization (8-bit and 4-bit codes, 16-bit casts): the documented error bound
+// on random data of every float dtype (several distributions, one-sided and tiny and
+// huge ranges), exact all-equal chunks, exact zeros with a zero point, determinism of
+// the decoder, the wire size and layout, the fused dequantize-and-reduce against
+// dequantize-then-reduce, and non-finite or garbage input handled as quantize.h
+// documents.
 #include "collectives/quantize.h"
 #include "kernels/reduce.h"
 
@@ -68,7 +69,26 @@ struct F64 {
   static double tiny() { return 1e-310; }  // a subnormal scale: the encoder divides
 };
 
-const lockstep_quantization_t kQuants[] = {LOCKSTEP_QUANT_MINMAX_U8, LOCKSTEP_QUANT_ZERO_POINT_U8};
+// The code kinds (a header of parameters, then codes).
+const lockstep_quantization_t kQuants[] = {LOCKSTEP_QUANT_MINMAX_U8, LOCKSTEP_QUANT_ZERO_POINT_U8,
+                                           LOCKSTEP_QUANT_MINMAX_U4, LOCKSTEP_QUANT_ZERO_POINT_U4};
+// Every kind, casts included (f32 and f64 only).
+const lockstep_quantization_t kAllQuants[] = {LOCKSTEP_QUANT_MINMAX_U8, LOCKSTEP_QUANT_ZERO_POINT_U8,
+                                              LOCKSTEP_QUANT_MINMAX_U4, LOCKSTEP_QUANT_ZERO_POINT_U4,
+                                              LOCKSTEP_QUANT_CAST_F16,  LOCKSTEP_QUANT_CAST_BF16};
+
+bool four_bit(lockstep_quantization_t q) {
+  return q == LOCKSTEP_QUANT_MINMAX_U4 || q == LOCKSTEP_QUANT_ZERO_POINT_U4;
+}
+bool minmax(lockstep_quantization_t q) { return q == LOCKSTEP_QUANT_MINMAX_U8 || q == LOCKSTEP_QUANT_MINMAX_U4; }
+// Bytes of the codes of n elements, as quantize.h lays them out.
+std::size_t code_bytes(std::size_t n, lockstep_quantization_t q) { return four_bit(q) ? (n + 1) / 2 : n; }
+// The code of element i of an encoded chunk.
+unsigned code_at(const std::vector<std::uint8_t>& bytes, std::size_t i, lockstep_quantization_t q) {
+  const std::uint8_t b = bytes[coll::kQuantHeaderBytes + (four_bit(q) ? i / 2 : i)];
+  if (!four_bit(q)) return b;
+  return i % 2 == 0 ? (b & 0x0fu) : (b >> 4u);
+}
 const std::size_t kCounts[] = {1, 2, 7, 1000, 4097};
 
 template <typename D>
@@ -96,7 +116,7 @@ std::vector<typename D::S> decode(const std::vector<std::uint8_t>& bytes, std::s
 
 double chunk_scale(const std::vector<std::uint8_t>& bytes, lockstep_quantization_t q) {
   const coll::QuantParams p = coll::read_quant_params(bytes.data());
-  return q == LOCKSTEP_QUANT_MINMAX_U8 ? p.p1 : p.p0;
+  return minmax(q) ? p.p1 : p.p0;
 }
 
 // Encodes, decodes and checks every element against the bound of quantize.h. Returns
@@ -105,7 +125,7 @@ template <typename D>
 double check_round_trip(const std::vector<double>& raw, lockstep_quantization_t q) {
   const auto v = make_values<D>(raw);
   const auto bytes = encode<D>(v, q);
-  EXPECT_EQ(bytes.size(), coll::kQuantHeaderBytes + v.size());
+  EXPECT_EQ(bytes.size(), coll::kQuantHeaderBytes + code_bytes(v.size(), q));
   EXPECT_TRUE(coll::quantized_header_valid(bytes.data(), D::kDtype, q));
   const auto back = decode<D>(bytes, v.size(), q);
   const double scale = chunk_scale(bytes, q);
@@ -154,7 +174,10 @@ void check_distributions() {
         // With many well-spread values some error comes near half a step: the bound
         // is not met by accident of a zero scale.
         // (Only where the dtype's own rounding is much finer than a step.)
-        if (n >= 1000 && s != 5 && D::u() < 1e-6) {
+        // (Not for one-sided data under a 4-bit zero point either: the range widened to 0
+        // puts every value within a step or two of the top code.)
+        const bool one_sided_zp4 = q == LOCKSTEP_QUANT_ZERO_POINT_U4 && (s == 1 || s == 2);
+        if (n >= 1000 && s != 5 && D::u() < 1e-6 && !one_sided_zp4) {
           EXPECT_GT(worst, 0.3);
         }
       }
@@ -177,18 +200,18 @@ void check_all_equal() {
       SCOPED_TRACE("value " + std::to_string(c) + " count " + std::to_string(n));
       const std::vector<typename D::S> v(n, D::make(c));
       // Min-max: scale 0, codes 0, bit-exact.
-      {
-        const auto bytes = encode<D>(v, LOCKSTEP_QUANT_MINMAX_U8);
+      for (const auto q : {LOCKSTEP_QUANT_MINMAX_U8, LOCKSTEP_QUANT_MINMAX_U4}) {
+        const auto bytes = encode<D>(v, q);
         EXPECT_EQ(coll::read_quant_params(bytes.data()).p1, 0.0);
-        for (std::size_t i = 0; i < n; ++i) EXPECT_EQ(bytes[coll::kQuantHeaderBytes + i], 0);
-        const auto back = decode<D>(bytes, n, LOCKSTEP_QUANT_MINMAX_U8);
+        for (std::size_t i = coll::kQuantHeaderBytes; i < bytes.size(); ++i) EXPECT_EQ(bytes[i], 0);
+        const auto back = decode<D>(bytes, n, q);
         EXPECT_EQ(0, std::memcmp(back.data(), v.data(), n * sizeof(typename D::S)));
       }
       // Zero point: exact in value for f16, bf16 and f32 (for f64 within the rounding of
       // the double arithmetic, and the t term of a subnormal scale); a zero decodes as +0.
-      {
-        const auto bytes = encode<D>(v, LOCKSTEP_QUANT_ZERO_POINT_U8);
-        const auto back = decode<D>(bytes, n, LOCKSTEP_QUANT_ZERO_POINT_U8);
+      for (const auto q : {LOCKSTEP_QUANT_ZERO_POINT_U8, LOCKSTEP_QUANT_ZERO_POINT_U4}) {
+        const auto bytes = encode<D>(v, q);
+        const auto back = decode<D>(bytes, n, q);
         for (std::size_t i = 0; i < n; ++i) {
           const double x = D::value(v[i]);
           const double y = D::value(back[i]);
@@ -220,13 +243,15 @@ void check_zero_exact() {
   std::vector<double> raw(3000);
   for (std::size_t i = 0; i < raw.size(); ++i) raw[i] = i % 4 == 0 ? 0.0 : normal(rng) + 1.0;
   const auto v = make_values<D>(raw);
-  const auto bytes = encode<D>(v, LOCKSTEP_QUANT_ZERO_POINT_U8);
-  const auto back = decode<D>(bytes, v.size(), LOCKSTEP_QUANT_ZERO_POINT_U8);
-  const double zp = coll::read_quant_params(bytes.data()).p1;
-  EXPECT_EQ(zp, std::floor(zp));
-  for (std::size_t i = 0; i < v.size(); i += 4) {
-    EXPECT_EQ(bytes[coll::kQuantHeaderBytes + i], static_cast<std::uint8_t>(zp));
-    EXPECT_EQ(D::value(back[i]), 0.0) << i;
+  for (const auto q : {LOCKSTEP_QUANT_ZERO_POINT_U8, LOCKSTEP_QUANT_ZERO_POINT_U4}) {
+    const auto bytes = encode<D>(v, q);
+    const auto back = decode<D>(bytes, v.size(), q);
+    const double zp = coll::read_quant_params(bytes.data()).p1;
+    EXPECT_EQ(zp, std::floor(zp));
+    for (std::size_t i = 0; i < v.size(); i += 4) {
+      EXPECT_EQ(code_at(bytes, i, q), static_cast<unsigned>(zp));
+      EXPECT_EQ(D::value(back[i]), 0.0) << i;
+    }
   }
 }
 
@@ -266,18 +291,104 @@ TEST(Quantize, HeaderLayoutAndCodes) {
   EXPECT_EQ(back[1], 0.0f);
 }
 
+TEST(Quantize, HeaderLayoutAndCodes4Bit) {
+  // Min-max: min 1, scale 2.5 / 15; element 2i in the low nibble, an odd count leaves
+  // the last high nibble 0.
+  const float v[] = {1.0f, 2.0f, 3.5f};
+  std::uint8_t out[coll::kQuantHeaderBytes + 2];
+  std::memset(out, 0xee, sizeof out);
+  coll::quantize(v, 3, LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U4, out);
+  const coll::QuantParams p = coll::read_quant_params(out);
+  EXPECT_EQ(p.p0, 1.0);
+  EXPECT_EQ(p.p1, 2.5 / 15.0);
+  EXPECT_EQ(out[16], 6 << 4);  // codes 0 and round(1 / (2.5 / 15)) = 6
+  EXPECT_EQ(out[17], 15);      // code 15, high nibble 0
+  float back[3];
+  coll::dequantize(out, 3, LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U4, back);
+  EXPECT_EQ(back[0], 1.0f);
+  EXPECT_EQ(back[1], static_cast<float>(1.0 + 6.0 * (2.5 / 15.0)));
+  EXPECT_EQ(back[2], 3.5f);
+
+  const float w[] = {-1.0f, 0.0f, 3.0f, 1.0f};
+  std::uint8_t zout[coll::kQuantHeaderBytes + 2];
+  coll::quantize(w, 4, LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U4, zout);
+  const coll::QuantParams z = coll::read_quant_params(zout);
+  EXPECT_EQ(z.p0, 4.0 / 15.0);
+  EXPECT_EQ(z.p1, 4.0);                 // round(3.75)
+  EXPECT_EQ(zout[16], 0 | (4 << 4));    // round(-3.75) + 4 = 0, zero is the zero point
+  EXPECT_EQ(zout[17], 15 | (8 << 4));   // round(11.25) + 4 clamped to 15, round(3.75) + 4
+}
+
+TEST(Quantize, CastsRoundToNearestAndKeepTheirLayout) {
+  // f32 -> f16: 1 + 2^-11 is a tie and rounds to even (1.0); 1 + 3 * 2^-11 rounds up.
+  const float v[] = {1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, -2.0f, 70000.0f,
+                     std::numeric_limits<float>::quiet_NaN()};
+  std::uint8_t out[10];
+  coll::quantize(v, 5, LOCKSTEP_F32, LOCKSTEP_QUANT_CAST_F16, out);
+  EXPECT_EQ(out[0], 0x00);
+  EXPECT_EQ(out[1], 0x3c);  // 1.0 = 0x3c00, little-endian
+  EXPECT_EQ(out[2] | (out[3] << 8), 0x3c02);
+  EXPECT_EQ(out[4] | (out[5] << 8), 0xc000);
+  EXPECT_EQ(out[6] | (out[7] << 8), 0x7c00);  // beyond 65504: an infinity, as a cast
+  float back[5];
+  coll::dequantize(out, 5, LOCKSTEP_F32, LOCKSTEP_QUANT_CAST_F16, back);
+  EXPECT_EQ(back[0], 1.0f);
+  EXPECT_EQ(back[1], 1.0f + 0x1p-9f);
+  EXPECT_EQ(back[2], -2.0f);
+  EXPECT_TRUE(std::isinf(back[3]));
+  EXPECT_TRUE(std::isnan(back[4]));
+  EXPECT_TRUE(coll::quantized_header_valid(out, LOCKSTEP_F32, LOCKSTEP_QUANT_CAST_F16));
+
+  // bf16 keeps f32's range: 70000 stays finite, within 2^-8 relative.
+  coll::quantize(v, 5, LOCKSTEP_F32, LOCKSTEP_QUANT_CAST_BF16, out);
+  coll::dequantize(out, 5, LOCKSTEP_F32, LOCKSTEP_QUANT_CAST_BF16, back);
+  EXPECT_LE(std::fabs(back[3] - 70000.0f), 70000.0f * 0x1p-8f);
+  EXPECT_EQ(out[4] | (out[5] << 8), 0xc000);  // -2.0 as bf16
+
+  // The documented bound on random f32 and f64 data: half an ulp of the 16-bit type.
+  std::mt19937_64 rng(3);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (const auto q : {LOCKSTEP_QUANT_CAST_F16, LOCKSTEP_QUANT_CAST_BF16}) {
+    const double rel = q == LOCKSTEP_QUANT_CAST_F16 ? 0x1p-11 : 0x1p-8;
+    const double t = q == LOCKSTEP_QUANT_CAST_F16 ? 0x1p-25 : 0x1p-134;
+    std::vector<double> d(4097);
+    for (auto& x : d) x = normal(rng) * std::pow(10.0, 4 * normal(rng) / 3);
+    std::vector<float> f(d.begin(), d.end());
+    std::vector<std::uint8_t> bytes(coll::quantized_bytes(d.size(), q));
+    ASSERT_EQ(bytes.size(), 2 * d.size());
+    std::vector<double> dback(d.size());
+    coll::quantize(d.data(), d.size(), LOCKSTEP_F64, q, bytes.data());
+    coll::dequantize(bytes.data(), d.size(), LOCKSTEP_F64, q, dback.data());
+    std::vector<float> fback(f.size());
+    coll::quantize(f.data(), f.size(), LOCKSTEP_F32, q, bytes.data());
+    coll::dequantize(bytes.data(), f.size(), LOCKSTEP_F32, q, fback.data());
+    for (std::size_t i = 0; i < d.size(); ++i) {
+      if (q == LOCKSTEP_QUANT_CAST_F16 && std::fabs(d[i]) > 65504.0) continue;
+      ASSERT_LE(std::fabs(dback[i] - d[i]), std::fabs(d[i]) * rel + t) << d[i];
+      const double fx = static_cast<double>(f[i]);
+      ASSERT_LE(std::fabs(static_cast<double>(fback[i]) - fx), std::fabs(fx) * rel + t) << fx;
+    }
+  }
+}
+
 TEST(Quantize, QuantizedBytesAndSupport) {
   EXPECT_EQ(coll::quantized_bytes(0, LOCKSTEP_QUANT_MINMAX_U8), 16u);
   EXPECT_EQ(coll::quantized_bytes(1000, LOCKSTEP_QUANT_MINMAX_U8), 1016u);
   EXPECT_EQ(coll::quantized_bytes(1000, LOCKSTEP_QUANT_ZERO_POINT_U8), 1016u);
+  EXPECT_EQ(coll::quantized_bytes(1000, LOCKSTEP_QUANT_MINMAX_U4), 516u);
+  EXPECT_EQ(coll::quantized_bytes(1001, LOCKSTEP_QUANT_ZERO_POINT_U4), 517u);
+  EXPECT_EQ(coll::quantized_bytes(1001, LOCKSTEP_QUANT_CAST_F16), 2002u);
+  EXPECT_EQ(coll::quantized_bytes(1001, LOCKSTEP_QUANT_CAST_BF16), 2002u);
   EXPECT_EQ(coll::quantized_bytes(1000, LOCKSTEP_QUANT_NONE), 0u);
-  EXPECT_EQ(coll::quantized_bytes(1000, static_cast<lockstep_quantization_t>(3)), 0u);
+  EXPECT_EQ(coll::quantized_bytes(1000, static_cast<lockstep_quantization_t>(7)), 0u);
   for (int d = 0; d < 12; ++d) {
     const auto dtype = static_cast<lockstep_dtype_t>(d);
-    EXPECT_EQ(coll::quantization_supported(dtype, LOCKSTEP_QUANT_MINMAX_U8), coll::is_float(dtype));
-    EXPECT_EQ(coll::quantization_supported(dtype, LOCKSTEP_QUANT_ZERO_POINT_U8),
-              coll::is_float(dtype));
+    for (const auto q : kQuants) EXPECT_EQ(coll::quantization_supported(dtype, q), coll::is_float(dtype));
+    for (const auto q : {LOCKSTEP_QUANT_CAST_F16, LOCKSTEP_QUANT_CAST_BF16}) {
+      EXPECT_EQ(coll::quantization_supported(dtype, q), dtype == LOCKSTEP_F32 || dtype == LOCKSTEP_F64);
+    }
     EXPECT_FALSE(coll::quantization_supported(dtype, LOCKSTEP_QUANT_NONE));
+    EXPECT_FALSE(coll::quantization_supported(dtype, static_cast<lockstep_quantization_t>(7)));
   }
 }
 
@@ -318,7 +429,8 @@ void check_determinism() {
   std::vector<double> raw(5000);
   for (auto& x : raw) x = normal(rng) * 1e3;
   const auto v = make_values<D>(raw);
-  for (const auto q : kQuants) {
+  for (const auto q : kAllQuants) {
+    if (!coll::quantization_supported(D::kDtype, q)) continue;
     const auto bytes = encode<D>(v, q);
     const auto copy = bytes;  // what another peer receives
     const auto first = decode<D>(bytes, v.size(), q);
@@ -331,9 +443,9 @@ void check_determinism() {
     // Re-encoding the decoded values and decoding again is stable within the bound
     // (a peer's own contribution, taken only in its decoded form).
     const auto again = decode<D>(encode<D>(first, q), v.size(), q);
+    const double step = coll::quantization_has_header(q) ? chunk_scale(bytes, q) : 0.0;
     for (std::size_t i = 0; i < v.size(); ++i) {
-      EXPECT_LE(std::fabs(D::value(again[i]) - D::value(first[i])),
-                chunk_scale(bytes, q) + D::u() * 1e4);
+      EXPECT_LE(std::fabs(D::value(again[i]) - D::value(first[i])), step + D::u() * 1e4);
     }
   }
 }
@@ -392,7 +504,8 @@ void check_fused() {
     }
     const auto v = make_values<D>(raw);
     const auto acc = make_values<D>(acc_raw);
-    for (const auto q : kQuants) {
+    for (const auto q : kAllQuants) {
+      if (!coll::quantization_supported(D::kDtype, q)) continue;
       const auto bytes = encode<D>(v, q);
       for (const auto op : ops) {
         SCOPED_TRACE("count " + std::to_string(n) + " quant " + std::to_string(q) + " op " +
@@ -469,7 +582,7 @@ TEST(Quantize, NonFiniteChunkDecodesToNaN) {
   const double v[] = {-1e308, 1e308, 0.0};
   for (const auto q : kQuants) {
     std::uint8_t out[coll::kQuantHeaderBytes + 3];
-    coll::quantize(v, 3, LOCKSTEP_F64, q, out);
+    coll::quantize(v, 3, LOCKSTEP_F64, q, out);  // at most 3 code bytes
     EXPECT_TRUE(coll::read_quant_params(out).non_finite());
     double back[3];
     coll::dequantize(out, 3, LOCKSTEP_F64, q, back);
@@ -479,7 +592,8 @@ TEST(Quantize, NonFiniteChunkDecodesToNaN) {
 
 template <typename D>
 void decode_garbage(const std::uint8_t* bytes, std::size_t n) {
-  for (const auto q : kQuants) {
+  for (const auto q : kAllQuants) {
+    if (!coll::quantization_supported(D::kDtype, q)) continue;
     std::vector<typename D::S> out(n);
     coll::dequantize(bytes, n, D::kDtype, q, out.data());
     std::vector<typename D::S> acc(n, D::make(1.0));
@@ -493,7 +607,7 @@ TEST(Quantize, GarbageHeadersDecodeWithoutHarm) {
   // that there is no undefined behaviour); only valid headers pass the check.
   std::mt19937_64 rng(31);
   constexpr std::size_t kN = 300;
-  std::vector<std::uint8_t> bytes(coll::kQuantHeaderBytes + kN);
+  std::vector<std::uint8_t> bytes(coll::kQuantHeaderBytes + 2 * kN);  // room for a cast
   auto set = [&](double p0, double p1) {
     std::memcpy(bytes.data(), &p0, 8);
     std::memcpy(bytes.data() + 8, &p1, 8);
@@ -514,7 +628,11 @@ TEST(Quantize, GarbageHeadersDecodeWithoutHarm) {
     decode_garbage<F32>(bytes.data(), kN);
     decode_garbage<F64>(bytes.data(), kN);
   }
-  // Zero points that quantize() never writes.
+  // Zero points that quantize() never writes (for 4-bit codes: above 15 too).
+  set(0.01, 16.0);
+  EXPECT_FALSE(coll::quantized_header_valid(bytes.data(), LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U4));
+  set(0.01, 15.0);
+  EXPECT_TRUE(coll::quantized_header_valid(bytes.data(), LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U4));
   for (const double zp : {-1.0, 3.5, 256.0, 1e300}) {
     set(0.01, zp);
     EXPECT_FALSE(

@@ -236,8 +236,10 @@ void expect_reduce_scatter(const Case& c) {
       EXPECT_EQ(o.out[r], want) << "rank " << r;
       continue;
     }
-    // Quantized: the result is the decoded form of one final 8-bit encoding per
-    // sub-chunk (1024 f32 of 4096 bytes here), so each sub-chunk takes at most 256 values.
+    // Quantized: the result is the decoded form of one final encoding per sub-chunk (1024
+    // f32 of 4096 bytes here), so each sub-chunk takes at most levels + 1 values.
+    const bool four = c.quant == LOCKSTEP_QUANT_MINMAX_U4 || c.quant == LOCKSTEP_QUANT_ZERO_POINT_U4;
+    const std::size_t levels = four ? 15 : 255;
     for (std::size_t at = 0; at < c.count; at += 1024) {
       std::set<std::uint32_t> seen;
       for (std::size_t e = at; e < std::min(c.count, at + 1024); ++e) {
@@ -245,11 +247,11 @@ void expect_reduce_scatter(const Case& c) {
         std::memcpy(&bits, o.out[r].data() + e * 4, 4);
         seen.insert(bits);
       }
-      EXPECT_LE(seen.size(), 256u) << "rank " << r << " sub-chunk at " << at << ": not one 8-bit encoding's values";
+      EXPECT_LE(seen.size(), levels + 1) << "rank " << r << " sub-chunk at " << at << ": not one encoding's values";
     }
     // Each of the n-1 hops and the final encoding is off by at most half a step of its
     // range; the inputs are within [-100, 100].
-    const float bound = static_cast<float>(c.world) * 200.0f * static_cast<float>(c.world) / 255.0f;
+    const float bound = static_cast<float>(c.world) * 200.0f * static_cast<float>(c.world) / static_cast<float>(levels);
     for (std::size_t e = 0; e < c.count; ++e) {
       float got, exact;
       std::memcpy(&got, o.out[r].data() + e * 4, 4);
@@ -346,7 +348,8 @@ TEST(RingCollectives, ReduceScatterEveryOpAndDtype) {
 }
 
 TEST(RingCollectives, QuantizedReduceScatterStaysWithinTheBound) {
-  for (const auto q : {LOCKSTEP_QUANT_MINMAX_U8, LOCKSTEP_QUANT_ZERO_POINT_U8}) {
+  for (const auto q : {LOCKSTEP_QUANT_MINMAX_U8, LOCKSTEP_QUANT_ZERO_POINT_U8, LOCKSTEP_QUANT_MINMAX_U4,
+                       LOCKSTEP_QUANT_ZERO_POINT_U4}) {
     for (const std::size_t n : {std::size_t{2}, std::size_t{4}}) {
       Case c;
       c.kind = RingKind::kReduceScatter;
