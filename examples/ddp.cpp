@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
     }
     const float loss = loss_and_gradient(data, rows, weights, &grad);
     lockstep_reduce_desc_t d = {grad.data(), grad.data(), grad.size(), LOCKSTEP_F32, LOCKSTEP_AVG,
-                                LOCKSTEP_QUANT_NONE, step[0]};
+                                LOCKSTEP_QUANT_NONE, step[0], nullptr};
     s = lockstep_comm_all_reduce(comm, &d, nullptr);
     if (s == LOCKSTEP_STATUS_PEER_CONNECTION_LOST) continue;  // the step again, with the survivors
     if (!check(s, comm, "all_reduce")) return 1;

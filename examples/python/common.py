@@ -157,6 +157,10 @@ def arguments(argv: list[str] | None = None):
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds of pretend compute per step")
     parser.add_argument("--connect-on-stdin", action="store_true",
                         help="load everything, then wait for a line on stdin before connecting")
+    parser.add_argument("--quantization", default=None,
+                        help="diloco: the pseudo-gradient's all-reduce on the wire (minmax, minmax4, bf16, ...)")
+    parser.add_argument("--error-feedback", action="store_true",
+                        help="diloco: carry what quantization drops into the next outer step (a residual)")
     return parser.parse_args(argv if argv is not None else sys.argv[1:])
 
 

@@ -4,6 +4,9 @@
 Each outer step: a few inner AdamW steps from the outer model on this peer's shard,
 then the pseudo-gradient (outer - inner) is averaged over the group with an all-reduce
 (retried with the survivors if a peer dies) and applied with outer Nesterov momentum.
+``--quantization minmax4 --error-feedback`` sends it as 4-bit codes and carries what
+they drop into the next outer step (each peer's residual is its own; a newcomer's
+starts at zero).
 The shared state is the outer model, the outer momentum and the outer step counter;
 each peer's inner AdamW state is its own. A newcomer's first sync is receive-only.
 
@@ -33,6 +36,7 @@ def main() -> None:
     momentum = torch.zeros_like(outer)
     step = torch.zeros(1, dtype=torch.int64)
     state = lockstep.SharedState({"outer": outer, "momentum": momentum, "step": step})
+    residual = torch.zeros_like(outer) if args.error_feedback else None
     with lockstep.Communicator(master=args.master) as comm:
         ready_to_connect(args)
         comm.connect()
@@ -56,7 +60,8 @@ def main() -> None:
                 optimizer.step()
             pseudo_gradient = (outer - flat_parameters(net)).contiguous()
             try:
-                comm.all_reduce(pseudo_gradient, op="avg", tag=int(step.item()))
+                comm.all_reduce(pseudo_gradient, op="avg", quantization=args.quantization, residual=residual,
+                                tag=int(step.item()))
             except lockstep.PeerConnectionLostError:
                 continue  # a peer died: this outer step again, with the survivors
             except lockstep.TooFewPeersError:

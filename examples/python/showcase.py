@@ -35,6 +35,9 @@ def main() -> int:
     parser.add_argument("--step-delay", type=float, default=0.25, help="seconds of pretend compute per step")
     parser.add_argument("--newcomers", type=int, default=1, help="peers that join at --join-at")
     parser.add_argument("--min-accuracy", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0, help="the model's initialization and the data's split")
+    parser.add_argument("--quantization", default=None, help="diloco: the all-reduce's quantization (e.g. minmax4)")
+    parser.add_argument("--error-feedback", action="store_true", help="diloco: with a residual per peer")
     args = parser.parse_args()
 
     with lockstep.Master(listen="127.0.0.1:0") as master:
@@ -47,7 +50,9 @@ def main() -> int:
         def spawn(name: str, initial: bool) -> None:
             p = subprocess.Popen([sys.executable, os.path.join(HERE, f"{args.example}.py"), "--master", master.address,
                                   "--name", name, "--steps", str(args.steps), "--step-delay", str(args.step_delay),
-                                  "--min-peers", str(args.peers if initial else 2)]
+                                  "--min-peers", str(args.peers if initial else 2), "--seed", str(args.seed)]
+                                 + (["--quantization", args.quantization] if args.quantization else [])
+                                 + (["--error-feedback"] if args.error_feedback else [])
                                  + ([] if initial else ["--connect-on-stdin"]),
                                  stdin=subprocess.DEVNULL if initial else subprocess.PIPE, stdout=subprocess.PIPE,
                                  text=True, env=env)

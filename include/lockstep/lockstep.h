@@ -31,7 +31,7 @@ extern "C" {
 #endif
 
 #define LOCKSTEP_VERSION_MAJOR 0
-#define LOCKSTEP_VERSION_MINOR 6
+#define LOCKSTEP_VERSION_MINOR 7
 #define LOCKSTEP_VERSION_PATCH 0
 #define LOCKSTEP_VERSION_HEX \
   ((LOCKSTEP_VERSION_MAJOR << 16) | (LOCKSTEP_VERSION_MINOR << 8) | LOCKSTEP_VERSION_PATCH)
@@ -545,7 +545,9 @@ LOCKSTEP_EXPORT lockstep_status_t lockstep_comm_get_slot_bytes(const lockstep_co
 
 /* ----------------------------------------------------------- collectives */
 
-/** One all-reduce. src == dst is in place. Every peer of the group must start the same
+/** One all-reduce. Zero-initialize it (`= {0}`, memset) before setting its fields: fields
+ * added by later versions are read, and zero is their default. src == dst is in place.
+ * Every peer of the group must start the same
  * tag with the same count, dtype, op and quantization (else OPERATION_MISMATCH for all);
  * a tag started by only some peers waits for the others like a vote; a tag still in
  * flight cannot be started again (INVALID_USAGE). */
@@ -557,6 +559,16 @@ typedef struct lockstep_reduce_desc {
   lockstep_reduce_op_t op;
   lockstep_quantization_t quantization;
   uint64_t tag;
+  /** Since 0.7: error feedback, NULL for none (docs/collectives.md). For a quantized
+   * all-reduce with op SUM or AVG only (else INVALID_ARGUMENT): `count` elements of
+   * `dtype`, owned by the caller, all zero before the first call, sharing no byte with
+   * src or dst. The call contributes src + residual instead of src; when it succeeds,
+   * residual holds what this peer's encodings dropped (summed over the peers: what the
+   * result lacks), to be added to the next call's contribution; when it fails, residual
+   * is left as it was. The library keeps two buffers of `count` elements per all-reduce
+   * in flight meanwhile. Each peer chooses alone whether to pass one (a newcomer starts
+   * from zeros). */
+  void* residual;
 } lockstep_reduce_desc_t;
 
 typedef struct lockstep_reduce_info {

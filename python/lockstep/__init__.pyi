@@ -430,12 +430,14 @@ class Communicator:
         counters' all_reduce_bytes_* less all-reduces of up to 16 KiB (they travel with
         the votes, on no slot). Thread-safe."""
     def all_reduce(self, src: _ArrayLike, dst: Optional[_ArrayLike] = None, *, op: _OpLike = "sum",
-                   quantization: _QuantizationLike = None, tag: int = 0) -> ReduceInfo:
+                   quantization: _QuantizationLike = None, tag: int = 0,
+                   residual: Optional[_ArrayLike] = None) -> ReduceInfo:
         """All-reduces src into dst (None: in place). Same dtype and element count; dst
         writeable. On PeerConnectionLostError dst holds what it held before. Alone in the
         group: TooFewPeersError (dst untouched)."""
     def all_reduce_async(self, src: _ArrayLike, dst: Optional[_ArrayLike] = None, *, op: _OpLike = "sum",
-                         quantization: _QuantizationLike = None, tag: int = 0) -> AsyncHandle:
+                         quantization: _QuantizationLike = None, tag: int = 0,
+                         residual: Optional[_ArrayLike] = None) -> AsyncHandle:
         """Starts an all-reduce; distinct tags for operations in flight at once."""
     def broadcast(self, buf: _ArrayLike, root: int, *, tag: int = 0) -> ReduceInfo:
         """Copies buf of the peer of rank root (a rank of the view) into buf on every other

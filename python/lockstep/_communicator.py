@@ -420,14 +420,24 @@ class Communicator:
             raise InvalidArgumentError("cannot all-reduce an empty array or tensor (count is zero)")
         return s, d
 
-    def _descriptor(self, src: Any, dst: Any, op: Any, quantization: Any, tag: Any) -> Tuple[Tuple[Any, ...], _Buffer, _Buffer]:
+    def _descriptor(self, src: Any, dst: Any, op: Any, quantization: Any, tag: Any,
+                    residual: Any = None) -> Tuple[Tuple[Any, ...], _Buffer, _Buffer, Any]:
         s, d = self._buffers(src, dst)
+        r_address = 0
+        if residual is not None:
+            r = _as_buffer(residual, "residual", write=True)
+            if r.dtype != s.dtype or r.count != s.count:
+                raise InvalidArgumentError(
+                    f"residual must have src's dtype and size ({s.dtype.name}, {s.count} elements), "
+                    f"not {r.dtype.name}, {r.count}")
+            r_address = r.address
         desc = (s.address, d.address, s.count, int(s.dtype), _parse_op(op), _parse_quantization(quantization),
-                _check_uint("tag", tag, 64))
-        return desc, s, d
+                _check_uint("tag", tag, 64), r_address)
+        return desc, s, d, residual
 
     def all_reduce(self, src: Any, dst: Any = None, *, op: Union[str, ReduceOp] = "sum",
-                   quantization: Union[None, str, Quantization] = None, tag: int = 0) -> ReduceInfo:
+                   quantization: Union[None, str, Quantization] = None, tag: int = 0,
+                   residual: Any = None) -> ReduceInfo:
         """All-reduces ``src`` into ``dst`` (``dst=None``: in place into ``src``).
 
         Every peer of the group calls it with the same tag, size, dtype, op and
@@ -437,19 +447,27 @@ class Communicator:
 
         src/dst: contiguous NumPy arrays or CPU tensors of the same dtype and element
         count (shapes may differ); ``dst`` writeable. op: 'sum', 'avg', 'prod', 'max',
-        'min' or :class:`ReduceOp`. quantization: None, 'minmax' or 'zeropoint'
-        (floating-point dtypes only).
+        'min' or :class:`ReduceOp`. quantization: None, 'minmax', 'zeropoint' (8-bit
+        codes), 'minmax4', 'zeropoint4' (4-bit codes), 'f16' or 'bf16' (casts, float32 and
+        float64 only), or :class:`Quantization` (floating-point dtypes only).
+
+        residual: error feedback for a quantized all-reduce with op 'sum' or 'avg': an
+        array of src's dtype and size, zeros before the first call, owned by the caller
+        and passed to every call of this all-reduce. The call contributes src + residual;
+        when it succeeds, residual holds what quantization dropped of this peer's part
+        (added back next time); when it fails, residual is unchanged.
         """
-        desc, s, d = self._descriptor(src, dst, op, quantization, tag)
+        desc, s, d, _ = self._descriptor(src, dst, op, quantization, tag, residual)
         return ReduceInfo(*self._impl.all_reduce(*desc))
 
     def all_reduce_async(self, src: Any, dst: Any = None, *, op: Union[str, ReduceOp] = "sum",
-                         quantization: Union[None, str, Quantization] = None, tag: int = 0) -> AsyncHandle:
+                         quantization: Union[None, str, Quantization] = None, tag: int = 0,
+                         residual: Any = None) -> AsyncHandle:
         """Starts an all-reduce and returns an :class:`AsyncHandle` at once. Several may be
         in flight with distinct tags. The arrays are referenced until the handle is
-        awaited; do not touch ``dst`` before that."""
-        desc, s, d = self._descriptor(src, dst, op, quantization, tag)
-        keep = (s.obj, d.obj)
+        awaited; do not touch ``dst`` (or ``residual``) before that."""
+        desc, s, d, r = self._descriptor(src, dst, op, quantization, tag, residual)
+        keep = (s.obj, d.obj, r)
         impl = self._impl.all_reduce_async(*desc, keep)
         return AsyncHandle(impl, s.obj, d.obj, desc[-1])
 
@@ -642,8 +660,8 @@ class Communicator:
                         f"operation {i}: a barrier (src None) takes no dst, op or quantization")
                 descs.append((0, 0, 0, 0, 0, 0, _check_uint("tag", tag, 64)))
                 continue
-            desc, s, d = self._descriptor(src, dst, op, q, tag)
-            descs.append(desc)
+            desc, s, d, _ = self._descriptor(src, dst, op, q, tag)
+            descs.append(desc[:7])  # no residual here
             keep.append((s.obj, d.obj))
         max_in_flight = _check_uint("max_in_flight", max_in_flight, 63)
         if max_in_flight == 0:

@@ -91,7 +91,7 @@ InfoTuple to_tuple(const lockstep_reduce_info_t& info) {
 }
 
 lockstep_reduce_desc_t make_desc(std::uintptr_t src, std::uintptr_t dst, std::uint64_t count, int dtype, int op,
-                                 int quantization, std::uint64_t tag) {
+                                 int quantization, std::uint64_t tag, std::uintptr_t residual = 0) {
   lockstep_reduce_desc_t d;
   std::memset(&d, 0, sizeof d);
   d.src = as_ptr<const void>(src);
@@ -101,6 +101,7 @@ lockstep_reduce_desc_t make_desc(std::uintptr_t src, std::uintptr_t dst, std::ui
   d.op = static_cast<lockstep_reduce_op_t>(op);
   d.quantization = static_cast<lockstep_quantization_t>(quantization);
   d.tag = tag;
+  d.residual = as_ptr<void>(residual);
   return d;
 }
 
@@ -550,9 +551,9 @@ class PyComm {
   }
 
   InfoTuple all_reduce(std::uintptr_t src, std::uintptr_t dst, std::uint64_t count, int dtype, int op, int quantization,
-                       std::uint64_t tag) {
+                       std::uint64_t tag, std::uintptr_t residual) {
     Busy busy(*state_);
-    const lockstep_reduce_desc_t d = make_desc(src, dst, count, dtype, op, quantization, tag);
+    const lockstep_reduce_desc_t d = make_desc(src, dst, count, dtype, op, quantization, tag, residual);
     lockstep_reduce_info_t info{};
     auto [s, message] = call_released(busy.comm(), [&] { return lockstep_comm_all_reduce(busy.comm(), &d, &info); });
     if (s != LOCKSTEP_OK) fail(s, message);
@@ -560,9 +561,9 @@ class PyComm {
   }
 
   PyAsync all_reduce_async(std::uintptr_t src, std::uintptr_t dst, std::uint64_t count, int dtype, int op,
-                           int quantization, std::uint64_t tag, py::object keepalive) {
+                           int quantization, std::uint64_t tag, std::uintptr_t residual, py::object keepalive) {
     Busy busy(*state_);
-    const lockstep_reduce_desc_t d = make_desc(src, dst, count, dtype, op, quantization, tag);
+    const lockstep_reduce_desc_t d = make_desc(src, dst, count, dtype, op, quantization, tag, residual);
     lockstep_async_t* handle = nullptr;
     auto [s, message] =
         call_released(busy.comm(), [&] { return lockstep_comm_all_reduce_async(busy.comm(), &d, &handle); });
@@ -891,9 +892,10 @@ PYBIND11_MODULE(_lockstep, m) {
       .def("counters", &PyComm::counters)
       .def("slot_bytes", &PyComm::slot_bytes)
       .def("all_reduce", &PyComm::all_reduce, py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"),
-           py::arg("op"), py::arg("quantization"), py::arg("tag"))
+           py::arg("op"), py::arg("quantization"), py::arg("tag"), py::arg("residual"))
       .def("all_reduce_async", &PyComm::all_reduce_async, py::arg("src"), py::arg("dst"), py::arg("count"),
-           py::arg("dtype"), py::arg("op"), py::arg("quantization"), py::arg("tag"), py::arg("keepalive"))
+           py::arg("dtype"), py::arg("op"), py::arg("quantization"), py::arg("tag"), py::arg("residual"),
+           py::arg("keepalive"))
       .def("broadcast", &PyComm::broadcast, py::arg("buf"), py::arg("count"), py::arg("dtype"), py::arg("root"),
            py::arg("tag"))
       .def("broadcast_async", &PyComm::broadcast_async, py::arg("buf"), py::arg("count"), py::arg("dtype"),

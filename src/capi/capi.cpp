@@ -681,6 +681,7 @@ lockstep::Result<lockstep::peer::ReduceDescriptor> to_descriptor(const lockstep_
   out.op = d.op;
   out.quantization = d.quantization;
   out.tag = d.tag;
+  out.residual = d.residual;
   // A descriptor with no count and no buffers is a barrier (multiple-with-retry's).
   if (d.count == 0 && d.src == nullptr && d.dst == nullptr) out.kind = lockstep::proto::CollectiveKind::kBarrier;
   return out;
@@ -821,11 +822,11 @@ lockstep_status_t lockstep_comm_reduce_scatter_async_sized(lockstep_comm_t* comm
 }
 
 lockstep_status_t lockstep_comm_barrier(lockstep_comm_t* comm, uint64_t tag) {
-  const lockstep_reduce_desc_t barrier{nullptr, nullptr, 0, LOCKSTEP_U8, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, tag};
+  const lockstep_reduce_desc_t barrier{nullptr, nullptr, 0, LOCKSTEP_U8, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, tag, nullptr};
   return run_blocking("lockstep_comm_barrier", comm, &barrier, sizeof barrier, nullptr, 0);
 }
 lockstep_status_t lockstep_comm_barrier_async(lockstep_comm_t* comm, uint64_t tag, lockstep_async_t** out_handle) {
-  const lockstep_reduce_desc_t barrier{nullptr, nullptr, 0, LOCKSTEP_U8, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, tag};
+  const lockstep_reduce_desc_t barrier{nullptr, nullptr, 0, LOCKSTEP_U8, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, tag, nullptr};
   return run_async("lockstep_comm_barrier_async", comm, &barrier, sizeof barrier, out_handle);
 }
 

@@ -402,6 +402,26 @@ void dequantize_reduce(void* dst, const std::uint8_t* in, std::size_t count, loc
   });
 }
 
+void quantization_error(const void* raw, const std::uint8_t* encoded, std::size_t count, lockstep_dtype_t dtype,
+                        lockstep_quantization_t quant, double factor, void* err) {
+  if (!quantization_supported(dtype, quant)) return;
+  with_qdtype(dtype, [&]<typename E>() {
+    using S = typename E::Storage;
+    S tmp[kBlock];
+    const S* x = static_cast<const S*>(raw);
+    S* e = static_cast<S*>(err);
+    for (std::size_t off = 0; off < count; off += kBlock) {
+      const std::size_t m = count - off < kBlock ? count - off : kBlock;
+      decode_range<E>(encoded, off, m, quant, tmp);
+      for (std::size_t i = 0; i < m; ++i) {
+        const double a = static_cast<double>(E::load(x[off + i]));
+        const double b = static_cast<double>(E::load(tmp[i]));
+        e[off + i] = E::from_double(std::isfinite(a) && std::isfinite(b) ? (a - b) * factor : 0.0);
+      }
+    }
+  });
+}
+
 QuantParams read_quant_params(const std::uint8_t* in) {
   QuantParams p;
   p.p0 = get_f64(in);

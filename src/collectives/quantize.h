@@ -115,6 +115,12 @@ void dequantize(const std::uint8_t* in, std::size_t count, lockstep_dtype_t dtyp
 void dequantize_reduce(void* dst, const std::uint8_t* in, std::size_t count, lockstep_dtype_t dtype,
                        lockstep_quantization_t quant, lockstep_reduce_op_t op);
 
+// Error feedback: err[i] = (raw[i] - decoded[i]) * factor, where decoded is the decoded
+// form of `encoded` (quantize() of raw), computed in double and rounded to the dtype;
+// 0 where raw[i] or decoded[i] is not finite. An unsupported combination writes nothing.
+void quantization_error(const void* raw, const std::uint8_t* encoded, std::size_t count, lockstep_dtype_t dtype,
+                        lockstep_quantization_t quant, double factor, void* err);
+
 // The parameters stored in an encoded chunk's header (kQuantHeaderBytes readable; a
 // code kind's only).
 QuantParams read_quant_params(const std::uint8_t* in);

@@ -198,9 +198,13 @@ constexpr std::uint64_t kStopped = std::uint64_t{1} << 63;
 class Runner {
  public:
   Runner(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats)
-      : p_(plan), io_(io), s_(scratch), stats_(stats), l_(plan) {}
+      : p_(plan), io_(io), s_(scratch), stats_(stats), l_(plan), src_(plan.src) {}
 
   Status run() {
+    if (p_.residual != nullptr) {
+      Status st = prepare_feedback();
+      if (!st.is_ok()) return st;
+    }
     if (p_.world == 1) {
       prepare();
       return single();
@@ -490,7 +494,7 @@ class Runner {
   std::uint8_t* dst_at(std::size_t c, std::size_t e) {
     return l_.in_destination(c) ? bytes_of(p_.dst) + l_.dst_offset(e) : s_.work.data() + e * l_.esize();
   }
-  const std::uint8_t* src_at(std::size_t e) const { return bytes_of(p_.src) + l_.src_offset(e); }
+  const std::uint8_t* src_at(std::size_t e) const { return bytes_of(src_) + l_.src_offset(e); }
 
   // Backs up destination elements [start, start+len) of sub-chunk g before the first write.
   void touch(std::size_t g, std::size_t start, std::size_t len) {
@@ -523,14 +527,37 @@ class Runner {
   }
 
   Status single() {
-    if (p_.src != p_.dst) {
+    if (src_ != p_.dst) {
       touch(0, 0, p_.count);
-      std::memcpy(p_.dst, p_.src, p_.count * l_.esize());
+      std::memcpy(p_.dst, src_, p_.count * l_.esize());
     }
     return Status::ok();  // a world of one: sum, max, ... and avg over one peer are the input
   }
 
   bool quantized() const { return p_.quantization != LOCKSTEP_QUANT_NONE; }
+  bool feedback() const { return p_.residual != nullptr; }
+
+  // Error feedback: the contribution is src + residual, the next residual starts at 0
+  // (every element of it is written once by the encodings below; the zeros cover a
+  // world of one, where nothing is encoded).
+  Status prepare_feedback() {
+    if (l_.kind() != RingKind::kAllReduce || !quantized() || (p_.op != LOCKSTEP_SUM && p_.op != LOCKSTEP_AVG)) {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "error feedback needs a quantized all-reduce with op sum or avg");
+    }
+    const std::size_t bytes = p_.count * l_.esize();
+    s_.contribution.resize(bytes);
+    s_.residual_next.assign(bytes, 0);
+    std::memcpy(s_.contribution.data(), p_.src, bytes);
+    reduce(s_.contribution.data(), p_.residual, p_.count, p_.dtype, LOCKSTEP_SUM);
+    src_ = s_.contribution.data();
+    return Status::ok();
+  }
+  // What encoding `raw` (elements from `start`) as `encoded` dropped, into the next residual.
+  void record_error(const std::uint8_t* raw, const std::uint8_t* encoded, std::size_t start, std::size_t elems,
+                    double factor) {
+    quantization_error(raw, encoded, elems, p_.dtype, p_.quantization, factor,
+                       s_.residual_next.data() + start * l_.esize());
+  }
   bool encrypted() const { return io_.seal != nullptr && io_.open != nullptr; }
   // Bytes after the header: the payload, and its tag when encrypted.
   std::size_t on_wire(std::size_t payload) const { return payload + (encrypted() ? security::kTagBytes : 0); }
@@ -545,11 +572,16 @@ class Runner {
     const std::size_t elems = l_.sub_len(c, cur.sub);
     if (cur.step + 1 < l_.n()) {
       quantize(raw, elems, p_.dtype, p_.quantization, encoded_send_of(k));
+      if (feedback()) record_error(raw, encoded_send_of(k), start, elems, 1.0);
       return encoded_send_of(k);
     }
     std::uint8_t* kept = s_.encoded_gather.data() + l_.encoded_offset(c, cur.sub);
     if (cur.step + 1 == l_.n()) {
       quantize(raw, elems, p_.dtype, p_.quantization, kept);
+      // The final sum's error, in the units of the contributions (avg: world x).
+      if (feedback()) {
+        record_error(raw, kept, start, elems, p_.op == LOCKSTEP_AVG ? static_cast<double>(p_.world) : 1.0);
+      }
       touch(l_.sub_index(c, cur.sub), start, elems);
       dequantize(kept, elems, p_.dtype, p_.quantization, bytes_of(p_.dst) + start * l_.esize());
     }
@@ -832,6 +864,7 @@ class Runner {
   RingScratch& s_;
   RingStats* stats_;
   Layout l_;
+  const void* src_;  // this peer's contribution: plan.src, or with error feedback src + residual
   std::array<TxStream, kRingStreamsMax> tx_;
   std::size_t ntx_ = 1;
   std::size_t own_placed_ = 0;  // sub-chunks of the own chunk placed (all-gather)
@@ -907,6 +940,13 @@ Status run_ring(const RingPlan& plan, const RingIo& io, RingScratch& scratch, Ri
     return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "broadcast root outside the world");
   }
   return Runner(plan, io, scratch, stats).run();
+}
+
+void commit_residual(const RingPlan& plan, const RingScratch& scratch) {
+  const std::size_t bytes = plan.count * dtype_size(plan.dtype);
+  if (plan.residual != nullptr && scratch.residual_next.size() >= bytes) {
+    std::memcpy(plan.residual, scratch.residual_next.data(), bytes);
+  }
 }
 
 void restore(const RingPlan& plan, RingScratch& scratch) {

@@ -77,6 +77,16 @@ struct RingPlan {
   lockstep_dtype_t dtype = LOCKSTEP_F32;
   lockstep_reduce_op_t op = LOCKSTEP_SUM;
   lockstep_quantization_t quantization = LOCKSTEP_QUANT_NONE;
+  // Error feedback (a quantized all-reduce with op sum or avg; docs/collectives.md): count
+  // elements of dtype. The attempt contributes src + residual (RingScratch::contribution)
+  // and leaves in RingScratch::residual_next what this peer's encodings dropped: for each
+  // element, the value it encoded (its input, a partial sum it forwarded, or, as the
+  // chunk's owner, the final sum) less that encoding's decoded form, the final one
+  // multiplied by the world for avg; 0 where either is not finite. Summed over the
+  // peers, the residuals are what the result lacks (the contributions' sum less the
+  // result, or less world x result for avg). commit_residual() copies it into residual
+  // once the attempt succeeded everywhere; residual itself is only read.
+  void* residual = nullptr;
   std::uint64_t attempt = 0;
   std::size_t subchunk_bytes = 1024 * 1024;
   // Buffers of at least this many bytes are sent by a second thread (ring.cpp says
@@ -207,6 +217,9 @@ struct RingScratch {
   // Encrypted attempts: per stream one sealed sub-chunk (ciphertext and tag) in each direction.
   std::vector<std::uint8_t> sealed_send;
   std::vector<std::uint8_t> sealed_recv;
+  // Error feedback: this attempt's contribution (src + residual) and the next residual.
+  std::vector<std::uint8_t> contribution;
+  std::vector<std::uint8_t> residual_next;
 };
 
 // The frame header: magic (2 bytes, "LS"), stream index, stream count (1 byte each),
@@ -234,5 +247,8 @@ inline Status run_ring_all_reduce(const RingPlan& plan, const RingIo& io, RingSc
 }
 // Puts back every part of the destination written by the last run with this scratch.
 void restore(const RingPlan& plan, RingScratch& scratch);
+// Error feedback: once the attempt succeeded everywhere, its residual becomes the
+// caller's (plan.residual); nothing without one.
+void commit_residual(const RingPlan& plan, const RingScratch& scratch);
 
 }  // namespace lockstep::coll

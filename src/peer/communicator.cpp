@@ -655,6 +655,24 @@ Status Communicator::check_collective_call(const ReduceDescriptor& d) {
                     "quantization needs a floating-point dtype (f16, bf16, f32, f64; a cast to f16 or bf16: f32 or f64)");
     }
   }
+  if (d.residual != nullptr) {
+    if (d.kind != Kind::kAllReduce || d.quantization == LOCKSTEP_QUANT_NONE ||
+        (d.op != LOCKSTEP_SUM && d.op != LOCKSTEP_AVG)) {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                    "a residual (error feedback) needs a quantized all-reduce with op sum or avg");
+    }
+    // The residual is read during every attempt and written after the last: it may not
+    // share a byte with the input or the output.
+    const std::size_t bytes = static_cast<std::size_t>(d.count) * coll::dtype_size(d.dtype);
+    const auto overlaps = [&](const void* p) {
+      const auto* a = static_cast<const std::uint8_t*>(d.residual);
+      const auto* b = static_cast<const std::uint8_t*>(p);
+      return p != nullptr && std::less<>()(a, b + bytes) && std::less<>()(b, a + bytes);
+    };
+    if (overlaps(d.src) || overlaps(d.dst)) {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "the residual overlaps the all-reduce's src or dst");
+    }
+  }
   if (!accepted_) return Status(LOCKSTEP_STATUS_NOT_INITIALIZED, "connect the communicator (and be accepted) first");
   if (Status fatal = link_->fatal(); !fatal.is_ok()) return fatal;
   return Status::ok();
@@ -991,6 +1009,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   plan.dtype = d.dtype;
   plan.op = d.op;
   plan.quantization = d.quantization;
+  plan.residual = d.residual;
   plan.attempt = go.attempt;
   plan.subchunk_bytes = coll::ring_subchunk_bytes(n);
   const std::size_t peers_here = peers_on_this_host(go.ring);
@@ -1081,6 +1100,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
     info->world_size = result.world_size;
   }
   if (!final_status.is_ok() && ran && local.is_ok()) coll::restore(plan, *scratch);  // we had finished: undo
+  if (final_status.is_ok() && ran) coll::commit_residual(plan, *scratch);
   if (!final_status.is_ok() && had_turn) drop_connections(next, prev, go.slot);
   link_->release_slot(go.slot, go.attempt);
   slot_bytes_[go.slot].sent.fetch_add(stats.bytes_sent, std::memory_order_relaxed);

@@ -92,6 +92,9 @@ struct ReduceDescriptor {
   std::uint32_t root = 0;
   std::vector<std::uint64_t> counts = {};  // all-gather: elements per rank (empty: count each)
   std::uint64_t dst_capacity = 0;     // all-gather: elements dst has room for
+  // All-reduce with quantization, op sum or avg: error feedback (coll::RingPlan::residual),
+  // count elements of dtype, updated only when the all-reduce succeeds.
+  void* residual = nullptr;
 };
 
 struct ReduceInfo {

@@ -144,6 +144,7 @@ int main(void) {
   tensors[1].key = "weights"; /* a duplicate key */
   CHECK(lockstep_comm_sync_shared_state(comm, &state, LOCKSTEP_SYNC_ENFORCE_POPULAR, NULL) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
 
+  memset(&desc, 0, sizeof desc); /* fields of later versions stay zero: their defaults */
   desc.src = weights;
   desc.dst = weights;
   desc.count = 1000;

@@ -8,6 +8,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 enum { kCount = 4096, kWaitSteps = 2400 /* x 25 ms: one minute */ };
@@ -67,6 +68,7 @@ int main(int argc, char** argv) {
     values[i] = (float)i * (float)(rank + 1);
     counts[i] = (int64_t)(rank + 1) << 40;
   }
+  memset(&desc, 0, sizeof desc); /* fields of later versions stay zero: their defaults */
   desc.src = values;
   desc.dst = values;
   desc.count = kCount;

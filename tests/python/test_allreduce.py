@@ -178,9 +178,15 @@ def test_numpy_and_torch_mixed_and_multidimensional(cluster):
 
 
 def test_quantization_is_close(cluster):
+    # Each kind with the error its codes allow here (the sum's range is 2 x 6: half a
+    # step is 12/510 for 8-bit codes, 12/30 for 4-bit ones, per encoding; a cast errs by
+    # its relative precision); every peer holds the same bits.
+    kinds = [("minmax", 0.1), ("zeropoint", 0.1), (lockstep.Quantization.MINMAX, 0.1), ("minmax4", 2.0),
+             ("zeropoint4", 2.0), (lockstep.Quantization.MINMAX4, 2.0), ("f16", 0.01), ("bf16", 0.1)]
+
     def work(i, comm):
         out = {}
-        for tag, q in enumerate(("minmax", "zeropoint", lockstep.Quantization.MINMAX)):
+        for tag, (q, _) in enumerate(kinds):
             a = np.linspace(-1, 1, 4096, dtype=np.float32) * (i + 1)
             comm.all_reduce(a, op="sum", quantization=q, tag=tag)
             out[tag] = a
@@ -190,8 +196,35 @@ def test_quantization_is_close(cluster):
     expected = np.linspace(-1, 1, 4096, dtype=np.float32) * sum(range(1, N + 1))
     for r in results:
         for tag, a in r.items():
-            np.testing.assert_allclose(a, expected, atol=0.1)
+            np.testing.assert_allclose(a, expected, atol=kinds[tag][1])
             assert a.tobytes() == results[0][tag].tobytes()
+
+
+def test_error_feedback_keeps_what_quantization_drops(cluster):
+    # Ten rounds of the same 4-bit average with a residual per peer: each round's
+    # residuals sum to what its result lacks, so the mean of the results converges to
+    # the exact average, which a plain 4-bit all-reduce misses by its fixed error.
+    rounds = 10
+
+    def work(i, comm):
+        src = np.sin(np.arange(8192, dtype=np.float64) * (i + 1) * 0.01)
+        residual = np.zeros_like(src)
+        plain, fed = np.zeros_like(src), np.zeros_like(src)
+        for r in range(rounds):
+            a = src.copy()
+            comm.all_reduce(a, op="avg", quantization="minmax4", tag=2 * r)
+            plain += a / rounds
+            b = src.copy()
+            comm.all_reduce(b, op="avg", quantization="minmax4", tag=2 * r + 1, residual=residual)
+            fed += b / rounds
+        return src, plain, fed
+
+    results = cluster.run(work)
+    exact = sum(r[0] for r in results) / N
+    plain_error = np.max(np.abs(results[0][1] - exact))
+    fed_error = np.max(np.abs(results[0][2] - exact))
+    assert all(np.array_equal(r[2], results[0][2]) for r in results)
+    assert fed_error < plain_error / 4, (fed_error, plain_error)
 
 
 def test_async_poll_and_wait(cluster):

@@ -342,8 +342,19 @@ def test_op_quantization_tag_checks(offline):
     rejected(lambda: offline.all_reduce(a, tag=1 << 64), "tag")
     for op in ("sum", "AVG", "prod", "max", "min", lockstep.ReduceOp.MAX, 4):
         accepted(lambda: offline.all_reduce(a, op=op, tag=(1 << 64) - 1))
-    for q in (None, "none", "minmax", "zeropoint", lockstep.Quantization.ZEROPOINT):
+    for q in (None, "none", "minmax", "zeropoint", lockstep.Quantization.ZEROPOINT, "minmax4", "ZeroPoint4", "f16",
+              "bf16", lockstep.Quantization.BF16):
         accepted(lambda: offline.all_reduce(a, quantization=q))
+    # A cast needs a wider float than the cast type.
+    rejected(lambda: offline.all_reduce(np.zeros(4, np.float16), quantization="bf16"), "floating-point")
+    # Error feedback: a residual of src's dtype and size, for a quantized sum or avg.
+    r = np.zeros(4, np.float32)
+    accepted(lambda: offline.all_reduce(a, quantization="minmax4", residual=r))
+    rejected(lambda: offline.all_reduce(a, quantization="minmax4", residual=np.zeros(3, np.float32)), "residual")
+    rejected(lambda: offline.all_reduce(a, quantization="minmax4", residual=np.zeros(4, np.float64)), "residual")
+    rejected(lambda: offline.all_reduce(a, residual=r), "residual")
+    rejected(lambda: offline.all_reduce(a, op="max", quantization="minmax4", residual=r), "residual")
+    rejected(lambda: offline.all_reduce(a, quantization="minmax4", residual=a), "overlaps")
     # Quantization of an integer dtype: refused by the C library itself.
     rejected(lambda: offline.all_reduce(np.zeros(4, np.int32), quantization="minmax"), "floating-point")
 

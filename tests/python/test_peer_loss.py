@@ -1,7 +1,8 @@
 """Failures seen from Python: a peer process killed during an all-reduce (every survivor
-gets PeerConnectionLostError, the destination is untouched, the retry succeeds with the
-survivors), a peer stopped past the heartbeat timeout (KickedError once it runs again),
-and a master that goes away (MasterConnectionLostError)."""
+gets PeerConnectionLostError, the destination and an error-feedback residual are
+untouched, the retry succeeds with the survivors), a peer stopped past the heartbeat
+timeout (KickedError once it runs again), and a master that goes away
+(MasterConnectionLostError)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ PEER_SNIPPET = textwrap.dedent("""
                 a = np.ones(100_000)  # the size of the in-process peers
                 print("reducing", flush=True)
                 print("reduced", comm.all_reduce(a, tag=1).world_size, flush=True)
+            elif line.strip() == "reduce4":  # 4-bit codes with error feedback
+                import numpy as np
+                a = np.linspace(0.0, 1.0, 100_000)
+                print("reducing", flush=True)
+                info = comm.all_reduce(a, tag=1, quantization="minmax4", residual=np.zeros_like(a))
+                print("reduced", info.world_size, flush=True)
         except lockstep.Error as e:
             print("error", type(e).__name__, e.status, isinstance(e, lockstep.FatalError), flush=True)
 """)
@@ -74,7 +81,8 @@ def wait_for_round(master: MasterProcess, tag: int, predicate, what: str) -> Non
         time.sleep(0.01)
 
 
-def test_killed_peer_fails_the_all_reduce_for_every_survivor_then_retry_succeeds():
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "4-bit-error-feedback"])
+def test_killed_peer_fails_the_all_reduce_for_every_survivor_then_retry_succeeds(feedback):
     # A master process with its HTTP endpoint: the test follows the round on /api/state.
     master = MasterProcess()
     peers = [Peer(master.address, f"p{i}") for i in range(2)]
@@ -88,12 +96,23 @@ def test_killed_peer_fails_the_all_reduce_for_every_survivor_then_retry_succeeds
             f.result(CALL_TIMEOUT_S)
         assert read_line(proc) == "ready"
 
-        srcs = [np.full(100_000, i + 1, dtype=np.float64) for i in range(2)]
+        if feedback:
+            # Spread values (4-bit codes lose some) and residuals left by earlier calls.
+            srcs = [np.linspace(0.0, 1.0, 100_000) + i + 1 for i in range(2)]
+            residuals = [np.full(100_000, 0.001 * (i + 1)) for i in range(2)]
+        else:
+            srcs = [np.full(100_000, i + 1, dtype=np.float64) for i in range(2)]
+            residuals = [None, None]
+        before = [None if r is None else r.copy() for r in residuals]
         dsts = [np.full(100_000, -1.0) for _ in range(2)]
+        extra = {"quantization": "minmax4"} if feedback else {}
+
+        def reduce(i, comm):
+            return comm.all_reduce(srcs[i], dsts[i], tag=1, residual=residuals[i], **extra)
 
         def reduce_once(i, comm):
             try:
-                return comm.all_reduce(srcs[i], dsts[i], tag=1)
+                return reduce(i, comm)
             except lockstep.PeerConnectionLostError as e:
                 return e
 
@@ -101,7 +120,7 @@ def test_killed_peer_fails_the_all_reduce_for_every_survivor_then_retry_succeeds
         # the others; once they start the tag too the master lets all three go, so the
         # stopped peer is part of the ring when it is killed. (A peer that dies before it
         # started a tag is not a participant: the others would complete without it.)
-        proc.stdin.write("reduce\n")
+        proc.stdin.write("reduce4\n" if feedback else "reduce\n")
         proc.stdin.flush()
         assert read_line(proc) == "reducing"
         wait_for_round(master, 1, lambda r: r["phase"] == "voting" and len(r["done"]) == 1,
@@ -116,12 +135,22 @@ def test_killed_peer_fails_the_all_reduce_for_every_survivor_then_retry_succeeds
             assert isinstance(out, lockstep.PeerConnectionLostError), out
             assert isinstance(out, lockstep.RetryableError) and out.status == 9
             assert np.all(dst == -1.0)  # the destination holds what it held before
+        for r, b in zip(residuals, before):
+            assert r is None or np.array_equal(r, b)  # so does the residual
 
         # Retry with the survivors.
-        infos = [p.submit(lambda c, i=i: c.all_reduce(srcs[i], dsts[i], tag=1)) for i, p in enumerate(peers)]
+        infos = [p.submit(lambda c, i=i: reduce(i, c)) for i, p in enumerate(peers)]
         assert [f.result(CALL_TIMEOUT_S).world_size for f in infos] == [2, 2]
-        for dst in dsts:
-            assert np.all(dst == 3.0)
+        if not feedback:
+            for dst in dsts:
+                assert np.all(dst == 3.0)
+        else:
+            # Both peers hold the same bits; what the 4-bit result lacks of the exact sum
+            # of the contributions (src + residual) is in the new residuals.
+            assert np.array_equal(dsts[0], dsts[1])
+            exact = srcs[0] + before[0] + srcs[1] + before[1]
+            assert np.max(np.abs(exact - dsts[0])) > 1e-3  # the codes lose something
+            assert np.allclose(exact - dsts[0], residuals[0] + residuals[1], rtol=0, atol=1e-9)
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
