@@ -9,16 +9,18 @@ concurrency and stream count with `lockstep-bench allreduce --master` on each ho
 
 One JSON line per case:
   {"bench": "wan_loss", "hosts", "cap_mbit", "rtt_ms", "loss", "cc", "bytes",
-   "concurrency", "streams", "pool", "p50_ms", "link_use", "mbit_s",
-   "iperf3_p1_mbit", "iperf3_p8_mbit"}
+   "concurrency", "streams", "pool", "quant", "p50_ms", "link_use", "mbit_s",
+   "effective_mbit_s", "iperf3_p1_mbit", "iperf3_p8_mbit"}
 p50_ms: the slowest peer's median time of one iteration (all `concurrency` all-reduces);
 mbit_s: the payload bits one peer sent per second (its bytes on the wire per iteration
-x 8 / p50); link_use: mbit_s / cap, as in BENCHMARKS.md's pool sweep. A case that does
-not finish within --timeout seconds prints "error" and null figures.
+x 8 / p50); link_use: mbit_s / cap, as in BENCHMARKS.md's pool sweep; effective_mbit_s:
+the bits all-reduced per second (bytes x concurrency x 8 / p50: quantization raises it
+above mbit_s). A case that does not finish within --timeout seconds prints "error" and
+null figures.
 
 Usage: scripts/bench-wan-loss.py [--build build] [--hosts 2,4] [--cap 1000]
          [--rtt-ms 50] [--loss 0.001] [--cc reno] [--sizes 16MiB]
-         [--concurrency 1,8] [--streams 1] [--pool N] [--iterations 5]
+         [--concurrency 1,8] [--quant none] [--streams 1] [--pool N] [--iterations 5]
          [--iperf-seconds 10] [--timeout 600]
 Lists are comma-separated. --streams is passed on as `lockstep-bench allreduce
 --streams N` (0: the communicator adapts the count to the path, docs/wan.md; 1 to 16
@@ -162,6 +164,7 @@ def main() -> int:
     parser.add_argument("--cc", default="reno", help="congestion control(s) of the hosts, e.g. reno,bbr")
     parser.add_argument("--sizes", default="16MiB")
     parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--quant", default="none", help="quantization(s) of lockstep-bench, e.g. none,minmax4")
     parser.add_argument("--streams", default="1")
     parser.add_argument("--pool", type=int, default=0, help="connections per neighbour (default: the concurrency)")
     parser.add_argument("--iterations", type=int, default=5)
@@ -212,26 +215,29 @@ def main() -> int:
                     p1 = iperf3(bed, 1, args.iperf_seconds)
                     p8 = iperf3(bed, 8, args.iperf_seconds)
                     for size in sizes:
-                        for conc in concurrencies:
+                        for conc, quant in [(c, q) for c in concurrencies for q in args.quant.split(",")]:
                             for streams in streams_list:
                                 pool = args.pool or conc
                                 cmd = ["--size", str(size), "--iterations", str(args.iterations),
                                        "--warmup", str(args.warmup), "--pool", str(pool),
-                                       "--concurrency", str(conc)]
+                                       "--concurrency", str(conc), "--quant", quant]
                                 if has_streams:
                                     cmd += ["--streams", str(streams)]
                                 result = allreduce(bed, bin_dir, cmd, args.timeout)
                                 line = {"bench": "wan_loss", "hosts": hosts, "cap_mbit": args.cap,
                                         "rtt_ms": args.rtt_ms, "loss": loss, "cc": cc, "bytes": size,
-                                        "concurrency": conc, "streams": streams, "pool": pool}
+                                        "concurrency": conc, "streams": streams, "pool": pool, "quant": quant}
                                 if isinstance(result, str):
                                     line.update(p50_ms=None, link_use=None, mbit_s=None, error=result)
                                 else:
                                     worst = max(result, key=lambda r: r["p50_us"])
                                     wire = max(r["wire_bytes"] for r in result)
                                     mbit = wire * 8 / (worst["p50_us"] / 1e6) / 1e6
+                                    # The data's own rate: the bytes all-reduced per second.
+                                    effective = size * conc * 8 / (worst["p50_us"] / 1e6) / 1e6
                                     line.update(p50_ms=round(worst["p50_us"] / 1e3, 1),
-                                                link_use=round(mbit / args.cap, 4), mbit_s=round(mbit, 2))
+                                                link_use=round(mbit / args.cap, 4), mbit_s=round(mbit, 2),
+                                                effective_mbit_s=round(effective, 2))
                                 line.update(iperf3_p1_mbit=p1, iperf3_p8_mbit=p8)
                                 print(json.dumps(line), flush=True)
     return 0

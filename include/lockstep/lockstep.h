@@ -171,8 +171,7 @@ typedef enum lockstep_reduce_op {
 } lockstep_reduce_op_t;
 
 /** Quantization on the wire (floating-point dtypes only; docs/collectives.md has each
- * code's error bound). The 4-bit codes and the casts are since 0.7 and need a master of
- * 0.7 or later. */
+ * code's error bound). The 4-bit codes and the casts are since 0.7. */
 typedef enum lockstep_quantization {
   LOCKSTEP_QUANT_NONE = 0,
   LOCKSTEP_QUANT_MINMAX_U8 = 1,     /**< min and (max-min)/255 per chunk, 8-bit codes */
@@ -351,6 +350,13 @@ typedef struct lockstep_comm_config {
    * before any byte moves, naming this peer and the element. Costs one read of the
    * contribution (BENCHMARKS.md). 0 (default): no check. */
   int check_finite;
+  /** Since 0.7: always 0 (it keeps the next field beyond 0.6's struct size). */
+  uint32_t reserved_0_7;
+  /** Since 0.7. 0 (default): this peer asks for its shared-state transfers in blocks that
+   * the sending peer compresses with zstd where it measures that compressing pays (a
+   * slow link and compressible data; docs/architecture.md); 1: raw bytes. Above 1:
+   * INVALID_ARGUMENT. Either way every tensor is verified by its hash. */
+  uint32_t state_compression;
 } lockstep_comm_config_t;
 
 /** Fills the struct_size bytes of a config with the defaults (master_host "127.0.0.1")
@@ -779,6 +785,10 @@ typedef enum lockstep_sync_strategy {
 typedef struct lockstep_sync_info {
   uint64_t bytes_sent;      /**< tensor bytes this peer served to others */
   uint64_t bytes_received;  /**< tensor bytes this peer received */
+  /** Since 0.7: the same on the wire (compressed blocks and their 8-byte headers; the
+   * tags of sealed chunks not counted). Equal to the above where nothing was compressed. */
+  uint64_t wire_bytes_sent;
+  uint64_t wire_bytes_received;
 } lockstep_sync_info_t;
 
 /** Synchronizes the shared state with every accepted peer of the group (a vote: all

@@ -245,7 +245,10 @@ class SyncInfo:
 
     bytes_sent: int  # tensor bytes this peer served to others
     bytes_received: int  # tensor bytes this peer received
-    def __init__(self, bytes_sent: int, bytes_received: int) -> None: ...
+    wire_bytes_sent: int  # the same on the wire (compressed blocks and their headers)
+    wire_bytes_received: int
+    def __init__(self, bytes_sent: int, bytes_received: int, wire_bytes_sent: int = 0,
+                 wire_bytes_received: int = 0) -> None: ...
 
 class Member:
     """Frozen dataclass: one entry of the membership view (ordered by rank)."""
@@ -360,9 +363,11 @@ class Communicator:
                  secret: Optional[Union[bytes, str]] = None, inbound_handshake_timeout_ms: int = 0,
                  inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
                  encrypt_data: bool = False, p2p_streams: int = 0,
-                 tcp_congestion: Optional[str] = None, check_finite: bool = False) -> None:
+                 tcp_congestion: Optional[str] = None, check_finite: bool = False,
+                 state_compression: str = "auto") -> None:
         """check_finite: check this peer's contribution to each float collective for NaN
         and infinity first (NonFiniteContributionError on every peer, naming it).
+        state_compression: "auto" (zstd blocks where the sender finds it pays) or "off".
         master: "host:port" (port 48148 if omitted). group: the peer group. pool_size: p2p
         connections per neighbour and direction. base_port: -1 first free ports above
         48148, 0 ephemeral, else the first port tried. connect_timeout_ms: 0 means 10000.

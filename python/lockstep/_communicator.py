@@ -29,10 +29,14 @@ class ReduceInfo:
 
 @dataclasses.dataclass(frozen=True)
 class SyncInfo:
-    """What a shared-state sync moved: tensor bytes this peer served and received."""
+    """What a shared-state sync moved: tensor bytes this peer served and received, and
+    the same on the wire (compressed blocks and their headers; equal where nothing was
+    compressed)."""
 
     bytes_sent: int
     bytes_received: int
+    wire_bytes_sent: int = 0
+    wire_bytes_received: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +244,9 @@ class Communicator:
             NaN and infinity; one found fails the collective on every peer with
             NonFiniteContributionError (naming this peer and the element) before any
             byte moves. Costs one read of the contribution.
+        state_compression: ``"auto"`` (default): this peer's shared-state transfers
+            travel in blocks that the sending peer compresses (zstd) where it measures
+            that it pays; ``"off"``: raw bytes.
     """
 
     def __init__(self, master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}", group: int = 0, pool_size: int = 1,
@@ -248,8 +255,11 @@ class Communicator:
                  secret: Optional[Union[bytes, str]] = None, inbound_handshake_timeout_ms: int = 0,
                  inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
                  encrypt_data: bool = False, p2p_streams: int = 0,
-                 tcp_congestion: Optional[str] = None, check_finite: bool = False) -> None:
+                 tcp_congestion: Optional[str] = None, check_finite: bool = False,
+                 state_compression: str = "auto") -> None:
         host, port = _split_address(master, DEFAULT_MASTER_PORT, "master")
+        if state_compression not in ("auto", "off"):
+            raise InvalidArgumentError(f"state_compression must be 'auto' or 'off', not {state_compression!r}")
         if not host:
             raise InvalidArgumentError(f"master {master!r}: the host is empty")
         if isinstance(base_port, bool) or not isinstance(base_port, int) or not -1 <= base_port <= 65535:
@@ -269,7 +279,8 @@ class Communicator:
             _check_uint("inbound_handshake_timeout_ms", inbound_handshake_timeout_ms, 32),
             _check_uint("inbound_handshakes_max", inbound_handshakes_max, 32),
             _check_uint("p2p_stall_timeout_ms", p2p_stall_timeout_ms, 32), bool(encrypt_data),
-            _check_uint("p2p_streams", p2p_streams, 32), tcp_congestion or "", bool(check_finite))
+            _check_uint("p2p_streams", p2p_streams, 32), tcp_congestion or "", bool(check_finite),
+            0 if state_compression == "auto" else 1)
         self.master = f"{host}:{port}"
 
     # -- membership ---------------------------------------------------------
@@ -692,9 +703,9 @@ class Communicator:
                 raise InvalidArgumentError(f"shared-state tensor {t.key!r} is empty")
             tensors.append((t.key, buf.address, buf.count, int(buf.dtype), t.allow_content_inequality))
             keep.append(buf)
-        revision, sent, received = self._impl.sync_shared_state(tensors, state.revision, code)
+        revision, sent, received, wire_sent, wire_received = self._impl.sync_shared_state(tensors, state.revision, code)
         state.revision = revision
-        return SyncInfo(sent, received)
+        return SyncInfo(sent, received, wire_sent, wire_received)
 
     # -- lifetime -------------------------------------------------------------
 

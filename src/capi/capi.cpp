@@ -400,6 +400,12 @@ lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* caller_conf
     options.p2p_streams = config->p2p_streams;
     if (config->tcp_congestion != nullptr) options.tcp_congestion = config->tcp_congestion;
     options.check_finite = config->check_finite != 0;
+    if (config->state_compression > 1 || config->reserved_0_7 != 0) {
+      LOG_ERROR("capi", "lockstep_comm_create: INVALID_ARGUMENT: state_compression is 0 (compress where it pays) or 1 "
+                        "(off), and reserved_0_7 is 0");
+      return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+    }
+    options.compress_state = config->state_compression == 0;
     auto created = lockstep::peer::Communicator::create(options);
     if (!created.is_ok()) {
       LOG_ERROR("capi", "lockstep_comm_create: " << created.status().to_string());
@@ -926,6 +932,8 @@ lockstep_status_t lockstep_comm_sync_shared_state_sized(lockstep_comm_t* comm, l
       lockstep_sync_info_t info{};
       info.bytes_sent = r.value().bytes_sent;
       info.bytes_received = r.value().bytes_received;
+      info.wire_bytes_sent = r.value().wire_bytes_sent;
+      info.wire_bytes_received = r.value().wire_bytes_received;
       write_prefix(out_info, info_size, info);
     }
     return LOCKSTEP_OK;

@@ -68,6 +68,9 @@ struct Options {
   // Check this peer's contribution to each float collective for NaN and infinity first;
   // one found ends the collective on every peer with NON_FINITE_CONTRIBUTION.
   bool check_finite = false;
+  // Ask for shared-state transfers in blocks, compressed where the sender finds that it
+  // pays (state/blocks.h); false: raw bytes.
+  bool compress_state = true;
 };
 
 class Link;       // the background thread and everything it owns (communicator.cpp)
@@ -116,6 +119,10 @@ struct SharedTensor {
 struct SyncInfo {
   std::uint64_t bytes_sent = 0;      // tensor bytes served to other peers
   std::uint64_t bytes_received = 0;  // tensor bytes received
+  // The same on the wire: compressed blocks and their 8-byte headers where the
+  // transfer went in blocks, else equal to the above (seals' tags not counted).
+  std::uint64_t wire_bytes_sent = 0;
+  std::uint64_t wire_bytes_received = 0;
 };
 
 // What a communicator did since it was created (docs/observability.md). Operations are

@@ -13,12 +13,17 @@
 // With encrypt_data, every frame of a transfer connection is sealed (security/frames.h)
 // and tensor bytes travel as sealed chunks of at most limits::kSealedChunkBytes, each
 // opened into the tensor only once it verifies; one chunk buffer per connection.
+// Unless the fetcher's compress_state is off, it asks for blocks (state/blocks.h): the
+// server compresses each where its policy says it pays, and the fetcher decompresses a
+// compressed block into a buffer of its own, copying it into the tensor only once it
+// decompressed to exactly its size.
 #include "common/dtype.h"
 #include "common/limits.h"
 #include "common/log.h"
 #include "peer/communicator.h"
 #include "peer/handshake.h"
 #include "peer/link.h"
+#include "state/blocks.h"
 #include "state/hash.h"
 #include "transport/framed.h"
 
@@ -128,6 +133,79 @@ Status recv_bytes(int fd, std::uint8_t* data, std::uint64_t bytes, std::atomic<s
   return Status::ok();
 }
 
+using SteadyClock = std::chrono::steady_clock;
+double seconds_since(SteadyClock::time_point start) {
+  return std::chrono::duration<double>(SteadyClock::now() - start).count();
+}
+
+// The serving end of block transfers on one connection: the policy and its compressor.
+struct BlockSender {
+  state::CompressionPolicy policy;
+  state::BlockCompressor compressor;
+};
+
+// Sends `bytes` bytes at `data` as blocks; `wire` counts what went on the connection.
+Status send_blocks(int fd, const std::uint8_t* data, std::uint64_t bytes, SealedStream* sealed, BlockSender& out,
+                   std::atomic<std::uint64_t>& wire) {
+  out.policy.on_new_range();
+  for (std::uint64_t at = 0; at < bytes;) {
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(state::kBlockBytes, bytes - at));
+    state::BlockHeader h{static_cast<std::uint32_t>(n), static_cast<std::uint32_t>(n), false};
+    const std::uint8_t* payload = data + at;
+    if (out.policy.compress_next()) {
+      const auto start = SteadyClock::now();
+      const std::size_t c = out.compressor.compress(data + at, n, out.policy.level());
+      out.policy.on_compressed(n, c == 0 ? n : c, seconds_since(start));
+      if (c != 0) {
+        h = state::BlockHeader{static_cast<std::uint32_t>(n), static_cast<std::uint32_t>(c), true};
+        payload = out.compressor.data();
+      }
+    } else {
+      out.policy.on_skipped();
+    }
+    std::uint8_t header[state::kBlockHeaderBytes];
+    state::put_block_header(header, h);
+    const auto start = SteadyClock::now();
+    Status s = send_bytes(fd, header, sizeof header, sealed);
+    if (s.is_ok()) s = send_bytes(fd, payload, h.wire, sealed);
+    if (!s.is_ok()) return s;
+    out.policy.on_sent(sizeof header + h.wire, seconds_since(start));
+    wire += sizeof header + h.wire;
+    at += n;
+  }
+  return Status::ok();
+}
+
+// The fetching end of block transfers on one connection.
+struct BlockReceiver {
+  state::BlockDecompressor decompressor;
+  std::vector<std::uint8_t> frame = std::vector<std::uint8_t>(state::compress_bound(state::kBlockBytes));
+};
+
+// Receives `bytes` bytes into dst as blocks; `raw` counts tensor bytes, `wire` what came
+// over the connection.
+Status recv_blocks(int fd, std::uint8_t* dst, std::uint64_t bytes, SealedStream* sealed, BlockReceiver& in,
+                   std::atomic<std::uint64_t>& raw, std::atomic<std::uint64_t>& wire) {
+  for (std::uint64_t at = 0; at < bytes;) {
+    std::uint8_t header[state::kBlockHeaderBytes];
+    Status s = recv_bytes(fd, header, sizeof header, wire, sealed);
+    if (!s.is_ok()) return s;
+    auto h = state::parse_block_header(header, bytes - at);
+    if (!h.is_ok()) return h.status();
+    const state::BlockHeader& b = h.value();
+    if (!b.compressed) {
+      s = recv_bytes(fd, dst + at, b.raw, wire, sealed);
+    } else {
+      s = recv_bytes(fd, in.frame.data(), b.wire, wire, sealed);
+      if (s.is_ok()) s = in.decompressor.decompress(in.frame.data(), b.wire, dst + at, b.raw);
+    }
+    if (!s.is_ok()) return s;
+    raw += b.raw;
+    at += b.raw;
+  }
+  return Status::ok();
+}
+
 // Answers the requests of one sync attempt until stopped.
 class StateServer {
  public:
@@ -149,6 +227,7 @@ class StateServer {
     handlers_.clear();
   }
   std::uint64_t bytes_sent() const { return bytes_sent_.load(); }
+  std::uint64_t wire_bytes_sent() const { return wire_sent_.load(); }
 
  private:
   void accept_loop() {
@@ -174,6 +253,7 @@ class StateServer {
   void serve(int fd, SealedStream* sealed) {
     transport::set_nodelay(fd);
     security::FrameCrypto* crypto = sealed != nullptr ? &sealed->crypto : nullptr;
+    std::unique_ptr<BlockSender> blocks;  // made on the first request for blocks
     for (;;) {
       auto message = transport::recv_message(fd, limits::kStateTransferStallMsDefault, crypto);
       if (!message.is_ok() && message.status().code() == LOCKSTEP_STATUS_PROTOCOL_ERROR) {
@@ -204,7 +284,14 @@ class StateServer {
       }
       Status s = transport::send_message(fd, proto::StateResponse{LOCKSTEP_OK, request->bytes, {}},
                                          limits::kStateTransferStallMsDefault, crypto);
-      if (s.is_ok()) s = send_bytes(fd, tensor->data + request->offset, request->bytes, sealed);
+      const std::uint8_t* data = tensor->data + request->offset;
+      if (s.is_ok() && request->encoding == proto::kStateEncodingBlocks) {
+        if (!blocks) blocks = std::make_unique<BlockSender>();
+        s = send_blocks(fd, data, request->bytes, sealed, *blocks, wire_sent_);
+      } else if (s.is_ok()) {
+        s = send_bytes(fd, data, request->bytes, sealed);
+        if (s.is_ok()) wire_sent_ += request->bytes;
+      }
       if (!s.is_ok()) return;
       bytes_sent_ += request->bytes;
     }
@@ -219,15 +306,16 @@ class StateServer {
   std::list<std::thread> handlers_;  // acceptor thread only, then stop()
   SocketSet sockets_;
   std::atomic<std::uint64_t> bytes_sent_{0};
+  std::atomic<std::uint64_t> wire_sent_{0};  // tensor data as sent: raw, or blocks and their headers
 };
 
 // Fetches the pieces of one plan from their sources, one connection and thread each.
 class Fetcher {
  public:
-  Fetcher(PeerId self, std::uint32_t connect_timeout_ms, bool secret, bool encrypt, const proto::SyncPlan& plan,
-          const std::vector<SharedTensor>& tensors, const std::vector<LocalTensor>& local)
-      : self_(self), connect_timeout_ms_(connect_timeout_ms), secret_(secret), encrypt_(encrypt), plan_(plan),
-        tensors_(tensors), local_(local) {
+  Fetcher(PeerId self, std::uint32_t connect_timeout_ms, bool secret, bool encrypt, bool compress,
+          const proto::SyncPlan& plan, const std::vector<SharedTensor>& tensors, const std::vector<LocalTensor>& local)
+      : self_(self), connect_timeout_ms_(connect_timeout_ms), secret_(secret), encrypt_(encrypt), compress_(compress),
+        plan_(plan), tensors_(tensors), local_(local) {
     for (const auto& e : plan_.expect) expected_[e.tensor] = e.hash;
   }
 
@@ -257,6 +345,7 @@ class Fetcher {
   }
   void abort() { sockets_.shutdown_all(); }
   std::uint64_t bytes_received() const { return bytes_received_.load(); }
+  std::uint64_t wire_bytes_received() const { return wire_received_.load(); }
 
  private:
   Status fetch_from(const proto::MemberInfo& source, const std::vector<const proto::SyncFetch*>& pieces) {
@@ -284,11 +373,13 @@ class Fetcher {
     if (!s.is_ok()) return lost(Status(s.code(), "shared-state handshake: " + s.message()));
     std::unique_ptr<SealedStream> sealed = encrypt_ ? std::make_unique<SealedStream>(keys, /*client=*/true) : nullptr;
     security::FrameCrypto* crypto = sealed ? &sealed->crypto : nullptr;
+    std::unique_ptr<BlockReceiver> blocks = compress_ ? std::make_unique<BlockReceiver>() : nullptr;
     const auto request = [&](const proto::SyncFetch& f) {
       auto expected = expected_.find(f.tensor);
       return transport::send_message(
           fd, proto::StateRequest{plan_.attempt, tensors_[f.tensor].key, f.offset, f.bytes,
-                                  expected == expected_.end() ? state::Digest{} : expected->second},
+                                  expected == expected_.end() ? state::Digest{} : expected->second,
+                                  compress_ ? proto::kStateEncodingBlocks : proto::kStateEncodingRaw},
           limits::kStateTransferStallMsDefault, crypto);
     };
     std::size_t sent = 0;
@@ -309,9 +400,11 @@ class Fetcher {
         return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it announced " + std::to_string(response->bytes) +
                                                           " bytes for a piece of " + std::to_string(f.bytes));
       }
-      if (Status r = recv_bytes(fd, local_[f.tensor].data + f.offset, f.bytes, bytes_received_, sealed.get()); !r.is_ok()) {
-        return lost(r);
-      }
+      std::uint8_t* into = local_[f.tensor].data + f.offset;
+      Status r = blocks ? recv_blocks(fd, into, f.bytes, sealed.get(), *blocks, bytes_received_, wire_received_)
+                        : recv_bytes(fd, into, f.bytes, bytes_received_, sealed.get());
+      if (!r.is_ok()) return lost(r);
+      if (!blocks) wire_received_ += f.bytes;
     }
     return Status::ok();
   }
@@ -324,12 +417,14 @@ class Fetcher {
   const std::uint32_t connect_timeout_ms_;
   const bool secret_;
   const bool encrypt_;
+  const bool compress_;
   const proto::SyncPlan& plan_;
   const std::vector<SharedTensor>& tensors_;
   const std::vector<LocalTensor>& local_;
   std::map<std::uint32_t, state::Digest> expected_;  // by tensor index
   SocketSet sockets_;
   std::atomic<std::uint64_t> bytes_received_{0};
+  std::atomic<std::uint64_t> wire_received_{0};
 };
 
 Status check_tensors(const std::vector<SharedTensor>& tensors) {
@@ -412,8 +507,8 @@ Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>
                                   << " tensor(s) to receive in " << plan.fetches.size() << " piece(s)");
 
   StateServer server(*link_, plan.attempt, by_key, options_.encrypt_data);
-  Fetcher fetcher(id_, options_.p2p_connect_timeout_ms, options_.secret.has_value(), options_.encrypt_data, plan, tensors,
-                  local);
+  Fetcher fetcher(id_, options_.p2p_connect_timeout_ms, options_.secret.has_value(), options_.encrypt_data,
+                  options_.compress_state, plan, tensors, local);
   std::thread transfers([&] {
     Status s = check_plan(plan, local);
     if (s.is_ok() && !plan.expect.empty()) s = fetcher.run();
@@ -437,7 +532,7 @@ Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>
   *revision = result.revision;
   scope.succeeded();
   sync_outcome.ok = true;
-  return SyncInfo{server.bytes_sent(), fetcher.bytes_received()};
+  return SyncInfo{server.bytes_sent(), fetcher.bytes_received(), server.wire_bytes_sent(), fetcher.wire_bytes_received()};
 }
 
 }  // namespace lockstep::peer

@@ -564,15 +564,17 @@ void encode_body(Writer& w, const StateRequest& m) {
   w.u(m.offset);
   w.u(m.bytes);
   put(w, m.hash);
+  w.u(m.encoding);
 }
 bool decode_body(Reader& r, StateRequest* m) {
   if (!r.u(&m->attempt, "state_request.attempt") ||
       !r.str(&m->key, limits::kSharedStateKeyBytesMax, "state_request.key") ||
       !r.u(&m->offset, "state_request.offset") || !r.u(&m->bytes, "state_request.bytes") ||
-      !get(r, &m->hash, "state_request.hash")) {
+      !get(r, &m->hash, "state_request.hash") || !r.u(&m->encoding, "state_request.encoding")) {
     return false;
   }
   if (m->key.empty()) return r.fail("state_request.key: empty");
+  if (m->encoding > kStateEncodingBlocks) return r.fail("state_request.encoding: unknown encoding");
   return true;
 }
 void encode_body(Writer& w, const StateResponse& m) {

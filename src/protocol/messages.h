@@ -24,7 +24,7 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 // 6: collective kinds (broadcast, all-gather, reduce-scatter, barrier) in the
 //    descriptor, with root, world and per-rank counts; a vote may carry its refusal
 // 7: the key-value store (KvRequest, KvResult); a refusal carries its status
-inline constexpr std::uint16_t kProtocolVersion = 7;
+inline constexpr std::uint16_t kProtocolVersion = 8;
 
 enum class MsgType : std::uint16_t {
   // peer -> master
@@ -432,8 +432,13 @@ struct P2PHelloAck {
   StatusCode status = LOCKSTEP_OK;
   bool operator==(const P2PHelloAck&) const = default;
 };
+// How the bytes of a StateRequest's answer travel: as they are, or as blocks, each raw or
+// zstd-compressed (state/blocks.h; since version 8).
+inline constexpr std::uint8_t kStateEncodingRaw = 0;
+inline constexpr std::uint8_t kStateEncodingBlocks = 1;
 // On a shared-state connection: send bytes [offset, offset + bytes) of tensor `key`,
-// which must have digest `hash` (the elected content of sync attempt `attempt`).
+// which must have digest `hash` (the elected content of sync attempt `attempt`), in
+// `encoding`.
 struct StateRequest {
   static constexpr MsgType kType = MsgType::kStateRequest;
   std::uint64_t attempt = 0;
@@ -441,9 +446,11 @@ struct StateRequest {
   std::uint64_t offset = 0;
   std::uint64_t bytes = 0;
   state::Digest hash;
+  std::uint8_t encoding = kStateEncodingRaw;
   bool operator==(const StateRequest&) const = default;
 };
-// The answer: on OK, exactly `bytes` raw bytes follow the frame.
+// The answer: on OK, the `bytes` raw bytes of the range follow the frame, as they are or
+// as blocks (the request's encoding).
 struct StateResponse {
   static constexpr MsgType kType = MsgType::kStateResponse;
   StatusCode status = LOCKSTEP_OK;

@@ -1,6 +1,8 @@
 // Shared-state sync with real processes: peers in agreement move nothing; newcomers
 // receive exactly what differs and end bit-identical; the revision rule, the election's
-// tie-break, content inequality, mismatches and a distributor killed mid-transfer.
+// tie-break, content inequality, mismatches and a distributor killed mid-transfer;
+// compressed transfers (fewer bytes on the wire, the same digests; a frame altered on
+// the way fails the sync and the retry succeeds).
 // Digests are compared across processes; each tensor's bytes come from a seed, so equal
 // digests mean equal bytes (and a wrong transfer would not hash to the expected value).
 #include "e2e.h"
@@ -350,6 +352,78 @@ TEST(SharedState, TamperedTransferWithoutASecretFailsWithHashMismatchAndTheRetry
   EXPECT_EQ(retried[0]["hashes"], before["hashes"]);
   EXPECT_EQ(retried[2]["revision"], 1);
   EXPECT_EQ(retried[2]["bytes_received"], kBig);  // the tensors that verified stay
+}
+
+// Compressible weights (small f32 values) travel compressed: the newcomer receives every
+// tensor byte in well under half as many wire bytes, and holds the holders' digests;
+// asked for raw bytes (--no-state-compression), the same sync moves them all.
+TEST(SharedState, CompressibleStateTravelsCompressed) {
+  constexpr std::uint64_t kBig = 12'000'000;  // three blocks, over both holders
+  for (const bool compress : {true, false}) {
+    SCOPED_TRACE(compress ? "compressed" : "raw");
+    Master master;
+    Peer h0(master, "h0");
+    Peer h1(master, "h1");
+    Peer newcomer(master, "new", 0, compress ? std::vector<std::string>{} : std::vector<std::string>{"--no-state-compression"});
+    std::vector<Peer*> members;
+    admit(members, {&h0, &h1});
+    for (Peer* h : {&h0, &h1}) {
+      define_model(*h, 5, kBig);
+      ASSERT_EQ(code(h->call("fill weights 6 compressible")), 0);
+      set_revision(*h, 1);
+    }
+    define_model(newcomer, 90, kBig);
+    admit(members, {&newcomer});
+    const auto synced = sync_all(members, {"popular", "popular", "receive"});
+    for (const auto& r : synced) ASSERT_EQ(code(r), 0) << r.dump();
+    expect_identical(synced);
+    const std::uint64_t raw = synced[2]["bytes_received"];
+    const std::uint64_t wire = synced[2]["wire_bytes_received"];
+    EXPECT_EQ(raw, kModelBytes - kWeightsBytes + kBig);
+    EXPECT_EQ(sum_of(synced, "wire_bytes_sent"), wire) << synced[0].dump() << synced[1].dump();
+    if (compress) {
+      EXPECT_LT(wire, raw / 2) << synced[2].dump();
+    } else {
+      EXPECT_EQ(wire, raw) << synced[2].dump();
+    }
+  }
+}
+
+// A compressed frame altered on the way (the tamper shim on both holders alters byte 19
+// of the first large send of each: inside a zstd frame) fails the sync for every peer,
+// retryably, without touching the holders' state; the retry succeeds.
+TEST(SharedState, AlteredCompressedFrameFailsTheSyncAndTheRetrySucceeds) {
+  Master master;
+  constexpr std::uint64_t kBig = 12'000'000;
+  std::vector<std::unique_ptr<Peer>> holders;
+  for (const char* name : {"h0", "h1"}) {
+    holders.push_back(std::make_unique<Peer>(master, name, 0, std::vector<std::string>{}, tamper_launcher("send")));
+  }
+  Peer newcomer(master, "new");
+  std::vector<Peer*> members;
+  admit(members, {holders[0].get(), holders[1].get()});
+  for (auto& h : holders) {
+    define_model(*h, 5, kBig);
+    ASSERT_EQ(code(h->call("fill weights 6 compressible")), 0);
+    set_revision(*h, 1);
+  }
+  define_model(newcomer, 90, kBig);
+  admit(members, {&newcomer});
+  const json before = holders[0]->call("hashes");
+  const auto sync = [&] { return sync_all(members, {"popular", "popular", "receive"}); };
+  const auto failed = sync();
+  for (const auto& r : failed) {
+    // A frame that no longer decompresses fails the transfer (the group: a lost
+    // transfer); one that decompresses to other bytes fails the digest check.
+    EXPECT_TRUE(code(r) == LOCKSTEP_STATUS_PEER_CONNECTION_LOST || code(r) == LOCKSTEP_STATUS_HASH_MISMATCH) << r.dump();
+    EXPECT_EQ(code(r), code(failed[0]));
+  }
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_EQ(failed[i]["hashes"], before["hashes"]) << failed[i].dump();
+  const auto retried = sync();
+  for (const auto& r : retried) ASSERT_EQ(code(r), 0) << r.dump();
+  expect_identical(retried);
+  EXPECT_EQ(retried[2]["hashes"], before["hashes"]);
+  EXPECT_LT(retried[2]["wire_bytes_received"].get<std::uint64_t>(), retried[2]["bytes_received"].get<std::uint64_t>());
 }
 
 TEST(SharedState, DistributorKilledMidTransfer) {

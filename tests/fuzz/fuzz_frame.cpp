@@ -140,6 +140,7 @@ std::vector<p::Message> sample_messages() {
   m.emplace_back(p::SyncPlan{9, 6, {mb}, {p::SyncFetch{0, 0, 16384, 0}}, {p::SyncExpect{0, digest(1)}}});
   m.emplace_back(p::SyncResult{9, LOCKSTEP_OK, 6, ""});
   m.emplace_back(p::StateRequest{9, "weights", 0, 16384, digest(1)});
+  m.emplace_back(p::StateRequest{9, "weights", 16384, 4096, digest(1), p::kStateEncodingBlocks});
   m.emplace_back(p::StateResponse{LOCKSTEP_OK, 16384, ""});
   m.emplace_back(p::VoteOptimizeTopology{});
   m.emplace_back(p::BandwidthReport{11, b, 125'000'000});

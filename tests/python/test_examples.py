@@ -49,3 +49,16 @@ def test_showcase_reaches_ninety_percent():
     assert s["ok"], s
     assert s["accuracy"] >= 0.9
     assert len(s["killed"]) == 1 and "p4" in s["finished"]
+
+
+def test_diloco_with_4_bit_error_feedback_matches_the_unquantized_accuracy():
+    def mean_accuracy(*flags: str) -> float:
+        runs = [showcase("--example", "diloco", "--peers", "3", "--steps", "30", "--kill-at", "0", "--join-at", "0",
+                         "--step-delay", "0", "--min-accuracy", "0", "--seed", str(seed), *flags) for seed in (1, 2, 3)]
+        assert all(r["ok"] and r["hashes_equal"] for r in runs), runs
+        return sum(r["accuracy"] for r in runs) / len(runs)
+
+    plain = mean_accuracy()
+    quantized = mean_accuracy("--quantization", "minmax4", "--error-feedback")
+    print(f"test accuracy, mean of 3 seeds: unquantized {plain:.4f}, 4-bit with error feedback {quantized:.4f}")
+    assert quantized >= plain - 0.01

@@ -16,10 +16,10 @@ class TestPeer:
 
     __test__ = False
 
-    def __init__(self, bed, bin_dir: str, host: int, master: str, name: str):
+    def __init__(self, bed, bin_dir: str, host: int, master: str, name: str, extra: tuple = ()):
         self.name = name
         self.proc = bed.popen(host, os.path.join(bin_dir, "lockstep-testpeer"), "--master", master,
-                              "--base-port", "0", "--name", name,
+                              "--base-port", "0", "--name", name, *extra,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                               text=True, bufsize=1)
 

@@ -146,6 +146,7 @@ std::vector<Message> samples() {
   all.push_back(SyncResult{9, LOCKSTEP_OK, 43, ""});
   all.push_back(SyncResult{0, LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE, 0, "every holder is gone"});
   all.push_back(StateRequest{9, "layer.0.weight", 1ull << 30, 1ull << 20, state::Digest{3, 4}});
+  all.push_back(StateRequest{9, "layer.0.bias", 0, 4096, state::Digest{5, 6}, kStateEncodingBlocks});
   all.push_back(StateResponse{LOCKSTEP_OK, 1ull << 20, ""});
   all.push_back(StateResponse{LOCKSTEP_STATUS_HASH_MISMATCH, 0, "content changed"});
   all.push_back(VoteOptimizeTopology{});
@@ -612,7 +613,7 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
        {"sync_result.attempt", "sync_result.status", "sync_result.revision", "sync_result.reason"}},
       {StateRequest{1, "k", 2, 3, state::Digest{4, 5}},
        {"state_request.attempt", "state_request.key", "state_request.offset", "state_request.bytes",
-        "state_request.hash"}},
+        "state_request.hash", "state_request.encoding"}},
       {StateResponse{LOCKSTEP_OK, 1, "r"}, {"state_response.status", "state_response.bytes", "state_response.reason"}},
       {BandwidthReport{1, PeerId{2, 3}, 4}, {"bandwidth_report.test", "bandwidth_report.from", "bandwidth_report.bytes_per_s"}},
       {BandwidthTest{1, member(2, "h"), true, 5, 6},
@@ -778,6 +779,11 @@ TEST(CodecPayload, SharedStateMessagesAreBounded) {
   {
     StateRequest request{1, "", 0, 1, {}};
     EXPECT_TRUE(payload_rejected(MsgType::kStateRequest, payload_copy(request), {"StateRequest", "state_request.key: empty"}));
+    for (int encoding = kStateEncodingBlocks + 1; encoding < 256; ++encoding) {
+      StateRequest unknown{1, "k", 0, 1, {}, static_cast<std::uint8_t>(encoding)};
+      ASSERT_TRUE(payload_rejected(MsgType::kStateRequest, payload_copy(unknown),
+                                   {"StateRequest", "state_request.encoding: unknown encoding"}));
+    }
   }
 }
 
@@ -962,7 +968,7 @@ TEST(CodecPayload, WrongMagicOrVersion) {
     p[0] ^= 1;
     EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"Hello", "hello.magic", "not a lockstep peer"}));
   }
-  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}, std::uint16_t{4}, std::uint16_t{5}, std::uint16_t{6}, std::uint16_t{8}, std::uint16_t{0xffff}}) {
+  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}, std::uint16_t{4}, std::uint16_t{5}, std::uint16_t{6}, std::uint16_t{7}, std::uint16_t{9}, std::uint16_t{0xffff}}) {
     Hello h = hello_of("");
     h.version = version;
     const Bytes p = payload_copy(h);

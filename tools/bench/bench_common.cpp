@@ -540,8 +540,7 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& mode,
                                    "--iterations", std::to_string(s.iterations), "--warmup", std::to_string(s.warmup),
                                    "--order", s.in_turns ? "turns" : "blocks", "--turn-seed",
                                    std::to_string(s.turn_seed)};
-  if (s.quant == LOCKSTEP_QUANT_MINMAX_U8) argv.insert(argv.end(), {"--quant", "minmax"});
-  if (s.quant == LOCKSTEP_QUANT_ZERO_POINT_U8) argv.insert(argv.end(), {"--quant", "zeropoint"});
+  if (s.quant != LOCKSTEP_QUANT_NONE) argv.insert(argv.end(), {"--quant", quant_name(s.quant)});
   if (!s.gloo_store.empty()) {
     argv.push_back("--gloo-store");
     argv.push_back(s.gloo_store);
@@ -652,10 +651,22 @@ lockstep_reduce_op_t op_from_name(const std::string& name) {
   return LOCKSTEP_SUM;
 }
 
+namespace {
+constexpr std::array<const char*, 7> kQuantNames = {"none", "minmax", "zeropoint", "minmax4", "zeropoint4", "f16", "bf16"};
+}  // namespace
+
+std::vector<std::string> quant_names() { return {kQuantNames.begin(), kQuantNames.end()}; }
+
 lockstep_quantization_t quant_from_name(const std::string& name) {
-  if (name == "minmax") return LOCKSTEP_QUANT_MINMAX_U8;
-  if (name == "zeropoint") return LOCKSTEP_QUANT_ZERO_POINT_U8;
+  for (std::size_t i = 0; i < kQuantNames.size(); ++i) {
+    if (name == kQuantNames[i]) return static_cast<lockstep_quantization_t>(i);
+  }
   return LOCKSTEP_QUANT_NONE;
+}
+
+const char* quant_name(lockstep_quantization_t quant) {
+  const auto i = static_cast<std::size_t>(quant);
+  return i < kQuantNames.size() ? kQuantNames[i] : "none";
 }
 
 std::optional<std::vector<std::uint64_t>> parse_sizes(const std::string& text) {
@@ -829,7 +840,7 @@ int run_collective(const Settings& settings) {
                 {"dtype", dtype_name(s.dtype)},
                 {"op", static_cast<int>(s.op)},
                 {"concurrency", s.concurrency},
-                {"quant", s.quant == LOCKSTEP_QUANT_NONE ? "none" : (s.quant == LOCKSTEP_QUANT_MINMAX_U8 ? "minmax" : "zeropoint")},
+                {"quant", quant_name(s.quant)},
                 {"pool", s.pool},
                 {"streams", s.streams},
                 {"cc", s.congestion.empty() ? "default" : s.congestion},

@@ -82,7 +82,10 @@ std::vector<std::string> dtype_names();
 lockstep_dtype_t dtype_from_name(const std::string& name);
 const char* dtype_name(lockstep_dtype_t dtype);
 lockstep_reduce_op_t op_from_name(const std::string& name);
+// Quantizations by name: none, minmax, zeropoint, minmax4, zeropoint4, f16, bf16.
+std::vector<std::string> quant_names();
 lockstep_quantization_t quant_from_name(const std::string& name);
+const char* quant_name(lockstep_quantization_t quant);
 std::optional<std::vector<std::uint64_t>> parse_sizes(const std::string& text);
 std::string self_path(const char* argv0);
 std::string join_sizes(const std::vector<std::uint64_t>& sizes);  // "1024,16777216"

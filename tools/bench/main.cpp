@@ -4,7 +4,7 @@
 // prints one JSON object per line per measurement.
 //
 //   lockstep-bench allreduce --peers 4 --size 1KiB,16MiB,256MiB [--dtype f32] [--op sum] [--encrypt]
-//                  [--concurrency K] [--pool P] [--iterations N] [--warmup W] [--quant minmax]
+//                  [--concurrency K] [--pool P] [--iterations N] [--warmup W] [--quant minmax|minmax4|f16|...]
 //                  [--compare gloo,torch,torch-lockstep] [--order turns|blocks]
 //   lockstep-bench broadcast|allgather|reducescatter --peers 4 --size 256MiB ...   (the same
 //       options; --op and --quant for reducescatter; --size is the bytes one peer contributes)
@@ -53,8 +53,8 @@ int main(int argc, char** argv) {
     }
     if (reduces) {
       sub->add_option("--op", op, "reduce op")->check(CLI::IsMember({"sum", "avg", "prod", "max", "min"}));
-      sub->add_option("--quant", quant, "8-bit quantization on the wire")
-          ->check(CLI::IsMember({"none", "minmax", "zeropoint"}));
+      sub->add_option("--quant", quant, "quantization on the wire (8-bit, 4-bit codes; f16, bf16 casts)")
+          ->check(CLI::IsMember(lockstep::bench::quant_names()));
     }
     sub->add_option("--concurrency", s.concurrency, "collectives in flight at once")->check(CLI::Range(1, 256));
     sub->add_option("--pool", s.pool, "p2p connections per neighbour")->check(CLI::Range(1, 256));

@@ -171,7 +171,7 @@ class Worker {
     const bool receive = !synced_ && !o_.bootstrap;
     for (std::uint64_t attempt = 1;; ++attempt) {
       lockstep_shared_state_t state = {revision_, tensors, 3};
-      lockstep_sync_info_t info = {0, 0};
+      lockstep_sync_info_t info{};
       const auto start = std::chrono::steady_clock::now();
       const lockstep_status_t s = lockstep_comm_sync_shared_state(
           comm_, &state, receive ? LOCKSTEP_SYNC_RECEIVE_ONLY : LOCKSTEP_SYNC_ENFORCE_POPULAR, &info);

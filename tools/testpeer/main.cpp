@@ -4,16 +4,18 @@
 // prints a JSON line whenever the membership view changes.
 //
 // Commands: connect | update | optimize | pending | agree 0|1 | view | reconnect | exit
-//           allreduce COUNT TAG FILL [oop|inplace] [minmax|zeropoint|none] [ramp]
+//           allreduce COUNT TAG FILL [oop|inplace] [minmax|zeropoint|minmax4|zeropoint4|f16|bf16|none] [ramp]
 //                     (f32 sum of COUNT elements all equal to FILL; with ramp element i
 //                     is FILL * (1 + (i % 1000) / 1000); the reply's digest is the
 //                     content hash of the result)
 //   shared state (tensors of u8 or f32 elements, in definition order):
 //           tensor NAME COUNT [u8|f32] [allow]   define one (zeros; allow: content inequality)
-//           fill NAME SEED                       deterministic content from SEED
+//           fill NAME SEED [compressible]        deterministic content from SEED (random
+//                                                bytes, or f32 values of 16 kinds)
 //           flip NAME BYTE                       flip the lowest bit of one byte
 //           revision N | hashes                  set the revision | print every digest
-//           sync [popular|receive|send]          synchronize; prints revision, bytes, digests
+//           sync [popular|receive|send]          synchronize; prints revision, bytes (tensor
+//                                                and wire), digests
 #include <lockstep/lockstep.h>
 
 #include <CLI/CLI.hpp>
@@ -21,6 +23,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -143,6 +146,17 @@ void fill_bytes(std::vector<std::uint8_t>& bytes, std::uint64_t seed) {
   }
 }
 
+// Bytes that compress well: f32 values of 16 kinds (k / 16, k < 16 drawn from the seed),
+// as a coarsely quantized or mostly constant tensor holds.
+void fill_compressible(std::vector<std::uint8_t>& bytes, std::uint64_t seed) {
+  std::vector<std::uint8_t> random(bytes.size());
+  fill_bytes(random, seed);
+  for (std::size_t i = 0; i + 4 <= bytes.size(); i += 4) {
+    const float f = static_cast<float>(random[i] % 16) / 16.0f;
+    std::memcpy(bytes.data() + i, &f, 4);
+  }
+}
+
 bool fatal(lockstep_status_t s) {
   return s == LOCKSTEP_STATUS_MASTER_CONNECTION_LOST || s == LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED ||
          s == LOCKSTEP_STATUS_KICKED || s == LOCKSTEP_STATUS_REJECTED || s == LOCKSTEP_STATUS_PROTOCOL_ERROR;
@@ -163,6 +177,7 @@ int main(int argc, char** argv) {
   std::string bind_host;
   std::string secret_file;
   bool encrypt = false;
+  bool no_state_compression = false;
   bool loop = false;
   uint32_t loop_interval_ms = 100;
   app.add_option("--master", master, "HOST:PORT of the master");
@@ -176,6 +191,7 @@ int main(int argc, char** argv) {
   app.add_option("--bind-host", bind_host, "address to bind the p2p sockets to");
   app.add_option("--secret-file", secret_file, "file holding the run secret");
   app.add_flag("--encrypt", encrypt, "encrypt the data plane (needs the secret)");
+  app.add_flag("--no-state-compression", no_state_compression, "ask for shared-state transfers as raw bytes");
   app.add_flag("--loop", loop, "run the membership loop instead of reading commands");
   app.add_option("--loop-interval-ms", loop_interval_ms, "pause between loop iterations");
   CLI11_PARSE(app, argc, argv);
@@ -199,6 +215,7 @@ int main(int argc, char** argv) {
   config.bind_host = bind_host.c_str();
   if (!secret_file.empty()) config.secret_file = secret_file.c_str();
   config.encrypt_data = encrypt ? 1 : 0;
+  config.state_compression = no_state_compression ? 1 : 0;
 
   Peer peer;
   peer.name = name;
@@ -332,9 +349,13 @@ int main(int argc, char** argv) {
       desc.count = count;
       desc.dtype = LOCKSTEP_F32;
       desc.op = LOCKSTEP_SUM;
-      desc.quantization = quant == "minmax"      ? LOCKSTEP_QUANT_MINMAX_U8
-                          : quant == "zeropoint" ? LOCKSTEP_QUANT_ZERO_POINT_U8
-                                                 : LOCKSTEP_QUANT_NONE;
+      desc.quantization = quant == "minmax"       ? LOCKSTEP_QUANT_MINMAX_U8
+                          : quant == "zeropoint"  ? LOCKSTEP_QUANT_ZERO_POINT_U8
+                          : quant == "minmax4"    ? LOCKSTEP_QUANT_MINMAX_U4
+                          : quant == "zeropoint4" ? LOCKSTEP_QUANT_ZERO_POINT_U4
+                          : quant == "f16"        ? LOCKSTEP_QUANT_CAST_F16
+                          : quant == "bf16"       ? LOCKSTEP_QUANT_CAST_BF16
+                                                  : LOCKSTEP_QUANT_NONE;
       desc.tag = tag;
       lockstep_reduce_info_t info = {0, 0, 0, 0};
       const auto start = std::chrono::steady_clock::now();
@@ -517,13 +538,16 @@ int main(int argc, char** argv) {
     } else if (op == "fill" || op == "flip") {
       std::string tensor_name;
       std::uint64_t value = 0;
-      words >> tensor_name >> value;
+      std::string kind;
+      words >> tensor_name >> value >> kind;
       Tensor* t = state.find(tensor_name);
       if (t == nullptr || (op == "flip" && value >= t->bytes.size())) {
         peer.emit(op, LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
         continue;
       }
-      if (op == "fill") {
+      if (op == "fill" && kind == "compressible") {
+        fill_compressible(t->bytes, value);
+      } else if (op == "fill") {
         fill_bytes(t->bytes, value);
       } else {
         t->bytes[value] ^= 1;
@@ -543,7 +567,7 @@ int main(int argc, char** argv) {
                                             t.allow ? 1 : 0});
       }
       lockstep_shared_state_t shared{state.revision, tensors.data(), tensors.size()};
-      lockstep_sync_info_t info = {0, 0};
+      lockstep_sync_info_t info{};
       const auto start = std::chrono::steady_clock::now();
       lockstep_status_t s = lockstep_comm_sync_shared_state(peer.comm, &shared,
                                                             strategy == "receive" ? LOCKSTEP_SYNC_RECEIVE_ONLY
@@ -554,6 +578,7 @@ int main(int argc, char** argv) {
       state.revision = shared.revision;
       std::ostringstream extra;
       extra << "\"ms\":" << ms << ",\"bytes_sent\":" << info.bytes_sent << ",\"bytes_received\":" << info.bytes_received
+            << ",\"wire_bytes_sent\":" << info.wire_bytes_sent << ",\"wire_bytes_received\":" << info.wire_bytes_received
             << "," << state.json();
       peer.emit(op, s, extra.str());
     } else {
