@@ -219,6 +219,11 @@ BENCHMARK(BM_Dequantize<LOCKSTEP_F32, LOCKSTEP_QUANT_ZERO_POINT_U8>)
 BENCHMARK(BM_DequantizeReduce<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+BENCHMARK(BM_Quantize<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U4>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Dequantize<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U4>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_DequantizeReduce<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U4>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Quantize<LOCKSTEP_F32, LOCKSTEP_QUANT_CAST_BF16>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Dequantize<LOCKSTEP_F32, LOCKSTEP_QUANT_CAST_BF16>)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // Data-plane encryption (encrypt_data): ChaCha20-Poly1305 over the buffer in 1 MiB
 // sub-chunks as the ring seals them (seal), and sealing then opening each (the work one
