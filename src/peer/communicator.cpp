@@ -665,9 +665,9 @@ Status Communicator::check_collective_call(const ReduceDescriptor& d) {
     // share a byte with the input or the output.
     const std::size_t bytes = static_cast<std::size_t>(d.count) * coll::dtype_size(d.dtype);
     const auto overlaps = [&](const void* p) {
-      const auto* a = static_cast<const std::uint8_t*>(d.residual);
-      const auto* b = static_cast<const std::uint8_t*>(p);
-      return p != nullptr && std::less<>()(a, b + bytes) && std::less<>()(b, a + bytes);
+      const auto a = reinterpret_cast<std::uintptr_t>(d.residual);
+      const auto b = reinterpret_cast<std::uintptr_t>(p);
+      return p != nullptr && a < b + bytes && b < a + bytes;
     };
     if (overlaps(d.src) || overlaps(d.dst)) {
       return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "the residual overlaps the all-reduce's src or dst");

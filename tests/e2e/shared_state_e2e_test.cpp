@@ -318,43 +318,62 @@ bool kill_distributor_mid_transfer(std::uint32_t seed) {
   return failed;
 }
 
-// Without a run secret nothing but the tree hash guards a transfer: a byte altered on
-// the way (the tamper shim on both holders alters the first large send of each) fails
-// the sync for all with HASH_MISMATCH, the holders' state is untouched, and the retry
-// (the shims pass everything after their first) gives the newcomer the holders' bytes.
-TEST(SharedState, TamperedTransferWithoutASecretFailsWithHashMismatchAndTheRetrySucceeds) {
+// Two holders whose tamper shims alter the first large send of each (byte 19 of it), at
+// revision 1 with weights above the piece size (both serve), and a newcomer with other
+// content; all admitted. sync() runs the newcomer's receive-only sync with them.
+struct TamperedSync {
+  static constexpr std::uint64_t kBig = 12'000'000;
   Master master;
-  constexpr std::uint64_t kBig = 12'000'000;  // above the piece size: both holders serve
   std::vector<std::unique_ptr<Peer>> holders;
-  for (const char* name : {"h0", "h1"}) {
-    holders.push_back(std::make_unique<Peer>(master, name, 0, std::vector<std::string>{}, tamper_launcher("send")));
-  }
-  Peer newcomer(master, "new");
+  std::unique_ptr<Peer> newcomer;
   std::vector<Peer*> members;
-  admit(members, {holders[0].get(), holders[1].get()});
-  for (auto& h : holders) define_model(*h, 5, kBig);
-  for (auto& h : holders) set_revision(*h, 1);
-  define_model(newcomer, 90, kBig);
-  admit(members, {&newcomer});
-  ASSERT_EQ(members.size(), 3u);
-  const json before = holders[0]->call("hashes");
-  ASSERT_EQ(code(before), 0) << before.dump();
-  const auto sync = [&] { return sync_all(members, {"popular", "popular", "receive"}); };
-  const auto failed = sync();
+  json before;  // the holders' digests
+
+  void start(bool compressible) {
+    for (const char* name : {"h0", "h1"}) {
+      holders.push_back(std::make_unique<Peer>(master, name, 0, std::vector<std::string>{}, tamper_launcher("send")));
+    }
+    newcomer = std::make_unique<Peer>(master, "new");
+    admit(members, {holders[0].get(), holders[1].get()});
+    for (auto& h : holders) {
+      define_model(*h, 5, kBig);
+      if (compressible) {
+        ASSERT_EQ(code(h->call("fill weights 6 compressible")), 0);
+      }
+      set_revision(*h, 1);
+    }
+    define_model(*newcomer, 90, kBig);
+    admit(members, {newcomer.get()});
+    ASSERT_EQ(members.size(), 3u);
+    before = holders[0]->call("hashes");
+    ASSERT_EQ(code(before), 0) << before.dump();
+  }
+  std::vector<json> sync() { return sync_all(members, {"popular", "popular", "receive"}); }
+};
+
+// Without a run secret nothing but the tree hash guards a transfer: a byte altered on
+// the way (random weights travel raw: the byte is a tensor byte) fails the sync for all
+// with HASH_MISMATCH, the holders' state is untouched, and the retry (the shims pass
+// everything after their first) gives the newcomer the holders' bytes.
+TEST(SharedState, TamperedTransferWithoutASecretFailsWithHashMismatchAndTheRetrySucceeds) {
+  TamperedSync run;
+  run.start(false);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const auto failed = run.sync();
   for (const auto& r : failed) EXPECT_EQ(code(r), LOCKSTEP_STATUS_HASH_MISMATCH) << r.dump();
   EXPECT_NE(failed[2].value("error", "").find("after transfer"), std::string::npos) << failed[2].dump();
   // The holders served and kept their content.
-  for (std::size_t i = 0; i < 2; ++i) EXPECT_EQ(failed[i]["hashes"], before["hashes"]) << failed[i].dump();
-  EXPECT_NE(failed[2]["hashes"], before["hashes"]);
-  const auto retried = sync();
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_EQ(failed[i]["hashes"], run.before["hashes"]) << failed[i].dump();
+  EXPECT_NE(failed[2]["hashes"], run.before["hashes"]);
+  const auto retried = run.sync();
   for (const auto& r : retried) ASSERT_EQ(code(r), 0) << r.dump();
   expect_identical(retried);
-  EXPECT_EQ(retried[0]["hashes"], before["hashes"]);
+  EXPECT_EQ(retried[0]["hashes"], run.before["hashes"]);
   EXPECT_EQ(retried[2]["revision"], 1);
-  EXPECT_EQ(retried[2]["bytes_received"], kBig);  // the tensors that verified stay
+  EXPECT_EQ(retried[2]["bytes_received"], TamperedSync::kBig);  // the tensors that verified stay
 }
 
-// Compressible weights (small f32 values) travel compressed: the newcomer receives every
+// Compressible weights (f32 values of 16 kinds) travel compressed: the newcomer receives every
 // tensor byte in well under half as many wire bytes, and holds the holders' digests;
 // asked for raw bytes (--no-state-compression), the same sync moves them all.
 TEST(SharedState, CompressibleStateTravelsCompressed) {
@@ -389,40 +408,25 @@ TEST(SharedState, CompressibleStateTravelsCompressed) {
   }
 }
 
-// A compressed frame altered on the way (the tamper shim on both holders alters byte 19
-// of the first large send of each: inside a zstd frame) fails the sync for every peer,
-// retryably, without touching the holders' state; the retry succeeds.
+// A compressed frame altered on the way (compressible weights: the first large send is
+// a zstd frame) fails the sync for every peer, retryably, without touching the holders'
+// state; the retry succeeds, compressed.
 TEST(SharedState, AlteredCompressedFrameFailsTheSyncAndTheRetrySucceeds) {
-  Master master;
-  constexpr std::uint64_t kBig = 12'000'000;
-  std::vector<std::unique_ptr<Peer>> holders;
-  for (const char* name : {"h0", "h1"}) {
-    holders.push_back(std::make_unique<Peer>(master, name, 0, std::vector<std::string>{}, tamper_launcher("send")));
-  }
-  Peer newcomer(master, "new");
-  std::vector<Peer*> members;
-  admit(members, {holders[0].get(), holders[1].get()});
-  for (auto& h : holders) {
-    define_model(*h, 5, kBig);
-    ASSERT_EQ(code(h->call("fill weights 6 compressible")), 0);
-    set_revision(*h, 1);
-  }
-  define_model(newcomer, 90, kBig);
-  admit(members, {&newcomer});
-  const json before = holders[0]->call("hashes");
-  const auto sync = [&] { return sync_all(members, {"popular", "popular", "receive"}); };
-  const auto failed = sync();
+  TamperedSync run;
+  run.start(true);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const auto failed = run.sync();
   for (const auto& r : failed) {
     // A frame that no longer decompresses fails the transfer (the group: a lost
     // transfer); one that decompresses to other bytes fails the digest check.
     EXPECT_TRUE(code(r) == LOCKSTEP_STATUS_PEER_CONNECTION_LOST || code(r) == LOCKSTEP_STATUS_HASH_MISMATCH) << r.dump();
     EXPECT_EQ(code(r), code(failed[0]));
   }
-  for (std::size_t i = 0; i < 2; ++i) EXPECT_EQ(failed[i]["hashes"], before["hashes"]) << failed[i].dump();
-  const auto retried = sync();
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_EQ(failed[i]["hashes"], run.before["hashes"]) << failed[i].dump();
+  const auto retried = run.sync();
   for (const auto& r : retried) ASSERT_EQ(code(r), 0) << r.dump();
   expect_identical(retried);
-  EXPECT_EQ(retried[2]["hashes"], before["hashes"]);
+  EXPECT_EQ(retried[2]["hashes"], run.before["hashes"]);
   EXPECT_LT(retried[2]["wire_bytes_received"].get<std::uint64_t>(), retried[2]["bytes_received"].get<std::uint64_t>());
 }
 
