@@ -793,8 +793,9 @@ typedef struct lockstep_sync_info {
 
 /** Synchronizes the shared state with every accepted peer of the group (a vote: all
  * must call it). Every tensor is hashed; the master elects the content and outdated
- * peers fetch exactly the differing tensors from up-to-date ones, spread over all of
- * them, and verify each hash. On success every peer holds bit-identical tensors and
+ * peers fetch exactly the differing 1 MiB segments of the differing tensors from
+ * up-to-date ones (compressed where that pays), spread over all of them, and verify
+ * each tensor's hash. On success every peer holds bit-identical tensors and
  * the same revision. On failure (PEER_CONNECTION_LOST, HASH_MISMATCH,
  * NO_SHARED_STATE_AVAILABLE; the same for every peer of the group) tensors that were
  * being received may hold partial content: call it again. out_info may be NULL.

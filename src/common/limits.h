@@ -103,6 +103,9 @@ inline constexpr std::uint32_t kSyncFetchesMax = 16384;
 inline constexpr std::uint64_t kSyncPieceBytesMin = 4u << 20;
 // A shared-state transfer that makes no progress for this long fails.
 inline constexpr std::uint32_t kStateTransferStallMsDefault = 60'000;
+// Segments (1 MiB leaves of the content hash) one StateLeavesRequest may ask digests of:
+// 4 GiB of a tensor, 64 KiB of digests in the answer.
+inline constexpr std::uint32_t kStateSegmentsPerRequestMax = 4096;
 // Shared-state transfers (peer/shared_state.cpp). Plain bytes per sealed chunk of
 // tensor data (encrypt_data): the buffer each connection holds is this plus a tag.
 inline constexpr std::size_t kSealedChunkBytes = std::size_t{1} << 20;

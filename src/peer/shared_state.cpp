@@ -13,6 +13,9 @@
 // With encrypt_data, every frame of a transfer connection is sealed (security/frames.h)
 // and tensor bytes travel as sealed chunks of at most limits::kSealedChunkBytes, each
 // opened into the tensor only once it verifies; one chunk buffer per connection.
+// Before it asks for bytes, the fetcher asks for the digests of the 1 MiB segments of its
+// pieces and fetches only the segments whose digest differs from its own bytes there
+// (delta transfer: a peer one revision behind receives what changed).
 // Unless the fetcher's compress_state is off, it asks for blocks (state/blocks.h): the
 // server compresses each where its policy says it pays, and the fetcher decompresses a
 // compressed block into a buffer of its own, copying it into the tensor only once it
@@ -260,21 +263,15 @@ class StateServer {
         LOG_WARN(kLog, "shared-state server: closing a connection: " << message.status().message());
       }
       if (!message.is_ok()) return;  // the receiver is done (or gone): it closes the connection
+      if (const auto* leaves = std::get_if<proto::StateLeavesRequest>(&message.value())) {
+        if (!serve_leaves(fd, *leaves, crypto)) return;
+        continue;
+      }
       const auto* request = std::get_if<proto::StateRequest>(&message.value());
       if (request == nullptr) return;
-      const LocalTensor* tensor = nullptr;
       std::string refusal;
-      if (request->attempt != attempt_) {
-        refusal = "request for sync attempt " + std::to_string(request->attempt) + ", serving " + std::to_string(attempt_);
-      } else if (auto it = tensors_.find(request->key); it == tensors_.end()) {
-        refusal = "no tensor '" + request->key + "' here";
-      } else if (it->second.hash != request->hash) {
-        refusal = "tensor '" + request->key + "' here is not the requested content";
-      } else if (request->offset > it->second.bytes || request->bytes > it->second.bytes - request->offset) {
-        refusal = "range outside tensor '" + request->key + "'";
-      } else {
-        tensor = &it->second;
-      }
+      const LocalTensor* tensor =
+          find(request->attempt, request->key, request->hash, request->offset, request->bytes, &refusal);
       if (tensor == nullptr) {
         LOG_WARN(kLog, "shared-state server: refusing a request: " << refusal);
         [[maybe_unused]] Status s = transport::send_message(
@@ -295,6 +292,43 @@ class StateServer {
       if (!s.is_ok()) return;
       bytes_sent_ += request->bytes;
     }
+  }
+
+  // The tensor a request may be served from, or null and why not.
+  const LocalTensor* find(std::uint64_t attempt, const std::string& key, const state::Digest& hash,
+                          std::uint64_t offset, std::uint64_t bytes, std::string* refusal) const {
+    if (attempt != attempt_) {
+      *refusal = "request for sync attempt " + std::to_string(attempt) + ", serving " + std::to_string(attempt_);
+    } else if (auto it = tensors_.find(key); it == tensors_.end()) {
+      *refusal = "no tensor '" + key + "' here";
+    } else if (it->second.hash != hash) {
+      *refusal = "tensor '" + key + "' here is not the requested content";
+    } else if (offset > it->second.bytes || bytes > it->second.bytes - offset) {
+      *refusal = "range outside tensor '" + key + "'";
+    } else {
+      return &it->second;
+    }
+    return nullptr;
+  }
+
+  // Answers a request for a range's segment digests; false when the connection ends.
+  bool serve_leaves(int fd, const proto::StateLeavesRequest& request, security::FrameCrypto* crypto) {
+    std::string refusal;
+    const LocalTensor* tensor = find(request.attempt, request.key, request.hash, request.offset, request.bytes, &refusal);
+    if (tensor != nullptr && state::segment_count(request.offset, request.bytes) > limits::kStateSegmentsPerRequestMax) {
+      tensor = nullptr;
+      refusal = "digests of more than " + std::to_string(limits::kStateSegmentsPerRequestMax) + " segments asked for";
+    }
+    proto::StateLeavesResponse response;
+    if (tensor == nullptr) {
+      LOG_WARN(kLog, "shared-state server: refusing a request: " << refusal);
+      response.status = LOCKSTEP_STATUS_INVALID_USAGE;
+      response.reason = refusal;
+    } else {
+      response.digests = state::segment_digests(tensor->data, request.offset, request.bytes);
+    }
+    Status s = transport::send_message(fd, response, limits::kStateTransferStallMsDefault, crypto);
+    return s.is_ok() && tensor != nullptr;
   }
 
   Link& link_;
@@ -374,11 +408,75 @@ class Fetcher {
     std::unique_ptr<SealedStream> sealed = encrypt_ ? std::make_unique<SealedStream>(keys, /*client=*/true) : nullptr;
     security::FrameCrypto* crypto = sealed ? &sealed->crypto : nullptr;
     std::unique_ptr<BlockReceiver> blocks = compress_ ? std::make_unique<BlockReceiver>() : nullptr;
+    std::vector<proto::SyncFetch> differing;
+    if (Status d = differing_segments(fd, pieces, crypto, &differing); !d.is_ok()) return lost(d);
+    std::vector<const proto::SyncFetch*> wanted;
+    for (const auto& f : differing) wanted.push_back(&f);
+    return fetch(fd, wanted, sealed.get(), blocks.get());
+  }
+
+  state::Digest expected_digest(std::uint32_t tensor) const {
+    auto expected = expected_.find(tensor);
+    return expected == expected_.end() ? state::Digest{} : expected->second;
+  }
+
+  // Delta transfer: asks the source for the segment digests of every piece (at most
+  // kStateSegmentsPerRequestMax segments a request, kRequestsInFlight requests in flight)
+  // and keeps the segments whose digest differs from this peer's own bytes there,
+  // adjacent ones merged.
+  Status differing_segments(int fd, const std::vector<const proto::SyncFetch*>& pieces, security::FrameCrypto* crypto,
+                            std::vector<proto::SyncFetch>* out) {
+    std::vector<proto::SyncFetch> queries;
+    constexpr std::uint64_t kQueryBytes = std::uint64_t{limits::kStateSegmentsPerRequestMax} * state::kHashLeafBytes;
+    for (const auto* f : pieces) {
+      for (std::uint64_t at = f->offset; at < f->offset + f->bytes;) {
+        const std::uint64_t end = std::min(f->offset + f->bytes, (at / kQueryBytes + 1) * kQueryBytes);
+        queries.push_back(proto::SyncFetch{f->tensor, at, end - at, f->source});
+        at = end;
+      }
+    }
+    std::size_t sent = 0;
+    for (std::size_t received = 0; received < queries.size(); ++received) {
+      while (sent < queries.size() && sent < received + kRequestsInFlight) {
+        const proto::SyncFetch& q = queries[sent++];
+        Status r = transport::send_message(
+            fd, proto::StateLeavesRequest{plan_.attempt, tensors_[q.tensor].key, q.offset, q.bytes, expected_digest(q.tensor)},
+            limits::kStateTransferStallMsDefault, crypto);
+        if (!r.is_ok()) return r;
+      }
+      const proto::SyncFetch& q = queries[received];
+      auto reply = transport::recv_message(fd, limits::kStateTransferStallMsDefault, crypto);
+      if (!reply.is_ok()) return reply.status();
+      const auto* response = std::get_if<proto::StateLeavesResponse>(&reply.value());
+      if (response == nullptr) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it answered a request with something else");
+      if (response->status != LOCKSTEP_OK) {
+        return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "it refused a request: " + response->reason);
+      }
+      const auto mine = state::segment_digests(local_[q.tensor].data, q.offset, q.bytes);
+      if (response->digests.size() != mine.size()) {
+        return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it sent " + std::to_string(response->digests.size()) +
+                                                          " segment digests for a range of " + std::to_string(mine.size()));
+      }
+      for (std::size_t k = 0; k < mine.size(); ++k) {
+        if (response->digests[k] == mine[k]) continue;
+        const std::uint64_t start = state::segment_start(q.offset, k);
+        const std::uint64_t end = k + 1 < mine.size() ? state::segment_start(q.offset, k + 1) : q.offset + q.bytes;
+        if (!out->empty() && out->back().tensor == q.tensor && out->back().offset + out->back().bytes == start) {
+          out->back().bytes += end - start;
+        } else {
+          out->push_back(proto::SyncFetch{q.tensor, start, end - start, q.source});
+        }
+      }
+    }
+    return Status::ok();
+  }
+
+  // Receives the pieces, kRequestsInFlight requests in flight.
+  Status fetch(int fd, const std::vector<const proto::SyncFetch*>& pieces, SealedStream* sealed, BlockReceiver* blocks) {
+    security::FrameCrypto* crypto = sealed != nullptr ? &sealed->crypto : nullptr;
     const auto request = [&](const proto::SyncFetch& f) {
-      auto expected = expected_.find(f.tensor);
       return transport::send_message(
-          fd, proto::StateRequest{plan_.attempt, tensors_[f.tensor].key, f.offset, f.bytes,
-                                  expected == expected_.end() ? state::Digest{} : expected->second,
+          fd, proto::StateRequest{plan_.attempt, tensors_[f.tensor].key, f.offset, f.bytes, expected_digest(f.tensor),
                                   compress_ ? proto::kStateEncodingBlocks : proto::kStateEncodingRaw},
           limits::kStateTransferStallMsDefault, crypto);
     };
@@ -401,8 +499,8 @@ class Fetcher {
                                                           " bytes for a piece of " + std::to_string(f.bytes));
       }
       std::uint8_t* into = local_[f.tensor].data + f.offset;
-      Status r = blocks ? recv_blocks(fd, into, f.bytes, sealed.get(), *blocks, bytes_received_, wire_received_)
-                        : recv_bytes(fd, into, f.bytes, bytes_received_, sealed.get());
+      Status r = blocks != nullptr ? recv_blocks(fd, into, f.bytes, sealed, *blocks, bytes_received_, wire_received_)
+                                   : recv_bytes(fd, into, f.bytes, bytes_received_, sealed);
       if (!r.is_ok()) return lost(r);
       if (!blocks) wire_received_ += f.bytes;
     }

@@ -577,6 +577,43 @@ bool decode_body(Reader& r, StateRequest* m) {
   if (m->encoding > kStateEncodingBlocks) return r.fail("state_request.encoding: unknown encoding");
   return true;
 }
+void encode_body(Writer& w, const StateLeavesRequest& m) {
+  w.u(m.attempt);
+  w.str(m.key);
+  w.u(m.offset);
+  w.u(m.bytes);
+  put(w, m.hash);
+}
+bool decode_body(Reader& r, StateLeavesRequest* m) {
+  if (!r.u(&m->attempt, "state_leaves_request.attempt") ||
+      !r.str(&m->key, limits::kSharedStateKeyBytesMax, "state_leaves_request.key") ||
+      !r.u(&m->offset, "state_leaves_request.offset") || !r.u(&m->bytes, "state_leaves_request.bytes") ||
+      !get(r, &m->hash, "state_leaves_request.hash")) {
+    return false;
+  }
+  if (m->key.empty()) return r.fail("state_leaves_request.key: empty");
+  return true;
+}
+void encode_body(Writer& w, const StateLeavesResponse& m) {
+  w.status(m.status);
+  w.str(m.reason);
+  const auto n = static_cast<std::uint32_t>(std::min<std::size_t>(m.digests.size(), limits::kStateSegmentsPerRequestMax));
+  w.u(n);
+  for (std::uint32_t i = 0; i < n; ++i) put(w, m.digests[i]);
+}
+bool decode_body(Reader& r, StateLeavesResponse* m) {
+  std::uint32_t n = 0;
+  if (!r.status(&m->status, "state_leaves_response.status") ||
+      !r.str(&m->reason, limits::kWireStringBytesMax, "state_leaves_response.reason") ||
+      !r.count(&n, limits::kStateSegmentsPerRequestMax, 16, "state_leaves_response.digests")) {
+    return false;
+  }
+  m->digests.resize(n);
+  for (auto& d : m->digests) {
+    if (!get(r, &d, "state_leaves_response.digests")) return false;
+  }
+  return true;
+}
 void encode_body(Writer& w, const StateResponse& m) {
   w.status(m.status);
   w.u(m.bytes);
@@ -678,6 +715,8 @@ const char* msg_type_name(MsgType type) {
     case MsgType::kSyncResult: return "SyncResult";
     case MsgType::kStateRequest: return "StateRequest";
     case MsgType::kStateResponse: return "StateResponse";
+    case MsgType::kStateLeavesRequest: return "StateLeavesRequest";
+    case MsgType::kStateLeavesResponse: return "StateLeavesResponse";
     case MsgType::kVoteOptimizeTopology: return "VoteOptimizeTopology";
     case MsgType::kBandwidthReport: return "BandwidthReport";
     case MsgType::kBandwidthTest: return "BandwidthTest";
@@ -718,6 +757,7 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kSyncResult:
     case MsgType::kStateRequest:
     case MsgType::kStateResponse:
+    case MsgType::kStateLeavesRequest:
     case MsgType::kBandwidthReport:
     case MsgType::kBandwidthTest:
       return limits::kSmallPayloadBytesMax;
@@ -727,6 +767,8 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
       return limits::kSmallPayloadBytesMax + 2 + limits::kVoteCarriedBytesMax + 8 * limits::kMembersPerMessageMax;
     case MsgType::kCollectiveResult:
       return limits::kSmallPayloadBytesMax + 2 + limits::kVoteCarriedBytesMax;  // and a small all-reduce's data
+    case MsgType::kStateLeavesResponse:  // status, reason, digests
+      return 4 + 2 + limits::kWireStringBytesMax + 4 + 16 * limits::kStateSegmentsPerRequestMax;
     case MsgType::kKvRequest:  // id, op, key, value, timeout
       return 8 + 1 + 2 + limits::kKvKeyBytesMaxLimit + 4 + limits::kKvValueBytesMaxLimit + 4;
     case MsgType::kKvResult:  // id, status, reason, value
@@ -786,6 +828,8 @@ Result<Message> decode_payload(MsgType type, std::span<const std::uint8_t> paylo
     case MsgType::kSyncResult: return decode_as<SyncResult>(payload);
     case MsgType::kStateRequest: return decode_as<StateRequest>(payload);
     case MsgType::kStateResponse: return decode_as<StateResponse>(payload);
+    case MsgType::kStateLeavesRequest: return decode_as<StateLeavesRequest>(payload);
+    case MsgType::kStateLeavesResponse: return decode_as<StateLeavesResponse>(payload);
     case MsgType::kVoteOptimizeTopology: return decode_as<VoteOptimizeTopology>(payload);
     case MsgType::kBandwidthReport: return decode_as<BandwidthReport>(payload);
     case MsgType::kBandwidthTest: return decode_as<BandwidthTest>(payload);

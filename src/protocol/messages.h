@@ -65,6 +65,8 @@ enum class MsgType : std::uint16_t {
   kP2PHelloAck = 129,
   kStateRequest = 130,
   kStateResponse = 131,
+  kStateLeavesRequest = 132,
+  kStateLeavesResponse = 133,
   // Any direction after an authenticated handshake: an encrypted whole frame
   // (security/frames.h). Never decoded as a message by itself.
   kSealed = 192,
@@ -449,6 +451,26 @@ struct StateRequest {
   std::uint8_t encoding = kStateEncodingRaw;
   bool operator==(const StateRequest&) const = default;
 };
+// Delta transfers (since version 8): the digests of the segments of [offset, offset +
+// bytes) of tensor `key` (digest `hash`, sync attempt `attempt`), the range cut at every
+// multiple of state::kHashLeafBytes of the tensor (state/blocks.h: segment_digests). At
+// most limits::kStateSegmentsPerRequestMax segments.
+struct StateLeavesRequest {
+  static constexpr MsgType kType = MsgType::kStateLeavesRequest;
+  std::uint64_t attempt = 0;
+  std::string key;
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+  state::Digest hash;
+  bool operator==(const StateLeavesRequest&) const = default;
+};
+struct StateLeavesResponse {
+  static constexpr MsgType kType = MsgType::kStateLeavesResponse;
+  StatusCode status = LOCKSTEP_OK;
+  std::string reason;
+  std::vector<state::Digest> digests;
+  bool operator==(const StateLeavesResponse&) const = default;
+};
 // The answer: on OK, the `bytes` raw bytes of the range follow the frame, as they are or
 // as blocks (the request's encoding).
 struct StateResponse {
@@ -480,7 +502,8 @@ using Message = std::variant<Hello, Heartbeat, VoteUpdateTopology, P2PReport, Vo
                              VoteAgree, CollectiveInit, CollectiveDone, Welcome, HeartbeatAck,
                              EstablishP2P, TopologyResult, PeersPendingResult, AgreeResult, Refused,
                              Goodbye, CollectiveGo, CollectiveResult, P2PHello, P2PHelloAck, SyncVote,
-                             SyncDone, SyncPlan, SyncResult, StateRequest, StateResponse, VoteOptimizeTopology,
+                             SyncDone, SyncPlan, SyncResult, StateRequest, StateResponse, StateLeavesRequest,
+                             StateLeavesResponse, VoteOptimizeTopology,
                              BandwidthReport, BandwidthTest, AuthChallenge, AuthProof, KvRequest, KvResult>;
 
 MsgType type_of(const Message& message);

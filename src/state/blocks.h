@@ -25,6 +25,7 @@
 #pragma once
 
 #include "common/status.h"
+#include "state/hash.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -75,6 +76,14 @@ class CompressionPolicy {
   std::size_t skipped_ = 0;     // raw blocks since the last try
   std::size_t probe_every_ = 8;
 };
+
+// Delta transfers: a range [offset, offset + bytes) of a tensor cut at every multiple of
+// kHashLeafBytes (the content hash's leaves, counted from the tensor's start). Segment k
+// starts at segment_start(offset, k); each segment's digest is hash_bytes of its bytes,
+// so both ends of a transfer compute the same digests from the same content.
+std::uint64_t segment_count(std::uint64_t offset, std::uint64_t bytes);
+std::uint64_t segment_start(std::uint64_t offset, std::uint64_t k);
+std::vector<Digest> segment_digests(const std::uint8_t* tensor, std::uint64_t offset, std::uint64_t bytes);
 
 // One zstd compression context and its output buffer (one per serving connection).
 class BlockCompressor {

@@ -135,18 +135,61 @@ TEST(SharedState, NewcomersReceiveTheOldPeersContent) {
   }
 }
 
-TEST(SharedState, OneFlippedBitMovesExactlyThatTensor) {
+// Delta transfer: one flipped bit moves the 1 MiB segment that holds it, not its tensor.
+TEST(SharedState, OneFlippedBitMovesExactlyItsSegment) {
   auto run = start(3);
   ASSERT_EQ(run.members.size(), 3u);
   for (auto* p : run.members) define_model(*p, 5);
   for (auto* p : run.members) set_revision(*p, 1);
-  ASSERT_EQ(code(run.members[2]->call("flip weights 123457")), 0);
+  ASSERT_EQ(code(run.members[2]->call("flip weights 1234567")), 0);  // in the second MiB
   const auto replies = sync_all(run.members);
   for (const auto& r : replies) ASSERT_EQ(code(r), 0) << r.dump();
   expect_identical(replies);
-  EXPECT_EQ(replies[2]["bytes_received"], kWeightsBytes);
+  EXPECT_EQ(replies[2]["bytes_received"], std::uint64_t{1} << 20);
   EXPECT_EQ(replies[0]["bytes_received"], 0);
   EXPECT_EQ(replies[1]["bytes_received"], 0);
+}
+
+// A peer one revision behind, whose 100 MiB tensor differs from the group's in 1 of its
+// 100 segments (and in one byte of each of three more, spread over both holders' pieces),
+// receives those segments only: 4 % of the tensor here, 1 % for one changed segment.
+TEST(SharedState, AnOutdatedPeerReceivesOnlyTheSegmentsThatDiffer) {
+  constexpr std::uint64_t kTensor = 100ull << 20;
+  Master master;
+  Peer h0(master, "h0");
+  Peer h1(master, "h1");
+  Peer behind(master, "behind");
+  std::vector<Peer*> members;
+  admit(members, {&h0, &h1, &behind});
+  for (Peer* p : members) {
+    ASSERT_EQ(code(p->call("tensor weights " + std::to_string(kTensor))), 0);
+    ASSERT_EQ(code(p->call("fill weights 11")), 0);
+  }
+  set_revision(h0, 2);
+  set_revision(h1, 2);
+  set_revision(behind, 1);
+  // The group's step 2 changed segment 37 (all of it) and one byte in segments 3, 60, 99.
+  for (Peer* h : {&h0, &h1}) {
+    for (std::uint64_t byte = 37ull << 20; byte < 38ull << 20; byte += 4096) {
+      ASSERT_EQ(code(h->call("flip weights " + std::to_string(byte))), 0);
+    }
+    for (std::uint64_t byte : {(3ull << 20) + 5, (60ull << 20) + 77, (99ull << 20) + 1234}) {
+      ASSERT_EQ(code(h->call("flip weights " + std::to_string(byte))), 0);
+    }
+  }
+  const auto replies = sync_all(members);  // in the order of `members` (admission's)
+  for (const auto& r : replies) ASSERT_EQ(code(r), 0) << r.dump();
+  expect_identical(replies);
+  std::uint64_t served = 0;
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    if (members[i] != &behind) {
+      served += replies[i]["bytes_sent"].get<std::uint64_t>();
+      continue;
+    }
+    EXPECT_EQ(replies[i]["revision"], 2);
+    EXPECT_EQ(replies[i]["bytes_received"], 4ull << 20) << replies[i].dump();
+  }
+  EXPECT_EQ(served, 4ull << 20);
 }
 
 TEST(SharedState, TieGoesToTheEarliestAcceptedPeer) {
@@ -370,7 +413,11 @@ TEST(SharedState, TamperedTransferWithoutASecretFailsWithHashMismatchAndTheRetry
   expect_identical(retried);
   EXPECT_EQ(retried[0]["hashes"], run.before["hashes"]);
   EXPECT_EQ(retried[2]["revision"], 1);
-  EXPECT_EQ(retried[2]["bytes_received"], TamperedSync::kBig);  // the tensors that verified stay
+  // The first attempt left every segment but the altered ones right: the retry fetches
+  // only the segments still wrong (delta transfer), far less than the weights.
+  const std::uint64_t again = retried[2]["bytes_received"];
+  EXPECT_GT(again, 0u);
+  EXPECT_LT(again, TamperedSync::kBig / 4) << retried[2].dump();
 }
 
 // Compressible weights (f32 values of 16 kinds) travel compressed: the newcomer receives every

@@ -147,6 +147,9 @@ std::vector<Message> samples() {
   all.push_back(SyncResult{0, LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE, 0, "every holder is gone"});
   all.push_back(StateRequest{9, "layer.0.weight", 1ull << 30, 1ull << 20, state::Digest{3, 4}});
   all.push_back(StateRequest{9, "layer.0.bias", 0, 4096, state::Digest{5, 6}, kStateEncodingBlocks});
+  all.push_back(StateLeavesRequest{9, "layer.0.weight", 1ull << 20, 3ull << 20, state::Digest{3, 4}});
+  all.push_back(StateLeavesResponse{LOCKSTEP_OK, "", {state::Digest{1, 2}, state::Digest{3, 4}, state::Digest{5, 6}}});
+  all.push_back(StateLeavesResponse{LOCKSTEP_STATUS_INVALID_USAGE, "not here", {}});
   all.push_back(StateResponse{LOCKSTEP_OK, 1ull << 20, ""});
   all.push_back(StateResponse{LOCKSTEP_STATUS_HASH_MISMATCH, 0, "content changed"});
   all.push_back(VoteOptimizeTopology{});
@@ -178,7 +181,8 @@ const std::vector<MsgType>& all_types() {
       MsgType::kPeersPendingResult, MsgType::kAgreeResult,    MsgType::kRefused,            MsgType::kGoodbye,
       MsgType::kCollectiveGo,   MsgType::kCollectiveResult,   MsgType::kP2PHello,           MsgType::kP2PHelloAck,
       MsgType::kSyncVote,       MsgType::kSyncDone,           MsgType::kSyncPlan,           MsgType::kSyncResult,
-      MsgType::kStateRequest,   MsgType::kStateResponse,      MsgType::kVoteOptimizeTopology,
+      MsgType::kStateRequest,   MsgType::kStateResponse,      MsgType::kStateLeavesRequest,
+      MsgType::kStateLeavesResponse, MsgType::kVoteOptimizeTopology,
       MsgType::kBandwidthReport, MsgType::kBandwidthTest, MsgType::kAuthChallenge, MsgType::kAuthProof,
       MsgType::kKvRequest,      MsgType::kKvResult};
   return types;
@@ -615,6 +619,11 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
        {"state_request.attempt", "state_request.key", "state_request.offset", "state_request.bytes",
         "state_request.hash", "state_request.encoding"}},
       {StateResponse{LOCKSTEP_OK, 1, "r"}, {"state_response.status", "state_response.bytes", "state_response.reason"}},
+      {StateLeavesRequest{1, "k", 2, 3, state::Digest{4, 5}},
+       {"state_leaves_request.attempt", "state_leaves_request.key", "state_leaves_request.offset",
+        "state_leaves_request.bytes", "state_leaves_request.hash"}},
+      {StateLeavesResponse{LOCKSTEP_OK, "r", {state::Digest{1, 2}}},
+       {"state_leaves_response.status", "state_leaves_response.reason", "state_leaves_response.digests"}},
       {BandwidthReport{1, PeerId{2, 3}, 4}, {"bandwidth_report.test", "bandwidth_report.from", "bandwidth_report.bytes_per_s"}},
       {BandwidthTest{1, member(2, "h"), true, 5, 6},
        {"bandwidth_test.test", "member.id", "member.host", "member.p2p_port", "member.shared_state_port",
@@ -784,6 +793,18 @@ TEST(CodecPayload, SharedStateMessagesAreBounded) {
       ASSERT_TRUE(payload_rejected(MsgType::kStateRequest, payload_copy(unknown),
                                    {"StateRequest", "state_request.encoding: unknown encoding"}));
     }
+    StateLeavesRequest leaves{1, "", 0, 1, {}};
+    EXPECT_TRUE(payload_rejected(MsgType::kStateLeavesRequest, payload_copy(leaves),
+                                 {"StateLeavesRequest", "state_leaves_request.key: empty"}));
+  }
+  {
+    // One digest more than a request may ask for: written by hand (the encoder cuts).
+    Bytes p = payload_copy(StateLeavesResponse{LOCKSTEP_OK, "", {}});
+    const std::uint32_t n = limits::kStateSegmentsPerRequestMax + 1;
+    for (int i = 0; i < 4; ++i) p[p.size() - 4 + static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(n >> (8 * i));
+    p.resize(p.size() + 16 * std::size_t{n}, 0);
+    EXPECT_TRUE(payload_rejected(MsgType::kStateLeavesResponse, p,
+                                 {"StateLeavesResponse", "state_leaves_response.digests", "count above 4096"}));
   }
 }
 
@@ -1152,7 +1173,7 @@ TEST(CodecPayload, UnknownP2PHelloFlags) {
 }
 
 TEST(CodecPayload, RefusedOfUnknownRequestType) {
-  for (std::uint16_t raw : {std::uint16_t{0}, std::uint16_t{15}, std::uint16_t{63}, std::uint16_t{132}, std::uint16_t{0xffff}}) {
+  for (std::uint16_t raw : {std::uint16_t{0}, std::uint16_t{15}, std::uint16_t{63}, std::uint16_t{134}, std::uint16_t{0xffff}}) {
     Bytes p = payload_copy(Refused{});
     p[0] = static_cast<std::uint8_t>(raw);
     p[1] = static_cast<std::uint8_t>(raw >> 8);
