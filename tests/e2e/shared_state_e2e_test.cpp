@@ -150,11 +150,12 @@ TEST(SharedState, OneFlippedBitMovesExactlyItsSegment) {
   EXPECT_EQ(replies[1]["bytes_received"], 0);
 }
 
-// A peer one revision behind, whose 100 MiB tensor differs from the group's in 1 of its
-// 100 segments (and in one byte of each of three more, spread over both holders' pieces),
-// receives those segments only: 4 % of the tensor here, 1 % for one changed segment.
+// A peer one revision behind, whose 100 MiB tensor (20 MiB under the sanitizers)
+// differs from the group's in one whole segment and one byte of three more, spread over
+// both holders' pieces, receives those four 1 MiB segments only: 4 % of the tensor.
 TEST(SharedState, AnOutdatedPeerReceivesOnlyTheSegmentsThatDiffer) {
-  constexpr std::uint64_t kTensor = 100ull << 20;
+  constexpr std::uint64_t kSegments = kTimeScale > 1 ? 20 : 100;
+  constexpr std::uint64_t kTensor = kSegments << 20;
   Master master;
   Peer h0(master, "h0");
   Peer h1(master, "h1");
@@ -168,12 +169,14 @@ TEST(SharedState, AnOutdatedPeerReceivesOnlyTheSegmentsThatDiffer) {
   set_revision(h0, 2);
   set_revision(h1, 2);
   set_revision(behind, 1);
-  // The group's step 2 changed segment 37 (all of it) and one byte in segments 3, 60, 99.
+  // The group's step 2 changed the segment at 37 % of the tensor (all of it) and one byte
+  // in those at 3 %, 60 % and 99 %.
+  const auto segment = [&](std::uint64_t percent) { return (kSegments * percent / 100) << 20; };
   for (Peer* h : {&h0, &h1}) {
-    for (std::uint64_t byte = 37ull << 20; byte < 38ull << 20; byte += 4096) {
+    for (std::uint64_t byte = segment(37); byte < segment(37) + (1u << 20); byte += 4096) {
       ASSERT_EQ(code(h->call("flip weights " + std::to_string(byte))), 0);
     }
-    for (std::uint64_t byte : {(3ull << 20) + 5, (60ull << 20) + 77, (99ull << 20) + 1234}) {
+    for (std::uint64_t byte : {segment(3) + 5, segment(60) + 77, segment(99) + 1234}) {
       ASSERT_EQ(code(h->call("flip weights " + std::to_string(byte))), 0);
     }
   }
