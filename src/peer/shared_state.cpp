@@ -136,9 +136,8 @@ Status recv_bytes(int fd, std::uint8_t* data, std::uint64_t bytes, std::atomic<s
   return Status::ok();
 }
 
-using SteadyClock = std::chrono::steady_clock;
-double seconds_since(SteadyClock::time_point start) {
-  return std::chrono::duration<double>(SteadyClock::now() - start).count();
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
 // The serving end of block transfers on one connection: the policy and its compressor.
@@ -156,7 +155,7 @@ Status send_blocks(int fd, const std::uint8_t* data, std::uint64_t bytes, Sealed
     state::BlockHeader h{static_cast<std::uint32_t>(n), static_cast<std::uint32_t>(n), false};
     const std::uint8_t* payload = data + at;
     if (out.policy.compress_next()) {
-      const auto start = SteadyClock::now();
+      const auto start = Clock::now();
       const std::size_t c = out.compressor.compress(data + at, n, out.policy.level());
       out.policy.on_compressed(n, c == 0 ? n : c, seconds_since(start));
       if (c != 0) {
@@ -168,7 +167,7 @@ Status send_blocks(int fd, const std::uint8_t* data, std::uint64_t bytes, Sealed
     }
     std::uint8_t header[state::kBlockHeaderBytes];
     state::put_block_header(header, h);
-    const auto start = SteadyClock::now();
+    const auto start = Clock::now();
     Status s = send_bytes(fd, header, sizeof header, sealed);
     if (s.is_ok()) s = send_bytes(fd, payload, h.wire, sealed);
     if (!s.is_ok()) return s;
@@ -179,10 +178,11 @@ Status send_blocks(int fd, const std::uint8_t* data, std::uint64_t bytes, Sealed
   return Status::ok();
 }
 
-// The fetching end of block transfers on one connection.
+// The fetching end of block transfers on one connection: its buffers are made on the
+// first compressed block (a sender that never compresses costs none).
 struct BlockReceiver {
-  state::BlockDecompressor decompressor;
-  std::vector<std::uint8_t> frame = std::vector<std::uint8_t>(state::compress_bound(state::kBlockBytes));
+  std::unique_ptr<state::BlockDecompressor> decompressor;
+  std::vector<std::uint8_t> frame;
 };
 
 // Receives `bytes` bytes into dst as blocks; `raw` counts tensor bytes, `wire` what came
@@ -199,8 +199,12 @@ Status recv_blocks(int fd, std::uint8_t* dst, std::uint64_t bytes, SealedStream*
     if (!b.compressed) {
       s = recv_bytes(fd, dst + at, b.raw, wire, sealed);
     } else {
+      if (!in.decompressor) {
+        in.decompressor = std::make_unique<state::BlockDecompressor>();
+        in.frame.resize(state::compress_bound(state::kBlockBytes));
+      }
       s = recv_bytes(fd, in.frame.data(), b.wire, wire, sealed);
-      if (s.is_ok()) s = in.decompressor.decompress(in.frame.data(), b.wire, dst + at, b.raw);
+      if (s.is_ok()) s = in.decompressor->decompress(in.frame.data(), b.wire, dst + at, b.raw);
     }
     if (!s.is_ok()) return s;
     raw += b.raw;
@@ -407,12 +411,12 @@ class Fetcher {
     if (!s.is_ok()) return lost(Status(s.code(), "shared-state handshake: " + s.message()));
     std::unique_ptr<SealedStream> sealed = encrypt_ ? std::make_unique<SealedStream>(keys, /*client=*/true) : nullptr;
     security::FrameCrypto* crypto = sealed ? &sealed->crypto : nullptr;
-    std::unique_ptr<BlockReceiver> blocks = compress_ ? std::make_unique<BlockReceiver>() : nullptr;
+    BlockReceiver blocks;
     std::vector<proto::SyncFetch> differing;
     if (Status d = differing_segments(fd, pieces, crypto, &differing); !d.is_ok()) return lost(d);
     std::vector<const proto::SyncFetch*> wanted;
     for (const auto& f : differing) wanted.push_back(&f);
-    return fetch(fd, wanted, sealed.get(), blocks.get());
+    return fetch(fd, wanted, sealed.get(), blocks);
   }
 
   state::Digest expected_digest(std::uint32_t tensor) const {
@@ -472,7 +476,7 @@ class Fetcher {
   }
 
   // Receives the pieces, kRequestsInFlight requests in flight.
-  Status fetch(int fd, const std::vector<const proto::SyncFetch*>& pieces, SealedStream* sealed, BlockReceiver* blocks) {
+  Status fetch(int fd, const std::vector<const proto::SyncFetch*>& pieces, SealedStream* sealed, BlockReceiver& blocks) {
     security::FrameCrypto* crypto = sealed != nullptr ? &sealed->crypto : nullptr;
     const auto request = [&](const proto::SyncFetch& f) {
       return transport::send_message(
@@ -499,10 +503,10 @@ class Fetcher {
                                                           " bytes for a piece of " + std::to_string(f.bytes));
       }
       std::uint8_t* into = local_[f.tensor].data + f.offset;
-      Status r = blocks != nullptr ? recv_blocks(fd, into, f.bytes, sealed, *blocks, bytes_received_, wire_received_)
-                                   : recv_bytes(fd, into, f.bytes, bytes_received_, sealed);
+      Status r = compress_ ? recv_blocks(fd, into, f.bytes, sealed, blocks, bytes_received_, wire_received_)
+                           : recv_bytes(fd, into, f.bytes, bytes_received_, sealed);
       if (!r.is_ok()) return lost(r);
-      if (!blocks) wire_received_ += f.bytes;
+      if (!compress_) wire_received_ += f.bytes;
     }
     return Status::ok();
   }
