@@ -145,13 +145,13 @@ void BM_FinalizeAvg(benchmark::State& state) {
   count_bytes(state);
 }
 
-template <lockstep_dtype_t D, lockstep_quantization_t Q>
+template <lockstep_dtype_t D, lockstep_quantization_t Q, lockstep_distribution_t H = LOCKSTEP_DIST_NONE>
 void BM_Quantize(benchmark::State& state) {
   const auto src = make_buffer(D, 4);
   const std::size_t n = kBytes / coll::dtype_size(D);
   std::vector<std::uint8_t> out(coll::quantized_bytes(n, Q), 1);
   for (auto _ : state) {
-    coll::quantize(src.data(), n, D, Q, out.data());
+    coll::quantize(src.data(), n, D, Q, H, out.data());
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
@@ -220,6 +220,9 @@ BENCHMARK(BM_DequantizeReduce<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U8>)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_Quantize<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U4>)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Quantize<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U4, LOCKSTEP_DIST_NORMAL>)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_Dequantize<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U4>)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_DequantizeReduce<LOCKSTEP_F32, LOCKSTEP_QUANT_MINMAX_U4>)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Quantize<LOCKSTEP_F32, LOCKSTEP_QUANT_CAST_BF16>)->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -152,8 +152,13 @@ int main(int argc, char** argv) {
       rows.push_back(rank + k * peers);
     }
     const float loss = loss_and_gradient(data, rows, weights, &grad);
-    lockstep_reduce_desc_t d = {grad.data(), grad.data(), grad.size(), LOCKSTEP_F32, LOCKSTEP_AVG,
-                                LOCKSTEP_QUANT_NONE, step[0], nullptr};
+    lockstep_reduce_desc_t d{};  // zeroed: fields of later versions keep their defaults
+    d.src = grad.data();
+    d.dst = grad.data();
+    d.count = grad.size();
+    d.dtype = LOCKSTEP_F32;
+    d.op = LOCKSTEP_AVG;
+    d.tag = step[0];
     s = lockstep_comm_all_reduce(comm, &d, nullptr);
     if (s == LOCKSTEP_STATUS_PEER_CONNECTION_LOST) continue;  // the step again, with the survivors
     if (!check(s, comm, "all_reduce")) return 1;

@@ -161,6 +161,8 @@ def arguments(argv: list[str] | None = None):
                         help="diloco: the pseudo-gradient's all-reduce on the wire (minmax, minmax4, bf16, ...)")
     parser.add_argument("--error-feedback", action="store_true",
                         help="diloco: carry what quantization drops into the next outer step (a residual)")
+    parser.add_argument("--distribution", default=None,
+                        help="diloco: the quantization's distribution hint (normal: codes fitted to a bell shape)")
     return parser.parse_args(argv if argv is not None else sys.argv[1:])
 
 

@@ -6,7 +6,7 @@ then the pseudo-gradient (outer - inner) is averaged over the group with an all-
 (retried with the survivors if a peer dies) and applied with outer Nesterov momentum.
 ``--quantization minmax4 --error-feedback`` sends it as 4-bit codes and carries what
 they drop into the next outer step (each peer's residual is its own; a newcomer's
-starts at zero).
+starts at zero); ``--distribution normal`` fits the codes to a bell shape.
 The shared state is the outer model, the outer momentum and the outer step counter;
 each peer's inner AdamW state is its own. A newcomer's first sync is receive-only.
 
@@ -61,7 +61,7 @@ def main() -> None:
             pseudo_gradient = (outer - flat_parameters(net)).contiguous()
             try:
                 comm.all_reduce(pseudo_gradient, op="avg", quantization=args.quantization, residual=residual,
-                                tag=int(step.item()))
+                                distribution=args.distribution, tag=int(step.item()))
             except lockstep.PeerConnectionLostError:
                 continue  # a peer died: this outer step again, with the survivors
             except lockstep.TooFewPeersError:

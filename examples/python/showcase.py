@@ -38,6 +38,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="the model's initialization and the data's split")
     parser.add_argument("--quantization", default=None, help="diloco: the all-reduce's quantization (e.g. minmax4)")
     parser.add_argument("--error-feedback", action="store_true", help="diloco: with a residual per peer")
+    parser.add_argument("--distribution", default=None, help="diloco: the quantization's distribution hint (normal)")
     args = parser.parse_args()
 
     with lockstep.Master(listen="127.0.0.1:0") as master:
@@ -53,6 +54,7 @@ def main() -> int:
                                   "--min-peers", str(args.peers if initial else 2), "--seed", str(args.seed)]
                                  + (["--quantization", args.quantization] if args.quantization else [])
                                  + (["--error-feedback"] if args.error_feedback else [])
+                                 + (["--distribution", args.distribution] if args.distribution else [])
                                  + ([] if initial else ["--connect-on-stdin"]),
                                  stdin=subprocess.DEVNULL if initial else subprocess.PIPE, stdout=subprocess.PIPE,
                                  text=True, env=env)

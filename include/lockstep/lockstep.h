@@ -182,6 +182,21 @@ typedef enum lockstep_quantization {
   LOCKSTEP_QUANT_CAST_BF16 = 6      /**< each element as a bfloat16 (f32 and f64 dtypes only) */
 } lockstep_quantization_t;
 
+/** Since 0.7: what a quantized all-reduce's values look like, a hint for the 8-bit and
+ * 4-bit codes (the casts ignore it). With NONE or UNIFORM each chunk's codes span its
+ * whole range [min, max]. With NORMAL they span the chunk's mean ± k standard deviations
+ * (k = 4 for 8-bit codes, 2.5 for 4-bit; never beyond min and max) and the values beyond
+ * are clamped to its ends: for bell-shaped data (gradients, pseudo-gradients) the error
+ * of the values inside shrinks (on normally distributed data, the mean squared error of
+ * the ring's chunks is 2.2-2.7x lower with 4-bit codes, 1.04-1.3x with 8-bit ones), a
+ * few outliers lose more (error feedback carries that loss into the next call). Each peer's encodings follow its own hint: the
+ * results stay bit-identical on every peer whatever the peers chose. */
+typedef enum lockstep_distribution {
+  LOCKSTEP_DIST_NONE = 0,
+  LOCKSTEP_DIST_UNIFORM = 1,
+  LOCKSTEP_DIST_NORMAL = 2
+} lockstep_distribution_t;
+
 /* ---------------------------------------------------------------- master */
 
 typedef struct lockstep_master lockstep_master_t;
@@ -575,6 +590,8 @@ typedef struct lockstep_reduce_desc {
    * in flight meanwhile. Each peer chooses alone whether to pass one (a newcomer starts
    * from zeros). */
   void* residual;
+  /** Since 0.7: the distribution hint of a quantized all-reduce (NONE: none). */
+  lockstep_distribution_t distribution;
 } lockstep_reduce_desc_t;
 
 typedef struct lockstep_reduce_info {

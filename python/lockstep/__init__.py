@@ -41,6 +41,7 @@ from ._communicator import (
     TensorInfo,
 )
 from ._enums import (
+    Distribution,
     DType,
     LogLevel,
     Quantization,
@@ -102,6 +103,7 @@ __all__ = [
     "DEFAULT_MASTER_PORT",
     "AsyncHandle",
     "Communicator",
+    "Distribution",
     "DType",
     "LogLevel",
     "Master",

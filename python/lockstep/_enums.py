@@ -56,6 +56,17 @@ class Quantization(enum.IntEnum):
     BF16 = 6
 
 
+class Distribution(enum.IntEnum):
+    """What a quantized all-reduce's values look like (``lockstep_distribution_t``), a
+    hint for the 8-bit and 4-bit codes: NORMAL narrows each chunk's codes to its mean ±
+    4 (8-bit) or 2.5 (4-bit) standard deviations, clamping the values beyond; NONE and
+    UNIFORM span each chunk's whole range."""
+
+    NONE = 0
+    UNIFORM = 1
+    NORMAL = 2
+
+
 class SyncStrategy(enum.IntEnum):
     """Shared-state sync strategies (``lockstep_sync_strategy_t``)."""
 
@@ -86,6 +97,20 @@ def _parse_op(op: Union[str, int, ReduceOp]) -> int:
         except ValueError:
             pass
     raise InvalidArgumentError(f"unknown reduce op {op!r}: use 'sum', 'avg', 'prod', 'max', 'min' or lockstep.ReduceOp")
+
+
+def _parse_distribution(d: Union[None, str, int, Distribution]) -> int:
+    if d is None:
+        return Distribution.NONE
+    if isinstance(d, str) and d.strip().upper() in Distribution.__members__:
+        return Distribution[d.strip().upper()]
+    if isinstance(d, int) and not isinstance(d, bool):
+        try:
+            return Distribution(d)
+        except ValueError:
+            pass
+    raise InvalidArgumentError(f"unknown distribution {d!r}: use None, 'none', 'uniform', 'normal' "
+                               "or lockstep.Distribution")
 
 
 def _parse_quantization(q: Union[None, str, int, Quantization]) -> int:

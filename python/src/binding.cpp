@@ -91,7 +91,8 @@ InfoTuple to_tuple(const lockstep_reduce_info_t& info) {
 }
 
 lockstep_reduce_desc_t make_desc(std::uintptr_t src, std::uintptr_t dst, std::uint64_t count, int dtype, int op,
-                                 int quantization, std::uint64_t tag, std::uintptr_t residual = 0) {
+                                 int quantization, std::uint64_t tag, std::uintptr_t residual = 0,
+                                 int distribution = 0) {
   lockstep_reduce_desc_t d;
   std::memset(&d, 0, sizeof d);
   d.src = as_ptr<const void>(src);
@@ -102,6 +103,7 @@ lockstep_reduce_desc_t make_desc(std::uintptr_t src, std::uintptr_t dst, std::ui
   d.quantization = static_cast<lockstep_quantization_t>(quantization);
   d.tag = tag;
   d.residual = as_ptr<void>(residual);
+  d.distribution = static_cast<lockstep_distribution_t>(distribution);
   return d;
 }
 
@@ -552,9 +554,9 @@ class PyComm {
   }
 
   InfoTuple all_reduce(std::uintptr_t src, std::uintptr_t dst, std::uint64_t count, int dtype, int op, int quantization,
-                       std::uint64_t tag, std::uintptr_t residual) {
+                       std::uint64_t tag, std::uintptr_t residual, int distribution) {
     Busy busy(*state_);
-    const lockstep_reduce_desc_t d = make_desc(src, dst, count, dtype, op, quantization, tag, residual);
+    const lockstep_reduce_desc_t d = make_desc(src, dst, count, dtype, op, quantization, tag, residual, distribution);
     lockstep_reduce_info_t info{};
     auto [s, message] = call_released(busy.comm(), [&] { return lockstep_comm_all_reduce(busy.comm(), &d, &info); });
     if (s != LOCKSTEP_OK) fail(s, message);
@@ -562,9 +564,10 @@ class PyComm {
   }
 
   PyAsync all_reduce_async(std::uintptr_t src, std::uintptr_t dst, std::uint64_t count, int dtype, int op,
-                           int quantization, std::uint64_t tag, std::uintptr_t residual, py::object keepalive) {
+                           int quantization, std::uint64_t tag, std::uintptr_t residual, int distribution,
+                           py::object keepalive) {
     Busy busy(*state_);
-    const lockstep_reduce_desc_t d = make_desc(src, dst, count, dtype, op, quantization, tag, residual);
+    const lockstep_reduce_desc_t d = make_desc(src, dst, count, dtype, op, quantization, tag, residual, distribution);
     lockstep_async_t* handle = nullptr;
     auto [s, message] =
         call_released(busy.comm(), [&] { return lockstep_comm_all_reduce_async(busy.comm(), &d, &handle); });
@@ -893,10 +896,10 @@ PYBIND11_MODULE(_lockstep, m) {
       .def("counters", &PyComm::counters)
       .def("slot_bytes", &PyComm::slot_bytes)
       .def("all_reduce", &PyComm::all_reduce, py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"),
-           py::arg("op"), py::arg("quantization"), py::arg("tag"), py::arg("residual"))
+           py::arg("op"), py::arg("quantization"), py::arg("tag"), py::arg("residual"), py::arg("distribution"))
       .def("all_reduce_async", &PyComm::all_reduce_async, py::arg("src"), py::arg("dst"), py::arg("count"),
            py::arg("dtype"), py::arg("op"), py::arg("quantization"), py::arg("tag"), py::arg("residual"),
-           py::arg("keepalive"))
+           py::arg("distribution"), py::arg("keepalive"))
       .def("broadcast", &PyComm::broadcast, py::arg("buf"), py::arg("count"), py::arg("dtype"), py::arg("root"),
            py::arg("tag"))
       .def("broadcast_async", &PyComm::broadcast_async, py::arg("buf"), py::arg("count"), py::arg("dtype"),

@@ -647,7 +647,8 @@ extern "C++" {
 bool valid_descriptor(const lockstep_reduce_desc_t& d) {
   return raw(d.dtype) >= LOCKSTEP_U8 && raw(d.dtype) <= LOCKSTEP_F64 && raw(d.op) >= LOCKSTEP_SUM &&
          raw(d.op) <= LOCKSTEP_MIN && raw(d.quantization) >= LOCKSTEP_QUANT_NONE &&
-         raw(d.quantization) <= LOCKSTEP_QUANT_CAST_BF16;
+         raw(d.quantization) <= LOCKSTEP_QUANT_CAST_BF16 && raw(d.distribution) >= LOCKSTEP_DIST_NONE &&
+         raw(d.distribution) <= LOCKSTEP_DIST_NORMAL;
 }
 
 // Writes an all-reduce's info into the caller's struct of info_size bytes (if any).
@@ -688,6 +689,7 @@ lockstep::Result<lockstep::peer::ReduceDescriptor> to_descriptor(const lockstep_
   out.quantization = d.quantization;
   out.tag = d.tag;
   out.residual = d.residual;
+  out.distribution = d.distribution;
   // A descriptor with no count and no buffers is a barrier (multiple-with-retry's).
   if (d.count == 0 && d.src == nullptr && d.dst == nullptr) out.kind = lockstep::proto::CollectiveKind::kBarrier;
   return out;
@@ -828,11 +830,11 @@ lockstep_status_t lockstep_comm_reduce_scatter_async_sized(lockstep_comm_t* comm
 }
 
 lockstep_status_t lockstep_comm_barrier(lockstep_comm_t* comm, uint64_t tag) {
-  const lockstep_reduce_desc_t barrier{nullptr, nullptr, 0, LOCKSTEP_U8, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, tag, nullptr};
+  const lockstep_reduce_desc_t barrier{nullptr, nullptr, 0, LOCKSTEP_U8, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, tag, nullptr, LOCKSTEP_DIST_NONE};
   return run_blocking("lockstep_comm_barrier", comm, &barrier, sizeof barrier, nullptr, 0);
 }
 lockstep_status_t lockstep_comm_barrier_async(lockstep_comm_t* comm, uint64_t tag, lockstep_async_t** out_handle) {
-  const lockstep_reduce_desc_t barrier{nullptr, nullptr, 0, LOCKSTEP_U8, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, tag, nullptr};
+  const lockstep_reduce_desc_t barrier{nullptr, nullptr, 0, LOCKSTEP_U8, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, tag, nullptr, LOCKSTEP_DIST_NONE};
   return run_async("lockstep_comm_barrier_async", comm, &barrier, sizeof barrier, out_handle);
 }
 

@@ -571,13 +571,13 @@ class Runner {
     if (!quantized()) return raw;
     const std::size_t elems = l_.sub_len(c, cur.sub);
     if (cur.step + 1 < l_.n()) {
-      quantize(raw, elems, p_.dtype, p_.quantization, encoded_send_of(k));
+      quantize(raw, elems, p_.dtype, p_.quantization, p_.distribution, encoded_send_of(k));
       if (feedback()) record_error(raw, encoded_send_of(k), start, elems, 1.0);
       return encoded_send_of(k);
     }
     std::uint8_t* kept = s_.encoded_gather.data() + l_.encoded_offset(c, cur.sub);
     if (cur.step + 1 == l_.n()) {
-      quantize(raw, elems, p_.dtype, p_.quantization, kept);
+      quantize(raw, elems, p_.dtype, p_.quantization, p_.distribution, kept);
       // The final sum's error, in the units of the contributions (avg: world x).
       if (feedback()) {
         record_error(raw, kept, start, elems, p_.op == LOCKSTEP_AVG ? static_cast<double>(p_.world) : 1.0);
@@ -789,7 +789,7 @@ class Runner {
       // A quantized reduce-scatter leaves the decoded form of the chunk's one encoding,
       // as a quantized all-reduce does (the staging buffer is free again).
       if (quantized() && l_.kind() == RingKind::kReduceScatter) {
-        quantize(dst, elems, p_.dtype, p_.quantization, staging_of(k));
+        quantize(dst, elems, p_.dtype, p_.quantization, p_.distribution, staging_of(k));
         dequantize(staging_of(k), elems, p_.dtype, p_.quantization, dst);
       }
     }

@@ -87,6 +87,8 @@ struct RingPlan {
   // result, or less world x result for avg). commit_residual() copies it into residual
   // once the attempt succeeded everywhere; residual itself is only read.
   void* residual = nullptr;
+  // The encodings' distribution hint (quantize()).
+  lockstep_distribution_t distribution = LOCKSTEP_DIST_NONE;
   std::uint64_t attempt = 0;
   std::size_t subchunk_bytes = 1024 * 1024;
   // Buffers of at least this many bytes are sent by a second thread (ring.cpp says

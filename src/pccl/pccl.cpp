@@ -190,10 +190,11 @@ bool to_reduce_desc(const void* sendbuf, void* recvbuf, const pcclReduceDescript
     *why = "op " + std::to_string(raw(d.op)) + " is not a pcclRedOp_t";
     return false;
   }
+  lockstep_distribution_t distribution = LOCKSTEP_DIST_NONE;
   switch (raw(d.src_descriptor.distribution_hint)) {
-    case pcclDistributionNone:
-    case pcclDistributionNormal:
-    case pcclDistributionUniform: break;
+    case pcclDistributionNone: break;
+    case pcclDistributionNormal: distribution = LOCKSTEP_DIST_NORMAL; break;
+    case pcclDistributionUniform: distribution = LOCKSTEP_DIST_UNIFORM; break;
     default:
       *why = "distribution_hint " + std::to_string(raw(d.src_descriptor.distribution_hint)) +
              " is not a pcclDistributionHint_t";
@@ -209,6 +210,7 @@ bool to_reduce_desc(const void* sendbuf, void* recvbuf, const pcclReduceDescript
   out->op = *op;
   out->quantization = *quantization;
   out->tag = d.tag;
+  out->distribution = distribution;
   return true;
 }
 

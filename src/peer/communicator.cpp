@@ -1010,6 +1010,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   plan.op = d.op;
   plan.quantization = d.quantization;
   plan.residual = d.residual;
+  plan.distribution = d.distribution;
   plan.attempt = go.attempt;
   plan.subchunk_bytes = coll::ring_subchunk_bytes(n);
   const std::size_t peers_here = peers_on_this_host(go.ring);

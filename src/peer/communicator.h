@@ -98,6 +98,8 @@ struct ReduceDescriptor {
   // All-reduce with quantization, op sum or avg: error feedback (coll::RingPlan::residual),
   // count elements of dtype, updated only when the all-reduce succeeds.
   void* residual = nullptr;
+  // The quantization's distribution hint (coll::quantize); each peer's own.
+  lockstep_distribution_t distribution = LOCKSTEP_DIST_NONE;
 };
 
 struct ReduceInfo {

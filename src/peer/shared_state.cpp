@@ -4,8 +4,9 @@
 //    thread that answers requests for byte ranges of our tensors (only tensors whose
 //    digest is the one requested, only ranges inside them);
 //  - a fetch thread opens one connection per source named in the plan, keeps a few
-//    requests in flight on each, receives the pieces straight into the tensors, hashes
-//    every received tensor and reports to the master.
+//    requests in flight on each, receives the pieces straight into the tensors,
+//    digesting each 1 MiB leaf of the content hash as soon as it is whole, checks every
+//    received tensor's digest and reports to the master.
 // The outcome (one for the whole group) stops both; on failure open transfers are cut
 // by shutting their sockets down. Memory stays bounded: bytes move from the sender's
 // tensor into the receiver's tensor, and a receiver never accepts more bytes than its
@@ -15,7 +16,8 @@
 // opened into the tensor only once it verifies; one chunk buffer per connection.
 // Before it asks for bytes, the fetcher asks for the digests of the 1 MiB segments of its
 // pieces and fetches only the segments whose digest differs from its own bytes there
-// (delta transfer: a peer one revision behind receives what changed).
+// (delta transfer: a peer one revision behind receives what changed). Both ends answer
+// from the leaf digests they computed for the vote; nothing is hashed twice.
 // Unless the fetcher's compress_state is off, it asks for blocks (state/blocks.h): the
 // server compresses each where its policy says it pays, and the fetcher decompresses a
 // compressed block into a buffer of its own, copying it into the tensor only once it
@@ -32,7 +34,9 @@
 
 #include <sys/socket.h>
 
+#include <functional>
 #include <list>
+#include <set>
 
 namespace lockstep::peer {
 namespace {
@@ -46,8 +50,16 @@ constexpr std::size_t kTransferChunkBytes = std::size_t{4} << 20;
 struct LocalTensor {
   std::uint8_t* data = nullptr;
   std::uint64_t bytes = 0;
+  std::vector<state::Digest> leaves;  // the content hash's leaf digests, from the vote
   state::Digest hash;
 };
+
+// The leaf digests of the segments of [offset, offset + bytes) (state/blocks.h).
+std::vector<state::Digest> segment_digests(const LocalTensor& t, std::uint64_t offset, std::uint64_t bytes) {
+  const auto first = static_cast<std::ptrdiff_t>(offset / state::kHashLeafBytes);
+  const auto count = static_cast<std::ptrdiff_t>(state::segment_count(offset, bytes));
+  return {t.leaves.begin() + first, t.leaves.begin() + first + count};
+}
 
 // Sockets in use by transfer threads, so that another thread can cut them.
 class SocketSet {
@@ -185,10 +197,13 @@ struct BlockReceiver {
   std::vector<std::uint8_t> frame;
 };
 
+// Called with the bytes of a piece received so far, after every block or chunk.
+using Progress = std::function<void(std::uint64_t)>;
+
 // Receives `bytes` bytes into dst as blocks; `raw` counts tensor bytes, `wire` what came
 // over the connection.
 Status recv_blocks(int fd, std::uint8_t* dst, std::uint64_t bytes, SealedStream* sealed, BlockReceiver& in,
-                   std::atomic<std::uint64_t>& raw, std::atomic<std::uint64_t>& wire) {
+                   std::atomic<std::uint64_t>& raw, std::atomic<std::uint64_t>& wire, const Progress& progress) {
   for (std::uint64_t at = 0; at < bytes;) {
     std::uint8_t header[state::kBlockHeaderBytes];
     Status s = recv_bytes(fd, header, sizeof header, wire, sealed);
@@ -209,6 +224,7 @@ Status recv_blocks(int fd, std::uint8_t* dst, std::uint64_t bytes, SealedStream*
     if (!s.is_ok()) return s;
     raw += b.raw;
     at += b.raw;
+    progress(at);
   }
   return Status::ok();
 }
@@ -329,7 +345,7 @@ class StateServer {
       response.status = LOCKSTEP_STATUS_INVALID_USAGE;
       response.reason = refusal;
     } else {
-      response.digests = state::segment_digests(tensor->data, request.offset, request.bytes);
+      response.digests = segment_digests(*tensor, request.offset, request.bytes);
     }
     Status s = transport::send_message(fd, response, limits::kStateTransferStallMsDefault, crypto);
     return s.is_ok() && tensor != nullptr;
@@ -354,7 +370,13 @@ class Fetcher {
           const proto::SyncPlan& plan, const std::vector<SharedTensor>& tensors, const std::vector<LocalTensor>& local)
       : self_(self), connect_timeout_ms_(connect_timeout_ms), secret_(secret), encrypt_(encrypt), compress_(compress),
         plan_(plan), tensors_(tensors), local_(local) {
-    for (const auto& e : plan_.expect) expected_[e.tensor] = e.hash;
+    for (const auto& e : plan_.expect) {
+      if (e.tensor >= local_.size()) continue;  // check_plan refuses the plan
+      expected_[e.tensor] = e.hash;
+      Received& r = received_[e.tensor];
+      r.leaves = local_[e.tensor].leaves;
+      r.state = std::make_unique<std::atomic<std::uint8_t>[]>(r.leaves.size());
+    }
   }
 
   // Runs every transfer, then checks every received tensor's digest.
@@ -373,7 +395,12 @@ class Fetcher {
     }
     for (const auto& e : plan_.expect) {
       const LocalTensor& t = local_[e.tensor];
-      const state::Digest got = state::hash_bytes(t.data, t.bytes);
+      Received& r = received_.at(e.tensor);
+      // Leaves shared by two pieces are digested now that both are in.
+      for (std::size_t i = 0; i < r.leaves.size(); ++i) {
+        if (r.state[i].load(std::memory_order_relaxed) == kTouched) r.leaves[i] = state::leaf_digest(t.data, t.bytes, i);
+      }
+      const state::Digest got = state::root_digest(r.leaves, t.bytes);
       if (got != e.hash) {
         return Status(LOCKSTEP_STATUS_HASH_MISMATCH, "tensor '" + tensors_[e.tensor].key + "' hashes to " + got.to_hex() +
                                                          " after transfer, expected " + e.hash.to_hex());
@@ -456,7 +483,7 @@ class Fetcher {
       if (response->status != LOCKSTEP_OK) {
         return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "it refused a request: " + response->reason);
       }
-      const auto mine = state::segment_digests(local_[q.tensor].data, q.offset, q.bytes);
+      const auto mine = segment_digests(local_[q.tensor], q.offset, q.bytes);
       if (response->digests.size() != mine.size()) {
         return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it sent " + std::to_string(response->digests.size()) +
                                                           " segment digests for a range of " + std::to_string(mine.size()));
@@ -502,11 +529,34 @@ class Fetcher {
         return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it announced " + std::to_string(response->bytes) +
                                                           " bytes for a piece of " + std::to_string(f.bytes));
       }
-      std::uint8_t* into = local_[f.tensor].data + f.offset;
-      Status r = compress_ ? recv_blocks(fd, into, f.bytes, sealed, blocks, bytes_received_, wire_received_)
-                           : recv_bytes(fd, into, f.bytes, bytes_received_, sealed);
-      if (!r.is_ok()) return lost(r);
-      if (!compress_) wire_received_ += f.bytes;
+      if (Status r = receive(fd, f, sealed, blocks); !r.is_ok()) return lost(r);
+    }
+    return Status::ok();
+  }
+
+  // Receives piece f into its tensor, digesting each leaf that lies wholly inside the
+  // piece as soon as it is in (the rest of the leaves it touches: by run()).
+  Status receive(int fd, const proto::SyncFetch& f, SealedStream* sealed, BlockReceiver& blocks) {
+    const LocalTensor& t = local_[f.tensor];
+    Received& r = received_.at(f.tensor);
+    constexpr std::uint64_t L = state::kHashLeafBytes;
+    const std::uint64_t end_leaf = (f.offset + f.bytes + L - 1) / L;
+    for (std::uint64_t i = f.offset / L; i < end_leaf; ++i) r.state[i].store(kTouched, std::memory_order_relaxed);
+    std::uint64_t next = (f.offset + L - 1) / L;  // the first leaf starting inside the piece
+    const Progress progress = [&](std::uint64_t done) {
+      for (; next < end_leaf && std::min((next + 1) * L, t.bytes) <= f.offset + done; ++next) {
+        r.leaves[next] = state::leaf_digest(t.data, t.bytes, next);
+        r.state[next].store(kDigested, std::memory_order_relaxed);
+      }
+    };
+    std::uint8_t* into = t.data + f.offset;
+    if (compress_) return recv_blocks(fd, into, f.bytes, sealed, blocks, bytes_received_, wire_received_, progress);
+    for (std::uint64_t at = 0; at < f.bytes;) {
+      const std::uint64_t n = std::min<std::uint64_t>(kTransferChunkBytes, f.bytes - at);
+      if (Status s = recv_bytes(fd, into + at, n, bytes_received_, sealed); !s.is_ok()) return s;
+      wire_received_ += n;
+      at += n;
+      progress(at);
     }
     return Status::ok();
   }
@@ -524,6 +574,16 @@ class Fetcher {
   const std::vector<SharedTensor>& tensors_;
   const std::vector<LocalTensor>& local_;
   std::map<std::uint32_t, state::Digest> expected_;  // by tensor index
+  // What run() checks a received tensor's digest from: its leaf digests, this peer's own
+  // from the vote until a piece brings new bytes. Each fetch thread writes only the
+  // leaves inside its pieces; a leaf two pieces share is left to run().
+  static constexpr std::uint8_t kTouched = 1;   // new bytes arrive in it
+  static constexpr std::uint8_t kDigested = 2;  // they have, and leaves[i] is their digest
+  struct Received {
+    std::vector<state::Digest> leaves;
+    std::unique_ptr<std::atomic<std::uint8_t>[]> state;
+  };
+  std::map<std::uint32_t, Received> received_;  // by tensor index, for each expected tensor
   SocketSet sockets_;
   std::atomic<std::uint64_t> bytes_received_{0};
   std::atomic<std::uint64_t> wire_received_{0};
@@ -557,8 +617,15 @@ Status check_plan(const proto::SyncPlan& plan, const std::vector<LocalTensor>& l
       return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the sync plan names a range outside this peer's tensors");
     }
   }
+  std::set<std::uint32_t> expected;
   for (const auto& e : plan.expect) {
     if (e.tensor >= local.size()) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the sync plan names an unknown tensor");
+    expected.insert(e.tensor);
+  }
+  for (const auto& f : plan.fetches) {
+    if (expected.count(f.tensor) == 0) {
+      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the sync plan fetches a tensor whose digest it does not give");
+    }
   }
   return Status::ok();
 }
@@ -589,8 +656,9 @@ Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>
   std::vector<LocalTensor> local;
   std::map<std::string, LocalTensor> by_key;
   for (const auto& t : tensors) {
-    LocalTensor l{static_cast<std::uint8_t*>(t.data), t.count * dtype_bytes(static_cast<std::uint32_t>(t.dtype)), {}};
-    l.hash = state::hash_bytes(l.data, l.bytes);
+    LocalTensor l{static_cast<std::uint8_t*>(t.data), t.count * dtype_bytes(static_cast<std::uint32_t>(t.dtype)), {}, {}};
+    l.leaves = state::leaf_digests(l.data, l.bytes);
+    l.hash = state::root_digest(l.leaves, l.bytes);
     vote.tensors.push_back(proto::TensorEntry{t.key, static_cast<std::uint8_t>(t.dtype), t.count, l.hash,
                                               t.allow_content_inequality});
     local.push_back(l);

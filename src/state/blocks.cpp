@@ -116,18 +116,6 @@ std::uint64_t segment_start(std::uint64_t offset, std::uint64_t k) {
   return k == 0 ? offset : (offset / kHashLeafBytes + k) * kHashLeafBytes;
 }
 
-std::vector<Digest> segment_digests(const std::uint8_t* tensor, std::uint64_t offset, std::uint64_t bytes) {
-  const std::uint64_t n = segment_count(offset, bytes);
-  std::vector<Digest> out;
-  out.reserve(n);
-  for (std::uint64_t k = 0; k < n; ++k) {
-    const std::uint64_t start = segment_start(offset, k);
-    const std::uint64_t end = k + 1 < n ? segment_start(offset, k + 1) : offset + bytes;
-    out.push_back(hash_bytes(tensor + start, end - start, 1));
-  }
-  return out;
-}
-
 // ---------------------------------------------------------------- zstd
 
 struct BlockCompressor::Context {

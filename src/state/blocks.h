@@ -79,11 +79,12 @@ class CompressionPolicy {
 
 // Delta transfers: a range [offset, offset + bytes) of a tensor cut at every multiple of
 // kHashLeafBytes (the content hash's leaves, counted from the tensor's start). Segment k
-// starts at segment_start(offset, k); each segment's digest is hash_bytes of its bytes,
-// so both ends of a transfer compute the same digests from the same content.
+// starts at segment_start(offset, k) and lies in leaf offset / kHashLeafBytes + k; its
+// digest is that whole leaf's digest d_i (hash.h), which both ends already hold from
+// the digest of the tensor they voted with. (A segment cut by the range's ends compares
+// its whole leaf: equal leaves have equal parts.)
 std::uint64_t segment_count(std::uint64_t offset, std::uint64_t bytes);
 std::uint64_t segment_start(std::uint64_t offset, std::uint64_t k);
-std::vector<Digest> segment_digests(const std::uint8_t* tensor, std::uint64_t offset, std::uint64_t bytes);
 
 // One zstd compression context and its output buffer (one per serving connection).
 class BlockCompressor {

@@ -39,31 +39,31 @@ std::string Digest::to_hex() const {
   return out;
 }
 
-Digest hash_bytes(const void* data, std::size_t bytes, unsigned threads) {
-  const auto* base = static_cast<const unsigned char*>(data);
+std::size_t leaf_count(std::size_t bytes) {
   // Written without rounding up first, which could overflow near SIZE_MAX.
-  const std::size_t leaves = bytes / kHashLeafBytes + (bytes % kHashLeafBytes != 0 ? 1 : 0);
-  std::vector<XXH128_canonical_t> list(leaves);
+  return bytes / kHashLeafBytes + (bytes % kHashLeafBytes != 0 ? 1 : 0);
+}
 
-  auto hash_leaf = [&](std::size_t i) {
-    const std::size_t offset = i * kHashLeafBytes;
-    const std::size_t length = std::min(kHashLeafBytes, bytes - offset);
-    XXH128_canonical_t record;
-    XXH128_canonicalFromHash(&record, XXH3_128bits_withSeed(base + offset, length, XXH64_hash_t{i}));
-    // Stored here rather than by the (uninstrumented) library, so that ThreadSanitizer
-    // sees which thread writes which slot.
-    list[i] = record;
-  };
-  // Relaxed is enough: the counter only hands out distinct indices; the leaf list is
-  // published to the calling thread by join().
+Digest leaf_digest(const void* data, std::size_t bytes, std::size_t i) {
+  const std::size_t offset = i * kHashLeafBytes;
+  const std::size_t length = std::min(kHashLeafBytes, bytes - offset);
+  const XXH128_hash_t h =
+      XXH3_128bits_withSeed(static_cast<const unsigned char*>(data) + offset, length, XXH64_hash_t{i});
+  return Digest{h.high64, h.low64};
+}
+
+std::vector<Digest> leaf_digests(const void* data, std::size_t bytes, unsigned threads) {
+  const std::size_t leaves = leaf_count(bytes);
+  std::vector<Digest> list(leaves);
+  // Relaxed is enough: the counter only hands out distinct indices; each thread writes
+  // only the slots it drew, published to the calling thread by join().
   std::atomic<std::size_t> next{0};
   auto work = [&] {
     for (std::size_t i = next.fetch_add(1, std::memory_order_relaxed); i < leaves;
          i = next.fetch_add(1, std::memory_order_relaxed)) {
-      hash_leaf(i);
+      list[i] = leaf_digest(data, bytes, i);
     }
   };
-
   const unsigned n = thread_count(threads, leaves);
   std::vector<std::thread> pool;
   pool.reserve(n - 1);
@@ -76,10 +76,21 @@ Digest hash_bytes(const void* data, std::size_t bytes, unsigned threads) {
   }
   work();
   for (auto& thread : pool) thread.join();
+  return list;
+}
 
+Digest root_digest(const std::vector<Digest>& leaves, std::size_t bytes) {
+  std::vector<XXH128_canonical_t> list(leaves.size());
+  for (std::size_t i = 0; i < leaves.size(); ++i) {
+    XXH128_canonicalFromHash(&list[i], XXH128_hash_t{leaves[i].lo, leaves[i].hi});
+  }
   const XXH128_hash_t root =
       XXH3_128bits_withSeed(list.data(), list.size() * sizeof(XXH128_canonical_t), XXH64_hash_t{bytes});
   return Digest{root.high64, root.low64};
+}
+
+Digest hash_bytes(const void* data, std::size_t bytes, unsigned threads) {
+  return root_digest(leaf_digests(data, bytes, threads), bytes);
 }
 
 }  // namespace lockstep::state

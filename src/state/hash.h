@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace lockstep::state {
 
@@ -47,5 +48,16 @@ inline constexpr std::size_t kHashLeafBytes = std::size_t{1} << 20;
 // about 4 leaves per extra thread uses fewer threads, and one that fails to start a
 // thread carries on with those it has. The buffer must not change during the call.
 Digest hash_bytes(const void* data, std::size_t bytes, unsigned threads = 0);
+
+// The same digest in its two steps, for callers that keep the leaves (a shared-state
+// transfer compares them to find what differs, and digests what it receives leaf by
+// leaf as it arrives): leaf_digests() gives d_0 .. d_{m-1} (threads as for hash_bytes),
+// leaf_digest() one d_i of a buffer of `bytes` bytes (reading leaf i only), and
+// root_digest() the digest of a `bytes`-byte buffer from its whole leaf list, so that
+// root_digest(leaf_digests(p, n), n) == hash_bytes(p, n).
+std::size_t leaf_count(std::size_t bytes);
+std::vector<Digest> leaf_digests(const void* data, std::size_t bytes, unsigned threads = 0);
+Digest leaf_digest(const void* data, std::size_t bytes, std::size_t i);
+Digest root_digest(const std::vector<Digest>& leaves, std::size_t bytes);
 
 }  // namespace lockstep::state

@@ -155,6 +155,10 @@ int main(void) {
   /* A lone peer's collectives: TOO_FEW_PEERS, buffers untouched. */
   weights[0] = 42.0f;
   CHECK(lockstep_comm_all_reduce(comm, &desc, &reduce_info) == LOCKSTEP_STATUS_TOO_FEW_PEERS && weights[0] == 42.0f);
+  /* The distribution hint (0.7): a value outside lockstep_distribution_t is refused. */
+  desc.distribution = (lockstep_distribution_t)3;
+  CHECK(lockstep_comm_all_reduce(comm, &desc, &reduce_info) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  desc.distribution = LOCKSTEP_DIST_NONE;
   {
     lockstep_broadcast_desc_t broadcast = {weights, 1000, LOCKSTEP_F32, 0, 20};
     lockstep_all_gather_desc_t gather = {weights, 10, weights + 100, 100, LOCKSTEP_F32, NULL, 0, 21};

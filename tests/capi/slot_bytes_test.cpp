@@ -62,7 +62,7 @@ void peer(std::uint16_t port, std::size_t index) {
   for (std::size_t k = 0; k < kInFlight; ++k) {
     for (std::size_t i = 0; i < buffers[k].size(); i += 4096) buffers[k][i] = static_cast<float>(k + index);
     lockstep_reduce_desc_t d = {buffers[k].data(), buffers[k].data(), buffers[k].size(), LOCKSTEP_F32, LOCKSTEP_SUM,
-                                LOCKSTEP_QUANT_NONE, 10 + k, nullptr};
+                                LOCKSTEP_QUANT_NONE, 10 + k, nullptr, LOCKSTEP_DIST_NONE};
     ASSERT_EQ(lockstep_comm_all_reduce_async(comm, &d, &handles[k]), LOCKSTEP_OK) << lockstep_comm_last_error(comm);
   }
   std::uint64_t reported_sent = 0, reported_received = 0;

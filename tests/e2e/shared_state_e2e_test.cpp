@@ -150,6 +150,31 @@ TEST(SharedState, OneFlippedBitMovesExactlyItsSegment) {
   EXPECT_EQ(replies[1]["bytes_received"], 0);
 }
 
+// A newcomer receives a 9 MiB + 12 KiB tensor in two pieces, one from each holder; the
+// boundary between them falls inside a 1 MiB leaf of the content hash, which neither
+// transfer holds whole: the newcomer digests it once both are in, and only then does its
+// digest match (the leaves wholly inside a piece it digests as they arrive).
+TEST(SharedState, APieceBoundaryInsideALeafIsDigestedOnceBothPiecesAreIn) {
+  constexpr std::uint64_t kTensor = (9u << 20) + 12288;
+  auto run = start(2);
+  ASSERT_EQ(run.members.size(), 2u);
+  for (auto* p : run.members) {
+    ASSERT_EQ(code(p->call("tensor weights " + std::to_string(kTensor))), 0);
+    ASSERT_EQ(code(p->call("fill weights 21")), 0);
+    set_revision(*p, 1);
+  }
+  Peer* newcomer = run.add("n");
+  ASSERT_EQ(code(newcomer->call("tensor weights " + std::to_string(kTensor))), 0);
+  std::vector<Peer*> members = run.members;
+  admit(members, {newcomer});
+  const auto replies = sync_all(members, {"popular", "popular", "receive"});
+  for (const auto& r : replies) ASSERT_EQ(code(r), 0) << r.dump();
+  expect_identical(replies);
+  EXPECT_EQ(replies[2]["bytes_received"], kTensor);
+  EXPECT_GT(replies[0]["bytes_sent"].get<std::uint64_t>(), 0u);  // two pieces, one from each
+  EXPECT_GT(replies[1]["bytes_sent"].get<std::uint64_t>(), 0u);
+}
+
 // A peer one revision behind, whose 100 MiB tensor (20 MiB under the sanitizers)
 // differs from the group's in one whole segment and one byte of three more, spread over
 // both holders' pieces, receives those four 1 MiB segments only: 4 % of the tensor.

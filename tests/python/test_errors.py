@@ -355,6 +355,11 @@ def test_op_quantization_tag_checks(offline):
     rejected(lambda: offline.all_reduce(a, residual=r), "residual")
     rejected(lambda: offline.all_reduce(a, op="max", quantization="minmax4", residual=r), "residual")
     rejected(lambda: offline.all_reduce(a, quantization="minmax4", residual=a), "overlaps")
+    # The distribution hint.
+    for d in (None, "none", "uniform", "Normal", lockstep.Distribution.NORMAL, 2):
+        accepted(lambda: offline.all_reduce(a, quantization="minmax4", distribution=d))
+    rejected(lambda: offline.all_reduce(a, quantization="minmax4", distribution="gaussian"), "unknown distribution")
+    rejected(lambda: offline.all_reduce(a, quantization="minmax4", distribution=3), "unknown distribution")
     # Quantization of an integer dtype: refused by the C library itself.
     rejected(lambda: offline.all_reduce(np.zeros(4, np.int32), quantization="minmax"), "floating-point")
 

@@ -65,6 +65,25 @@ TEST(Hash, SameDigestForEveryThreadCount) {
   }
 }
 
+// The two steps that shared-state transfers use: the leaf list and the root over it give
+// the digest of the definition, and each leaf alone is that leaf's d_i.
+TEST(Hash, LeavesAndRootComposeTheDigest) {
+  constexpr std::size_t L = kHashLeafBytes;
+  const auto buffer = pattern(9 * L + 5);
+  for (const std::size_t size : {std::size_t{0}, std::size_t{1}, L, L + 1, 9 * L + 5}) {
+    SCOPED_TRACE("size " + std::to_string(size));
+    const auto leaves = lockstep::state::leaf_digests(buffer.data(), size, 2);
+    ASSERT_EQ(leaves.size(), lockstep::state::leaf_count(size));
+    EXPECT_EQ(lockstep::state::root_digest(leaves, size), reference(buffer.data(), size));
+    for (std::size_t i = 0; i < leaves.size(); ++i) {
+      const std::size_t length = std::min(L, size - i * L);
+      const XXH128_hash_t h = XXH3_128bits_withSeed(buffer.data() + i * L, length, XXH64_hash_t{i});
+      EXPECT_EQ(leaves[i], (Digest{h.high64, h.low64})) << "leaf " << i;
+      EXPECT_EQ(lockstep::state::leaf_digest(buffer.data(), size, i), leaves[i]) << "leaf " << i;
+    }
+  }
+}
+
 TEST(Hash, EmptyAndTinyBuffersFollowTheDefinition) {
   // Written out for the small cases: the root hashes the canonical leaf digests, seeded
   // with the total length; the empty buffer hashes an empty leaf list with seed 0.

@@ -2,8 +2,8 @@
 // on random data of every float dtype (several distributions, one-sided and tiny and
 // huge ranges), exact all-equal chunks, exact zeros with a zero point, determinism of
 // the decoder, the wire size and layout, the fused dequantize-and-reduce against
-// dequantize-then-reduce, and non-finite or garbage input handled as quantize.h
-// documents.
+// dequantize-then-reduce, non-finite or garbage input handled as quantize.h documents,
+// and the NORMAL distribution hint (its bound, its gain, and where it changes nothing).
 #include "collectives/quantize.h"
 #include "kernels/reduce.h"
 
@@ -150,6 +150,41 @@ double check_round_trip(const std::vector<double>& raw, lockstep_quantization_t 
   return worst;
 }
 
+// With the NORMAL hint: the header is valid, every element inside the coded range
+// [lo, hi] keeps the bound, and every element beyond it gets the end code.
+template <typename D>
+void check_hinted_round_trip(const std::vector<double>& raw, lockstep_quantization_t q) {
+  const auto v = make_values<D>(raw);
+  std::vector<std::uint8_t> bytes(coll::quantized_bytes(v.size(), q));
+  coll::quantize(v.data(), v.size(), D::kDtype, q, LOCKSTEP_DIST_NORMAL, bytes.data());
+  ASSERT_TRUE(coll::quantized_header_valid(bytes.data(), D::kDtype, q));
+  const coll::QuantParams p = coll::read_quant_params(bytes.data());
+  if (p.non_finite()) return;
+  const double top = four_bit(q) ? 15.0 : 255.0;
+  const double scale = minmax(q) ? p.p1 : p.p0;
+  const double lo = minmax(q) ? p.p0 : -p.p1 * scale;
+  const double hi = lo + top * scale;
+  const auto back = decode<D>(bytes, v.size(), q);
+  double m = 0;
+  for (auto s : v) m = std::max(m, std::fabs(D::value(s)));
+  const double bound = scale / 2 + (D::u() + std::ldexp(1.0, -47)) * m + D::t();
+  std::size_t failures = 0;
+  for (std::size_t i = 0; i < v.size() && failures < 5; ++i) {
+    const double x = D::value(v[i]);
+    const double err = std::fabs(x - D::value(back[i]));
+    const unsigned code = code_at(bytes, i, q);
+    // Beyond the range: the end code, off by the distance to that end more.
+    const bool ok = x < lo   ? code == 0 && err <= lo - x + bound
+                    : x > hi ? code == top && err <= x - hi + bound
+                             : err <= bound;
+    if (!ok) {
+      ++failures;
+      ADD_FAILURE() << "element " << i << ": " << x << " coded " << code << ", decoded with error " << err
+                    << " (range " << lo << " .. " << hi << ", bound " << bound << ")";
+    }
+  }
+}
+
 template <typename D>
 void check_distributions() {
   std::mt19937_64 rng(99);
@@ -171,6 +206,7 @@ void check_distributions() {
       for (std::size_t s = 0; s < sets.size(); ++s) {
         SCOPED_TRACE("distribution " + std::to_string(s));
         const double worst = check_round_trip<D>(sets[s], q);
+        check_hinted_round_trip<D>(sets[s], q);
         // With many well-spread values some error comes near half a step: the bound
         // is not met by accident of a zero scale.
         // (Only where the dtype's own rounding is much finer than a step.)
@@ -189,6 +225,63 @@ TEST(Quantize, RoundTripWithinBoundF16) { check_distributions<F16>(); }
 TEST(Quantize, RoundTripWithinBoundBF16) { check_distributions<BF16>(); }
 TEST(Quantize, RoundTripWithinBoundF32) { check_distributions<F32>(); }
 TEST(Quantize, RoundTripWithinBoundF64) { check_distributions<F64>(); }
+
+// ---------------------------------------------------------------- distribution hint
+
+// Mean squared error of a round trip of f32 values under a hint.
+double round_trip_mse(const std::vector<float>& v, lockstep_quantization_t q, lockstep_distribution_t hint) {
+  std::vector<std::uint8_t> bytes(coll::quantized_bytes(v.size(), q));
+  coll::quantize(v.data(), v.size(), LOCKSTEP_F32, q, hint, bytes.data());
+  std::vector<float> back(v.size());
+  coll::dequantize(bytes.data(), v.size(), LOCKSTEP_F32, q, back.data());
+  double sum = 0;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const double e = static_cast<double>(v[i]) - static_cast<double>(back[i]);
+    sum += e * e;
+  }
+  return sum / static_cast<double>(v.size());
+}
+
+// On normally distributed values (a chunk of 64 Ki, as the ring's sub-chunks are) the
+// hint's narrower range lowers the mean squared error: docs/collectives.md's figures are
+// 2.2-2.7x for 4-bit codes and 1.04-1.3x for 8-bit ones at this size; asserted with a
+// margin.
+TEST(Quantize, NormalHintLowersTheErrorOnBellShapedValues) {
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> normal(0.25f, 2.0f);
+  std::vector<float> v(65536);
+  for (auto& x : v) x = normal(rng);
+  for (const auto q : kQuants) {
+    SCOPED_TRACE("quant " + std::to_string(q));
+    const double plain = round_trip_mse(v, q, LOCKSTEP_DIST_NONE);
+    const double hinted = round_trip_mse(v, q, LOCKSTEP_DIST_NORMAL);
+    EXPECT_EQ(round_trip_mse(v, q, LOCKSTEP_DIST_UNIFORM), plain);
+    EXPECT_GT(plain / hinted, four_bit(q) ? 2.0 : 1.05) << plain << " against " << hinted;
+  }
+}
+
+// Where the values are spread evenly (or all equal, or not finite) the hint narrows
+// nothing: the bytes are those without it. Casts ignore it.
+TEST(Quantize, NormalHintChangesNothingWhereNothingIsGained) {
+  std::mt19937_64 rng(6);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::vector<float> uniform(5000);
+  for (auto& x : uniform) x = unit(rng);
+  const std::vector<float> equal(100, 3.5f);
+  std::vector<float> with_nan = uniform;
+  with_nan[17] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<const std::vector<float>*> sets = {&uniform, &equal, &with_nan};
+  for (const auto* v : sets) {
+    for (const auto q : kAllQuants) {
+      SCOPED_TRACE("quant " + std::to_string(q));
+      std::vector<std::uint8_t> plain(coll::quantized_bytes(v->size(), q));
+      std::vector<std::uint8_t> hinted(plain.size());
+      coll::quantize(v->data(), v->size(), LOCKSTEP_F32, q, plain.data());
+      coll::quantize(v->data(), v->size(), LOCKSTEP_F32, q, LOCKSTEP_DIST_NORMAL, hinted.data());
+      EXPECT_EQ(hinted, plain);
+    }
+  }
+}
 
 // ---------------------------------------------------------------- exact cases
 

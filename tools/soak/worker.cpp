@@ -231,7 +231,8 @@ class Worker {
       std::vector<lockstep_reduce_desc_t> descs(K);
       for (const auto k : todo) {
         descs[k] = lockstep_reduce_desc_t{buffers_[k].data(), buffers_[k].data(), o_.reduce_elements, LOCKSTEP_F32,
-                                          LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, revision_ * (K + 3) + k, nullptr};
+                                          LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, revision_ * (K + 3) + k, nullptr,
+                                          LOCKSTEP_DIST_NONE};
         lockstep_async_t* handle = nullptr;
         ++attempts[k];
         const lockstep_status_t s = lockstep_comm_all_reduce_async(comm_, &descs[k], &handle);

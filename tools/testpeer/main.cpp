@@ -464,7 +464,7 @@ int main(int argc, char** argv) {
       }
       std::vector<float> a(count, fill), g_src(count, fill), g_dst(count * world), r_src(count * world, fill),
           r_dst(count), b(count, fill);
-      const lockstep_reduce_desc_t ar = {a.data(), a.data(), count, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, base, nullptr};
+      const lockstep_reduce_desc_t ar = {a.data(), a.data(), count, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, base, nullptr, LOCKSTEP_DIST_NONE};
       const lockstep_all_gather_desc_t ag = {g_src.data(), count, g_dst.data(), g_dst.size(), LOCKSTEP_F32,
                                              nullptr,      0,     base + 1};
       const lockstep_reduce_scatter_desc_t rs = {r_src.data(), r_dst.data(), count, LOCKSTEP_F32, LOCKSTEP_SUM,
@@ -502,9 +502,9 @@ int main(int argc, char** argv) {
       std::vector<lockstep_reduce_desc_t> descs;
       for (std::uint64_t k = 0; k < n; ++k) {
         descs.push_back({buffers[k].data(), buffers[k].data(), count, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE,
-                         base + k, nullptr});
+                         base + k, nullptr, LOCKSTEP_DIST_NONE});
       }
-      descs.push_back({nullptr, nullptr, 0, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, base + n, nullptr});
+      descs.push_back({nullptr, nullptr, 0, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, base + n, nullptr, LOCKSTEP_DIST_NONE});
       std::vector<lockstep_reduce_info_t> infos(descs.size());
       const lockstep_status_t s =
           lockstep_comm_all_reduce_multiple_with_retry(peer.comm, descs.data(), descs.size(), 2, infos.data());
