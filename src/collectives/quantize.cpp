@@ -144,7 +144,7 @@ template <typename E>
 }
 
 // The mean and standard deviation of a chunk of range [lo, hi] (lo < hi, hi - lo
-// finite), for the NORMAL hint: sums of u = (x - c) / h and of u^2 in double, c the
+// finite; NaN for a range of f64 subnormals), for the NORMAL hint: sums of u = (x - c) / h and of u^2 in double, c the
 // middle of the range and h half its width, so that u lies in [-1, 1] and neither sum
 // overflows, underflows or cancels, whatever the scale of the values; in independent
 // lanes so that GCC vectorizes them.
@@ -158,19 +158,22 @@ template <typename E>
                                                          double lo, double hi) {
   const double c = 0.5 * lo + 0.5 * hi;
   const double h = 0.5 * hi - 0.5 * lo;
+  // A range so narrow that 1 / h overflows (f64 subnormals): no moments, no narrowing.
+  const double inv = 1.0 / h;
+  if (!std::isfinite(inv)) return Moments{kNaN, kNaN};
   constexpr std::size_t kLanes = 8;
   double sum[kLanes] = {};
   double squares[kLanes] = {};
   std::size_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (std::size_t j = 0; j < kLanes; ++j) {
-      const double u = (static_cast<double>(E::load(src[i + j])) - c) / h;
+      const double u = (static_cast<double>(E::load(src[i + j])) - c) * inv;
       sum[j] += u;
       squares[j] += u * u;
     }
   }
   for (std::size_t j = 0; i < n; ++i, ++j) {
-    const double u = (static_cast<double>(E::load(src[i])) - c) / h;
+    const double u = (static_cast<double>(E::load(src[i])) - c) * inv;
     sum[j] += u;
     squares[j] += u * u;
   }
