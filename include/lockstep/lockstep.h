@@ -352,7 +352,9 @@ typedef struct lockstep_comm_config {
   /** Since 0.3. Connections one all-reduce stripes over towards each ring neighbour (streams): 0
    * (default) adapts the count to the path, from 1 up to 8, keeping more only while
    * they raise the throughput (docs/wan.md); 1 to 16 fixes it. Above 16:
-   * INVALID_ARGUMENT. The results are the same bits with any count. */
+   * INVALID_ARGUMENT. The results are the same bits with any count. Since 0.7 also the
+   * connections a shared-state sync fetches each source's part over (0: up to 4; each
+   * carries at least 16 MiB). */
   uint32_t p2p_streams;
   /** Since 0.3. TCP congestion control of the p2p connections (Linux TCP_CONGESTION, e.g. "bbr",
    * "cubic", "reno"); NULL or "" (default): the system's. A name that is not one (1 to
@@ -806,6 +808,10 @@ typedef struct lockstep_sync_info {
    * tags of sealed chunks not counted). Equal to the above where nothing was compressed. */
   uint64_t wire_bytes_sent;
   uint64_t wire_bytes_received;
+  /** Since 0.7: the connections this peer received over (0 when it received nothing):
+   * each source's part is striped over up to 4 connections of at least 16 MiB each
+   * (p2p_streams of the config, when set, instead of 4). */
+  uint32_t streams;
 } lockstep_sync_info_t;
 
 /** Synchronizes the shared state with every accepted peer of the group (a vote: all

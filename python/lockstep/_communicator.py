@@ -32,12 +32,14 @@ class ReduceInfo:
 class SyncInfo:
     """What a shared-state sync moved: tensor bytes this peer served and received, and
     the same on the wire (compressed blocks and their headers; equal where nothing was
-    compressed)."""
+    compressed), and the connections the received bytes came over (each source's part
+    striped over up to 4, or ``p2p_streams``)."""
 
     bytes_sent: int
     bytes_received: int
     wire_bytes_sent: int = 0
     wire_bytes_received: int = 0
+    streams: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +239,8 @@ class Communicator:
         p2p_streams: connections one all-reduce stripes over towards each ring
             neighbour: 0 adapts the count to the path (1 up to 8, more only while they
             raise the throughput: docs/wan.md); 1 to 16 fixes it. The results are the
-            same bits with any count.
+            same bits with any count. Also the connections a shared-state sync fetches
+            each source's part over (0: up to 4, each carrying at least 16 MiB).
         tcp_congestion: TCP congestion control of the p2p connections (e.g. ``"bbr"``);
             None: the system's default. One the kernel refuses is logged once and the
             default used.
@@ -710,9 +713,10 @@ class Communicator:
                 raise InvalidArgumentError(f"shared-state tensor {t.key!r} is empty")
             tensors.append((t.key, buf.address, buf.count, int(buf.dtype), t.allow_content_inequality))
             keep.append(buf)
-        revision, sent, received, wire_sent, wire_received = self._impl.sync_shared_state(tensors, state.revision, code)
+        revision, sent, received, wire_sent, wire_received, streams = self._impl.sync_shared_state(
+            tensors, state.revision, code)
         state.revision = revision
-        return SyncInfo(sent, received, wire_sent, wire_received)
+        return SyncInfo(sent, received, wire_sent, wire_received, streams)
 
     # -- lifetime -------------------------------------------------------------
 

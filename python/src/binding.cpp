@@ -678,8 +678,8 @@ class PyComm {
   }
 
   // tensors: (key, address, count, dtype, allow_content_inequality). Returns
-  // (revision, bytes_sent, bytes_received, wire_bytes_sent, wire_bytes_received).
-  std::tuple<std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t> sync_shared_state(
+  // (revision, bytes_sent, bytes_received, wire_bytes_sent, wire_bytes_received, streams).
+  std::tuple<std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t, std::uint32_t> sync_shared_state(
       const std::vector<std::tuple<std::string, std::uintptr_t, std::uint64_t, int, bool>>& tensors,
       std::uint64_t revision, int strategy) {
     Busy busy(*state_);
@@ -706,7 +706,8 @@ class PyComm {
                                              &info);
     });
     if (s != LOCKSTEP_OK) fail(s, message);
-    return {state.revision, info.bytes_sent, info.bytes_received, info.wire_bytes_sent, info.wire_bytes_received};
+    return {state.revision,         info.bytes_sent,          info.bytes_received,
+            info.wire_bytes_sent,   info.wire_bytes_received, info.streams};
   }
 
   void close() { close_locked(/*release_gil=*/true); }

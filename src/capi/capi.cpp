@@ -936,6 +936,7 @@ lockstep_status_t lockstep_comm_sync_shared_state_sized(lockstep_comm_t* comm, l
       info.bytes_received = r.value().bytes_received;
       info.wire_bytes_sent = r.value().wire_bytes_sent;
       info.wire_bytes_received = r.value().wire_bytes_received;
+      info.streams = r.value().streams;
       write_prefix(out_info, info_size, info);
     }
     return LOCKSTEP_OK;

@@ -101,6 +101,10 @@ inline constexpr std::uint32_t kSharedStateKeyBytesMax = 255;
 inline constexpr std::uint32_t kSyncFetchesMax = 16384;
 // A tensor is split into pieces fetched from different distributors only above this.
 inline constexpr std::uint64_t kSyncPieceBytesMin = 4u << 20;
+// A source's pieces travel over up to kStateStreamsDefault connections (p2p_streams
+// when set), each carrying at least kStateStripeBytesMin (peer/shared_state.cpp).
+inline constexpr std::uint32_t kStateStreamsDefault = 4;
+inline constexpr std::uint64_t kStateStripeBytesMin = 16u << 20;
 // A shared-state transfer that makes no progress for this long fails.
 inline constexpr std::uint32_t kStateTransferStallMsDefault = 60'000;
 // Segments (1 MiB leaves of the content hash) one StateLeavesRequest may ask digests of:

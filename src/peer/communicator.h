@@ -125,6 +125,7 @@ struct SyncInfo {
   // transfer went in blocks, else equal to the above (seals' tags not counted).
   std::uint64_t wire_bytes_sent = 0;
   std::uint64_t wire_bytes_received = 0;
+  std::uint32_t streams = 0;  // connections the received bytes came over
 };
 
 // What a communicator did since it was created (docs/observability.md). Operations are

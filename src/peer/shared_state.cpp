@@ -3,7 +3,8 @@
 //  - a server thread hands each shared-state connection of this attempt to a handler
 //    thread that answers requests for byte ranges of our tensors (only tensors whose
 //    digest is the one requested, only ranges inside them);
-//  - a fetch thread opens one connection per source named in the plan, keeps a few
+//  - a fetch thread opens up to four connections per source named in the plan (each
+//    with a stripe of that source's pieces; p2p_streams when set), keeps a few
 //    requests in flight on each, receives the pieces straight into the tensors,
 //    digesting each 1 MiB leaf of the content hash as soon as it is whole, checks every
 //    received tensor's digest and reports to the master.
@@ -34,6 +35,7 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <functional>
 #include <list>
 #include <set>
@@ -363,13 +365,51 @@ class StateServer {
   std::atomic<std::uint64_t> wire_sent_{0};  // tensor data as sent: raw, or blocks and their headers
 };
 
-// Fetches the pieces of one plan from their sources, one connection and thread each.
+// A source's pieces cut into at most `most` stripes of about equal bytes, each of at
+// least limits::kStateStripeBytesMin, one per connection: several connections ramp up
+// together after their slow start, share a lossy path's bandwidth as several flows do,
+// and let the source compress on as many cores. Cuts fall on 1 MiB leaf boundaries of
+// the tensor, so a leaf lies whole in one stripe unless the plan's pieces cut it.
+std::vector<std::vector<proto::SyncFetch>> stripes(const std::vector<proto::SyncFetch>& pieces, std::uint32_t most) {
+  constexpr std::uint64_t L = state::kHashLeafBytes;
+  std::uint64_t total = 0;
+  for (const auto& p : pieces) total += p.bytes;
+  std::vector<std::vector<proto::SyncFetch>> out;
+  if (pieces.empty()) return out;
+  const std::uint64_t count =
+      std::clamp<std::uint64_t>(total / limits::kStateStripeBytesMin, 1, std::max<std::uint64_t>(most, 1));
+  const std::uint64_t quota = (total + count - 1) / count;
+  out.emplace_back();
+  std::uint64_t filled = 0;
+  for (proto::SyncFetch rest : pieces) {
+    while (rest.bytes > 0) {
+      if (filled >= quota && out.size() < count) {
+        out.emplace_back();
+        filled = 0;
+      }
+      std::uint64_t take = rest.bytes;
+      if (out.size() < count && quota - filled < rest.bytes) {
+        const std::uint64_t cut = (rest.offset + (quota - filled) + L - 1) / L * L;
+        take = std::min(rest.bytes, cut - rest.offset);
+      }
+      out.back().push_back(proto::SyncFetch{rest.tensor, rest.offset, take, rest.source});
+      filled += take;
+      rest.offset += take;
+      rest.bytes -= take;
+    }
+  }
+  return out;
+}
+
+// Fetches the pieces of one plan from their sources, each source's over up to
+// `streams` connections (stripes()), one thread each.
 class Fetcher {
  public:
   Fetcher(PeerId self, std::uint32_t connect_timeout_ms, bool secret, bool encrypt, bool compress,
-          const proto::SyncPlan& plan, const std::vector<SharedTensor>& tensors, const std::vector<LocalTensor>& local)
+          std::uint32_t streams, const proto::SyncPlan& plan, const std::vector<SharedTensor>& tensors,
+          const std::vector<LocalTensor>& local)
       : self_(self), connect_timeout_ms_(connect_timeout_ms), secret_(secret), encrypt_(encrypt), compress_(compress),
-        plan_(plan), tensors_(tensors), local_(local) {
+        streams_(streams), plan_(plan), tensors_(tensors), local_(local) {
     for (const auto& e : plan_.expect) {
       if (e.tensor >= local_.size()) continue;  // check_plan refuses the plan
       expected_[e.tensor] = e.hash;
@@ -381,13 +421,23 @@ class Fetcher {
 
   // Runs every transfer, then checks every received tensor's digest.
   Status run() {
-    std::vector<std::vector<const proto::SyncFetch*>> by_source(plan_.sources.size());
-    for (const auto& f : plan_.fetches) by_source[f.source].push_back(&f);
-    std::vector<Status> results(by_source.size());
-    std::vector<std::thread> threads;
+    std::vector<std::vector<proto::SyncFetch>> by_source(plan_.sources.size());
+    for (const auto& f : plan_.fetches) by_source[f.source].push_back(f);
+    std::vector<std::vector<proto::SyncFetch>> work;  // one per connection
+    std::vector<std::size_t> work_source;
     for (std::size_t i = 0; i < by_source.size(); ++i) {
-      if (by_source[i].empty()) continue;
-      threads.emplace_back([this, i, &by_source, &results] { results[i] = fetch_from(plan_.sources[i], by_source[i]); });
+      for (auto& stripe : stripes(by_source[i], streams_)) {
+        work.push_back(std::move(stripe));
+        work_source.push_back(i);
+      }
+    }
+    connections_ = static_cast<std::uint32_t>(work.size());
+    std::vector<Status> results(work.size());
+    std::vector<std::thread> threads;
+    for (std::size_t k = 0; k < work.size(); ++k) {
+      threads.emplace_back([this, k, &work, &work_source, &results] {
+        results[k] = fetch_from(plan_.sources[work_source[k]], work[k]);
+      });
     }
     for (auto& t : threads) t.join();
     for (const auto& r : results) {
@@ -411,9 +461,10 @@ class Fetcher {
   void abort() { sockets_.shutdown_all(); }
   std::uint64_t bytes_received() const { return bytes_received_.load(); }
   std::uint64_t wire_bytes_received() const { return wire_received_.load(); }
+  std::uint32_t connections() const { return connections_; }  // after run()
 
  private:
-  Status fetch_from(const proto::MemberInfo& source, const std::vector<const proto::SyncFetch*>& pieces) {
+  Status fetch_from(const proto::MemberInfo& source, const std::vector<proto::SyncFetch>& pieces) {
     const std::string where = "shared-state source " + source.id.to_string() + " at " + source.host + ":" +
                               std::to_string(source.shared_state_port);
     auto fd = transport::connect_tcp(source.host, source.shared_state_port, connect_timeout_ms_);
@@ -426,7 +477,7 @@ class Fetcher {
     return s;
   }
 
-  Status exchange(int fd, const proto::MemberInfo& source, const std::vector<const proto::SyncFetch*>& pieces) {
+  Status exchange(int fd, const proto::MemberInfo& source, const std::vector<proto::SyncFetch>& pieces) {
     proto::P2PHello hello;
     hello.channel = proto::Channel::kSharedState;
     hello.from = self_;
@@ -455,14 +506,14 @@ class Fetcher {
   // kStateSegmentsPerRequestMax segments a request, kRequestsInFlight requests in flight)
   // and keeps the segments whose digest differs from this peer's own bytes there,
   // adjacent ones merged.
-  Status differing_segments(int fd, const std::vector<const proto::SyncFetch*>& pieces, security::FrameCrypto* crypto,
+  Status differing_segments(int fd, const std::vector<proto::SyncFetch>& pieces, security::FrameCrypto* crypto,
                             std::vector<proto::SyncFetch>* out) {
     std::vector<proto::SyncFetch> queries;
     constexpr std::uint64_t kQueryBytes = std::uint64_t{limits::kStateSegmentsPerRequestMax} * state::kHashLeafBytes;
-    for (const auto* f : pieces) {
-      for (std::uint64_t at = f->offset; at < f->offset + f->bytes;) {
-        const std::uint64_t end = std::min(f->offset + f->bytes, (at / kQueryBytes + 1) * kQueryBytes);
-        queries.push_back(proto::SyncFetch{f->tensor, at, end - at, f->source});
+    for (const auto& f : pieces) {
+      for (std::uint64_t at = f.offset; at < f.offset + f.bytes;) {
+        const std::uint64_t end = std::min(f.offset + f.bytes, (at / kQueryBytes + 1) * kQueryBytes);
+        queries.push_back(proto::SyncFetch{f.tensor, at, end - at, f.source});
         at = end;
       }
     }
@@ -570,6 +621,7 @@ class Fetcher {
   const bool secret_;
   const bool encrypt_;
   const bool compress_;
+  const std::uint32_t streams_;
   const proto::SyncPlan& plan_;
   const std::vector<SharedTensor>& tensors_;
   const std::vector<LocalTensor>& local_;
@@ -587,6 +639,7 @@ class Fetcher {
   SocketSet sockets_;
   std::atomic<std::uint64_t> bytes_received_{0};
   std::atomic<std::uint64_t> wire_received_{0};
+  std::uint32_t connections_ = 0;
 };
 
 Status check_tensors(const std::vector<SharedTensor>& tensors) {
@@ -677,8 +730,9 @@ Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>
                                   << " tensor(s) to receive in " << plan.fetches.size() << " piece(s)");
 
   StateServer server(*link_, plan.attempt, by_key, options_.encrypt_data);
+  const std::uint32_t streams = options_.p2p_streams != 0 ? options_.p2p_streams : limits::kStateStreamsDefault;
   Fetcher fetcher(id_, options_.p2p_connect_timeout_ms, options_.secret.has_value(), options_.encrypt_data,
-                  options_.compress_state, plan, tensors, local);
+                  options_.compress_state, streams, plan, tensors, local);
   std::thread transfers([&] {
     Status s = check_plan(plan, local);
     if (s.is_ok() && !plan.expect.empty()) s = fetcher.run();
@@ -702,7 +756,8 @@ Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>
   *revision = result.revision;
   scope.succeeded();
   sync_outcome.ok = true;
-  return SyncInfo{server.bytes_sent(), fetcher.bytes_received(), server.wire_bytes_sent(), fetcher.wire_bytes_received()};
+  return SyncInfo{server.bytes_sent(), fetcher.bytes_received(), server.wire_bytes_sent(), fetcher.wire_bytes_received(),
+                  fetcher.connections()};
 }
 
 }  // namespace lockstep::peer

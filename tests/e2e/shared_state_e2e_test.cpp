@@ -175,6 +175,34 @@ TEST(SharedState, APieceBoundaryInsideALeafIsDigestedOnceBothPiecesAreIn) {
   EXPECT_GT(replies[1]["bytes_sent"].get<std::uint64_t>(), 0u);
 }
 
+// Striping: a newcomer receives a 40 MiB tensor from its one source over two
+// connections (at least 16 MiB each, up to four), or over one when its p2p_streams is 1;
+// the content is the source's either way.
+TEST(SharedState, ATransferFromOneSourceIsStripedOverSeveralConnections) {
+  constexpr std::uint64_t kTensor = 40u << 20;
+  Master master;
+  Peer holder(master, "holder");
+  Peer striped(master, "striped");
+  Peer single(master, "single", 0, {"--streams", "1"});
+  std::vector<Peer*> members;
+  admit(members, {&holder, &striped, &single});
+  for (Peer* p : members) ASSERT_EQ(code(p->call("tensor weights " + std::to_string(kTensor))), 0);
+  ASSERT_EQ(code(holder.call("fill weights 31")), 0);
+  set_revision(holder, 1);
+  std::vector<std::string> strategies;
+  for (Peer* p : members) strategies.push_back(p == &holder ? "popular" : "receive");
+  const auto replies = sync_all(members, strategies);  // in the order of `members` (admission's)
+  for (const auto& r : replies) ASSERT_EQ(code(r), 0) << r.dump();
+  expect_identical(replies);
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    const std::uint64_t want = members[i] == &holder ? 0 : (members[i] == &striped ? 2 : 1);
+    EXPECT_EQ(replies[i]["streams"], want) << replies[i].dump();
+    if (members[i] != &holder) {
+      EXPECT_EQ(replies[i]["bytes_received"], kTensor) << replies[i].dump();
+    }
+  }
+}
+
 // A peer one revision behind, whose 100 MiB tensor (20 MiB under the sanitizers)
 // differs from the group's in one whole segment and one byte of three more, spread over
 // both holders' pieces, receives those four 1 MiB segments only: 4 % of the tensor.

@@ -68,6 +68,8 @@ def test_receive_only_newcomer_gets_numpy_and_torch_tensors():
         assert content(fresh) == content(states[0]) == content(states[1])
         assert infos[2].bytes_received == nbytes(fresh)
         assert infos[0].bytes_sent + infos[1].bytes_sent == nbytes(fresh)
+        # One connection per source at this size (a stripe carries at least 16 MiB).
+        assert infos[2].streams in (1, 2) and infos[0].streams == infos[1].streams == 0
         # Received in place: the same objects, now holding the group's bytes.
         for t in fresh.tensors:
             assert t.data is keep[t.key]

@@ -579,7 +579,7 @@ int main(int argc, char** argv) {
       std::ostringstream extra;
       extra << "\"ms\":" << ms << ",\"bytes_sent\":" << info.bytes_sent << ",\"bytes_received\":" << info.bytes_received
             << ",\"wire_bytes_sent\":" << info.wire_bytes_sent << ",\"wire_bytes_received\":" << info.wire_bytes_received
-            << "," << state.json();
+            << ",\"streams\":" << info.streams << "," << state.json();
       peer.emit(op, s, extra.str());
     } else {
       peer.emit(op, LOCKSTEP_STATUS_INVALID_ARGUMENT, "");
