@@ -113,7 +113,7 @@ inline constexpr std::uint32_t kStateSegmentsPerRequestMax = 4096;
 // Shared-state transfers (peer/shared_state.cpp). Plain bytes per sealed chunk of
 // tensor data (encrypt_data): the buffer each connection holds is this plus a tag.
 inline constexpr std::size_t kSealedChunkBytes = std::size_t{1} << 20;
-// Connections one distributor serves at once; more are closed.
+// Receivers one distributor serves in a sync attempt (x kStateStreamsDefault conns).
 inline constexpr std::size_t kServeConnectionsMax = 256;
 
 // The master's observability (docs/observability.md): the recent events it keeps for
