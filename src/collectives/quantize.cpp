@@ -144,10 +144,10 @@ template <typename E>
 }
 
 // The mean and standard deviation of a chunk of range [lo, hi] (lo < hi, hi - lo
-// finite; NaN for a range of f64 subnormals), for the NORMAL hint: sums of u = (x - c) / h and of u^2 in double, c the
+// finite), for the NORMAL hint: sums of u = (x - c) / h and of u^2 in double, c the
 // middle of the range and h half its width, so that u lies in [-1, 1] and neither sum
 // overflows, underflows or cancels, whatever the scale of the values; in independent
-// lanes so that GCC vectorizes them.
+// lanes so that GCC vectorizes them. NaN for a range of f64 subnormals.
 struct Moments {
   double mean = 0.0;
   double sd = 0.0;
