@@ -4,7 +4,7 @@
 A newcomer on host 0 receives SIZE bytes of shared state from K holders on hosts 1..K.
 The newcomer's inbound capacity is CAP: each holder->newcomer link is capped at CAP/K,
 so a newcomer fed by one holder at a time could never use more than CAP/K; --delay-ms
-adds a one-way delay each way. --content: random bytes (incompressible) or
+adds a one-way delay each way, --loss random loss each way (wire packets). --content: random bytes (incompressible) or
 "compressible" (f32 values of 16 kinds); --compression: the newcomer's
 state_compression, auto or off; --streams: the newcomer's p2p_streams (0: its default,
 each source's part over up to 4 connections). Prints one JSON line per case: the sync time, the rate
@@ -13,7 +13,7 @@ trip over what the wire bytes need at CAP ("wire_bound_use": at most 1.1 is the 
 
 Usage: scripts/bench-wan-sync.py [--build build] [--cap-mbit 400] [--sizes 256MiB,1GiB]
                                  [--holders 1,3] [--delay-ms 0] [--content random,compressible]
-                                 [--compression auto,off] [--streams 0,1]
+                                 [--compression auto,off] [--streams 0,1] [--loss 0.001]
 """
 
 from __future__ import annotations
@@ -39,12 +39,14 @@ def parse_size(text: str) -> int:
 
 
 def measure(bin_dir: str, holders: int, size: int, cap_mbit: float, delay_ms: float, content: str,
-            compression: str, streams: int) -> dict:
+            compression: str, streams: int, loss: float) -> dict:
     with Testbed(holders + 1, command=os.path.join(bin_dir, "lockstep-testbed")) as bed:
         for h in range(1, holders + 1):
             bed.cap(h, 0, f"{int(cap_mbit * 1e6 / holders)}")
             if delay_ms > 0:
                 bed.delay(h, 0, delay_ms, both=True)
+            if loss > 0:
+                bed.loss(h, 0, loss, both=True)
         master = start_master(bed, bin_dir, 0)
         address = f"{bed.addr(0)}:7000"
         sources = [TestPeer(bed, bin_dir, h, address, f"h{h}") for h in range(1, holders + 1)]
@@ -70,7 +72,7 @@ def measure(bin_dir: str, holders: int, size: int, cap_mbit: float, delay_ms: fl
             wire_ms = wire * 8 / (cap_mbit * 1e6) * 1e3
             return {"bench": "wan_sync", "holders": holders, "bytes": size, "cap_mbit": cap_mbit,
                     "delay_ms": delay_ms, "content": content, "compression": compression,
-                    "streams": got["streams"],
+                    "streams": got["streams"], "loss": loss,
                     "sync_ms": round(got["ms"], 1), "mbit_s": round(mbit, 1),
                     "cap_use": round(mbit / cap_mbit, 3), "wire_bytes": wire,
                     "wire_ratio": round(wire / size, 4),
@@ -92,6 +94,7 @@ def main() -> int:
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay of each holder link, each way")
     parser.add_argument("--content", default="random", help="random and/or compressible, comma-separated")
     parser.add_argument("--compression", default="auto", help="auto and/or off, comma-separated")
+    parser.add_argument("--loss", type=float, default=0.0, help="random loss of each holder link, each way")
     parser.add_argument("--streams", default="0",
                         help="the newcomer's p2p_streams (0: the default, up to 4 a source), comma-separated")
     args = parser.parse_args()
@@ -102,7 +105,7 @@ def main() -> int:
                 for compression in args.compression.split(","):
                     for streams in args.streams.split(","):
                         print(json.dumps(measure(bin_dir, holders, size, args.cap_mbit, args.delay_ms, content,
-                                                 compression, int(streams))), flush=True)
+                                                 compression, int(streams), args.loss)), flush=True)
     return 0
 
 
