@@ -185,12 +185,12 @@ typedef enum lockstep_quantization {
 /** Since 0.7: what a quantized all-reduce's values look like, a hint for the 8-bit and
  * 4-bit codes (the casts ignore it). With NONE or UNIFORM each chunk's codes span its
  * whole range [min, max]. With NORMAL they span the chunk's mean ± k standard deviations
- * (k = 4 for 8-bit codes, 2.5 for 4-bit; never beyond min and max) and the values beyond
- * are clamped to its ends: for bell-shaped data (gradients, pseudo-gradients) the error
- * of the values inside shrinks (on normally distributed data, the mean squared error of
- * the ring's chunks is 2.2-2.7x lower with 4-bit codes, 1.04-1.3x with 8-bit ones), a
- * few outliers lose more (error feedback carries that loss into the next call). Each peer's encodings follow its own hint: the
- * results stay bit-identical on every peer whatever the peers chose. */
+ * (k = 4 for 8-bit codes, 2.5 for 4-bit; never beyond min and max), values beyond are
+ * clamped to its ends: for bell-shaped data (gradients) the values inside lose less (on
+ * normally distributed data the mean squared error of the ring's chunks is 2.2-2.7x
+ * lower with 4-bit codes, 1.04-1.3x with 8-bit ones), a few outliers more (error
+ * feedback carries that into the next call). Each peer's encodings follow its own hint:
+ * the results stay bit-identical on every peer whatever the peers chose. */
 typedef enum lockstep_distribution {
   LOCKSTEP_DIST_NONE = 0,
   LOCKSTEP_DIST_UNIFORM = 1,
