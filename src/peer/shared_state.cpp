@@ -50,7 +50,7 @@ constexpr std::size_t kRequestsInFlight = 16;
 constexpr std::size_t kTransferChunkBytes = std::size_t{4} << 20;
 // Connections one attempt's server accepts (more are closed): as many receivers as
 // limits::kServeConnectionsMax, each with its default stripes.
-constexpr std::size_t kServeConnectionsMax = limits::kServeConnectionsMax * limits::kStateStreamsDefault;
+constexpr std::size_t kServeConnectionsPerAttempt = limits::kServeConnectionsMax * limits::kStateStreamsDefault;
 
 struct LocalTensor {
   std::uint8_t* data = nullptr;
@@ -264,7 +264,7 @@ class StateServer {
                                               Clock::now() + std::chrono::seconds(1));
       if (!connection) continue;
       if (encrypt_ && !connection->keys) continue;  // cannot happen: encrypt_data needs the secret
-      if (handlers_.size() >= kServeConnectionsMax || !sockets_.add(connection->fd.get())) {
+      if (handlers_.size() >= kServeConnectionsPerAttempt || !sockets_.add(connection->fd.get())) {
         LOG_WARN(kLog, "shared-state server: too many connections; closing one from " << connection->from.to_string());
         continue;
       }

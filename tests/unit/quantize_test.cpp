@@ -119,6 +119,14 @@ double chunk_scale(const std::vector<std::uint8_t>& bytes, lockstep_quantization
   return minmax(q) ? p.p1 : p.p0;
 }
 
+// The error bound of quantize.h for a chunk of values v with this scale.
+template <typename D>
+double error_bound(const std::vector<typename D::S>& v, double scale) {
+  double m = 0;
+  for (auto s : v) m = std::max(m, std::fabs(D::value(s)));
+  return scale / 2 + (D::u() + std::ldexp(1.0, -47)) * m + D::t();
+}
+
 // Encodes, decodes and checks every element against the bound of quantize.h. Returns
 // the largest error over scale (to check that the bound is not vacuous).
 template <typename D>
@@ -131,9 +139,7 @@ double check_round_trip(const std::vector<double>& raw, lockstep_quantization_t 
   const double scale = chunk_scale(bytes, q);
   EXPECT_TRUE(std::isfinite(scale));
   EXPECT_GE(scale, 0.0);
-  double m = 0;
-  for (auto s : v) m = std::max(m, std::fabs(D::value(s)));
-  const double bound = scale / 2 + (D::u() + std::ldexp(1.0, -47)) * m + D::t();
+  const double bound = error_bound<D>(v, scale);
   double worst = 0;
   std::size_t failures = 0;
   for (std::size_t i = 0; i < v.size() && failures < 5; ++i) {
@@ -165,9 +171,7 @@ void check_hinted_round_trip(const std::vector<double>& raw, lockstep_quantizati
   const double lo = minmax(q) ? p.p0 : -p.p1 * scale;
   const double hi = lo + top * scale;
   const auto back = decode<D>(bytes, v.size(), q);
-  double m = 0;
-  for (auto s : v) m = std::max(m, std::fabs(D::value(s)));
-  const double bound = scale / 2 + (D::u() + std::ldexp(1.0, -47)) * m + D::t();
+  const double bound = error_bound<D>(v, scale);
   std::size_t failures = 0;
   for (std::size_t i = 0; i < v.size() && failures < 5; ++i) {
     const double x = D::value(v[i]);
