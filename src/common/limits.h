@@ -107,9 +107,10 @@ inline constexpr std::uint32_t kStateStreamsDefault = 4;
 inline constexpr std::uint64_t kStateStripeBytesMin = 16u << 20;
 // A shared-state transfer that makes no progress for this long fails.
 inline constexpr std::uint32_t kStateTransferStallMsDefault = 60'000;
-// Segments (1 MiB leaves of the content hash) one StateLeavesRequest may ask digests of:
-// 4 GiB of a tensor, 64 KiB of digests in the answer.
+// Segments (1 MiB leaves of the content hash) one StateRequest may cover: 4 GiB of a
+// tensor, 64 KiB of the requester's digests, a 512-byte bitmap in the answer.
 inline constexpr std::uint32_t kStateSegmentsPerRequestMax = 4096;
+inline constexpr std::uint32_t kStateSendingBytesMax = (kStateSegmentsPerRequestMax + 7) / 8;
 // Shared-state transfers (peer/shared_state.cpp). Plain bytes per sealed chunk of
 // tensor data (encrypt_data): the buffer each connection holds is this plus a tag.
 inline constexpr std::size_t kSealedChunkBytes = std::size_t{1} << 20;

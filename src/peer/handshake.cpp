@@ -22,7 +22,8 @@ Status refused(const proto::P2PHello& hello, StatusCode status) {
 }  // namespace
 
 Status p2p_handshake(int fd, proto::P2PHello hello, bool secret, const std::vector<std::uint8_t>& pair_key,
-                     std::uint32_t timeout_ms, security::SessionKeys* keys, int cancel_fd) {
+                     std::uint32_t timeout_ms, security::SessionKeys* keys, int cancel_fd,
+                     const std::function<Status(const security::SessionKeys&)>& pipelined) {
   const std::string to = hello.to.to_string();
   security::Key key{};
   security::Nonce client{};
@@ -38,6 +39,10 @@ Status p2p_handshake(int fd, proto::P2PHello hello, bool secret, const std::vect
   const auto frame = proto::encode_frame(hello);
   Status s = transport::send_all(fd, frame, timeout_ms, cancel_fd);
   if (!s.is_ok()) return s;
+  security::SessionKeys session;
+  if (!secret && pipelined) {
+    if (s = pipelined(session); !s.is_ok()) return s;
+  }
   auto reply = transport::recv_message(fd, timeout_ms, nullptr, cancel_fd);
   if (!reply.is_ok()) return reply.status();
   if (secret) {
@@ -58,7 +63,11 @@ Status p2p_handshake(int fd, proto::P2PHello hello, bool secret, const std::vect
     const auto mine = security::proof(key, security::kConnectorRole, client, server, transcript);
     s = transport::send_message(fd, proto::AuthProof{security::to_bytes(mine)}, timeout_ms, nullptr, cancel_fd);
     if (!s.is_ok()) return s;
-    if (keys != nullptr) *keys = security::session_keys(key, client, server, transcript);
+    session = security::session_keys(key, client, server, transcript);
+    if (keys != nullptr) *keys = session;
+    if (pipelined) {
+      if (s = pipelined(session); !s.is_ok()) return s;
+    }
     reply = transport::recv_message(fd, timeout_ms, nullptr, cancel_fd);
     if (!reply.is_ok()) return reply.status();
   }

@@ -10,6 +10,7 @@
 #include "security/crypto.h"
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -22,7 +23,13 @@ namespace lockstep::peer {
 // PEER_CONNECTION_FAILED when refused, AUTHENTICATION_FAILED when the other side could
 // not prove the pair key, the transport's status when the socket failed (or when
 // cancel_fd, if >= 0, became readable: see transport::connect_tcp).
+// `pipelined`, if given, runs once this side has said all it says in the handshake and
+// before it reads the acceptor's P2PHelloAck, with the session keys: what it sends
+// travels in the same round trip (an acceptor reads nothing past its handshake until it
+// accepts, and closes the connection when it refuses). An error it returns ends the
+// handshake with that error.
 Status p2p_handshake(int fd, proto::P2PHello hello, bool secret, const std::vector<std::uint8_t>& pair_key,
-                     std::uint32_t timeout_ms, security::SessionKeys* keys = nullptr, int cancel_fd = -1);
+                     std::uint32_t timeout_ms, security::SessionKeys* keys = nullptr, int cancel_fd = -1,
+                     const std::function<Status(const security::SessionKeys&)>& pipelined = {});
 
 }  // namespace lockstep::peer

@@ -3,11 +3,12 @@
 //  - a server thread hands each shared-state connection of this attempt to a handler
 //    thread that answers requests for byte ranges of our tensors (only tensors whose
 //    digest is the one requested, only ranges inside them);
-//  - a fetch thread opens up to four connections per source named in the plan (each
-//    with a stripe of that source's pieces; p2p_streams when set), keeps a few
-//    requests in flight on each, receives the pieces straight into the tensors,
-//    digesting each 1 MiB leaf of the content hash as soon as it is whole, checks every
-//    received tensor's digest and reports to the master.
+//  - a fetch thread opens up to four connections per source named in the plan
+//    (p2p_streams when set), which share that source's pieces out between them a unit
+//    at a time (peer/transfer_queue.h), keeps a few requests in flight on each (the
+//    first ones sent with the handshake), receives the pieces straight into the
+//    tensors, digesting each 1 MiB leaf of the content hash as soon as it is whole,
+//    checks every received tensor's digest and reports to the master.
 // The outcome (one for the whole group) stops both; on failure open transfers are cut
 // by shutting their sockets down. Memory stays bounded: bytes move from the sender's
 // tensor into the receiver's tensor, and a receiver never accepts more bytes than its
@@ -15,10 +16,10 @@
 // With encrypt_data, every frame of a transfer connection is sealed (security/frames.h)
 // and tensor bytes travel as sealed chunks of at most limits::kSealedChunkBytes, each
 // opened into the tensor only once it verifies; one chunk buffer per connection.
-// Before it asks for bytes, the fetcher asks for the digests of the 1 MiB segments of its
-// pieces and fetches only the segments whose digest differs from its own bytes there
-// (delta transfer: a peer one revision behind receives what changed). Both ends answer
-// from the leaf digests they computed for the vote; nothing is hashed twice.
+// Each request carries the fetcher's own digests of the 1 MiB segments it covers, and the
+// server sends only the segments whose digest differs from its own (delta transfer: a
+// peer one revision behind receives what changed, and it costs no round trip). Both ends
+// use the leaf digests they computed for the vote; nothing is hashed twice.
 // Unless the fetcher's compress_state is off, it asks for blocks (state/blocks.h): the
 // server compresses each where its policy says it pays, and the fetcher decompresses a
 // compressed block into a buffer of its own, copying it into the tensor only once it
@@ -29,6 +30,7 @@
 #include "peer/communicator.h"
 #include "peer/handshake.h"
 #include "peer/link.h"
+#include "peer/transfer_queue.h"
 #include "state/blocks.h"
 #include "state/hash.h"
 #include "transport/framed.h"
@@ -36,20 +38,19 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <deque>
 #include <functional>
 #include <list>
+#include <mutex>
 #include <set>
 
 namespace lockstep::peer {
 namespace {
 
-// Requests in flight per connection: enough to hide the round trip for small
-// tensors, few enough that requests never fill a socket buffer (no deadlock).
-constexpr std::size_t kRequestsInFlight = 16;
 // Bytes per send/receive call of tensor data (each bounded by the stall timeout).
 constexpr std::size_t kTransferChunkBytes = std::size_t{4} << 20;
 // Connections one attempt's server accepts (more are closed): as many receivers as
-// limits::kServeConnectionsMax, each with its default stripes.
+// limits::kServeConnectionsMax, each with its default connections.
 constexpr std::size_t kServeConnectionsPerAttempt = limits::kServeConnectionsMax * limits::kStateStreamsDefault;
 
 struct LocalTensor {
@@ -64,6 +65,34 @@ std::vector<state::Digest> segment_digests(const LocalTensor& t, std::uint64_t o
   const auto first = static_cast<std::ptrdiff_t>(offset / state::kHashLeafBytes);
   const auto count = static_cast<std::ptrdiff_t>(state::segment_count(offset, bytes));
   return {t.leaves.begin() + first, t.leaves.begin() + first + count};
+}
+
+// One bit per segment (bit k % 8 of byte k / 8): set where `theirs` differs from `mine`.
+std::vector<std::uint8_t> differing(const std::vector<state::Digest>& mine, const std::vector<state::Digest>& theirs) {
+  std::vector<std::uint8_t> out((mine.size() + 7) / 8, 0);
+  for (std::size_t k = 0; k < mine.size(); ++k) {
+    if (k >= theirs.size() || mine[k] != theirs[k]) out[k / 8] = static_cast<std::uint8_t>(out[k / 8] | (1u << (k % 8)));
+  }
+  return out;
+}
+
+// The ranges (offset, bytes) of the segments of [offset, offset + bytes) whose bit is set
+// in `sending` (differing()), adjacent ones merged.
+std::vector<std::pair<std::uint64_t, std::uint64_t>> runs(std::uint64_t offset, std::uint64_t bytes,
+                                                          const std::vector<std::uint8_t>& sending) {
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
+  const std::uint64_t n = state::segment_count(offset, bytes);
+  for (std::uint64_t k = 0; k < n; ++k) {
+    if (k / 8 >= sending.size() || ((sending[k / 8] >> (k % 8)) & 1u) == 0) continue;
+    const std::uint64_t start = state::segment_start(offset, k);
+    const std::uint64_t end = k + 1 < n ? state::segment_start(offset, k + 1) : offset + bytes;
+    if (!out.empty() && out.back().first + out.back().second == start) {
+      out.back().second += end - start;
+    } else {
+      out.emplace_back(start, end - start);
+    }
+  }
+  return out;
 }
 
 // Sockets in use by transfer threads, so that another thread can cut them.
@@ -157,18 +186,30 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// The serving end of block transfers on one connection: the policy and its compressor.
+// The serving end of block transfers on one connection: the policy, its compressor, the
+// size of the next block, and what the link measurement needs. A connection's first
+// block is small and each next one twice as large, up to state::kBlockBytes: the first
+// bytes leave after compressing 256 KiB, not 4 MiB, while the connection's window is
+// still opening.
 struct BlockSender {
+  static constexpr std::size_t kFirstBlockBytes = std::size_t{256} << 10;
   state::CompressionPolicy policy;
   state::BlockCompressor compressor;
+  std::size_t block_bytes = kFirstBlockBytes;
+  std::optional<Clock::time_point> last_sent;  // the end of the last block's send
+  const LocalTensor* tensor = nullptr;          // whose bytes it sent last
 };
 
 // Sends `bytes` bytes at `data` as blocks; `wire` counts what went on the connection.
-Status send_blocks(int fd, const std::uint8_t* data, std::uint64_t bytes, SealedStream* sealed, BlockSender& out,
-                   std::atomic<std::uint64_t>& wire) {
-  out.policy.on_new_range();
+Status send_blocks(int fd, const LocalTensor& tensor, std::uint64_t offset, std::uint64_t bytes, SealedStream* sealed,
+                   BlockSender& out, std::atomic<std::uint64_t>& wire) {
+  // Another tensor may compress otherwise; the next range of the same one is more of it.
+  if (out.tensor != &tensor) out.policy.on_new_range();
+  out.tensor = &tensor;
+  const std::uint8_t* data = tensor.data + offset;
   for (std::uint64_t at = 0; at < bytes;) {
-    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(state::kBlockBytes, bytes - at));
+    const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(out.block_bytes, bytes - at));
+    out.block_bytes = std::min(state::kBlockBytes, 2 * out.block_bytes);
     state::BlockHeader h{static_cast<std::uint32_t>(n), static_cast<std::uint32_t>(n), false};
     const std::uint8_t* payload = data + at;
     if (out.policy.compress_next()) {
@@ -184,11 +225,16 @@ Status send_blocks(int fd, const std::uint8_t* data, std::uint64_t bytes, Sealed
     }
     std::uint8_t header[state::kBlockHeaderBytes];
     state::put_block_header(header, h);
+    const std::uint64_t queued = transport::queued_bytes(fd);
     const auto start = Clock::now();
     Status s = send_bytes(fd, header, sizeof header, sealed);
     if (s.is_ok()) s = send_bytes(fd, payload, h.wire, sealed);
     if (!s.is_ok()) return s;
-    out.policy.on_sent(sizeof header + h.wire, seconds_since(start));
+    const auto end = Clock::now();
+    out.policy.on_sent(sizeof header + h.wire, std::chrono::duration<double>(end - start).count(), queued,
+                       transport::queued_bytes(fd),
+                       out.last_sent ? std::chrono::duration<double>(end - *out.last_sent).count() : -1.0);
+    out.last_sent = end;
     wire += sizeof header + h.wire;
     at += n;
   }
@@ -288,40 +334,44 @@ class StateServer {
         LOG_WARN(kLog, "shared-state server: closing a connection: " << message.status().message());
       }
       if (!message.is_ok()) return;  // the receiver is done (or gone): it closes the connection
-      if (const auto* leaves = std::get_if<proto::StateLeavesRequest>(&message.value())) {
-        if (!serve_leaves(fd, *leaves, crypto)) return;
-        continue;
-      }
       const auto* request = std::get_if<proto::StateRequest>(&message.value());
       if (request == nullptr) return;
       std::string refusal;
       const LocalTensor* tensor =
-          find(request->attempt, request->key, request->hash, request->offset, request->bytes, &refusal);
+          find(request->attempt, request->key, request->hash, request->offset, request->bytes, request->have.size(),
+               &refusal);
       if (tensor == nullptr) {
         LOG_WARN(kLog, "shared-state server: refusing a request: " << refusal);
         [[maybe_unused]] Status s = transport::send_message(
-            fd, proto::StateResponse{LOCKSTEP_STATUS_INVALID_USAGE, 0, refusal}, limits::kStateTransferStallMsDefault,
+            fd, proto::StateResponse{LOCKSTEP_STATUS_INVALID_USAGE, 0, refusal, {}}, limits::kStateTransferStallMsDefault,
             crypto);
         return;
       }
-      Status s = transport::send_message(fd, proto::StateResponse{LOCKSTEP_OK, request->bytes, {}},
+      // The segments whose digest differs from the requester's, by runs of adjacent ones.
+      const auto sending = differing(segment_digests(*tensor, request->offset, request->bytes), request->have);
+      const auto send = runs(request->offset, request->bytes, sending);
+      std::uint64_t total = 0;
+      for (const auto& [offset, bytes] : send) total += bytes;
+      Status s = transport::send_message(fd, proto::StateResponse{LOCKSTEP_OK, total, {}, sending},
                                          limits::kStateTransferStallMsDefault, crypto);
-      const std::uint8_t* data = tensor->data + request->offset;
-      if (s.is_ok() && request->encoding == proto::kStateEncodingBlocks) {
-        if (!blocks) blocks = std::make_unique<BlockSender>();
-        s = send_blocks(fd, data, request->bytes, sealed, *blocks, wire_sent_);
-      } else if (s.is_ok()) {
-        s = send_bytes(fd, data, request->bytes, sealed);
-        if (s.is_ok()) wire_sent_ += request->bytes;
+      for (std::size_t k = 0; k < send.size() && s.is_ok(); ++k) {
+        const auto [offset, bytes] = send[k];
+        if (request->encoding == proto::kStateEncodingBlocks) {
+          if (!blocks) blocks = std::make_unique<BlockSender>();
+          s = send_blocks(fd, *tensor, offset, bytes, sealed, *blocks, wire_sent_);
+        } else {
+          s = send_bytes(fd, tensor->data + offset, bytes, sealed);
+          if (s.is_ok()) wire_sent_ += bytes;
+        }
+        if (s.is_ok()) bytes_sent_ += bytes;
       }
       if (!s.is_ok()) return;
-      bytes_sent_ += request->bytes;
     }
   }
 
   // The tensor a request may be served from, or null and why not.
   const LocalTensor* find(std::uint64_t attempt, const std::string& key, const state::Digest& hash,
-                          std::uint64_t offset, std::uint64_t bytes, std::string* refusal) const {
+                          std::uint64_t offset, std::uint64_t bytes, std::size_t have, std::string* refusal) const {
     if (attempt != attempt_) {
       *refusal = "request for sync attempt " + std::to_string(attempt) + ", serving " + std::to_string(attempt_);
     } else if (auto it = tensors_.find(key); it == tensors_.end()) {
@@ -330,30 +380,12 @@ class StateServer {
       *refusal = "tensor '" + key + "' here is not the requested content";
     } else if (offset > it->second.bytes || bytes > it->second.bytes - offset) {
       *refusal = "range outside tensor '" + key + "'";
+    } else if (have != state::segment_count(offset, bytes)) {  // the codec checks it too
+      *refusal = "not one digest per segment of the range";
     } else {
       return &it->second;
     }
     return nullptr;
-  }
-
-  // Answers a request for a range's segment digests; false when the connection ends.
-  bool serve_leaves(int fd, const proto::StateLeavesRequest& request, security::FrameCrypto* crypto) {
-    std::string refusal;
-    const LocalTensor* tensor = find(request.attempt, request.key, request.hash, request.offset, request.bytes, &refusal);
-    if (tensor != nullptr && state::segment_count(request.offset, request.bytes) > limits::kStateSegmentsPerRequestMax) {
-      tensor = nullptr;
-      refusal = "digests of more than " + std::to_string(limits::kStateSegmentsPerRequestMax) + " segments asked for";
-    }
-    proto::StateLeavesResponse response;
-    if (tensor == nullptr) {
-      LOG_WARN(kLog, "shared-state server: refusing a request: " << refusal);
-      response.status = LOCKSTEP_STATUS_INVALID_USAGE;
-      response.reason = refusal;
-    } else {
-      response.digests = segment_digests(*tensor, request.offset, request.bytes);
-    }
-    Status s = transport::send_message(fd, response, limits::kStateTransferStallMsDefault, crypto);
-    return s.is_ok() && tensor != nullptr;
   }
 
   Link& link_;
@@ -368,44 +400,8 @@ class StateServer {
   std::atomic<std::uint64_t> wire_sent_{0};  // tensor data as sent: raw, or blocks and their headers
 };
 
-// A source's pieces cut into at most `most` stripes of about equal bytes, each of at
-// least limits::kStateStripeBytesMin, one per connection: several connections ramp up
-// together after their slow start, share a lossy path's bandwidth as several flows do,
-// and let the source compress on as many cores. Cuts fall on 1 MiB leaf boundaries of
-// the tensor, so a leaf lies whole in one stripe unless the plan's pieces cut it.
-std::vector<std::vector<proto::SyncFetch>> stripes(const std::vector<proto::SyncFetch>& pieces, std::uint32_t most) {
-  constexpr std::uint64_t L = state::kHashLeafBytes;
-  std::uint64_t total = 0;
-  for (const auto& p : pieces) total += p.bytes;
-  std::vector<std::vector<proto::SyncFetch>> out;
-  if (pieces.empty()) return out;
-  const std::uint64_t count =
-      std::clamp<std::uint64_t>(total / limits::kStateStripeBytesMin, 1, std::max<std::uint64_t>(most, 1));
-  const std::uint64_t quota = (total + count - 1) / count;
-  out.emplace_back();
-  std::uint64_t filled = 0;
-  for (proto::SyncFetch rest : pieces) {
-    while (rest.bytes > 0) {
-      if (filled >= quota && out.size() < count) {
-        out.emplace_back();
-        filled = 0;
-      }
-      std::uint64_t take = rest.bytes;
-      if (out.size() < count && quota - filled < rest.bytes) {
-        const std::uint64_t cut = (rest.offset + (quota - filled) + L - 1) / L * L;
-        take = std::min(rest.bytes, cut - rest.offset);
-      }
-      out.back().push_back(proto::SyncFetch{rest.tensor, rest.offset, take, rest.source});
-      filled += take;
-      rest.offset += take;
-      rest.bytes -= take;
-    }
-  }
-  return out;
-}
-
 // Fetches the pieces of one plan from their sources, each source's over up to
-// `streams` connections (stripes()), one thread each.
+// `streams` connections (peer/transfer_queue.h), one thread each.
 class Fetcher {
  public:
   Fetcher(PeerId self, std::uint32_t connect_timeout_ms, bool secret, bool encrypt, bool compress,
@@ -426,20 +422,18 @@ class Fetcher {
   Status run() {
     std::vector<std::vector<proto::SyncFetch>> by_source(plan_.sources.size());
     for (const auto& f : plan_.fetches) by_source[f.source].push_back(f);
-    std::vector<std::vector<proto::SyncFetch>> work;  // one per connection
-    std::vector<std::size_t> work_source;
+    std::vector<std::size_t> work;  // a source index per connection
     for (std::size_t i = 0; i < by_source.size(); ++i) {
-      for (auto& stripe : stripes(by_source[i], streams_)) {
-        work.push_back(std::move(stripe));
-        work_source.push_back(i);
-      }
+      queues_.push_back(std::make_unique<SharedQueue>(by_source[i], streams_));
+      if (queues_.back()->queue.bytes_left() == 0) continue;
+      for (std::uint32_t c = 0; c < queues_.back()->queue.connections(); ++c) work.push_back(i);
     }
     connections_ = static_cast<std::uint32_t>(work.size());
     std::vector<Status> results(work.size());
     std::vector<std::thread> threads;
     for (std::size_t k = 0; k < work.size(); ++k) {
-      threads.emplace_back([this, k, &work, &work_source, &results] {
-        results[k] = fetch_from(plan_.sources[work_source[k]], work[k]);
+      threads.emplace_back([this, k, &work, &results] {
+        results[k] = fetch_from(plan_.sources[work[k]], *queues_[work[k]]);
       });
     }
     for (auto& t : threads) t.join();
@@ -467,37 +461,74 @@ class Fetcher {
   std::uint32_t connections() const { return connections_; }  // after run()
 
  private:
-  Status fetch_from(const proto::MemberInfo& source, const std::vector<proto::SyncFetch>& pieces) {
+  // One source's queue, shared by the connections that fetch from it.
+  struct SharedQueue {
+    SharedQueue(const std::vector<proto::SyncFetch>& pieces, std::uint32_t streams) : queue(pieces, streams) {}
+    std::optional<proto::SyncFetch> take() {
+      std::lock_guard<std::mutex> lock(mutex);
+      return queue.take();
+    }
+    std::mutex mutex;
+    TransferQueue queue;
+  };
+
+  Status fetch_from(const proto::MemberInfo& source, SharedQueue& work) {
     const std::string where = "shared-state source " + source.id.to_string() + " at " + source.host + ":" +
                               std::to_string(source.shared_state_port);
     auto fd = transport::connect_tcp(source.host, source.shared_state_port, connect_timeout_ms_);
     if (!fd.is_ok()) return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, where + ": " + fd.status().message());
     const int raw = fd.value().get();
     if (!sockets_.add(raw)) return Status(LOCKSTEP_STATUS_INTERRUPTED, "the sync ended");
-    Status s = exchange(raw, source, pieces);
+    Status s = exchange(raw, source, work);
     sockets_.remove(raw);
     if (!s.is_ok()) return Status(s.code(), where + ": " + s.message());
     return s;
   }
 
-  Status exchange(int fd, const proto::MemberInfo& source, const std::vector<proto::SyncFetch>& pieces) {
+  // The handshake, with the first requests in its last flight; then units from `work`,
+  // a few requests in flight, until it has none left.
+  Status exchange(int fd, const proto::MemberInfo& source, SharedQueue& work) {
     proto::P2PHello hello;
     hello.channel = proto::Channel::kSharedState;
     hello.from = self_;
     hello.to = source.id;
     hello.epoch = plan_.attempt;
     if (encrypt_) hello.flags = proto::kP2PFlagEncryptData;
-    security::SessionKeys keys;
-    Status s = p2p_handshake(fd, hello, secret_, source.key, connect_timeout_ms_, &keys);
+    std::unique_ptr<SealedStream> sealed;
+    std::deque<proto::SyncFetch> asked;  // requests in flight, oldest first
+    std::uint64_t asked_bytes = 0;
+    const auto ask = [&]() -> Status {
+      while (TransferQueue::wants_more(asked.size(), asked_bytes)) {
+        const auto unit = work.take();
+        if (!unit) break;
+        Status r = transport::send_message(
+            fd,
+            proto::StateRequest{plan_.attempt, tensors_[unit->tensor].key, unit->offset, unit->bytes,
+                                expected_digest(unit->tensor),
+                                compress_ ? proto::kStateEncodingBlocks : proto::kStateEncodingRaw,
+                                segment_digests(local_[unit->tensor], unit->offset, unit->bytes)},
+            limits::kStateTransferStallMsDefault, sealed ? &sealed->crypto : nullptr);
+        if (!r.is_ok()) return r;
+        asked.push_back(*unit);
+        asked_bytes += unit->bytes;
+      }
+      return Status::ok();
+    };
+    Status s = p2p_handshake(fd, hello, secret_, source.key, connect_timeout_ms_, nullptr, -1,
+                             [&](const security::SessionKeys& keys) {
+                               if (encrypt_) sealed = std::make_unique<SealedStream>(keys, /*client=*/true);
+                               return ask();
+                             });
     if (!s.is_ok()) return lost(Status(s.code(), "shared-state handshake: " + s.message()));
-    std::unique_ptr<SealedStream> sealed = encrypt_ ? std::make_unique<SealedStream>(keys, /*client=*/true) : nullptr;
-    security::FrameCrypto* crypto = sealed ? &sealed->crypto : nullptr;
     BlockReceiver blocks;
-    std::vector<proto::SyncFetch> differing;
-    if (Status d = differing_segments(fd, pieces, crypto, &differing); !d.is_ok()) return lost(d);
-    std::vector<const proto::SyncFetch*> wanted;
-    for (const auto& f : differing) wanted.push_back(&f);
-    return fetch(fd, wanted, sealed.get(), blocks);
+    for (;;) {
+      if (Status r = ask(); !r.is_ok()) return lost(r);
+      if (asked.empty()) return Status::ok();
+      const proto::SyncFetch f = asked.front();
+      asked.pop_front();
+      asked_bytes -= f.bytes;
+      if (Status r = receive_answer(fd, f, sealed.get(), blocks); !r.is_ok()) return lost(r);
+    }
   }
 
   state::Digest expected_digest(std::uint32_t tensor) const {
@@ -505,85 +536,31 @@ class Fetcher {
     return expected == expected_.end() ? state::Digest{} : expected->second;
   }
 
-  // Delta transfer: asks the source for the segment digests of every piece (at most
-  // kStateSegmentsPerRequestMax segments a request, kRequestsInFlight requests in flight)
-  // and keeps the segments whose digest differs from this peer's own bytes there,
-  // adjacent ones merged.
-  Status differing_segments(int fd, const std::vector<proto::SyncFetch>& pieces, security::FrameCrypto* crypto,
-                            std::vector<proto::SyncFetch>* out) {
-    std::vector<proto::SyncFetch> queries;
-    constexpr std::uint64_t kQueryBytes = std::uint64_t{limits::kStateSegmentsPerRequestMax} * state::kHashLeafBytes;
-    for (const auto& f : pieces) {
-      for (std::uint64_t at = f.offset; at < f.offset + f.bytes;) {
-        const std::uint64_t end = std::min(f.offset + f.bytes, (at / kQueryBytes + 1) * kQueryBytes);
-        queries.push_back(proto::SyncFetch{f.tensor, at, end - at, f.source});
-        at = end;
-      }
+  // Reads the answer to the request for unit f and the segments it sends.
+  Status receive_answer(int fd, const proto::SyncFetch& f, SealedStream* sealed, BlockReceiver& blocks) {
+    auto reply = transport::recv_message(fd, limits::kStateTransferStallMsDefault, sealed ? &sealed->crypto : nullptr);
+    if (!reply.is_ok()) return reply.status();
+    const auto* response = std::get_if<proto::StateResponse>(&reply.value());
+    if (response == nullptr) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it answered a request with something else");
+    if (response->status != LOCKSTEP_OK) {
+      return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "it refused a request: " + response->reason);
     }
-    std::size_t sent = 0;
-    for (std::size_t received = 0; received < queries.size(); ++received) {
-      while (sent < queries.size() && sent < received + kRequestsInFlight) {
-        const proto::SyncFetch& q = queries[sent++];
-        Status r = transport::send_message(
-            fd, proto::StateLeavesRequest{plan_.attempt, tensors_[q.tensor].key, q.offset, q.bytes, expected_digest(q.tensor)},
-            limits::kStateTransferStallMsDefault, crypto);
-        if (!r.is_ok()) return r;
-      }
-      const proto::SyncFetch& q = queries[received];
-      auto reply = transport::recv_message(fd, limits::kStateTransferStallMsDefault, crypto);
-      if (!reply.is_ok()) return reply.status();
-      const auto* response = std::get_if<proto::StateLeavesResponse>(&reply.value());
-      if (response == nullptr) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it answered a request with something else");
-      if (response->status != LOCKSTEP_OK) {
-        return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "it refused a request: " + response->reason);
-      }
-      const auto mine = segment_digests(local_[q.tensor], q.offset, q.bytes);
-      if (response->digests.size() != mine.size()) {
-        return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it sent " + std::to_string(response->digests.size()) +
-                                                          " segment digests for a range of " + std::to_string(mine.size()));
-      }
-      for (std::size_t k = 0; k < mine.size(); ++k) {
-        if (response->digests[k] == mine[k]) continue;
-        const std::uint64_t start = state::segment_start(q.offset, k);
-        const std::uint64_t end = k + 1 < mine.size() ? state::segment_start(q.offset, k + 1) : q.offset + q.bytes;
-        if (!out->empty() && out->back().tensor == q.tensor && out->back().offset + out->back().bytes == start) {
-          out->back().bytes += end - start;
-        } else {
-          out->push_back(proto::SyncFetch{q.tensor, start, end - start, q.source});
-        }
-      }
+    // What follows comes from our own plan and the bitmap, never from the wire's sizes.
+    const std::uint64_t n = state::segment_count(f.offset, f.bytes);
+    if (response->sending.size() != (n + 7) / 8 || (n % 8 != 0 && (response->sending.back() >> (n % 8)) != 0)) {
+      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it answered a request for " + std::to_string(n) +
+                                                        " segments with a bitmap of " +
+                                                        std::to_string(response->sending.size()) + " bytes");
     }
-    return Status::ok();
-  }
-
-  // Receives the pieces, kRequestsInFlight requests in flight.
-  Status fetch(int fd, const std::vector<const proto::SyncFetch*>& pieces, SealedStream* sealed, BlockReceiver& blocks) {
-    security::FrameCrypto* crypto = sealed != nullptr ? &sealed->crypto : nullptr;
-    const auto request = [&](const proto::SyncFetch& f) {
-      return transport::send_message(
-          fd, proto::StateRequest{plan_.attempt, tensors_[f.tensor].key, f.offset, f.bytes, expected_digest(f.tensor),
-                                  compress_ ? proto::kStateEncodingBlocks : proto::kStateEncodingRaw},
-          limits::kStateTransferStallMsDefault, crypto);
-    };
-    std::size_t sent = 0;
-    for (std::size_t received = 0; received < pieces.size(); ++received) {
-      while (sent < pieces.size() && sent < received + kRequestsInFlight) {
-        if (Status r = request(*pieces[sent++]); !r.is_ok()) return lost(r);
-      }
-      const proto::SyncFetch& f = *pieces[received];
-      auto reply = transport::recv_message(fd, limits::kStateTransferStallMsDefault, crypto);
-      if (!reply.is_ok()) return lost(reply.status());
-      const auto* response = std::get_if<proto::StateResponse>(&reply.value());
-      if (response == nullptr) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it answered a request with something else");
-      if (response->status != LOCKSTEP_OK) {
-        return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "it refused a request: " + response->reason);
-      }
-      // The size comes from our own plan and descriptor, never from the wire alone.
-      if (response->bytes != f.bytes) {
-        return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it announced " + std::to_string(response->bytes) +
-                                                          " bytes for a piece of " + std::to_string(f.bytes));
-      }
-      if (Status r = receive(fd, f, sealed, blocks); !r.is_ok()) return lost(r);
+    const auto pieces = runs(f.offset, f.bytes, response->sending);
+    std::uint64_t total = 0;
+    for (const auto& [offset, bytes] : pieces) total += bytes;
+    if (response->bytes != total) {
+      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it announced " + std::to_string(response->bytes) +
+                                                        " bytes for segments of " + std::to_string(total));
+    }
+    for (const auto& [offset, bytes] : pieces) {
+      if (Status r = receive(fd, proto::SyncFetch{f.tensor, offset, bytes, f.source}, sealed, blocks); !r.is_ok()) return r;
     }
     return Status::ok();
   }
@@ -639,6 +616,7 @@ class Fetcher {
     std::unique_ptr<std::atomic<std::uint8_t>[]> state;
   };
   std::map<std::uint32_t, Received> received_;  // by tensor index, for each expected tensor
+  std::vector<std::unique_ptr<SharedQueue>> queues_;  // by source index
   SocketSet sockets_;
   std::atomic<std::uint64_t> bytes_received_{0};
   std::atomic<std::uint64_t> wire_received_{0};

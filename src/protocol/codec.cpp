@@ -565,52 +565,27 @@ void encode_body(Writer& w, const StateRequest& m) {
   w.u(m.bytes);
   put(w, m.hash);
   w.u(m.encoding);
+  const auto n = static_cast<std::uint32_t>(std::min<std::size_t>(m.have.size(), limits::kStateSegmentsPerRequestMax));
+  w.u(n);
+  for (std::uint32_t i = 0; i < n; ++i) put(w, m.have[i]);
 }
 bool decode_body(Reader& r, StateRequest* m) {
+  std::uint32_t n = 0;
   if (!r.u(&m->attempt, "state_request.attempt") ||
       !r.str(&m->key, limits::kSharedStateKeyBytesMax, "state_request.key") ||
       !r.u(&m->offset, "state_request.offset") || !r.u(&m->bytes, "state_request.bytes") ||
-      !get(r, &m->hash, "state_request.hash") || !r.u(&m->encoding, "state_request.encoding")) {
+      !get(r, &m->hash, "state_request.hash") || !r.u(&m->encoding, "state_request.encoding") ||
+      !r.count(&n, limits::kStateSegmentsPerRequestMax, 16, "state_request.have")) {
     return false;
+  }
+  m->have.resize(n);
+  for (auto& d : m->have) {
+    if (!get(r, &d, "state_request.have")) return false;
   }
   if (m->key.empty()) return r.fail("state_request.key: empty");
   if (m->encoding > kStateEncodingBlocks) return r.fail("state_request.encoding: unknown encoding");
-  return true;
-}
-void encode_body(Writer& w, const StateLeavesRequest& m) {
-  w.u(m.attempt);
-  w.str(m.key);
-  w.u(m.offset);
-  w.u(m.bytes);
-  put(w, m.hash);
-}
-bool decode_body(Reader& r, StateLeavesRequest* m) {
-  if (!r.u(&m->attempt, "state_leaves_request.attempt") ||
-      !r.str(&m->key, limits::kSharedStateKeyBytesMax, "state_leaves_request.key") ||
-      !r.u(&m->offset, "state_leaves_request.offset") || !r.u(&m->bytes, "state_leaves_request.bytes") ||
-      !get(r, &m->hash, "state_leaves_request.hash")) {
-    return false;
-  }
-  if (m->key.empty()) return r.fail("state_leaves_request.key: empty");
-  return true;
-}
-void encode_body(Writer& w, const StateLeavesResponse& m) {
-  w.status(m.status);
-  w.str(m.reason);
-  const auto n = static_cast<std::uint32_t>(std::min<std::size_t>(m.digests.size(), limits::kStateSegmentsPerRequestMax));
-  w.u(n);
-  for (std::uint32_t i = 0; i < n; ++i) put(w, m.digests[i]);
-}
-bool decode_body(Reader& r, StateLeavesResponse* m) {
-  std::uint32_t n = 0;
-  if (!r.status(&m->status, "state_leaves_response.status") ||
-      !r.str(&m->reason, limits::kWireStringBytesMax, "state_leaves_response.reason") ||
-      !r.count(&n, limits::kStateSegmentsPerRequestMax, 16, "state_leaves_response.digests")) {
-    return false;
-  }
-  m->digests.resize(n);
-  for (auto& d : m->digests) {
-    if (!get(r, &d, "state_leaves_response.digests")) return false;
+  if (m->offset > UINT64_MAX - m->bytes || state::segment_count(m->offset, m->bytes) != n) {
+    return r.fail("state_request.have: not one digest per segment of the range");
   }
   return true;
 }
@@ -618,10 +593,12 @@ void encode_body(Writer& w, const StateResponse& m) {
   w.status(m.status);
   w.u(m.bytes);
   w.str(m.reason);
+  w.bytes(m.sending, limits::kStateSendingBytesMax);
 }
 bool decode_body(Reader& r, StateResponse* m) {
   return r.status(&m->status, "state_response.status") && r.u(&m->bytes, "state_response.bytes") &&
-         r.str(&m->reason, limits::kWireStringBytesMax, "state_response.reason");
+         r.str(&m->reason, limits::kWireStringBytesMax, "state_response.reason") &&
+         r.bytes(&m->sending, limits::kStateSendingBytesMax, "state_response.sending");
 }
 
 // ---- authentication
@@ -715,8 +692,6 @@ const char* msg_type_name(MsgType type) {
     case MsgType::kSyncResult: return "SyncResult";
     case MsgType::kStateRequest: return "StateRequest";
     case MsgType::kStateResponse: return "StateResponse";
-    case MsgType::kStateLeavesRequest: return "StateLeavesRequest";
-    case MsgType::kStateLeavesResponse: return "StateLeavesResponse";
     case MsgType::kVoteOptimizeTopology: return "VoteOptimizeTopology";
     case MsgType::kBandwidthReport: return "BandwidthReport";
     case MsgType::kBandwidthTest: return "BandwidthTest";
@@ -755,9 +730,6 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kCollectiveDone:
     case MsgType::kSyncDone:
     case MsgType::kSyncResult:
-    case MsgType::kStateRequest:
-    case MsgType::kStateResponse:
-    case MsgType::kStateLeavesRequest:
     case MsgType::kBandwidthReport:
     case MsgType::kBandwidthTest:
       return limits::kSmallPayloadBytesMax;
@@ -767,8 +739,10 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
       return limits::kSmallPayloadBytesMax + 2 + limits::kVoteCarriedBytesMax + 8 * limits::kMembersPerMessageMax;
     case MsgType::kCollectiveResult:
       return limits::kSmallPayloadBytesMax + 2 + limits::kVoteCarriedBytesMax;  // and a small all-reduce's data
-    case MsgType::kStateLeavesResponse:  // status, reason, digests
-      return 4 + 2 + limits::kWireStringBytesMax + 4 + 16 * limits::kStateSegmentsPerRequestMax;
+    case MsgType::kStateRequest:  // and a digest per segment
+      return limits::kSmallPayloadBytesMax + 4 + 16 * limits::kStateSegmentsPerRequestMax;
+    case MsgType::kStateResponse:  // and a bit per segment
+      return limits::kSmallPayloadBytesMax + 2 + limits::kStateSendingBytesMax;
     case MsgType::kKvRequest:  // id, op, key, value, timeout
       return 8 + 1 + 2 + limits::kKvKeyBytesMaxLimit + 4 + limits::kKvValueBytesMaxLimit + 4;
     case MsgType::kKvResult:  // id, status, reason, value
@@ -828,8 +802,6 @@ Result<Message> decode_payload(MsgType type, std::span<const std::uint8_t> paylo
     case MsgType::kSyncResult: return decode_as<SyncResult>(payload);
     case MsgType::kStateRequest: return decode_as<StateRequest>(payload);
     case MsgType::kStateResponse: return decode_as<StateResponse>(payload);
-    case MsgType::kStateLeavesRequest: return decode_as<StateLeavesRequest>(payload);
-    case MsgType::kStateLeavesResponse: return decode_as<StateLeavesResponse>(payload);
     case MsgType::kVoteOptimizeTopology: return decode_as<VoteOptimizeTopology>(payload);
     case MsgType::kBandwidthReport: return decode_as<BandwidthReport>(payload);
     case MsgType::kBandwidthTest: return decode_as<BandwidthTest>(payload);

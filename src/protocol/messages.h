@@ -24,6 +24,8 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 // 6: collective kinds (broadcast, all-gather, reduce-scatter, barrier) in the
 //    descriptor, with root, world and per-rank counts; a vote may carry its refusal
 // 7: the key-value store (KvRequest, KvResult); a refusal carries its status
+// 8: shared-state blocks (compression) and delta transfers (StateRequest.have,
+//    StateResponse.sending)
 inline constexpr std::uint16_t kProtocolVersion = 8;
 
 enum class MsgType : std::uint16_t {
@@ -65,8 +67,7 @@ enum class MsgType : std::uint16_t {
   kP2PHelloAck = 129,
   kStateRequest = 130,
   kStateResponse = 131,
-  kStateLeavesRequest = 132,
-  kStateLeavesResponse = 133,
+  // 132, 133: unused (retired before a release).
   // Any direction after an authenticated handshake: an encrypted whole frame
   // (security/frames.h). Never decoded as a message by itself.
   kSealed = 192,
@@ -440,7 +441,10 @@ inline constexpr std::uint8_t kStateEncodingRaw = 0;
 inline constexpr std::uint8_t kStateEncodingBlocks = 1;
 // On a shared-state connection: send bytes [offset, offset + bytes) of tensor `key`,
 // which must have digest `hash` (the elected content of sync attempt `attempt`), in
-// `encoding`.
+// `encoding`, except the segments the requester already holds. The range is cut at
+// every multiple of state::kHashLeafBytes of the tensor (state/blocks.h: at most
+// limits::kStateSegmentsPerRequestMax segments); `have` holds one digest per segment,
+// the requester's own leaf digest there (delta transfers, since version 8).
 struct StateRequest {
   static constexpr MsgType kType = MsgType::kStateRequest;
   std::uint64_t attempt = 0;
@@ -449,35 +453,19 @@ struct StateRequest {
   std::uint64_t bytes = 0;
   state::Digest hash;
   std::uint8_t encoding = kStateEncodingRaw;
+  std::vector<state::Digest> have;
   bool operator==(const StateRequest&) const = default;
 };
-// Delta transfers (since version 8): the digests of the segments of [offset, offset +
-// bytes) of tensor `key` (digest `hash`, sync attempt `attempt`), the range cut at every
-// multiple of state::kHashLeafBytes of the tensor (state/blocks.h: segment_digests). At
-// most limits::kStateSegmentsPerRequestMax segments.
-struct StateLeavesRequest {
-  static constexpr MsgType kType = MsgType::kStateLeavesRequest;
-  std::uint64_t attempt = 0;
-  std::string key;
-  std::uint64_t offset = 0;
-  std::uint64_t bytes = 0;
-  state::Digest hash;
-  bool operator==(const StateLeavesRequest&) const = default;
-};
-struct StateLeavesResponse {
-  static constexpr MsgType kType = MsgType::kStateLeavesResponse;
-  StatusCode status = LOCKSTEP_OK;
-  std::string reason;
-  std::vector<state::Digest> digests;
-  bool operator==(const StateLeavesResponse&) const = default;
-};
-// The answer: on OK, the `bytes` raw bytes of the range follow the frame, as they are or
-// as blocks (the request's encoding).
+// The answer: on OK, `sending` has one bit per segment of the request (bit k % 8 of byte
+// k / 8), set where the source's leaf digest differs from the requester's, and `bytes`
+// is the size of those segments; each run of adjacent set segments follows the frame,
+// in order, as it is or as blocks (the request's encoding; a block sequence per run).
 struct StateResponse {
   static constexpr MsgType kType = MsgType::kStateResponse;
   StatusCode status = LOCKSTEP_OK;
   std::uint64_t bytes = 0;
   std::string reason;
+  std::vector<std::uint8_t> sending;
   bool operator==(const StateResponse&) const = default;
 };
 
@@ -502,8 +490,7 @@ using Message = std::variant<Hello, Heartbeat, VoteUpdateTopology, P2PReport, Vo
                              VoteAgree, CollectiveInit, CollectiveDone, Welcome, HeartbeatAck,
                              EstablishP2P, TopologyResult, PeersPendingResult, AgreeResult, Refused,
                              Goodbye, CollectiveGo, CollectiveResult, P2PHello, P2PHelloAck, SyncVote,
-                             SyncDone, SyncPlan, SyncResult, StateRequest, StateResponse, StateLeavesRequest,
-                             StateLeavesResponse, VoteOptimizeTopology,
+                             SyncDone, SyncPlan, SyncResult, StateRequest, StateResponse, VoteOptimizeTopology,
                              BandwidthReport, BandwidthTest, AuthChallenge, AuthProof, KvRequest, KvResult>;
 
 MsgType type_of(const Message& message);

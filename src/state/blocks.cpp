@@ -100,20 +100,13 @@ void CompressionPolicy::on_compressed(std::size_t raw, std::size_t wire, double 
 
 void CompressionPolicy::on_skipped() { ++skipped_; }
 
-void CompressionPolicy::on_sent(std::size_t wire, double seconds) {
-  link_bytes_ += static_cast<double>(wire);
-  link_seconds_ += std::max(seconds, 0.0);
-}
-
-// ---------------------------------------------------------------- segments
-
-std::uint64_t segment_count(std::uint64_t offset, std::uint64_t bytes) {
-  if (bytes == 0) return 0;
-  return (offset + bytes - 1) / kHashLeafBytes - offset / kHashLeafBytes + 1;
-}
-
-std::uint64_t segment_start(std::uint64_t offset, std::uint64_t k) {
-  return k == 0 ? offset : (offset / kHashLeafBytes + k) * kHashLeafBytes;
+void CompressionPolicy::on_sent(std::size_t wire, double seconds, std::uint64_t queued_before,
+                                std::uint64_t queued_after, double since_last) {
+  const bool backlogged = queued_before > 0 && since_last >= 0.0;
+  const std::uint64_t written = (backlogged ? queued_ : 0) + wire;
+  link_bytes_ += static_cast<double>(written - std::min(written, queued_after));
+  link_seconds_ += std::max(backlogged ? since_last : seconds, 0.0);
+  queued_ = queued_after;
 }
 
 // ---------------------------------------------------------------- zstd

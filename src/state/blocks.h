@@ -63,8 +63,16 @@ class CompressionPolicy {
   void on_compressed(std::size_t raw, std::size_t wire, double seconds);
   // A block sent raw without trying.
   void on_skipped();
-  // `wire` bytes (header included) written to the connection in `seconds`.
-  void on_sent(std::size_t wire, double seconds);
+  // `wire` bytes (header included) written to the connection by a send call that took
+  // `seconds`, with `queued_before` bytes not yet acknowledged in the socket before the
+  // call and `queued_after` after it (SIOCOUTQ), `since_last` seconds after the end of
+  // the previous call (negative for the connection's first). The link's speed is what
+  // left the socket over a time in which its queue never ran dry: since the previous
+  // call when the queue still held bytes before this one, else during this call alone.
+  // (How long a send call takes says nothing by itself: the socket takes megabytes at
+  // once, so a slow link looks fast until its buffer fills.)
+  void on_sent(std::size_t wire, double seconds, std::uint64_t queued_before = 0, std::uint64_t queued_after = 0,
+               double since_last = -1.0);
   double link_bytes_per_second() const;  // 0 until known
 
  private:
@@ -73,18 +81,10 @@ class CompressionPolicy {
   double compress_bps_ = 0.0;   // raw bytes compressed per second, last block
   double link_bytes_ = 0.0;
   double link_seconds_ = 0.0;
+  std::uint64_t queued_ = 0;    // unacknowledged in the socket after the last send
   std::size_t skipped_ = 0;     // raw blocks since the last try
   std::size_t probe_every_ = 8;
 };
-
-// Delta transfers: a range [offset, offset + bytes) of a tensor cut at every multiple of
-// kHashLeafBytes (the content hash's leaves, counted from the tensor's start). Segment k
-// starts at segment_start(offset, k) and lies in leaf offset / kHashLeafBytes + k; its
-// digest is that whole leaf's digest d_i (hash.h), which both ends already hold from
-// the digest of the tensor they voted with. (A segment cut by the range's ends compares
-// its whole leaf: equal leaves have equal parts.)
-std::uint64_t segment_count(std::uint64_t offset, std::uint64_t bytes);
-std::uint64_t segment_start(std::uint64_t offset, std::uint64_t k);
 
 // One zstd compression context and its output buffer (one per serving connection).
 class BlockCompressor {

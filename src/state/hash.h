@@ -60,4 +60,17 @@ std::vector<Digest> leaf_digests(const void* data, std::size_t bytes, unsigned t
 Digest leaf_digest(const void* data, std::size_t bytes, std::size_t i);
 Digest root_digest(const std::vector<Digest>& leaves, std::size_t bytes);
 
+// Delta transfers: a range [offset, offset + bytes) of a tensor cut at every multiple of
+// kHashLeafBytes (the content hash's leaves, counted from the tensor's start). Segment k
+// starts at segment_start(offset, k) and lies in leaf offset / kHashLeafBytes + k; its
+// digest is that whole leaf's digest d_i (above), which both ends already hold from
+// the digest of the tensor they voted with. (A segment cut by the range's ends compares
+// its whole leaf: equal leaves have equal parts.)
+constexpr std::uint64_t segment_count(std::uint64_t offset, std::uint64_t bytes) {
+  return bytes == 0 ? 0 : (offset + bytes - 1) / kHashLeafBytes - offset / kHashLeafBytes + 1;
+}
+constexpr std::uint64_t segment_start(std::uint64_t offset, std::uint64_t k) {
+  return k == 0 ? offset : (offset / kHashLeafBytes + k) * kHashLeafBytes;
+}
+
 }  // namespace lockstep::state

@@ -11,7 +11,9 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <linux/sockios.h>
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -61,6 +63,12 @@ void Fd::reset() {
 void set_nodelay(int fd) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+std::uint64_t queued_bytes(int fd) {
+  int queued = 0;
+  if (::ioctl(fd, SIOCOUTQ, &queued) != 0 || queued < 0) return 0;
+  return static_cast<std::uint64_t>(queued);
 }
 
 Status set_congestion_control(int fd, const std::string& name) {

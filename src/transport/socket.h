@@ -57,6 +57,9 @@ Status recv_exact(int fd, std::span<std::uint8_t> out, std::uint32_t timeout_ms,
 
 void set_nodelay(int fd);
 void set_nonblocking(int fd);
+// Bytes written to a TCP socket that have not been acknowledged yet (SIOCOUTQ; 0 when
+// the kernel does not say).
+std::uint64_t queued_bytes(int fd);
 // Sets the connection's TCP congestion control (TCP_CONGESTION); the kernel's reason
 // (strerror) when it refuses (an algorithm it does not have, or one an unprivileged
 // process may not choose).

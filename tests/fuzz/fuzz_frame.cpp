@@ -139,11 +139,11 @@ std::vector<p::Message> sample_messages() {
   m.emplace_back(p::P2PHelloAck{LOCKSTEP_OK});
   m.emplace_back(p::SyncPlan{9, 6, {mb}, {p::SyncFetch{0, 0, 16384, 0}}, {p::SyncExpect{0, digest(1)}}});
   m.emplace_back(p::SyncResult{9, LOCKSTEP_OK, 6, ""});
-  m.emplace_back(p::StateRequest{9, "weights", 0, 16384, digest(1)});
-  m.emplace_back(p::StateRequest{9, "weights", 16384, 4096, digest(1), p::kStateEncodingBlocks});
-  m.emplace_back(p::StateResponse{LOCKSTEP_OK, 16384, ""});
-  m.emplace_back(p::StateLeavesRequest{9, "weights", 0, 3u << 20, digest(1)});
-  m.emplace_back(p::StateLeavesResponse{LOCKSTEP_OK, "", {digest(2), digest(3), digest(4)}});
+  m.emplace_back(p::StateRequest{9, "weights", 0, 16384, digest(1), p::kStateEncodingRaw, {digest(2)}});
+  m.emplace_back(p::StateRequest{9, "weights", 16384, 3u << 20, digest(1), p::kStateEncodingBlocks,
+                                 {digest(2), digest(3), digest(4), digest(5)}});
+  m.emplace_back(p::StateResponse{LOCKSTEP_OK, 16384, "", {0x01}});
+  m.emplace_back(p::StateResponse{LOCKSTEP_OK, 2u << 20, "", {0x0a}});
   m.emplace_back(p::VoteOptimizeTopology{});
   m.emplace_back(p::BandwidthReport{11, b, 125'000'000});
   m.emplace_back(p::BandwidthTest{11, mb, true, 1000, 4});
@@ -175,8 +175,8 @@ fuzz::Seeds make_seeds() {
   stream("stream-optimize", {T::kVoteOptimizeTopology, T::kBandwidthTest, T::kP2PHello, T::kP2PHelloAck,
                              T::kBandwidthReport, T::kEstablishP2P, T::kP2PReport, T::kTopologyResult});
   stream("stream-auth", {T::kHello, T::kAuthChallenge, T::kAuthProof, T::kP2PHello, T::kP2PHelloAck});
-  stream("stream-sync", {T::kSyncVote, T::kSyncPlan, T::kP2PHello, T::kP2PHelloAck, T::kStateLeavesRequest,
-                         T::kStateLeavesResponse, T::kStateRequest, T::kStateResponse, T::kSyncDone, T::kSyncResult});
+  stream("stream-sync", {T::kSyncVote, T::kSyncPlan, T::kP2PHello, T::kP2PHelloAck, T::kStateRequest,
+                         T::kStateResponse, T::kSyncDone, T::kSyncResult});
   return seeds;
 }
 

@@ -21,6 +21,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 // ---- allocation tracking: the largest single allocation while armed. Lets the
@@ -145,13 +146,13 @@ std::vector<Message> samples() {
   all.push_back(SyncPlan{});
   all.push_back(SyncResult{9, LOCKSTEP_OK, 43, ""});
   all.push_back(SyncResult{0, LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE, 0, "every holder is gone"});
-  all.push_back(StateRequest{9, "layer.0.weight", 1ull << 30, 1ull << 20, state::Digest{3, 4}});
-  all.push_back(StateRequest{9, "layer.0.bias", 0, 4096, state::Digest{5, 6}, kStateEncodingBlocks});
-  all.push_back(StateLeavesRequest{9, "layer.0.weight", 1ull << 20, 3ull << 20, state::Digest{3, 4}});
-  all.push_back(StateLeavesResponse{LOCKSTEP_OK, "", {state::Digest{1, 2}, state::Digest{3, 4}, state::Digest{5, 6}}});
-  all.push_back(StateLeavesResponse{LOCKSTEP_STATUS_INVALID_USAGE, "not here", {}});
-  all.push_back(StateResponse{LOCKSTEP_OK, 1ull << 20, ""});
-  all.push_back(StateResponse{LOCKSTEP_STATUS_HASH_MISMATCH, 0, "content changed"});
+  all.push_back(StateRequest{9, "layer.0.weight", 1ull << 30, 1ull << 20, state::Digest{3, 4}, kStateEncodingRaw,
+                             {state::Digest{7, 8}}});
+  all.push_back(StateRequest{9, "layer.0.bias", 0, 4096, state::Digest{5, 6}, kStateEncodingBlocks, {state::Digest{}}});
+  all.push_back(StateRequest{9, "layer.0.weight", (1ull << 20) + 5, 3ull << 20, state::Digest{3, 4}, kStateEncodingBlocks,
+                             {state::Digest{1, 2}, state::Digest{3, 4}, state::Digest{5, 6}, state::Digest{7, 8}}});
+  all.push_back(StateResponse{LOCKSTEP_OK, 1ull << 20, "", {0x05}});
+  all.push_back(StateResponse{LOCKSTEP_STATUS_HASH_MISMATCH, 0, "content changed", {}});
   all.push_back(VoteOptimizeTopology{});
   all.push_back(BandwidthReport{12, PeerId{3, 4}, 125'000'000});
   all.push_back(BandwidthTest{12, member(5, "10.0.0.5"), true, 1000, 4});
@@ -181,8 +182,7 @@ const std::vector<MsgType>& all_types() {
       MsgType::kPeersPendingResult, MsgType::kAgreeResult,    MsgType::kRefused,            MsgType::kGoodbye,
       MsgType::kCollectiveGo,   MsgType::kCollectiveResult,   MsgType::kP2PHello,           MsgType::kP2PHelloAck,
       MsgType::kSyncVote,       MsgType::kSyncDone,           MsgType::kSyncPlan,           MsgType::kSyncResult,
-      MsgType::kStateRequest,   MsgType::kStateResponse,      MsgType::kStateLeavesRequest,
-      MsgType::kStateLeavesResponse, MsgType::kVoteOptimizeTopology,
+      MsgType::kStateRequest,   MsgType::kStateResponse,      MsgType::kVoteOptimizeTopology,
       MsgType::kBandwidthReport, MsgType::kBandwidthTest, MsgType::kAuthChallenge, MsgType::kAuthProof,
       MsgType::kKvRequest,      MsgType::kKvResult};
   return types;
@@ -615,15 +615,11 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
         "member.shared_state_port", "member.benchmark_port", "member.key", "sync_plan.fetches", "sync_plan.expect"}},
       {SyncResult{1, LOCKSTEP_OK, 2, "r"},
        {"sync_result.attempt", "sync_result.status", "sync_result.revision", "sync_result.reason"}},
-      {StateRequest{1, "k", 2, 3, state::Digest{4, 5}},
+      {StateRequest{1, "k", 2, 3, state::Digest{4, 5}, kStateEncodingRaw, {state::Digest{6, 7}}},
        {"state_request.attempt", "state_request.key", "state_request.offset", "state_request.bytes",
-        "state_request.hash", "state_request.encoding"}},
-      {StateResponse{LOCKSTEP_OK, 1, "r"}, {"state_response.status", "state_response.bytes", "state_response.reason"}},
-      {StateLeavesRequest{1, "k", 2, 3, state::Digest{4, 5}},
-       {"state_leaves_request.attempt", "state_leaves_request.key", "state_leaves_request.offset",
-        "state_leaves_request.bytes", "state_leaves_request.hash"}},
-      {StateLeavesResponse{LOCKSTEP_OK, "r", {state::Digest{1, 2}}},
-       {"state_leaves_response.status", "state_leaves_response.reason", "state_leaves_response.digests"}},
+        "state_request.hash", "state_request.encoding", "state_request.have"}},
+      {StateResponse{LOCKSTEP_OK, 1, "r", {1}},
+       {"state_response.status", "state_response.bytes", "state_response.reason", "state_response.sending"}},
       {BandwidthReport{1, PeerId{2, 3}, 4}, {"bandwidth_report.test", "bandwidth_report.from", "bandwidth_report.bytes_per_s"}},
       {BandwidthTest{1, member(2, "h"), true, 5, 6},
        {"bandwidth_test.test", "member.id", "member.host", "member.p2p_port", "member.shared_state_port",
@@ -786,25 +782,42 @@ TEST(CodecPayload, SharedStateMessagesAreBounded) {
     EXPECT_TRUE(payload_rejected(MsgType::kSyncPlan, payload_copy(plan), {"SyncPlan", "sync_plan.fetch.source", "no such source"}));
   }
   {
-    StateRequest request{1, "", 0, 1, {}};
+    StateRequest request{1, "", 0, 1, {}, kStateEncodingRaw, {state::Digest{}}};
     EXPECT_TRUE(payload_rejected(MsgType::kStateRequest, payload_copy(request), {"StateRequest", "state_request.key: empty"}));
     for (int encoding = kStateEncodingBlocks + 1; encoding < 256; ++encoding) {
-      StateRequest unknown{1, "k", 0, 1, {}, static_cast<std::uint8_t>(encoding)};
+      StateRequest unknown{1, "k", 0, 1, {}, static_cast<std::uint8_t>(encoding), {state::Digest{}}};
       ASSERT_TRUE(payload_rejected(MsgType::kStateRequest, payload_copy(unknown),
                                    {"StateRequest", "state_request.encoding: unknown encoding"}));
     }
-    StateLeavesRequest leaves{1, "", 0, 1, {}};
-    EXPECT_TRUE(payload_rejected(MsgType::kStateLeavesRequest, payload_copy(leaves),
-                                 {"StateLeavesRequest", "state_leaves_request.key: empty"}));
+    // One digest per segment of the range, no more, no less, and no range past 2^64.
+    const std::vector<state::Digest> one{state::Digest{1, 1}};
+    for (const auto& [offset, bytes, have] :
+         std::vector<std::tuple<std::uint64_t, std::uint64_t, std::vector<state::Digest>>>{
+             {0, (2ull << 20) + 1, one},        // 3 segments
+             {(1ull << 20) - 1, 2, one},        // 2 segments
+             {0, 0, one},                       // none
+             {5, 1, {}},                        // 1
+             {~0ull, 2, one}}) {                // past the end of the offsets
+      const StateRequest wrong{1, "k", offset, bytes, {}, kStateEncodingRaw, have};
+      ASSERT_TRUE(payload_rejected(MsgType::kStateRequest, payload_copy(wrong),
+                                   {"StateRequest", "state_request.have: not one digest per segment"}))
+          << offset << " + " << bytes;
+    }
   }
   {
-    // One digest more than a request may ask for: written by hand (the encoder cuts).
-    Bytes p = payload_copy(StateLeavesResponse{LOCKSTEP_OK, "", {}});
+    // One digest more than a request may carry: written by hand (the encoder cuts).
+    Bytes p = payload_copy(StateRequest{1, "k", 0, 0, {}, kStateEncodingRaw, {}});
     const std::uint32_t n = limits::kStateSegmentsPerRequestMax + 1;
     for (int i = 0; i < 4; ++i) p[p.size() - 4 + static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(n >> (8 * i));
     p.resize(p.size() + 16 * std::size_t{n}, 0);
-    EXPECT_TRUE(payload_rejected(MsgType::kStateLeavesResponse, p,
-                                 {"StateLeavesResponse", "state_leaves_response.digests", "count above 4096"}));
+    EXPECT_TRUE(payload_rejected(MsgType::kStateRequest, p, {"StateRequest", "state_request.have", "count above 4096"}));
+    // A bitmap longer than 4096 segments need.
+    Bytes q = payload_copy(StateResponse{LOCKSTEP_OK, 0, "", {}});
+    const std::uint16_t m = limits::kStateSendingBytesMax + 1;
+    q[q.size() - 2] = static_cast<std::uint8_t>(m & 0xff);
+    q[q.size() - 1] = static_cast<std::uint8_t>(m >> 8);
+    q.resize(q.size() + m, 0);
+    EXPECT_TRUE(payload_rejected(MsgType::kStateResponse, q, {"StateResponse", "state_response.sending", "longer than 512"}));
   }
 }
 
@@ -1343,7 +1356,7 @@ TEST(SealedFrames, SealedBytesOpenInOrderAndNotOtherwise) {
   const security::SessionKeys keys{security::random_key(), security::random_key()};
   security::FrameCrypto tx(keys, /*client=*/false);
   const Bytes plain = {1, 2, 3, 4, 5, 6, 7, 8, 9};
-  const Bytes frame = tx.seal(StateResponse{LOCKSTEP_OK, plain.size(), ""});
+  const Bytes frame = tx.seal(StateResponse{LOCKSTEP_OK, plain.size(), "", {}});
   Bytes box(plain.size() + security::kTagBytes);
   tx.seal_bytes(plain, box.data());
   EXPECT_NE(Bytes(box.begin(), box.begin() + static_cast<std::ptrdiff_t>(plain.size())), plain) << "not encrypted";

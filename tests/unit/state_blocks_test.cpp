@@ -117,6 +117,38 @@ TEST(StateBlocks, AFrameThatLiesAboutItsSizeNeverReachesTheDestination) {
   EXPECT_EQ(0, std::memcmp(dst.data(), raw.data(), raw.size()));
 }
 
+// A slow link behind a socket that takes 4 MiB at once: the send calls return at once
+// until the buffer fills, and later each waits only for room. The policy's link speed is
+// what left the socket over the time its queue held bytes: the link's, not the
+// buffer's.
+TEST(StateBlocks, PolicyMeasuresTheLinkByWhatLeftTheSocket) {
+  constexpr double kLink = 6.25e6;  // 50 Mbit/s
+  constexpr double kBuffer = 4.0 * (1 << 20);
+  constexpr double kBlockWire = 900e3;  // a compressed 4 MiB block
+  constexpr double kCompressSeconds = 0.02;
+  state::CompressionPolicy policy;
+  double now = 0.0;
+  double queued = 0.0;  // in the socket at `now`
+  double last_end = -1.0;
+  const auto drain = [&](double until) {
+    queued = std::max(0.0, queued - (until - now) * kLink);
+    now = until;
+  };
+  for (int block = 0; block < 40; ++block) {
+    drain(now + kCompressSeconds);
+    const double before = queued;
+    const double start = now;
+    // The call returns once the block fits in the buffer.
+    const double wait = std::max(0.0, queued + kBlockWire - kBuffer) / kLink;
+    drain(now + wait);
+    queued += kBlockWire;
+    policy.on_sent(static_cast<std::size_t>(kBlockWire), now - start, static_cast<std::uint64_t>(before),
+                   static_cast<std::uint64_t>(queued), last_end < 0 ? -1.0 : now - last_end);
+    last_end = now;
+  }
+  EXPECT_NEAR(policy.link_bytes_per_second(), kLink, 0.1 * kLink);
+}
+
 TEST(StateBlocks, PolicyCompressesWhereItPaysOnly) {
   constexpr std::size_t kBlock = state::kBlockBytes;
   // Unknown link: the first block is tried, and a compressible one keeps being compressed.
