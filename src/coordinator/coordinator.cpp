@@ -904,6 +904,8 @@ bool Coordinator::agree_has_voter(std::uint32_t group) const {
 // A vote whose every voter has left is closed: nobody waits in it any more, so its
 // deadline must not make the vote timeout remove anyone.
 void Coordinator::close_abandoned_votes() {
+  // Nothing to close (and no walk over every peer, on every message) while no such vote is open.
+  if (topology_phase_ != TopologyPhase::kVoting && !pending_round_ && agree_rounds_.empty()) return;
   bool topology_voter = false;
   bool pending_voter = false;
   std::set<std::uint32_t> agree_groups;
@@ -927,6 +929,12 @@ void Coordinator::close_abandoned_votes() {
 // may not join the other vote before their collectives end. It fails at once for its
 // voters.
 bool Coordinator::fail_collectives_blocked_by_major_vote(Outbox& out) {
+  // Nothing to fail (and no walk over every peer) while no collective is being voted on.
+  const auto voting = [](const auto& tags) {
+    return std::any_of(tags.second.begin(), tags.second.end(),
+                       [](const auto& c) { return c.second.phase == Collective::Phase::kVoting; });
+  };
+  if (std::none_of(collectives_.begin(), collectives_.end(), voting)) return false;
   std::set<std::uint32_t> groups;
   for (const auto& [id, peer] : peers_) {
     if (peer.phase == Phase::kAccepted &&
@@ -977,13 +985,10 @@ void Coordinator::advance(TimeMs now_ms, Outbox& out) {
 
 bool Coordinator::try_complete_topology_vote(TimeMs now_ms, Outbox& out) {
   if (topology_phase_ == TopologyPhase::kEstablishing || topology_phase_ == TopologyPhase::kMeasuring) return false;
-  bool any_registered = false;
-  for (const auto& [id, peer] : peers_) {
-    if (peer.phase == Phase::kRegistered) any_registered = true;
-  }
   if (topology_phase_ == TopologyPhase::kIdle) {
     // An empty run admits newcomers without a vote: there is nobody to ask.
-    if (accepted_count() == 0 && any_registered) {
+    const auto registered = [](const auto& p) { return p.second.phase == Phase::kRegistered; };
+    if (accepted_count() == 0 && std::any_of(peers_.begin(), peers_.end(), registered)) {
       out.push_back(Event{.text = "no accepted peers: admitting registered peers without a vote",
                           .op = Operation::kUpdateTopology,
                           .reason = "the run has no accepted peer to vote"});
