@@ -383,6 +383,9 @@ class MasterServer::Impl {
       std::abort();
     }
 #endif
+    // One outcome often goes to every participant (a CollectiveGo carries the whole
+    // ring): its plain frame is encoded once per batch, not once per peer.
+    plain_.reset();
     for (auto& command : out) {
       if (auto* send = std::get_if<coord::Send>(&command)) {
         enqueue(send->conn, send->message);
@@ -400,6 +403,9 @@ class MasterServer::Impl {
     out.clear();
   }
 
+  // The last plain message apply() encoded, and its frame.
+  std::optional<std::pair<proto::Message, std::vector<std::uint8_t>>> plain_;
+
   void enqueue(coord::ConnId conn, const proto::Message& message) {
     auto it = sessions_.find(conn);
     if (it == sessions_.end()) return;
@@ -409,7 +415,13 @@ class MasterServer::Impl {
     std::optional<proto::Message> keyed;
     if (s->crypto) keyed = with_pair_keys(conn, message);
     const proto::Message& m = keyed ? *keyed : message;
-    auto frame = s->crypto ? s->crypto->seal(m) : proto::encode_frame(m);
+    std::vector<std::uint8_t> frame;
+    if (s->crypto) {
+      frame = s->crypto->seal(m);
+    } else {
+      if (!plain_ || plain_->first != m) plain_.emplace(m, proto::encode_frame(m));
+      frame = plain_->second;
+    }
     s->queued_bytes += frame.size();
     if (s->queued_bytes > limits::kSendQueueBytesMax) {
       LOG_WARN(kLog, "connection " << conn << " does not read its messages; dropping it");
