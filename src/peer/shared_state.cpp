@@ -83,7 +83,7 @@ std::vector<std::pair<std::uint64_t, std::uint64_t>> runs(std::uint64_t offset, 
   std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
   const std::uint64_t n = state::segment_count(offset, bytes);
   for (std::uint64_t k = 0; k < n; ++k) {
-    if (k / 8 >= sending.size() || ((sending[k / 8] >> (k % 8)) & 1u) == 0) continue;
+    if (k / 8 >= sending.size() || ((unsigned{sending[k / 8]} >> (k % 8)) & 1u) == 0) continue;
     const std::uint64_t start = state::segment_start(offset, k);
     const std::uint64_t end = k + 1 < n ? state::segment_start(offset, k + 1) : offset + bytes;
     if (!out.empty() && out.back().first + out.back().second == start) {
@@ -547,7 +547,7 @@ class Fetcher {
     }
     // What follows comes from our own plan and the bitmap, never from the wire's sizes.
     const std::uint64_t n = state::segment_count(f.offset, f.bytes);
-    if (response->sending.size() != (n + 7) / 8 || (n % 8 != 0 && (response->sending.back() >> (n % 8)) != 0)) {
+    if (response->sending.size() != (n + 7) / 8 || (n % 8 != 0 && (unsigned{response->sending.back()} >> (n % 8)) != 0)) {
       return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "it answered a request for " + std::to_string(n) +
                                                         " segments with a bitmap of " +
                                                         std::to_string(response->sending.size()) + " bytes");
