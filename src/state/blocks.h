@@ -5,8 +5,8 @@
 // blocks, in order: an 8-byte header (raw length u32, then wire length u32 whose top bit
 // says "zstd-compressed", little-endian) and the wire bytes. A raw block's wire length
 // equals its raw length; a compressed block holds one zstd frame that decompresses to
-// exactly its raw length. Every block but the last of a range holds kBlockBytes raw
-// bytes. The receiver bounds everything before it reads it (parse_block_header): a raw
+// exactly its raw length. A block holds at most kBlockBytes raw bytes (the peer's
+// sender starts each connection at 256 KiB and doubles up to it). The receiver bounds everything before it reads it (parse_block_header): a raw
 // length of 1 to kBlockBytes and no more than the range has left, a wire length of at
 // most compress_bound(raw); a frame that decompresses to another size, or fails, is a
 // PROTOCOL_ERROR of the transfer, and what it decompressed never reaches the tensor
@@ -15,9 +15,10 @@
 // Whether a block is compressed is the sender's choice, made by CompressionPolicy from
 // what it measured on the connection: compression pays when the bytes it saves take
 // longer to send than compressing takes, (1 - wire/raw) x compress speed > link speed.
-// Until 8 MiB went out the link speed is not known (socket buffers absorb the first
-// bytes): compressible blocks are compressed. The first block of every range (a new
-// tensor, or a new piece of one) is tried, as each tensor compresses differently, unless
+// The link speed is what left the socket while its queue never ran dry (on_sent); until
+// 8 MiB went out it is not known: compressible blocks are compressed. The first block of
+// every range (on_new_range: the sender calls it for a new tensor) is tried, as each
+// tensor compresses differently, unless
 // the connection already showed that compressing is slower than the link. A block that
 // did not shrink by 3 % is sent raw; while blocks go raw, one in every 8, 16, ... up to
 // 256 is compressed again to see whether the data (or the link) changed. Level 3 below
@@ -54,7 +55,7 @@ std::size_t compress_bound(std::size_t raw);
 // The sender's choice per block (pure: it is told the sizes and the seconds).
 class CompressionPolicy {
  public:
-  // A new range begins: how well its bytes compress is not known yet.
+  // Bytes of another tensor follow: how well they compress is not known yet.
   void on_new_range();
   bool compress_next() const;
   int level() const;
