@@ -383,12 +383,16 @@ class MasterServer::Impl {
       std::abort();
     }
 #endif
-    // One outcome often goes to every participant (a CollectiveGo carries the whole
-    // ring): its plain frame is encoded once per batch, not once per peer.
-    plain_.reset();
-    for (auto& command : out) {
+    // One outcome often goes to every participant in a row (a CollectiveGo carries the
+    // whole ring): the plain frame of such a run of equal messages is encoded once.
+    std::optional<std::vector<std::uint8_t>> run;
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      auto& command = out[i];
       if (auto* send = std::get_if<coord::Send>(&command)) {
-        enqueue(send->conn, send->message);
+        const auto* next = i + 1 < out.size() ? std::get_if<coord::Send>(&out[i + 1]) : nullptr;
+        const bool last = next == nullptr || !(next->message == send->message);
+        enqueue(send->conn, send->message, &run, last);
+        if (last) run.reset();
       } else if (auto* close = std::get_if<coord::Close>(&command)) {
         if (auto it = sessions_.find(close->conn); it != sessions_.end()) begin_close(it->second);
       } else if (auto* event = std::get_if<coord::Event>(&command)) {
@@ -403,10 +407,11 @@ class MasterServer::Impl {
     out.clear();
   }
 
-  // The last plain message apply() encoded, and its frame.
-  std::optional<std::pair<proto::Message, std::vector<std::uint8_t>>> plain_;
-
-  void enqueue(coord::ConnId conn, const proto::Message& message) {
+  // `run`: where apply() keeps the plain frame of a run of equal messages to several
+  // peers (encoded by the first plain session of the run), or null; `last`: this is the
+  // run's last message, so its frame may be moved out.
+  void enqueue(coord::ConnId conn, const proto::Message& message, std::optional<std::vector<std::uint8_t>>* run = nullptr,
+               bool last = true) {
     auto it = sessions_.find(conn);
     if (it == sessions_.end()) return;
     const SessionPtr& s = it->second;
@@ -418,9 +423,11 @@ class MasterServer::Impl {
     std::vector<std::uint8_t> frame;
     if (s->crypto) {
       frame = s->crypto->seal(m);
+    } else if (run == nullptr) {
+      frame = proto::encode_frame(m);
     } else {
-      if (!plain_ || plain_->first != m) plain_.emplace(m, proto::encode_frame(m));
-      frame = plain_->second;
+      if (!*run) *run = proto::encode_frame(m);
+      frame = last ? std::move(**run) : **run;
     }
     s->queued_bytes += frame.size();
     if (s->queued_bytes > limits::kSendQueueBytesMax) {
