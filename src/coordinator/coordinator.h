@@ -70,6 +70,10 @@ struct Config {
   std::uint32_t measure_round_timeout_ms = limits::kMeasureRoundTimeoutMsDefault;
   std::uint64_t solver_steps = 20'000'000;
   std::uint64_t background_solver_steps_per_tick = 200'000;
+  // The background search rests once this many of its steps found no better ring (a
+  // large group's search never proves its ring optimal; it must not take a share of
+  // the loop for ever). 500 ticks' worth: about 10 s of the loop.
+  std::uint64_t background_solver_stall_steps = 100'000'000;
   // Random bits from the shell: the high half of every PeerId this master gives out.
   std::uint64_t instance_nonce = 0;
   // The key-value store's bounds (lockstep-master --kv-*).
@@ -262,6 +266,8 @@ class Coordinator {
   const std::map<std::pair<PeerId, PeerId>, std::uint64_t>& bandwidth() const { return bandwidth_; }
   // The bandwidth matrix of a group's current ring order (unknown edges are 0).
   topo::Matrix bandwidth_matrix(const std::vector<PeerId>& ids) const;
+  // Steps the background search of a group's ring has spent (0 when none runs).
+  std::uint64_t background_search_steps(std::uint32_t group) const;
   const KvStore& kv() const { return kv_; }
   // The revision of the group's last successful sync, if it ever had one.
   std::optional<std::uint64_t> revision(std::uint32_t group) const;

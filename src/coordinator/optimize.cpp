@@ -203,13 +203,21 @@ std::map<std::uint32_t, std::vector<PeerId>> Coordinator::solve_rings(Outbox& ou
   return result;
 }
 
+std::uint64_t Coordinator::background_search_steps(std::uint32_t group) const {
+  const auto it = background_.find(group);
+  return it == background_.end() ? 0 : it->second.improver->steps();
+}
+
 void Coordinator::step_background_search() {
   for (auto it = background_.begin(); it != background_.end();) {
     if (ring(it->first) != it->second.members) {
       it = background_.erase(it);  // membership changed: the search no longer applies
       continue;
     }
-    if (!it->second.improver->done()) it->second.improver->step(topo::Budget{config_.background_solver_steps_per_tick});
+    const topo::Improver& search = *it->second.improver;
+    if (!search.done() && search.steps() - search.best().steps < config_.background_solver_stall_steps) {
+      it->second.improver->step(topo::Budget{config_.background_solver_steps_per_tick});
+    }
     ++it;
   }
 }

@@ -31,6 +31,9 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kCostEpsilon = 1e-12;
 // Nearest-neighbour constructions tried before the first local search.
 constexpr std::size_t kConstructionStarts = 8;
+// The local search's third cut follows one of this many fastest links (a candidate
+// list, as in Lin-Kernighan solvers): a pass costs n * 16 * 16 moves, not n^3.
+constexpr std::size_t kNeighbours = 16;
 // Kicks without a better base ring after which the search restarts elsewhere.
 constexpr std::uint64_t kRestartStallKicks = 40;
 // solve_ring's heuristic stops after this many kicks without a better ring: beyond
@@ -103,6 +106,21 @@ struct Graph {
     }
     std::sort(levels.begin(), levels.end());
     levels.erase(std::unique(levels.begin(), levels.end()), levels.end());
+    // A ring leaves every peer by one edge and enters it by one: no ring's bottleneck
+    // exceeds the least over the peers of their fastest way out and in.
+    double cap = kInf;
+    for (int v = 0; v < n; ++v) {
+      double out = 0;
+      double in = 0;
+      for (int u = 0; u < n; ++u) {
+        if (u == v) continue;
+        out = std::max(out, val[index(v, u)]);
+        in = std::max(in, val[index(u, v)]);
+      }
+      cap = std::min({cap, out, in});
+    }
+    reachable_levels = static_cast<std::size_t>(
+        std::upper_bound(levels.begin(), levels.end(), cap) - levels.begin());
     fastest.resize(sz(n));
     for (int i = 0; i < n; ++i) {
       auto& list = fastest[sz(i)];
@@ -124,6 +142,7 @@ struct Graph {
   std::vector<double> val;     // n*n; 0 for unknown edges and the diagonal
   std::vector<double> inv;     // 1/val, 0 where val is 0
   std::vector<double> levels;  // the distinct positive values, ascending
+  std::size_t reachable_levels = 0;  // how many levels are at most the cap above
   // Each peer's out-neighbours, fastest first. Every key the local search uses ranks a
   // peer's links in this order (a class below a threshold, then 1/value).
   std::vector<std::vector<int>> fastest;
@@ -187,8 +206,12 @@ std::vector<int> nearest_neighbour(const Graph& g, int start) {
 // the bottleneck itself (a minimum is not additive, and on a plateau of equal
 // bottlenecks no single move would ever look better). With the ring's bottleneck B:
 //  - floor: edges below B (less the tolerance) would lower the bottleneck: never;
-//  - target: the next distinct value above B. Pushing the count of edges below it to
-//    zero raises the bottleneck to at least the target; then a new target is set.
+//  - target: a distinct value above B. Pushing the count of edges below it to zero
+//    raises the bottleneck to at least the target; then a new target is set. Targets
+//    are bisected between the next value above B and the lowest value that no ring can
+//    reach (Graph::reachable_levels) or that this descent failed to reach: with
+//    measured values, every edge is a level of its own, and climbing them one at a
+//    time costs a pass per edge of the ring (n = 1,000: most of the budget).
 // When no move lowers that count, a second descent with target = floor minimizes the
 // per-byte time at the bottleneck reached. With B = 0 the target counts unknown
 // edges, so that unavoidable ones are kept to the fewest.
@@ -235,11 +258,20 @@ class LocalSearch {
   bool run(const Graph& g, std::vector<int>& ring, Meter& meter) {
     while (true) {
       if (phase_ == Phase::kStart) {
+        if (fresh_) {
+          failed_ = g.reachable_levels;
+          fresh_ = false;
+        }
         start_ = g.bottleneck(ring);
         floor_ = start_ * (1.0 - kBottleneckTolerance);
-        auto next = std::upper_bound(g.levels.begin(), g.levels.end(), start_ * (1.0 + kBottleneckTolerance));
-        if (next != g.levels.end()) {
-          begin(Phase::kRaise, Levels{floor_, *next});
+        const auto next = static_cast<std::size_t>(
+            std::upper_bound(g.levels.begin(), g.levels.end(), start_ * (1.0 + kBottleneckTolerance)) -
+            g.levels.begin());
+        if (next < failed_) {
+          // Bisect between the next level and the lowest that failed; with unknown
+          // edges in the ring, one level at a time (see above).
+          aim_ = start_ > 0 ? next + (failed_ - next) / 2 : next;
+          begin(Phase::kRaise, Levels{floor_, g.levels[aim_]});
         } else {
           begin_cost();
         }
@@ -253,12 +285,14 @@ class LocalSearch {
         continue;
       }
       if (phase_ == Phase::kRaise) {
-        begin_cost();
+        failed_ = aim_;  // try lower: the next kStart aims between
+        phase_ = Phase::kStart;
         continue;
       }
       phase_ = Phase::kStart;
       const double after = g.bottleneck(ring);
       if (after > start_ && !same_bottleneck(after, start_)) continue;
+      fresh_ = true;
       return true;
     }
   }
@@ -300,6 +334,9 @@ class LocalSearch {
       const int a1 = ring[i];
       const int a2 = ring[(i + 1) % n];
       const double now = g.value(a1, a2);
+      // Raising, a move must remove an edge below the target, and the exchange of three
+      // edges is the same move whichever of them is called a1 -> a2: scan only those.
+      if (phase_ == Phase::kRaise && now >= levels_.target) continue;
       const auto& faster = g.fastest[sz(a1)];
       for (; s.candidate < faster.size(); ++s.candidate, s.rc = 0) {
         const int b2 = faster[s.candidate];
@@ -308,11 +345,14 @@ class LocalSearch {
         const std::size_t rb = (position_[sz(b2)] + n - i) % n;
         if (rb < 2) continue;
         const int b1 = ring[(i + rb - 1) % n];
-        for (s.rc = std::max(s.rc, rb); s.rc < n; ++s.rc) {
+        // The third cut: c2 among b1's fastest (b1 -> c2 is a new edge), after b2.
+        const auto& near = g.fastest[sz(b1)];
+        for (const std::size_t count = std::min(near.size(), kNeighbours); s.rc < count; ++s.rc) {
           if (!meter.take(1)) return Pass::kOutOfBudget;
-          const std::size_t rc = s.rc;
+          const int c2 = near[s.rc];
+          const std::size_t rc = (position_[sz(c2)] + n - i - 1) % n;  // c1's offset
+          if (rc < rb) continue;
           const int c1 = ring[(i + rc) % n];
-          const int c2 = ring[(i + rc + 1) % n];
           if (!improves(g, levels_, {Edge{a1, a2}, Edge{b1, b2}, Edge{c1, c2}},
                         {Edge{a1, b2}, Edge{c1, a2}, Edge{b1, c2}})) {
             continue;
@@ -341,6 +381,9 @@ class LocalSearch {
   };
 
   Phase phase_ = Phase::kStart;
+  bool fresh_ = true;       // a new descent: aim as high as any ring could reach
+  std::size_t failed_ = 0;  // levels at or above this index failed to be reached in this descent
+  std::size_t aim_ = 0;     // the index of the raise's target
   double start_ = 0;  // the bottleneck when the phases began
   double floor_ = 0;
   Levels levels_;
@@ -484,21 +527,8 @@ class Exact {
  public:
   explicit Exact(const Graph& g) : w_(sz(g.n) - 1), subsets_(std::uint32_t{1} << (g.n - 1)) {
     assert(g.n >= 2 && g.n <= kExactPeersMax);
-    // No ring beats a peer's fastest link out or in: only values up to the smallest of
-    // those are candidates.
-    double cap = kInf;
-    for (int v = 0; v < g.n; ++v) {
-      double out = 0;
-      double in = 0;
-      for (int u = 0; u < g.n; ++u) {
-        out = std::max(out, g.value(v, u));
-        in = std::max(in, g.value(u, v));
-      }
-      cap = std::min({cap, out, in});
-    }
-    for (double level : g.levels) {
-      if (level <= cap) candidates_.push_back(level);
-    }
+    // Only levels some ring could reach are candidates (see Graph::reachable_levels).
+    candidates_.assign(g.levels.begin(), g.levels.begin() + static_cast<std::ptrdiff_t>(g.reachable_levels));
     const auto checks = static_cast<std::uint64_t>(std::bit_width(candidates_.size()));
     bound_ = (checks * w_ + w_ * w_) * (subsets_ - 1);
     reach_.assign(subsets_, 0);
@@ -699,6 +729,121 @@ std::vector<int> identity_ring(int n) {
   return ring;
 }
 
+// ---------------------------------------------------------------- bounds
+
+// Edges at or above a threshold, as adjacency lists both ways.
+struct Subgraph {
+  Subgraph(const Graph& g, double threshold) : out(sz(g.n)), in(sz(g.n)) {
+    for (int i = 0; i < g.n; ++i) {
+      for (int j = 0; j < g.n; ++j) {
+        if (i != j && g.value(i, j) > 0 && g.value(i, j) >= threshold) {
+          out[sz(i)].push_back(j);
+          in[sz(j)].push_back(i);
+        }
+      }
+    }
+  }
+  std::vector<std::vector<int>> out;
+  std::vector<std::vector<int>> in;
+};
+
+// Whether every peer reaches peer 0 and is reached from it.
+bool strongly_connected(const Subgraph& s) {
+  const auto reaches_all = [](const std::vector<std::vector<int>>& adj) {
+    std::vector<char> seen(adj.size(), 0);
+    std::vector<int> stack{0};
+    seen[0] = 1;
+    std::size_t count = 1;
+    while (!stack.empty()) {
+      const int v = stack.back();
+      stack.pop_back();
+      for (const int u : adj[sz(v)]) {
+        if (seen[sz(u)] == 0) {
+          seen[sz(u)] = 1;
+          ++count;
+          stack.push_back(u);
+        }
+      }
+    }
+    return count == adj.size();
+  };
+  return reaches_all(s.out) && reaches_all(s.in);
+}
+
+// Whether the edges hold a cycle cover (every peer one outgoing and one incoming edge):
+// a perfect bipartite matching of senders to receivers, by Hopcroft-Karp.
+bool has_cycle_cover(const Subgraph& s) {
+  const std::size_t n = s.out.size();
+  constexpr int kFree = -1;
+  std::vector<int> match_out(n, kFree);  // sender -> receiver
+  std::vector<int> match_in(n, kFree);   // receiver -> sender
+  std::vector<int> dist(n);
+  std::vector<int> queue;
+  const auto layer = [&] {
+    queue.clear();
+    bool found = false;
+    for (std::size_t v = 0; v < n; ++v) {
+      dist[v] = match_out[v] == kFree ? 0 : -1;
+      if (match_out[v] == kFree) queue.push_back(static_cast<int>(v));
+    }
+    for (std::size_t head = 0; head < queue.size(); ++head) {
+      const int v = queue[head];
+      for (const int u : s.out[sz(v)]) {
+        const int w = match_in[sz(u)];
+        if (w == kFree) {
+          found = true;
+        } else if (dist[sz(w)] < 0) {
+          dist[sz(w)] = dist[sz(v)] + 1;
+          queue.push_back(w);
+        }
+      }
+    }
+    return found;
+  };
+  // Iterative depth-first augmentation along the layers (no recursion n deep).
+  std::vector<std::size_t> next(n);
+  std::vector<int> path;
+  const auto augment = [&](int root) {
+    path.assign(1, root);
+    next[sz(root)] = 0;
+    while (!path.empty()) {
+      const int v = path.back();
+      auto& k = next[sz(v)];
+      if (k == s.out[sz(v)].size()) {
+        dist[sz(v)] = -1;  // a dead end for this phase
+        path.pop_back();
+        continue;
+      }
+      const int u = s.out[sz(v)][k++];
+      const int w = match_in[sz(u)];
+      if (w == kFree) {
+        // Flip the path: each sender on it takes the receiver it went through.
+        int receiver = u;
+        for (auto it = path.rbegin(); it != path.rend(); ++it) {
+          const int sender = *it;
+          const int previous = match_out[sz(sender)];
+          match_out[sz(sender)] = receiver;
+          match_in[sz(receiver)] = sender;
+          receiver = previous;
+        }
+        return true;
+      }
+      if (dist[sz(w)] == dist[sz(v)] + 1) {
+        next[sz(w)] = 0;
+        path.push_back(w);
+      }
+    }
+    return false;
+  };
+  std::size_t matched = 0;
+  while (layer()) {
+    for (std::size_t v = 0; v < n; ++v) {
+      if (match_out[v] == kFree && augment(static_cast<int>(v))) ++matched;
+    }
+  }
+  return matched == n;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- public functions
@@ -765,6 +910,94 @@ Solution solve_ring(const Matrix& bw, Budget budget) {
   return make_solution(g, heuristic.best(), false, meter.used);
 }
 
+double bottleneck_bound(const Matrix& bw) {
+  const Graph g(bw);
+  if (g.n <= 1) return kInf;
+  // Both properties only get lost as the threshold rises: binary search over the
+  // distinct values for the last one that has them.
+  std::ptrdiff_t lo = -1;  // the highest level known to pass (-1: none yet)
+  auto hi = static_cast<std::ptrdiff_t>(g.levels.size()) - 1;
+  while (lo < hi) {
+    const std::ptrdiff_t mid = lo + (hi - lo + 1) / 2;
+    const Subgraph s(g, g.levels[static_cast<std::size_t>(mid)]);
+    if (strongly_connected(s) && has_cycle_cover(s)) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo >= 0 ? g.levels[static_cast<std::size_t>(lo)] : 0.0;
+}
+
+double cost_bound(const Matrix& bw, double floor) {
+  const Graph g(bw);
+  if (g.n <= 1) return 0;
+  const double threshold = floor * (1.0 - kBottleneckTolerance);
+  const auto allowed = [&](int i, int j) { return i != j && g.value(i, j) > 0 && g.value(i, j) >= threshold; };
+  // The least-cost assignment of a receiver to every sender (Hungarian method with
+  // potentials, O(n^3)); a forbidden edge costs more than any n allowed ones together.
+  double most = 0;
+  for (int i = 0; i < g.n; ++i) {
+    for (int j = 0; j < g.n; ++j) {
+      if (allowed(i, j)) most = std::max(most, g.time(i, j));
+    }
+  }
+  const double forbidden = (most + 1.0) * static_cast<double>(g.n + 1) * 4.0;
+  const std::size_t n = sz(g.n);
+  // 1-based rows and columns; column 0 is the virtual start of each augmentation.
+  std::vector<double> u(n + 1, 0), v(n + 1, 0), way_min(n + 1);
+  std::vector<std::size_t> owner(n + 1, 0), way(n + 1, 0);
+  std::vector<char> used(n + 1);
+  for (std::size_t row = 1; row <= n; ++row) {
+    owner[0] = row;
+    std::size_t col0 = 0;
+    std::fill(way_min.begin(), way_min.end(), kInf);
+    std::fill(used.begin(), used.end(), 0);
+    do {
+      used[col0] = 1;
+      const std::size_t r = owner[col0];
+      double delta = kInf;
+      std::size_t col1 = 0;
+      for (std::size_t c = 1; c <= n; ++c) {
+        if (used[c] != 0) continue;
+        const int i = static_cast<int>(r) - 1;
+        const int j = static_cast<int>(c) - 1;
+        const double cost = (allowed(i, j) ? g.time(i, j) : forbidden) - u[r] - v[c];
+        if (cost < way_min[c]) {
+          way_min[c] = cost;
+          way[c] = col0;
+        }
+        if (way_min[c] < delta) {
+          delta = way_min[c];
+          col1 = c;
+        }
+      }
+      for (std::size_t c = 0; c <= n; ++c) {
+        if (used[c] != 0) {
+          u[owner[c]] += delta;
+          v[c] -= delta;
+        } else {
+          way_min[c] -= delta;
+        }
+      }
+      col0 = col1;
+    } while (owner[col0] != 0);
+    do {
+      const std::size_t col1 = way[col0];
+      owner[col0] = owner[col1];
+      col0 = col1;
+    } while (col0 != 0);
+  }
+  double total = 0;
+  for (std::size_t c = 1; c <= n; ++c) {
+    const int i = static_cast<int>(owner[c]) - 1;
+    const int j = static_cast<int>(c) - 1;
+    if (!allowed(i, j)) return kInf;
+    total += g.time(i, j);
+  }
+  return total;
+}
+
 // ---------------------------------------------------------------- Improver
 
 struct Improver::State {
@@ -778,9 +1011,9 @@ struct Improver::State {
     if (graph.n <= kExactPeersMax) exact.emplace(graph);
   }
 
-  void adopt_heuristic() {
+  void adopt_heuristic(std::uint64_t now) {
     if (better(heuristic.best_score(), graph.score(best.ring))) {
-      best = make_solution(graph, heuristic.best(), false, steps);
+      best = make_solution(graph, heuristic.best(), false, now);
     }
   }
 
@@ -805,9 +1038,9 @@ const Solution& Improver::step(Budget budget) {
   if (s.exact) {
     // One local search first, so that a good ring is there while the exact search runs.
     if (!s.heuristic.reached_local_optimum()) s.heuristic.run(s.graph, meter, 0);
-    s.adopt_heuristic();
+    s.adopt_heuristic(s.steps + meter.used);
     if (s.exact->run(s.graph, meter)) {
-      Solution exact = make_solution(s.graph, s.exact->ring(), true, 0);
+      Solution exact = make_solution(s.graph, s.exact->ring(), true, s.steps + meter.used);
       // The heuristic ring can only win within the bottleneck tolerance; it is then
       // just as optimal.
       if (better(s.graph.score(s.best.ring), s.graph.score(exact.ring))) {
@@ -820,11 +1053,10 @@ const Solution& Improver::step(Budget budget) {
     }
   } else {
     s.heuristic.run(s.graph, meter, kNoStallLimit);
-    s.adopt_heuristic();
+    s.adopt_heuristic(s.steps + meter.used);
     if (s.heuristic.exhausted()) s.done = true;
   }
   s.steps += meter.used;
-  s.best.steps = s.steps;
   return s.best;
 }
 

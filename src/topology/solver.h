@@ -52,8 +52,8 @@ struct Solution {
   double bottleneck = 0;  // ring_bottleneck(bw, ring)
   double cost = 0;        // ring_cost(bw, ring)
   bool optimal = false;   // proven best for the objective above
-  // Steps spent: by solve_ring (never more than its budget), or by all of an
-  // Improver's steps so far.
+  // Steps spent: by solve_ring (never more than its budget), or by an Improver up to
+  // the step that found this ring.
   std::uint64_t steps = 0;
 };
 
@@ -86,6 +86,17 @@ std::uint64_t exact_step_bound(int n);
 // construction (nearest neighbour from peer 0, n^2 work) is always made, outside the
 // budget, so that even a zero budget gives a valid ring. n = 1 gives {0}, n = 2 {0, 1}.
 Solution solve_ring(const Matrix& bw, Budget budget);
+
+// Bounds that prove how good a ring is, for large groups where the exact search is out
+// of reach. bottleneck_bound: no ring's bottleneck exceeds it. It is the largest value t
+// such that the edges of at least t form a strongly connected graph that holds a cycle
+// cover (one outgoing and one incoming edge per peer): a ring is both, so a threshold
+// without them admits no ring. O(n^2.5 log n); +infinity for one peer.
+double bottleneck_bound(const Matrix& bw);
+// cost_bound: no ring whose edges all reach `floor` (within kBottleneckTolerance) has a
+// smaller per-byte time. It is the least-cost cycle cover over those edges (an
+// assignment problem, O(n^3)); +infinity if there is none. 0 for one peer.
+double cost_bound(const Matrix& bw, double floor);
 
 // Keeps improving a solution in slices, for a background search: each step spends at
 // most `budget` and returns the best ring so far, which never gets worse. Deterministic

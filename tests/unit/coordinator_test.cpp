@@ -2917,6 +2917,17 @@ TEST(CoordinatorOptimize, PeerLostDuringTheRewiringFailsTheOptimization) {
   for (const auto& f : {peers[0], peers[1]}) EXPECT_EQ(one_of<p::TopologyResult>(out, f.conn)->status, LOCKSTEP_OK);
 }
 
+// Measured rates of 1-101 MB/s, drawn per ordered pair.
+std::map<std::pair<PeerId, PeerId>, std::uint64_t> random_rates(const std::vector<FakePeer>& peers,
+                                                                std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::map<std::pair<PeerId, PeerId>, std::uint64_t> rates;
+  for (const auto& a : peers) {
+    for (const auto& b : peers) rates[{a.id, b.id}] = 1'000'000 + rng() % 100'000'000;
+  }
+  return rates;
+}
+
 // Above the exact solver's size the ring is a heuristic one; the background search keeps
 // improving it between optimizations, and the next optimization of the same group never
 // adopts a worse ring.
@@ -2925,11 +2936,7 @@ TEST(CoordinatorOptimize, BackgroundSearchNeverMakesTheRingWorse) {
   config.solver_steps = 20'000;  // small: the first ring is the heuristic's
   Harness h(config);
   const auto peers = h.run_of(18);
-  std::mt19937_64 rng(3);
-  std::map<std::pair<PeerId, PeerId>, std::uint64_t> rates;
-  for (const auto& a : peers) {
-    for (const auto& b : peers) rates[{a.id, b.id}] = 1'000'000 + rng() % 100'000'000;
-  }
+  const auto rates = random_rates(peers, 3);
   const auto rate = [&](PeerId from, PeerId to) { return rates.at({from, to}); };
   Outbox out;
   for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
@@ -2952,6 +2959,35 @@ TEST(CoordinatorOptimize, BackgroundSearchNeverMakesTheRingWorse) {
   std::vector<int> order(second.size());
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
   EXPECT_GE(topo::ring_bottleneck(h.c.bandwidth_matrix(second), order), first_bottleneck);
+}
+
+// A large group's search never proves its ring optimal: it rests once it has gone
+// background_solver_stall_steps without a better ring, instead of taking a share of the
+// loop for ever.
+TEST(CoordinatorOptimize, BackgroundSearchRestsWhenItStopsImproving) {
+  Config config = test_config();
+  config.solver_steps = 20'000;
+  config.background_solver_steps_per_tick = 20'000;
+  config.background_solver_stall_steps = 200'000;
+  Harness h(config);
+  const auto peers = h.run_of(18);
+  const auto rates = random_rates(peers, 5);
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
+  answer_tests(h, peers, out, [&](PeerId from, PeerId to) { return rates.at({from, to}); });
+  h.report_all(peers);
+  const auto run_ticks = [&](int ticks) {
+    for (int i = 0; i < ticks; ++i) {
+      h.heartbeat(peers);
+      h.advance(10);
+    }
+    return h.c.background_search_steps(1);
+  };
+  const std::uint64_t early = run_ticks(2);
+  EXPECT_GT(early, 0u);
+  const std::uint64_t rested = run_ticks(400);
+  EXPECT_GT(rested, early);
+  EXPECT_EQ(run_ticks(400), rested);  // resting: no more steps
 }
 
 

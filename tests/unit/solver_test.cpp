@@ -458,6 +458,92 @@ TEST(SolverTest, FortyPeersHeuristic) {
   }
 }
 
+// ---------------------------------------------------------------- bounds
+
+// Both bounds hold against every ring: the bottleneck bound is never below the best
+// bottleneck, the cost bound never above the best per-byte time at that bottleneck.
+TEST(SolverTest, BoundsNeverCutOffTheBestRing) {
+  int tight = 0;
+  int instances = 0;
+  for (int n = 3; n <= 8; ++n) {
+    for (std::uint64_t seed = 1; seed <= 12; ++seed) {
+      SCOPED_TRACE(std::to_string(n) + " peers, seed " + std::to_string(seed));
+      for (const Matrix& bw : {random_matrix(n, 700 + seed, 1.0, 1000.0), tied_matrix(n, 800 + seed, 0)}) {
+        const Optimum best = brute_force(bw);
+        const double bound = bottleneck_bound(bw);
+        EXPECT_TRUE(bound > best.bottleneck || same_bottleneck(bound, best.bottleneck))
+            << bound << " vs " << best.bottleneck;
+        const double cost = cost_bound(bw, best.bottleneck);
+        EXPECT_LE(cost, best.time * (1 + 1e-9));
+        EXPECT_GT(cost, 0.0);
+        ++instances;
+        if (same_bottleneck(bound, best.bottleneck)) ++tight;
+      }
+    }
+  }
+  std::printf("bottleneck bound tight in %d of %d instances\n", tight, instances);
+  EXPECT_GE(tight * 2, instances);  // a bound that is rarely reached proves nothing
+}
+
+// Every peer's fastest links reach 100, but peer 0 is the only fast sender into peers
+// 1-4: no cycle cover, hence no ring, uses only fast links. The bound sees it.
+TEST(SolverTest, BottleneckBoundNeedsACycleCover) {
+  const int n = 5;
+  Matrix bw = filled(n, 10.0);
+  for (int i = 1; i < n; ++i) {
+    bw[sz(i)][0] = 100.0;
+    bw[0][sz(i)] = 100.0;
+  }
+  EXPECT_EQ(bottleneck_bound(bw), 10.0);
+  EXPECT_EQ(solve_ring(bw, Budget{exact_step_bound(n)}).bottleneck, 10.0);
+  EXPECT_EQ(cost_bound(bw, 100.0), std::numeric_limits<double>::infinity());
+}
+
+// Two sites of three peers, fast within, slow between: fast cycle covers exist (one
+// cycle per site) but the fast links do not connect the sites.
+TEST(SolverTest, BottleneckBoundNeedsStrongConnection) {
+  const int n = 6;
+  Matrix bw = filled(n, 5.0);
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      if (i / 3 == j / 3) bw[sz(i)][sz(j)] = 100.0;
+    }
+  }
+  EXPECT_EQ(bottleneck_bound(bw), 5.0);
+  EXPECT_EQ(solve_ring(bw, Budget{exact_step_bound(n)}).bottleneck, 5.0);
+  // The per-byte time at the best bottleneck: two slow crossings and four fast links
+  // at best; the cycle cover may use fast links only.
+  EXPECT_NEAR(cost_bound(bw, 5.0), 6 / 100.0, 1e-12);
+  EXPECT_NEAR(solve_ring(bw, Budget{exact_step_bound(n)}).cost, 2 / 5.0 + 4 / 100.0, 1e-12);
+}
+
+// Large groups reach their bound: 100 peers with bandwidths drawn from five levels
+// (the bound is the best possible there), and 1,000 peers with distinct measured values,
+// where climbing the distinct values one at a time used to stop at a fraction of it.
+TEST(SolverTest, LargeGroupsReachTheirBottleneckBound) {
+  const auto levels = [](int n, std::uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    Matrix bw = filled(n, 0.0);
+    for (auto& row : bw) {
+      for (auto& v : row) v = 25.0 * static_cast<double>(1 << (rng() % 5));
+    }
+    return bw;
+  };
+  for (std::uint64_t seed = 1; seed <= 10; ++seed) {
+    SCOPED_TRACE(seed);
+    const Matrix bw = levels(100, seed);
+    const Solution sol = solve_ring(bw, Budget{20'000'000});
+    ASSERT_TRUE(is_valid_ring(sol.ring, 100));
+    EXPECT_EQ(sol.bottleneck, bottleneck_bound(bw));
+  }
+  const Matrix bw = random_matrix(1000, 1, 25.0, 400.0);
+  const Solution sol = solve_ring(bw, Budget{20'000'000});
+  ASSERT_TRUE(is_valid_ring(sol.ring, 1000));
+  const double bound = bottleneck_bound(bw);
+  std::printf("1000 peers: bottleneck %.2f of bound %.2f\n", sol.bottleneck, bound);
+  EXPECT_GE(sol.bottleneck, 0.95 * bound);
+}
+
 // ---------------------------------------------------------------- Improver
 
 TEST(SolverTest, ImproverIsDeterministicAndMonotone) {

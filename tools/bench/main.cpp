@@ -17,11 +17,15 @@
 //   lockstep-bench ddp --peers 2 [--steps 30] [--warmup 5] [--width 64 --layers 2 ...]
 //       (a transformer's training step alone, under torch DDP over gloo and under
 //        lockstep.torch.DataParallel, in turns)
+//   lockstep-bench topology [--peers 100,1000] [--seeds 1,...,10] [--kinds levels,uniform,regions]
+//                  [--steps N] [--background-steps N]
+//       (the ring solver on large groups against its proven bounds, in this process)
 //   lockstep-bench hash [--size 1GiB] [--threads 1,2,N] [--iterations 5]
 //       (the shared-state content hash in this process, against a single-thread
 //        memcpy; N = hardware threads; no master or workers)
 #include "bench_common.h"
 #include "hash_bench.h"
+#include "topology_bench.h"
 
 #include <CLI/CLI.hpp>
 
@@ -31,7 +35,7 @@
 #include <random>
 
 int main(int argc, char** argv) {
-  CLI::App app{"lockstep-bench: collective throughput and latency, recovery time, shared-state sync, content hash"};
+  CLI::App app{"lockstep-bench: collective throughput and latency, recovery time, shared-state sync, content hash, ring solver"};
   app.require_subcommand(1);
   lockstep::bench::Settings s;
   std::string sizes = "16MiB";
@@ -120,6 +124,19 @@ int main(int argc, char** argv) {
   hash->add_option("--iterations", hash_settings.iterations, "timed repetitions (median)")
       ->check(CLI::Range(1, 100000));
 
+  lockstep::bench::TopologySettings topology_settings;
+  auto* topology = app.add_subcommand("topology", "the ring solver on large groups against its proven bounds");
+  topology->add_option("--peers", topology_settings.peers, "group sizes, comma-separated")
+      ->delimiter(',')
+      ->check(CLI::Range(3, 4096));
+  topology->add_option("--seeds", topology_settings.seeds, "instance seeds, comma-separated")->delimiter(',');
+  topology->add_option("--kinds", topology_settings.kinds, "instance kinds, comma-separated")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"levels", "uniform", "regions"}));
+  topology->add_option("--steps", topology_settings.steps, "the solver's step budget (default: the master's)");
+  topology->add_option("--background-steps", topology_settings.background_steps,
+                       "then this many steps of the background search (default none)");
+
   lockstep::bench::DdpSettings ddp_settings;
   auto* ddp = app.add_subcommand(
       "ddp", "a training step of a character-level transformer: alone, under torch DDP over gloo, and under "
@@ -173,6 +190,7 @@ int main(int argc, char** argv) {
     control_settings.self = lockstep::bench::self_path(argv[0]);
     return lockstep::bench::run_control(control_settings);
   }
+  if (*topology) return lockstep::bench::run_topology(topology_settings);
   if (*hash) {
     auto hash_parsed = lockstep::bench::parse_sizes(hash_sizes);
     auto threads_parsed = lockstep::bench::parse_thread_counts(hash_threads);
