@@ -205,7 +205,8 @@ typedef struct lockstep_master_config {
   /** sizeof(lockstep_master_config_t) as the caller's header declares it; set by
    * lockstep_master_config_init. Fields beyond it take their defaults (docs/abi.md). */
   uint32_t struct_size;
-  /** IPv4 address to listen on; NULL or "" means 0.0.0.0. */
+  /** IP literal to listen on, IPv4 or IPv6 (no brackets); NULL or "" means 0.0.0.0;
+   * "::" serves both families (IPv4 peers as their IPv4 addresses). */
   const char* listen_host;
   /** Port to listen on; 0 picks an ephemeral port (see lockstep_master_port). */
   uint16_t listen_port;
@@ -304,7 +305,8 @@ typedef struct lockstep_comm_config {
   /** sizeof(lockstep_comm_config_t) as the caller's header declares it; set by
    * lockstep_comm_config_init. Fields beyond it take their defaults (docs/abi.md). */
   uint32_t struct_size;
-  /** Address of the master (IPv4 literal or host name). */
+  /** Address of the master: an IPv4 or IPv6 literal (no brackets) or a host name, whose
+   * addresses of both families are tried in turn. */
   const char* master_host;
   /** Port of the master; 0 means LOCKSTEP_DEFAULT_MASTER_PORT. */
   uint16_t master_port;
@@ -320,7 +322,8 @@ typedef struct lockstep_comm_config {
   /** Address other peers should use to reach this one; NULL or "" means the address
    * the master sees this peer connect from. */
   const char* advertised_host;
-  /** IPv4 address the p2p sockets bind to; NULL or "" means 0.0.0.0. */
+  /** IP literal the p2p sockets bind to; NULL or "" means every address of both families
+   * ("::" with IPv4 mapped in, or 0.0.0.0 on a host without IPv6). */
   const char* bind_host;
   /** An all-reduce attempt fails with PEER_CONNECTION_LOST when no byte moves to or from
    * its ring neighbours for this long (a link cut between two peers that both still

@@ -12,7 +12,7 @@ from ._buffers import _as_buffer, _Buffer, _describe
 from ._enums import (Distribution, Quantization, ReduceOp, SyncStrategy, _check_uint, _parse_distribution, _parse_op,
                      _parse_quantization, _parse_strategy)
 from ._errors import InvalidArgumentError
-from ._master import DEFAULT_MASTER_PORT, _split_address
+from ._master import DEFAULT_MASTER_PORT, _join_address, _split_address
 
 # -------------------------------------------------------------------- results
 
@@ -285,7 +285,7 @@ class Communicator:
             _check_uint("p2p_stall_timeout_ms", p2p_stall_timeout_ms, 32), bool(encrypt_data),
             _check_uint("p2p_streams", p2p_streams, 32), tcp_congestion or "", bool(check_finite),
             0 if state_compression == "auto" else 1)
-        self.master = f"{host}:{port}"
+        self.master = _join_address(host, port)
 
     # -- membership ---------------------------------------------------------
 

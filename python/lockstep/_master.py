@@ -15,9 +15,19 @@ DEFAULT_MASTER_PORT = 48148
 def _split_address(address: str, default_port: int, what: str) -> Tuple[str, int]:
     if not isinstance(address, str):
         raise InvalidArgumentError(f"{what} must be a 'host:port' string, not {type(address).__name__}")
-    host, sep, port_text = address.rpartition(":")
-    if not sep:
+    if address.startswith("["):  # [IPV6] or [IPV6]:PORT
+        host, sep, rest = address[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise InvalidArgumentError(f"{what} {address!r}: expected [IPV6] or [IPV6]:PORT")
+        if not rest:
+            return host, default_port
+        port_text = rest[1:]
+    elif address.count(":") > 1:  # a bare IPv6 literal: no port
         return address, default_port
+    else:
+        host, sep, port_text = address.rpartition(":")
+        if not sep:
+            return address, default_port
     try:
         port = int(port_text)
     except ValueError:
@@ -25,6 +35,15 @@ def _split_address(address: str, default_port: int, what: str) -> Tuple[str, int
     if not 0 <= port <= 65535:
         raise InvalidArgumentError(f"{what} {address!r}: the port must be in 0..65535")
     return host, port
+
+
+def _join_address(host: str, port: int) -> str:
+    """host:port, an IPv6 literal in brackets; a wildcard host as its loopback address."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # ---------------------------------------------------------------------- master
@@ -117,9 +136,9 @@ class Master:
 
     @property
     def address(self) -> str:
-        """``"host:port"`` for :class:`Communicator` (127.0.0.1 when it listens on all interfaces)."""
-        host = self._host if self._host not in ("", "0.0.0.0") else "127.0.0.1"
-        return f"{host}:{self.port}"
+        """``"host:port"`` for :class:`Communicator` (``[ipv6]:port`` for IPv6; the loopback
+        address when it listens on all interfaces)."""
+        return _join_address(self._host, self.port)
 
     @property
     def http_port(self) -> int:
@@ -128,9 +147,9 @@ class Master:
 
     @property
     def http_address(self) -> str:
-        """``"host:port"`` of the HTTP endpoint (127.0.0.1 when it listens on all interfaces)."""
-        host = self._http_host if self._http_host not in ("", "0.0.0.0") else "127.0.0.1"
-        return f"{host}:{self.http_port}"
+        """``"host:port"`` of the HTTP endpoint (the loopback address when it listens on all
+        interfaces)."""
+        return _join_address(self._http_host, self.http_port)
 
     def interrupt(self) -> None:
         """Asks the master to stop (thread-safe, returns at once)."""

@@ -43,7 +43,7 @@ from ._communicator import Communicator, SharedState, SyncInfo, TensorInfo
 from ._errors import (Error, HashMismatchError, InvalidArgumentError, InvalidUsageError, KeyNotFoundError,
                       LockstepTimeoutError, OperationMismatchError, PeerConnectionLostError, RetryableError,
                       UpdateTopologyFailedError)
-from ._master import Master
+from ._master import Master, _join_address
 
 __all__ = ["BACKEND", "DataParallel", "TrainingState", "communicator", "init_optimizer_state", "reconfigure",
            "shutdown", "view_digest"]
@@ -179,10 +179,12 @@ def _fixed_size_start(store: Any, rank: int, world_size: int, timeout: datetime.
         if rank == 0:
             host = os.environ.get("LOCKSTEP_MASTER_HOST") or _underlying_tcp_host(store) or os.environ.get("MASTER_ADDR") \
                 or "127.0.0.1"
-            loopback = host in ("127.0.0.1", "localhost")
-            _run.master = Master(f"{'127.0.0.1' if loopback else '0.0.0.0'}:0")
+            loopback = host in ("127.0.0.1", "localhost", "::1")
+            v6 = ":" in host  # an IPv6 literal: the master listens on IPv6 ("[::]": both families)
+            listen = ("[::1]:0" if v6 else "127.0.0.1:0") if loopback else ("[::]:0" if v6 else "0.0.0.0:0")
+            _run.master = Master(listen)
             _run.master.run()
-            store.set("lockstep/master", f"{host}:{_run.master.port}")
+            store.set("lockstep/master", _join_address(host, _run.master.port))
         master_address = store.get("lockstep/master").decode()
     comm = Communicator(master_address, base_port=0)
     _run.comm = comm
@@ -253,7 +255,7 @@ def _rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(minut
     if _run.comm is not None:
         raise InvalidUsageError("this process is connected already; use lockstep.torch.reconfigure()")
     options.setdefault("base_port", 0)
-    comm = Communicator(f"{parsed.hostname}:{parsed.port or 48148}", **options)
+    comm = Communicator(_join_address(parsed.hostname or "", parsed.port or 48148), **options)
     _run.comm = comm
     comm.connect()
     _run.store = _ViewStore(comm, timeout)

@@ -7,6 +7,7 @@
 #include "master/master_server.h"
 #include "peer/communicator.h"
 #include "state/hash.h"
+#include "transport/socket.h"
 
 #include <algorithm>
 #include <cstddef>
@@ -262,17 +263,12 @@ lockstep_status_t lockstep_master_create(const lockstep_master_config_t* caller_
     lockstep::master::HttpOptions http_options;
     if (config->http_listen != nullptr && config->http_listen[0] != '\0') {
       const std::string text = config->http_listen;
-      const auto colon = text.rfind(':');
-      int port = -1;
-      if (colon != std::string::npos && colon > 0 && colon + 1 < text.size() &&
-          text.find_first_not_of("0123456789", colon + 1) == std::string::npos && text.size() - colon <= 6) {
-        port = std::stoi(text.substr(colon + 1));
+      http_address = lockstep::transport::split_host_port(text);
+      if (!http_address) {
+        return refuse("lockstep_master_create",
+                      lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                                       "http_listen must be HOST:PORT or [IPV6]:PORT, got '" + text + "'"));
       }
-      if (port < 0 || port > 65535) {
-        return refuse("lockstep_master_create", lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
-                                                                 "http_listen must be HOST:PORT, got '" + text + "'"));
-      }
-      http_address.emplace(text.substr(0, colon), static_cast<std::uint16_t>(port));
       if (config->http_token_file != nullptr && config->http_token_file[0] != '\0') {
         auto token = lockstep::security::load_token_file(config->http_token_file);
         if (!token.is_ok()) return refuse("lockstep_master_create", token.status());

@@ -16,6 +16,7 @@
 #include "master/observer.h"
 #include "protocol/codec.h"
 #include "security/frames.h"
+#include "transport/socket.h"
 
 #include <asio.hpp>
 
@@ -53,17 +54,22 @@ class MasterServer::Impl {
 
   Status bind() {
     asio::error_code ec;
-    const auto address = asio::ip::make_address_v4(options_.listen_host, ec);
-    if (ec) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "listen address '" + options_.listen_host + "' is not IPv4");
+    const auto address = asio::ip::make_address(options_.listen_host, ec);
+    if (ec) {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                    "listen address '" + options_.listen_host + "' is not an IPv4 or IPv6 literal");
+    }
     const asio::ip::tcp::endpoint endpoint(address, options_.listen_port);
     acceptor_.open(endpoint.protocol(), ec);
+    // "::" serves IPv4 clients too (as IPv4-mapped addresses, unmapped in on_accept).
+    if (!ec && address.is_v6()) acceptor_.set_option(asio::ip::v6_only(!address.is_unspecified()), ec);
     if (!ec) acceptor_.set_option(asio::socket_base::reuse_address(true), ec);
     if (!ec) acceptor_.bind(endpoint, ec);
     if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
     if (ec) {
       return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED,
-                    "cannot listen on " + options_.listen_host + ":" + std::to_string(options_.listen_port) + ": " +
-                        ec.message());
+                    "cannot listen on " + transport::join_host_port(options_.listen_host, options_.listen_port) +
+                        ": " + ec.message());
     }
     return Status::ok();
   }
@@ -200,9 +206,9 @@ class MasterServer::Impl {
     const coord::ConnId conn = next_conn_++;
     auto session = std::make_shared<Session>(std::move(socket), conn);
     sessions_[conn] = session;
-    const std::string host = remote.address().to_string();
+    const std::string host = transport::unmapped(remote.address().to_string());
     session->host = host;
-    LOG_DEBUG(kLog, "connection " << conn << " from " << host << ":" << remote.port());
+    LOG_DEBUG(kLog, "connection " << conn << " from " << transport::join_host_port(host, remote.port()));
     coord::Outbox out;
     coordinator_.on_connect(conn, host, now_ms(), out);
     apply(out);

@@ -43,7 +43,8 @@ Status InboundListener::open() {
     if (base != 0) base = ports_[i] + 1;  // bump allocation for the next socket
     listeners_[i] = std::make_unique<asio::ip::tcp::acceptor>(io_);
     asio::error_code ec;
-    listeners_[i]->assign(asio::ip::tcp::v4(), listener.value().fd.release(), ec);
+    const int fd = listener.value().fd.release();
+    listeners_[i]->assign(transport::socket_family(fd) == AF_INET6 ? asio::ip::tcp::v6() : asio::ip::tcp::v4(), fd, ec);
     if (ec) return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "acceptor: " + ec.message());
   }
   for (std::size_t i = 0; i < listeners_.size(); ++i) accept_on(i);
@@ -129,7 +130,7 @@ void InboundListener::accept_on(std::size_t index) {
     if (!ec) {
       auto h = std::make_shared<Handshake>(std::move(socket));
       asio::error_code ignored;
-      h->address = h->socket.remote_endpoint(ignored).address().to_string();
+      h->address = transport::unmapped(h->socket.remote_endpoint(ignored).address().to_string());
       make_room_for_handshake();
       unfinished_.push_back(h);
       handshake(h, static_cast<proto::Channel>(index + 1));
@@ -174,7 +175,7 @@ void InboundListener::handshake(const std::shared_ptr<Handshake>& h, proto::Chan
   h->socket.set_option(asio::ip::tcp::no_delay(true), ignored);
   h->channel = channel;
   const auto remote = h->socket.remote_endpoint(ignored);
-  h->remote = remote.address().to_string() + ":" + std::to_string(remote.port());
+  h->remote = transport::join_host_port(transport::unmapped(remote.address().to_string()), remote.port());
   h->timer.expires_after(std::chrono::milliseconds(options_.inbound_handshake_timeout_ms));
   h->timer.async_wait([this, h](const asio::error_code& ec) {
     if (ec) return;

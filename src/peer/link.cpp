@@ -33,7 +33,7 @@ void Link::attach_master(transport::Fd fd, std::uint32_t heartbeat_timeout_ms,
   asio::post(io_, [this, raw = fd.release(), heartbeat_timeout_ms, crypto] {
     crypto_ = crypto;
     asio::error_code ec;
-    master_.assign(asio::ip::tcp::v4(), raw, ec);
+    master_.assign(transport::socket_family(raw) == AF_INET6 ? asio::ip::tcp::v6() : asio::ip::tcp::v4(), raw, ec);
     if (ec) return fail(Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "assign master socket: " + ec.message()));
     const auto now = Clock::now();
     if (feed([&](Session& s) { return s.attach(now, heartbeat_timeout_ms); }) == Session::State::kConnected) {

@@ -13,6 +13,7 @@
 #include <netinet/tcp.h>
 #include <linux/sockios.h>
 #include <poll.h>
+#include <string_view>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -91,36 +92,69 @@ void set_nonblocking(int fd) {
   ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
 }
 
-Result<std::string> resolve_ipv4(const std::string& host) {
-  in_addr addr{};
-  if (::inet_pton(AF_INET, host.c_str(), &addr) == 1) return host;
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
-  if (rc != 0 || res == nullptr) {
-    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "cannot resolve host '" + host + "': " + ::gai_strerror(rc));
+std::optional<std::pair<std::string, std::uint16_t>> split_host_port(const std::string& text) {
+  std::string host;
+  std::string rest;
+  if (!text.empty() && text.front() == '[') {
+    const auto close = text.find(']');
+    if (close == std::string::npos || close + 1 >= text.size() || text[close + 1] != ':') return std::nullopt;
+    host = text.substr(1, close - 1);
+    rest = text.substr(close + 2);
+  } else {
+    const auto colon = text.rfind(':');
+    if (colon == std::string::npos || text.find(':') != colon) return std::nullopt;  // none, or a bare IPv6
+    host = text.substr(0, colon);
+    rest = text.substr(colon + 1);
   }
-  char buf[INET_ADDRSTRLEN] = {};
-  ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr, buf, sizeof buf);
-  ::freeaddrinfo(res);
-  return std::string(buf);
+  if (host.empty() || rest.empty() || rest.size() > 5 || rest.find_first_not_of("0123456789") != std::string::npos) {
+    return std::nullopt;
+  }
+  const int port = std::stoi(rest);
+  if (port > 65535) return std::nullopt;
+  return std::make_pair(host, static_cast<std::uint16_t>(port));
 }
 
-Result<Fd> connect_tcp(const std::string& host, std::uint16_t port, std::uint32_t timeout_ms, int cancel_fd) {
-  auto ip = resolve_ipv4(host);
-  if (!ip.is_ok()) return ip.status();
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = htons(port);
-  ::inet_pton(AF_INET, ip.value().c_str(), &sa.sin_addr);
-  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!fd.valid()) return errno_status(LOCKSTEP_STATUS_INTERNAL_ERROR, "socket");
-  const std::string where = host + ":" + std::to_string(port);
-  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+std::string join_host_port(const std::string& host, std::uint16_t port) {
+  const bool v6 = host.find(':') != std::string::npos;
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
+}
+
+std::string unmapped(const std::string& address) {
+  static constexpr std::string_view kMapped = "::ffff:";
+  if (address.size() > kMapped.size() && address.compare(0, kMapped.size(), kMapped) == 0) {
+    in_addr v4{};
+    const std::string rest = address.substr(kMapped.size());
+    if (::inet_pton(AF_INET, rest.c_str(), &v4) == 1) return rest;
+  }
+  return address;
+}
+
+int socket_family(int fd) {
+  sockaddr_storage sa{};
+  socklen_t len = sizeof sa;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) return AF_INET;
+  return sa.ss_family == AF_INET6 ? AF_INET6 : AF_INET;
+}
+
+namespace {
+
+// The address's text (IPv4-mapped IPv6 as IPv4).
+std::string address_text(const sockaddr_storage& sa) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  if (sa.ss_family == AF_INET6) {
+    ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&sa)->sin6_addr, buf, sizeof buf);
+  } else {
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&sa)->sin_addr, buf, sizeof buf);
+  }
+  return unmapped(buf);
+}
+
+// One connection attempt to one address, before the shared deadline.
+Result<Fd> connect_one(const addrinfo& ai, const std::string& where, Clock::time_point deadline, int cancel_fd) {
+  Fd fd(::socket(ai.ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd.valid()) return errno_status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "socket for " + where);
+  if (::connect(fd.get(), ai.ai_addr, ai.ai_addrlen) != 0) {
     if (errno != EINPROGRESS) return errno_status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "connect to " + where);
-    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
     Status waited = wait_fd(fd.get(), POLLOUT, deadline, ("connect to " + where).c_str(), cancel_fd);
     if (!waited.is_ok()) return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, waited.message());
     int err = 0;
@@ -130,6 +164,31 @@ Result<Fd> connect_tcp(const std::string& host, std::uint16_t port, std::uint32_
       return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "connect to " + where + ": " + std::strerror(err));
     }
   }
+  return fd;
+}
+
+}  // namespace
+
+Result<Fd> connect_tcp(const std::string& host, std::uint16_t port, std::uint32_t timeout_ms, int cancel_fd) {
+  const std::string where = join_host_port(host, port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "cannot resolve host '" + host + "': " + ::gai_strerror(rc));
+  }
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  Result<Fd> connected = Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "no address for " + where);
+  for (const addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    connected = connect_one(*ai, where, deadline, cancel_fd);
+    if (connected.is_ok()) break;
+  }
+  ::freeaddrinfo(res);
+  if (!connected.is_ok()) return connected;
+  Fd fd = std::move(connected.value());
   const int flags = ::fcntl(fd.get(), F_GETFL);
   ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);
   set_nodelay(fd.get());
@@ -137,27 +196,56 @@ Result<Fd> connect_tcp(const std::string& host, std::uint16_t port, std::uint32_
 }
 
 Result<Listener> listen_tcp(const std::string& bind_host, int base_port, int backlog) {
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  const std::string host = bind_host.empty() ? "0.0.0.0" : bind_host;
-  if (::inet_pton(AF_INET, host.c_str(), &sa.sin_addr) != 1) {
-    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "bind address '" + host + "' is not an IPv4 literal");
+  // The address to bind: both families unless a literal of one is given.
+  sockaddr_storage sa{};
+  socklen_t sa_len = 0;
+  bool dual_stack = false;
+  std::string host = bind_host.empty() ? "::" : bind_host;
+  auto* v4 = reinterpret_cast<sockaddr_in*>(&sa);
+  auto* v6 = reinterpret_cast<sockaddr_in6*>(&sa);
+  if (::inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
+    v6->sin6_family = AF_INET6;
+    sa_len = sizeof(sockaddr_in6);
+    dual_stack = IN6_IS_ADDR_UNSPECIFIED(&v6->sin6_addr);
+    if (bind_host.empty()) {
+      // A system without IPv6: every IPv4 address instead.
+      Fd probe(::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      if (!probe.valid() && errno == EAFNOSUPPORT) host = "0.0.0.0";
+    }
+  }
+  if (host == "0.0.0.0" || sa_len == 0) {
+    sa = sockaddr_storage{};
+    if (::inet_pton(AF_INET, host.c_str(), &v4->sin_addr) != 1) {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "bind address '" + host + "' is not an IP literal");
+    }
+    v4->sin_family = AF_INET;
+    sa_len = sizeof(sockaddr_in);
+    dual_stack = false;
   }
   constexpr int kPortsToTry = 1000;
   const int first = base_port < 0 ? LOCKSTEP_DEFAULT_MASTER_PORT + 1 : base_port;
   const int tries = base_port == 0 ? 1 : kPortsToTry;
   for (int i = 0; i < tries && first + i <= 65535; ++i) {
-    Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    Fd fd(::socket(sa.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (!fd.valid()) return errno_status(LOCKSTEP_STATUS_INTERNAL_ERROR, "socket");
-    sa.sin_port = htons(static_cast<std::uint16_t>(first + i));
-    if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+    if (sa.ss_family == AF_INET6) {
+      const int v6only = dual_stack ? 0 : 1;
+      ::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &v6only, sizeof v6only);
+    }
+    const auto port = htons(static_cast<std::uint16_t>(first + i));
+    (sa.ss_family == AF_INET6 ? v6->sin6_port : v4->sin_port) = port;
+    if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&sa), sa_len) != 0) {
       if (errno == EADDRINUSE) continue;
-      return errno_status(LOCKSTEP_STATUS_INTERNAL_ERROR, "bind " + host + ":" + std::to_string(first + i));
+      return errno_status(LOCKSTEP_STATUS_INTERNAL_ERROR,
+                          "bind " + join_host_port(host, static_cast<std::uint16_t>(first + i)));
     }
     if (::listen(fd.get(), backlog) != 0) return errno_status(LOCKSTEP_STATUS_INTERNAL_ERROR, "listen");
-    socklen_t len = sizeof sa;
-    ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&sa), &len);
-    return Listener{std::move(fd), ntohs(sa.sin_port)};
+    sockaddr_storage bound{};
+    socklen_t len = sizeof bound;
+    ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len);
+    const std::uint16_t got = bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                                          : reinterpret_cast<sockaddr_in*>(&bound)->sin_port;
+    return Listener{std::move(fd), ntohs(got)};
   }
   return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "no free port from " + std::to_string(first));
 }
@@ -201,12 +289,10 @@ Status recv_exact(int fd, std::span<std::uint8_t> out, std::uint32_t timeout_ms,
 }
 
 std::string peer_address(int fd) {
-  sockaddr_in sa{};
+  sockaddr_storage sa{};
   socklen_t len = sizeof sa;
   if (::getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) return "?";
-  char buf[INET_ADDRSTRLEN] = {};
-  ::inet_ntop(AF_INET, &sa.sin_addr, buf, sizeof buf);
-  return buf;
+  return address_text(sa);
 }
 
 }  // namespace lockstep::transport

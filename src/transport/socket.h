@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -33,8 +34,19 @@ class Fd {
   int fd_ = -1;
 };
 
-// Resolves an IPv4 host name or literal.
-Result<std::string> resolve_ipv4(const std::string& host);
+// Addresses as text. IPv4 and IPv6 alike: a literal, or a name resolved with both
+// families (each address tried in turn when connecting).
+//
+// "HOST:PORT", "[IPV6]:PORT" (brackets removed from the host) with a port in 0..65535;
+// nullopt if malformed (a bare IPv6 literal has no port: "::1:80" is refused).
+std::optional<std::pair<std::string, std::uint16_t>> split_host_port(const std::string& text);
+// The inverse: an IPv6 literal in brackets.
+std::string join_host_port(const std::string& host, std::uint16_t port);
+// An IPv4-mapped IPv6 address ("::ffff:10.0.0.1", as a dual-stack listener sees IPv4
+// clients) as the IPv4 address it is; any other text unchanged.
+std::string unmapped(const std::string& address);
+// The address family of a socket (AF_INET or AF_INET6; AF_INET if it cannot be read).
+int socket_family(int fd);
 
 // Every wait below also ends, with PEER_CONNECTION_LOST, once `cancel_fd` (when >= 0)
 // becomes readable: an operation's abort event, so that a silent peer cannot hold a
@@ -44,6 +56,8 @@ Result<std::string> resolve_ipv4(const std::string& host);
 Result<Fd> connect_tcp(const std::string& host, std::uint16_t port, std::uint32_t timeout_ms, int cancel_fd = -1);
 
 // A listening socket. base_port < 0: try 48149 upwards; 0: ephemeral; > 0: try it upwards.
+// bind_host is an IP literal; empty: every address of both families ("::" with
+// IPV6_V6ONLY off, or "0.0.0.0" where the system has no IPv6); "::" is dual-stack too.
 struct Listener {
   Fd fd;
   std::uint16_t port = 0;
@@ -67,7 +81,7 @@ Status set_congestion_control(int fd, const std::string& name);
 // Whether a name could be a congestion control's: 1 to 15 characters of [a-z0-9_-].
 bool congestion_control_name_valid(const std::string& name);
 
-// The local and remote IPv4 address of a connected socket, as text.
+// The remote address of a connected socket, as text (IPv4-mapped ones as IPv4).
 std::string peer_address(int fd);
 
 }  // namespace lockstep::transport

@@ -71,8 +71,9 @@ def join_group(comm: lockstep.Communicator, size: int, *, connect: bool = True) 
 class Cluster:
     """A master and `size` connected peers of one group."""
 
-    def __init__(self, size: int, master_kwargs: Optional[dict] = None, **peer_kwargs: Any) -> None:
-        self.master = lockstep.Master("127.0.0.1:0", **(master_kwargs or {}))
+    def __init__(self, size: int, master_kwargs: Optional[dict] = None, listen: str = "127.0.0.1:0",
+                 **peer_kwargs: Any) -> None:
+        self.master = lockstep.Master(listen, **(master_kwargs or {}))
         self.master.run()
         self.peers: List[Peer] = []
         try:

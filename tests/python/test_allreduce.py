@@ -4,6 +4,7 @@ all_reduce_multiple_with_retry; quantization."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -383,3 +384,32 @@ def test_collectives_from_one_other_thread(cluster):
     for i in range(N):
         info, a = results[i]
         assert info.world_size == N and np.all(a == sum(range(N)))
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_run_over_ipv6():
+    with Cluster(2, listen="[::1]:0") as c:
+        assert c.master.address == f"[::1]:{c.master.port}"
+        assert all(p.comm.master == c.master.address for p in c.peers)
+
+        def work(i, comm):
+            buf = np.full(1000, i + 1, dtype=np.float32)
+            comm.all_reduce(buf, tag=1)
+            return float(buf.min()), float(buf.max())
+
+        assert c.run(work) == [(3.0, 3.0), (3.0, 3.0)]
+
+
+def test_master_addresses_of_both_families():
+    for bad in ("[::1]:notaport", "[::1", "[::1]x", "127.0.0.1:70000"):
+        with pytest.raises(lockstep.InvalidArgumentError):
+            lockstep.Master(bad)

@@ -108,9 +108,10 @@ inline std::optional<std::string> http_get(std::uint16_t port, const std::string
 class Master {
  public:
   // With "--http", "127.0.0.1:0" among the extra words the master also serves its HTTP
-  // endpoint, and state() / wait_for_state() read /api/state.
-  explicit Master(std::vector<std::string> extra = {}) {
-    std::vector<std::string> argv = {bin("lockstep-master"), "--listen", "127.0.0.1:0"};
+  // endpoint, and state() / wait_for_state() read /api/state. host: the address it
+  // listens on (an IPv6 literal without brackets; "::" serves both families).
+  explicit Master(std::vector<std::string> extra = {}, std::string host = "127.0.0.1") : host_(std::move(host)) {
+    std::vector<std::string> argv = {bin("lockstep-master"), "--listen", with_port(host_, 0)};
     argv.insert(argv.end(), extra.begin(), extra.end());
     auto p = tools::Subprocess::spawn(argv);
     if (!p) throw std::runtime_error("cannot spawn lockstep-master");
@@ -141,7 +142,11 @@ class Master {
       std::this_thread::sleep_for(10ms);
     }
   }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  // HOST:PORT for peers ([IPV6]:PORT; "::" as "::1").
+  std::string address() const { return with_port(host_ == "::" ? "::1" : host_, port_); }
+  static std::string with_port(const std::string& host, std::uint16_t port) {
+    return (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
+  }
   tools::Subprocess& proc() { return *proc_; }
   // Asks for a clean shutdown (SIGTERM) and returns the exit status (-1: it hung), so
   // that sanitizer findings at exit fail the test.
@@ -151,6 +156,7 @@ class Master {
   }
 
  private:
+  std::string host_;
   std::unique_ptr<tools::Subprocess> proc_;
   std::uint16_t port_ = 0;
   std::uint16_t http_port_ = 0;  // 0: no --http
@@ -161,9 +167,13 @@ class Peer {
   // launcher: words put before the program (e.g. /usr/bin/env VAR=value ...).
   Peer(const Master& master, std::string name, std::uint32_t group = 0, std::vector<std::string> extra = {},
        std::vector<std::string> launcher = {})
+      : Peer(master.address(), std::move(name), group, std::move(extra), std::move(launcher)) {}
+  // master_address: HOST:PORT or [IPV6]:PORT.
+  Peer(const std::string& master_address, std::string name, std::uint32_t group = 0,
+       std::vector<std::string> extra = {}, std::vector<std::string> launcher = {})
       : name_(std::move(name)) {
     std::vector<std::string> argv = std::move(launcher);
-    for (const auto& word : {bin("lockstep-testpeer"), std::string("--master"), master.address(), std::string("--name"),
+    for (const auto& word : {bin("lockstep-testpeer"), std::string("--master"), master_address, std::string("--name"),
                              name_, std::string("--group"), std::to_string(group), std::string("--base-port"),
                              std::string("0")}) {
       argv.push_back(word);

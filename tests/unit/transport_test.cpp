@@ -14,7 +14,11 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -83,3 +87,56 @@ TEST(Transport, DataAlreadyThereIsReadDespiteNoCancel) {
 }
 
 }  // namespace
+
+// ---- addresses: IPv4 and IPv6 (docs/deployment.md)
+
+TEST(TransportAddress, SplitsAndJoinsHostPort) {
+  using lockstep::transport::join_host_port;
+  using lockstep::transport::split_host_port;
+  using HostPort = std::pair<std::string, std::uint16_t>;
+  EXPECT_EQ(split_host_port("10.0.0.1:48148"), (HostPort{"10.0.0.1", 48148}));
+  EXPECT_EQ(split_host_port("localhost:0"), (HostPort{"localhost", 0}));
+  EXPECT_EQ(split_host_port("[::1]:48148"), (HostPort{"::1", 48148}));
+  EXPECT_EQ(split_host_port("[fe80::1%eth0]:65535"), (HostPort{"fe80::1%eth0", 65535}));
+  for (const char* bad : {"", "10.0.0.1", ":48148", "10.0.0.1:", "10.0.0.1:65536", "10.0.0.1:-1", "10.0.0.1:4x",
+                          "::1:48148", "[::1]", "[::1]48148", "[]:1", "[::1:48148", "h:123456"}) {
+    EXPECT_FALSE(split_host_port(bad).has_value()) << bad;
+  }
+  EXPECT_EQ(join_host_port("10.0.0.1", 1), "10.0.0.1:1");
+  EXPECT_EQ(join_host_port("::1", 48148), "[::1]:48148");
+  EXPECT_EQ(split_host_port(join_host_port("2001:db8::7", 9)), (HostPort{"2001:db8::7", 9}));
+}
+
+TEST(TransportAddress, UnmapsIpv4MappedAddresses) {
+  using lockstep::transport::unmapped;
+  EXPECT_EQ(unmapped("::ffff:127.0.0.1"), "127.0.0.1");
+  EXPECT_EQ(unmapped("::ffff:10.1.2.3"), "10.1.2.3");
+  EXPECT_EQ(unmapped("::1"), "::1");
+  EXPECT_EQ(unmapped("::ffff:zz"), "::ffff:zz");
+  EXPECT_EQ(unmapped("10.1.2.3"), "10.1.2.3");
+}
+
+// The default listener takes both families (where the host has IPv6), and a peer's
+// address reads as the family it came over.
+TEST(TransportAddress, DefaultListenerIsDualStack) {
+  using namespace lockstep::transport;
+  auto listener = listen_tcp("", 0);
+  ASSERT_TRUE(listener.is_ok()) << listener.status().to_string();
+  const int family = socket_family(listener.value().fd.get());
+  std::vector<std::pair<std::string, std::string>> cases = {{"127.0.0.1", "127.0.0.1"}};
+  if (family == AF_INET6) cases.emplace_back("::1", "::1");
+  for (const auto& [host, seen] : cases) {
+    auto client = connect_tcp(host, listener.value().port, 5000);
+    ASSERT_TRUE(client.is_ok()) << host << ": " << client.status().to_string();
+    Fd accepted(::accept(listener.value().fd.get(), nullptr, nullptr));
+    ASSERT_TRUE(accepted.valid());
+    EXPECT_EQ(peer_address(accepted.get()), seen);
+  }
+  // An explicit IPv4 literal stays IPv4, and a name is not an address to bind.
+  auto v4 = listen_tcp("127.0.0.1", 0);
+  ASSERT_TRUE(v4.is_ok());
+  EXPECT_EQ(socket_family(v4.value().fd.get()), AF_INET);
+  auto named = listen_tcp("localhost", 0);
+  ASSERT_FALSE(named.is_ok());
+  EXPECT_EQ(named.status().code(), LOCKSTEP_STATUS_INVALID_ARGUMENT);
+}

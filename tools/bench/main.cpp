@@ -26,6 +26,7 @@
 #include "bench_common.h"
 #include "hash_bench.h"
 #include "topology_bench.h"
+#include "transport/socket.h"
 
 #include <CLI/CLI.hpp>
 
@@ -228,13 +229,13 @@ int main(int argc, char** argv) {
   s.self = lockstep::bench::self_path(argv[0]);
   if (*worker) return lockstep::bench::run_worker(s);
   if (*allreduce && !join_master.empty()) {
-    const auto colon = join_master.rfind(':');
-    if (colon == std::string::npos) {
-      std::fprintf(stderr, "lockstep-bench: --master must be HOST:PORT\n");
+    const auto master = lockstep::transport::split_host_port(join_master);
+    if (!master) {
+      std::fprintf(stderr, "lockstep-bench: --master must be HOST:PORT or [IPV6]:PORT\n");
       return 2;
     }
-    s.master_host = join_master.substr(0, colon);
-    s.master_port = static_cast<std::uint16_t>(std::stoi(join_master.substr(colon + 1)));
+    s.master_host = master->first;
+    s.master_port = master->second;
     return lockstep::bench::run_joined(s);
   }
   for (auto* sub : collectives) {

@@ -9,6 +9,7 @@
 #include "config_file.h"
 #include "protocol/messages.h"
 #include "security/crypto.h"
+#include "transport/socket.h"
 
 #include <lockstep/lockstep.h>
 #include "master/http_server.h"
@@ -86,7 +87,7 @@ void add_options(CLI::App& app, Settings& s, Kinds* kinds) {
        "configuration file: `key = value` lines, keys named as these flags without their dashes; flags given here "
        "override it (docs/operations.md)");
   record("--config", Kind::kNotInFile);
-  text("--listen", s.listen, "HOST:PORT to listen on (port 0: ephemeral, printed at start)")->capture_default_str();
+  text("--listen", s.listen, "HOST:PORT to listen on, [IPV6]:PORT for IPv6 (\"[::]:PORT\": both families; port 0: ephemeral, printed at start)")->capture_default_str();
   integer("--heartbeat-timeout-ms", s.heartbeat_timeout_ms, "remove a peer silent for this long")
       ->check(CLI::Range(limits::kHeartbeatTimeoutMsMin, limits::kHeartbeatTimeoutMsMax));
   integer("--vote-timeout-ms", s.vote_timeout_ms,
@@ -137,21 +138,6 @@ void add_options(CLI::App& app, Settings& s, Kinds* kinds) {
           "report a vote or operation that waits this long for some peers, naming them (0: never)");
   text("--log-level", s.log_level, "error, warn, info, debug or trace (default: $LOCKSTEP_LOG_LEVEL or info)")
       ->check(CLI::IsMember({"error", "warn", "info", "debug", "trace"}));
-}
-
-// "HOST:PORT" with a port in 0..65535; nullopt if malformed.
-std::optional<std::pair<std::string, std::uint16_t>> split_host_port(const std::string& text) {
-  const auto colon = text.rfind(':');
-  if (colon == std::string::npos || colon == 0) return std::nullopt;
-  int port = -1;
-  try {
-    std::size_t used = 0;
-    port = std::stoi(text.substr(colon + 1), &used);
-    if (used != text.size() - colon - 1) port = -1;
-  } catch (const std::exception&) {
-  }
-  if (port < 0 || port > 65535) return std::nullopt;
-  return std::make_pair(text.substr(0, colon), static_cast<std::uint16_t>(port));
 }
 
 bool is_unsigned_integer(const std::string& text) {
@@ -321,7 +307,7 @@ int main(int argc, char** argv) {
                                                 << ") plus room for the master's own files: connections beyond it "
                                                    "cannot be accepted; raise it (ulimit -n) or lower --peers-max");
   }
-  const auto listen = split_host_port(settings.listen);
+  const auto listen = lockstep::transport::split_host_port(settings.listen);
   if (!listen) return fail(origin("listen") + ": must be HOST:PORT with a port in 0..65535, got '" + settings.listen + "'");
   lockstep::master::Options options;
   options.listen_host = listen->first;
@@ -340,7 +326,7 @@ int main(int argc, char** argv) {
   std::optional<std::pair<std::string, std::uint16_t>> http_address;
   lockstep::master::HttpOptions http_options;
   if (!settings.http.empty()) {
-    http_address = split_host_port(settings.http);
+    http_address = lockstep::transport::split_host_port(settings.http);
     if (!http_address) return fail(origin("http") + ": must be HOST:PORT with a port in 0..65535, got '" + settings.http + "'");
   }
   if (!settings.http_token_file.empty()) {
@@ -380,7 +366,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "lockstep-master: %s\n", started.to_string().c_str());
     return 1;
   }
-  std::printf("lockstep-master listening on %s:%u\n", options.listen_host.c_str(), server.port());
+  std::printf("lockstep-master listening on %s\n", lockstep::transport::join_host_port(options.listen_host, server.port()).c_str());
   std::fflush(stdout);
   // Declared after the master: destroyed (stopped) first, as it must be.
   std::optional<lockstep::master::HttpServer> http_server;
@@ -394,9 +380,10 @@ int main(int argc, char** argv) {
       server.wait();
       return 1;
     }
-    std::printf("lockstep-master http listening on %s:%u\n", http_address->first.c_str(), http_server->port());
+    std::printf("lockstep-master http listening on %s\n",
+                lockstep::transport::join_host_port(http_address->first, http_server->port()).c_str());
     std::fflush(stdout);
-    LOG_INFO("master", "http listening on " << http_address->first << ":" << http_server->port()
+    LOG_INFO("master", "http listening on " << lockstep::transport::join_host_port(http_address->first, http_server->port())
                                             << (with_token ? " (access token required)" : " (no access token)"));
   }
   int received = 0;

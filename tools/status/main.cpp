@@ -11,6 +11,7 @@
 //   lockstep master sends (another HTTP status, malformed JSON); 6 the eviction was
 //   refused (no such peer: 404; the master has no token: 403).
 #include "security/crypto.h"
+#include "transport/socket.h"
 
 #include <CLI/CLI.hpp>
 #include <httplib.h>
@@ -59,18 +60,11 @@ struct Endpoint {
 std::optional<Endpoint> parse_endpoint(std::string text) {
   if (text.rfind("http://", 0) == 0) text = text.substr(7);
   while (!text.empty() && text.back() == '/') text.pop_back();
-  const auto colon = text.rfind(':');
-  if (colon == std::string::npos || colon == 0) return std::nullopt;
+  const auto split = lockstep::transport::split_host_port(text);
+  if (!split || split->second == 0) return std::nullopt;
   Endpoint e;
-  e.host = text.substr(0, colon);
-  try {
-    std::size_t used = 0;
-    e.port = std::stoi(text.substr(colon + 1), &used);
-    if (used != text.size() - colon - 1) return std::nullopt;
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
-  if (e.port <= 0 || e.port > 65535) return std::nullopt;
+  e.host = split->first;
+  e.port = split->second;
   return e;
 }
 
@@ -84,7 +78,7 @@ httplib::Client client_for(const Endpoint& e) {
   return client;
 }
 
-std::string where(const Endpoint& e) { return e.host + ":" + std::to_string(e.port); }
+std::string where(const Endpoint& e) { return lockstep::transport::join_host_port(e.host, static_cast<std::uint16_t>(e.port)); }
 
 // What the master said when it was not 200, as one line.
 std::string error_text(const httplib::Result& r) {

@@ -198,10 +198,13 @@ int main(int argc, char** argv) {
 
   const auto colon = master.rfind(':');
   if (colon == std::string::npos) {
-    std::fprintf(stderr, "--master must be HOST:PORT\n");
+    std::fprintf(stderr, "--master must be HOST:PORT or [IPV6]:PORT\n");
     return 2;
   }
-  const std::string master_host = master.substr(0, colon);
+  std::string master_host = master.substr(0, colon);
+  if (master_host.size() > 2 && master_host.front() == '[' && master_host.back() == ']') {
+    master_host = master_host.substr(1, master_host.size() - 2);
+  }
   lockstep_comm_config_t config;
   lockstep_comm_config_init(&config);
   config.master_host = master_host.c_str();
