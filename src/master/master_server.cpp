@@ -59,6 +59,11 @@ class MasterServer::Impl {
       return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
                     "listen address '" + options_.listen_host + "' is not an IPv4 or IPv6 literal");
     }
+    if (address.is_v6() && address.to_v6().is_v4_mapped()) {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                    "listen address '" + options_.listen_host + "' is an IPv4-mapped IPv6 address: give the IPv4 address " +
+                        asio::ip::make_address_v4(asio::ip::v4_mapped, address.to_v6()).to_string());
+    }
     const asio::ip::tcp::endpoint endpoint(address, options_.listen_port);
     acceptor_.open(endpoint.protocol(), ec);
     // "::" serves IPv4 clients too (as IPv4-mapped addresses, unmapped in on_accept).

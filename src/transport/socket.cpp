@@ -171,6 +171,10 @@ Result<Fd> connect_one(const addrinfo& ai, const std::string& where, Clock::time
 
 Result<Fd> connect_tcp(const std::string& host, std::uint16_t port, std::uint32_t timeout_ms, int cancel_fd) {
   const std::string where = join_host_port(host, port);
+  if (!host.empty() && host.front() == '[') {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                  "host '" + host + "' has brackets: give the IPv6 address alone (brackets only in HOST:PORT)");
+  }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -195,33 +199,64 @@ Result<Fd> connect_tcp(const std::string& host, std::uint16_t port, std::uint32_
   return fd;
 }
 
-Result<Listener> listen_tcp(const std::string& bind_host, int base_port, int backlog) {
-  // The address to bind: both families unless a literal of one is given.
+namespace {
+
+// A numeric address to bind.
+struct BindAddress {
   sockaddr_storage sa{};
-  socklen_t sa_len = 0;
-  bool dual_stack = false;
-  std::string host = bind_host.empty() ? "::" : bind_host;
+  socklen_t len = 0;
+  bool dual_stack = false;  // "::": IPv4 clients too, as IPv4-mapped addresses
+};
+
+// An IPv4 or IPv6 literal (an IPv6 one may carry a zone id, "fe80::1%eth0"); names are
+// not resolved for binding. Empty: both families ("::"; "0.0.0.0" without IPv6).
+Result<BindAddress> bind_address(const std::string& bind_host) {
+  std::string host = bind_host;
+  if (host.empty()) {
+    Fd probe(::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    host = probe.valid() || errno != EAFNOSUPPORT ? "::" : "0.0.0.0";
+  }
+  if (host.front() == '[') {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                  "bind address '" + host + "' has brackets: give the IPv6 address alone (brackets only in HOST:PORT)");
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICHOST | AI_PASSIVE;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), "0", &hints, &res) != 0 || res == nullptr) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                  "bind address '" + host + "' is not an IPv4 or IPv6 address (names are not resolved for binding)");
+  }
+  BindAddress out;
+  std::memcpy(&out.sa, res->ai_addr, res->ai_addrlen);
+  out.len = static_cast<socklen_t>(res->ai_addrlen);
+  ::freeaddrinfo(res);
+  if (out.sa.ss_family == AF_INET6) {
+    const in6_addr& a = reinterpret_cast<const sockaddr_in6*>(&out.sa)->sin6_addr;
+    if (IN6_IS_ADDR_V4MAPPED(&a)) {
+      char v4[INET_ADDRSTRLEN] = {};
+      ::inet_ntop(AF_INET, &a.s6_addr[12], v4, sizeof v4);
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                    "bind address '" + host + "' is an IPv4-mapped IPv6 address: give the IPv4 address " + v4);
+    }
+    out.dual_stack = IN6_IS_ADDR_UNSPECIFIED(&a);
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<Listener> listen_tcp(const std::string& bind_host, int base_port, int backlog) {
+  auto address = bind_address(bind_host);
+  if (!address.is_ok()) return address.status();
+  sockaddr_storage& sa = address.value().sa;
   auto* v4 = reinterpret_cast<sockaddr_in*>(&sa);
   auto* v6 = reinterpret_cast<sockaddr_in6*>(&sa);
-  if (::inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
-    v6->sin6_family = AF_INET6;
-    sa_len = sizeof(sockaddr_in6);
-    dual_stack = IN6_IS_ADDR_UNSPECIFIED(&v6->sin6_addr);
-    if (bind_host.empty()) {
-      // A system without IPv6: every IPv4 address instead.
-      Fd probe(::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0));
-      if (!probe.valid() && errno == EAFNOSUPPORT) host = "0.0.0.0";
-    }
-  }
-  if (host == "0.0.0.0" || sa_len == 0) {
-    sa = sockaddr_storage{};
-    if (::inet_pton(AF_INET, host.c_str(), &v4->sin_addr) != 1) {
-      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "bind address '" + host + "' is not an IP literal");
-    }
-    v4->sin_family = AF_INET;
-    sa_len = sizeof(sockaddr_in);
-    dual_stack = false;
-  }
+  const bool dual_stack = address.value().dual_stack;
+  const socklen_t sa_len = address.value().len;
+  const std::string host = bind_host.empty() ? (sa.ss_family == AF_INET6 ? "::" : "0.0.0.0") : bind_host;
   constexpr int kPortsToTry = 1000;
   const int first = base_port < 0 ? LOCKSTEP_DEFAULT_MASTER_PORT + 1 : base_port;
   const int tries = base_port == 0 ? 1 : kPortsToTry;

@@ -413,3 +413,8 @@ def test_master_addresses_of_both_families():
     for bad in ("[::1]:notaport", "[::1", "[::1]x", "127.0.0.1:70000"):
         with pytest.raises(lockstep.InvalidArgumentError):
             lockstep.Master(bad)
+    # Refused when the master binds (the reason, which names the IPv4 address to give
+    # instead, goes to the log: the C API's master has no last-error text).
+    for bad in ("[::ffff:127.0.0.1]:0", "localhost:0"):
+        with pytest.raises(lockstep.InvalidArgumentError):
+            lockstep.Master(bad).run()

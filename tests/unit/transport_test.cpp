@@ -132,11 +132,28 @@ TEST(TransportAddress, DefaultListenerIsDualStack) {
     ASSERT_TRUE(accepted.valid());
     EXPECT_EQ(peer_address(accepted.get()), seen);
   }
-  // An explicit IPv4 literal stays IPv4, and a name is not an address to bind.
+  // An explicit IPv4 literal stays IPv4.
   auto v4 = listen_tcp("127.0.0.1", 0);
   ASSERT_TRUE(v4.is_ok());
   EXPECT_EQ(socket_family(v4.value().fd.get()), AF_INET);
-  auto named = listen_tcp("localhost", 0);
-  ASSERT_FALSE(named.is_ok());
-  EXPECT_EQ(named.status().code(), LOCKSTEP_STATUS_INVALID_ARGUMENT);
+}
+
+// Addresses that cannot be bound or dialled as given get INVALID_ARGUMENT and a message
+// that says what to give instead.
+TEST(TransportAddress, MalformedAddressesAreRefusedClearly) {
+  using namespace lockstep::transport;
+  const auto refused = [](const lockstep::Result<Listener>& r, const std::string& says) {
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_EQ(r.status().code(), LOCKSTEP_STATUS_INVALID_ARGUMENT);
+    EXPECT_NE(r.status().message().find(says), std::string::npos) << r.status().message();
+  };
+  refused(listen_tcp("localhost", 0), "not an IPv4 or IPv6 address");
+  refused(listen_tcp("300.1.1.1", 0), "not an IPv4 or IPv6 address");
+  refused(listen_tcp("[::1]", 0), "brackets");
+  refused(listen_tcp("::ffff:127.0.0.1", 0), "give the IPv4 address 127.0.0.1");
+  refused(listen_tcp("::FFFF:7F00:1", 0), "give the IPv4 address 127.0.0.1");
+  auto bracketed = connect_tcp("[::1]", 1, 1000);
+  ASSERT_FALSE(bracketed.is_ok());
+  EXPECT_EQ(bracketed.status().code(), LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  EXPECT_NE(bracketed.status().message().find("brackets"), std::string::npos);
 }

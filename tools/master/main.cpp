@@ -308,7 +308,7 @@ int main(int argc, char** argv) {
                                                    "cannot be accepted; raise it (ulimit -n) or lower --peers-max");
   }
   const auto listen = lockstep::transport::split_host_port(settings.listen);
-  if (!listen) return fail(origin("listen") + ": must be HOST:PORT with a port in 0..65535, got '" + settings.listen + "'");
+  if (!listen) return fail(origin("listen") + ": must be HOST:PORT or [IPV6]:PORT with a port in 0..65535, got '" + settings.listen + "'");
   lockstep::master::Options options;
   options.listen_host = listen->first;
   options.listen_port = listen->second;
@@ -327,7 +327,7 @@ int main(int argc, char** argv) {
   lockstep::master::HttpOptions http_options;
   if (!settings.http.empty()) {
     http_address = lockstep::transport::split_host_port(settings.http);
-    if (!http_address) return fail(origin("http") + ": must be HOST:PORT with a port in 0..65535, got '" + settings.http + "'");
+    if (!http_address) return fail(origin("http") + ": must be HOST:PORT or [IPV6]:PORT with a port in 0..65535, got '" + settings.http + "'");
   }
   if (!settings.http_token_file.empty()) {
     if (!http_address) return fail(origin("http-token-file") + ": given without --http (there is no endpoint to protect)");
