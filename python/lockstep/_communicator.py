@@ -208,7 +208,8 @@ class Communicator:
     ``connect()`` is not implicit; the communicator is closed on exit.
 
     Args:
-        master: ``"host:port"`` of the master (port defaults to 48148).
+        master: ``"host:port"`` of the master, ``"[ipv6]:port"`` for an IPv6 literal (port
+            defaults to 48148).
         group: the peer group; collectives and syncs span one group.
         pool_size: p2p connections per ring neighbour and direction (0 means 1).
         base_port: -1 takes the first free ports above 48148; 0 puts every socket on
@@ -216,7 +217,8 @@ class Communicator:
         connect_timeout_ms: how long :meth:`connect` waits for the master; 0 means 10000.
         advertised_host: the address other peers use to reach this one (None: the
             address the master sees).
-        bind_host: the IPv4 address the p2p sockets bind to (None: all interfaces).
+        bind_host: the IPv4 or IPv6 address the p2p sockets bind to (None: every address
+            of both families).
         secret_file: path of the run secret; or
         secret: the run secret itself (``bytes``, or a ``str`` taken as UTF-8), used when
             secret_file is None. At least 16 bytes; trailing line breaks are ignored.

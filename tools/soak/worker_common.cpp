@@ -112,7 +112,7 @@ void add_worker_cli(CLI::App* app, WorkerOptions& w) {
   app->add_option("--connect-timeout-ms", w.connect_timeout_ms, "timeout to reach the master")->capture_default_str();
   app->add_option("--advertised-host", w.advertised_host,
                   "address other peers reach this one at (default: as the master sees it)");
-  app->add_option("--bind-host", w.bind_host, "IPv4 address the p2p sockets bind to (default: 0.0.0.0)");
+  app->add_option("--bind-host", w.bind_host, "IP address the p2p sockets bind to (default: every address of both families)");
   add_worker_sizing(app, w);
 }
 
