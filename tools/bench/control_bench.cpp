@@ -6,6 +6,8 @@
 // the latency from the last vote sent to each peer's outcome (as this process reads it),
 // the master's CPU per round per peer (utime + stime of its process over the rounds,
 // divided by rounds x N) and its resident memory per peer ((RSS(N) - RSS(0)) / N).
+// Last, a tenth of N more peers register and one update topology of the N accepted
+// admits them (kind update_topology_late: from the last vote to the last result).
 #include "bench_common.h"
 #include "subprocess.h"
 
@@ -198,16 +200,17 @@ class Swarm {
     return true;
   }
 
-  // Pumps until every peer's inbox holds a message for which take() returns true (the
-  // message is removed and handle()d), or the timeout passes. Returns false on either.
+  // Pumps until the inbox of every peer from the first-th on holds a message for which
+  // take() returns true (the message is removed and handle()d), or the timeout passes.
+  // Returns false on either.
   template <typename T>
   bool await_each(const std::function<bool(SimPeer&, const T&, Clock::time_point)>& handle,
-                  std::chrono::seconds timeout, std::size_t per_peer = 1) {
+                  std::chrono::seconds timeout, std::size_t per_peer = 1, std::size_t first = 0) {
     const auto deadline = Clock::now() + timeout;
     std::vector<std::size_t> got(peers_.size(), 0);
-    std::size_t done = 0;
+    std::size_t done = first;
     for (;;) {
-      for (std::size_t i = 0; i < peers_.size(); ++i) {
+      for (std::size_t i = first; i < peers_.size(); ++i) {
         auto& inbox = peers_[i].inbox;
         for (auto it = inbox.begin(); it != inbox.end() && got[i] < per_peer;) {
           if (const auto* m = std::get_if<T>(&it->first)) {
@@ -248,22 +251,62 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
+// Waits for the Welcome of every peer from the first-th on.
+bool await_welcomes(Swarm& swarm, std::size_t first) {
+  return swarm.await_each<proto::Welcome>(
+      [](SimPeer& p, const proto::Welcome& w, Clock::time_point) {
+        p.id = w.id;
+        return true;
+      },
+      std::chrono::seconds(60), 1, first);
+}
+
+// An establishment reported done without connecting.
+bool report_established(Swarm& swarm, SimPeer& p, const proto::EstablishP2P& e) {
+  return swarm.send(p, proto::P2PReport{e.epoch, {}});
+}
+
+// The accepted peers vote update topology; every participant (the registered newcomers
+// too) gets EstablishP2P, reports, and gets the result. Returns the update's figures.
+std::optional<json> update_admitting(Swarm& swarm, std::size_t newcomers) {
+  for (auto& p : swarm.peers()) {
+    if (p.accepted && !swarm.send(p, proto::VoteUpdateTopology{})) return std::nullopt;
+  }
+  const Clock::time_point last_vote = Clock::now();
+  Clock::time_point last_establish = last_vote;
+  if (!swarm.await_each<proto::EstablishP2P>(
+          [&](SimPeer& p, const proto::EstablishP2P& e, Clock::time_point at) {
+            last_establish = std::max(last_establish, at);
+            return report_established(swarm, p, e);
+          },
+          std::chrono::seconds(120))) {
+    return std::nullopt;
+  }
+  Clock::time_point last_result = last_vote;
+  bool all_ok = true;
+  const std::size_t n = swarm.peers().size();
+  if (!swarm.await_each<proto::TopologyResult>(
+          [&](SimPeer& p, const proto::TopologyResult& t, Clock::time_point at) {
+            last_result = std::max(last_result, at);
+            all_ok = all_ok && t.status == LOCKSTEP_OK && t.ring.size() == n;
+            p.accepted = true;
+            return true;
+          },
+          std::chrono::seconds(120))) {
+    return std::nullopt;
+  }
+  if (!all_ok) return std::nullopt;
+  return json{{"newcomers", newcomers},
+              {"last_vote_to_last_establish_ms", ms_between(last_vote, last_establish)},
+              {"last_vote_to_last_result_ms", ms_between(last_vote, last_result)}};
+}
+
 // Brings every simulated peer into the run: the first are admitted without a vote, the
 // rest by one update topology of the accepted ones. Returns the update's figures.
 std::optional<json> admit_all(Swarm& swarm, int n) {
   auto& peers = swarm.peers();
-  if (!swarm.await_each<proto::Welcome>(
-          [](SimPeer& p, const proto::Welcome& w, Clock::time_point) {
-            p.id = w.id;
-            return true;
-          },
-          std::chrono::seconds(60))) {
-    return std::nullopt;
-  }
+  if (!await_welcomes(swarm, 0)) return std::nullopt;
   // Answer establishments until some are accepted.
-  const auto establish = [&](SimPeer& p, const proto::EstablishP2P& e) {
-    return swarm.send(p, proto::P2PReport{e.epoch, {}});
-  };
   const auto deadline = Clock::now() + std::chrono::seconds(60);
   std::size_t accepted = 0;
   while (accepted == 0 && Clock::now() < deadline) {
@@ -271,7 +314,7 @@ std::optional<json> admit_all(Swarm& swarm, int n) {
     for (auto& p : peers) {
       for (auto it = p.inbox.begin(); it != p.inbox.end();) {
         if (const auto* e = std::get_if<proto::EstablishP2P>(&it->first)) {
-          if (!establish(p, *e)) return std::nullopt;
+          if (!report_established(swarm, p, *e)) return std::nullopt;
           it = p.inbox.erase(it);
         } else if (const auto* t = std::get_if<proto::TopologyResult>(&it->first)) {
           if (t->status == LOCKSTEP_OK) {
@@ -286,54 +329,25 @@ std::optional<json> admit_all(Swarm& swarm, int n) {
     }
   }
   if (accepted == 0) return std::nullopt;
-  const std::size_t newcomers = static_cast<std::size_t>(n) - accepted;
-  // The accepted vote; every participant (newcomers too) gets EstablishP2P, reports, and
-  // gets the result.
-  for (auto& p : peers) {
-    if (p.accepted && !swarm.send(p, proto::VoteUpdateTopology{})) return std::nullopt;
-  }
-  const Clock::time_point last_vote = Clock::now();
-  Clock::time_point last_establish = last_vote;
-  if (!swarm.await_each<proto::EstablishP2P>(
-          [&](SimPeer& p, const proto::EstablishP2P& e, Clock::time_point at) {
-            last_establish = std::max(last_establish, at);
-            return establish(p, e);
-          },
-          std::chrono::seconds(120))) {
-    return std::nullopt;
-  }
-  Clock::time_point last_result = last_vote;
-  bool all_ok = true;
-  if (!swarm.await_each<proto::TopologyResult>(
-          [&](SimPeer& p, const proto::TopologyResult& t, Clock::time_point at) {
-            last_result = std::max(last_result, at);
-            all_ok = all_ok && t.status == LOCKSTEP_OK && t.ring.size() == static_cast<std::size_t>(n);
-            p.accepted = true;
-            return true;
-          },
-          std::chrono::seconds(120))) {
-    return std::nullopt;
-  }
-  if (!all_ok) return std::nullopt;
-  return json{{"newcomers", newcomers},
-              {"last_vote_to_last_establish_ms", ms_between(last_vote, last_establish)},
-              {"last_vote_to_last_result_ms", ms_between(last_vote, last_result)}};
+  return update_admitting(swarm, static_cast<std::size_t>(n) - accepted);
 }
 
 }  // namespace
 
 int run_control(const ControlSettings& c) {
   const rlim_t limit = raise_open_files();
+  // The largest N, and a tenth of it more for the late newcomers.
   const int largest = *std::max_element(c.peers.begin(), c.peers.end());
-  if (limit < static_cast<rlim_t>(largest) + 64) {
-    std::cerr << "lockstep-bench control: " << largest << " peers need " << largest + 64
+  const int files = largest + largest / 10 + 65;
+  if (limit < static_cast<rlim_t>(files)) {
+    std::cerr << "lockstep-bench control: " << largest << " peers need " << files
               << " open files here, and the limit is " << limit << "\n";
     return 2;
   }
   const std::string master_bin = std::filesystem::path(c.self).parent_path() / "lockstep-master";
   for (const int n : c.peers) {
     auto master = tools::Subprocess::spawn({master_bin, "--listen", "127.0.0.1:0", "--heartbeat-timeout-ms", "60000",
-                                            "--peers-max", std::to_string(n + 16), "--log-level", "warn"});
+                                            "--peers-max", std::to_string(n + n / 10 + 16), "--log-level", "warn"});
     if (!master) {
       std::cerr << "lockstep-bench control: cannot start " << master_bin << "\n";
       return 1;
@@ -506,6 +520,16 @@ int run_control(const ControlSettings& c) {
                       {"master_rss_kib_per_peer", (rss - rss0) / n}}
                      .dump()
               << std::endl;
+    // Newcomers into a run that is already large: a tenth of N more peers register, and
+    // one update topology of the N accepted admits them all.
+    const int late = std::max(1, n / 10);
+    if (!swarm.add(late) || !await_welcomes(swarm, static_cast<std::size_t>(n))) return failed("late newcomers");
+    auto later = update_admitting(swarm, static_cast<std::size_t>(late));
+    if (!later) return failed("admitting late newcomers");
+    (*later)["bench"] = "control";
+    (*later)["peers"] = n;
+    (*later)["kind"] = "update_topology_late";
+    std::cout << later->dump() << std::endl;
     master->kill();
     master->wait(std::chrono::seconds(10));
   }
