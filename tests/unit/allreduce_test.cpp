@@ -13,6 +13,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <barrier>
+#include <chrono>
+#include <future>
 #include <limits>
 #include <mutex>
 #include <random>
@@ -496,6 +498,11 @@ TEST(AllReduce, QuantizationNeedsAFloatDtype) {
 
 TEST(AllReduce, InvalidArgumentsGiveSpecificErrors) {
   Cluster cluster;
+  // Peer 1 starts its part of tag 7 only after peer 0 has checked what a tag in flight
+  // forbids: until then the collective cannot complete (a 16-byte one otherwise may,
+  // before peer 0's next call).
+  std::promise<void> checked;
+  const std::shared_future<void> checked_by_peer0 = checked.get_future().share();
   cluster.run(2, [&](peer::Communicator& comm, std::size_t index) {
     float x[4] = {1, 2, 3, 4};
     peer::ReduceDescriptor d{x, x, 4, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, 7};
@@ -511,12 +518,18 @@ TEST(AllReduce, InvalidArgumentsGiveSpecificErrors) {
     bad = d;
     bad.op = static_cast<lockstep_reduce_op_t>(7);  // in the enum's range, not an op
     EXPECT_EQ(comm.all_reduce(bad).status().code(), LOCKSTEP_STATUS_INVALID_ARGUMENT);
-    // A tag still in flight cannot be started again.
+    if (index == 1) {
+      ASSERT_EQ(checked_by_peer0.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+    }
     auto first = comm.all_reduce_async(d);
     ASSERT_TRUE(first.is_ok());
-    EXPECT_EQ(comm.all_reduce_async(d).status().code(), LOCKSTEP_STATUS_INVALID_USAGE);
-    // The topology cannot change under a collective in flight.
-    EXPECT_EQ(comm.update_topology().code(), LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS);
+    if (index == 0) {
+      // A tag still in flight cannot be started again.
+      EXPECT_EQ(comm.all_reduce_async(d).status().code(), LOCKSTEP_STATUS_INVALID_USAGE);
+      // The topology cannot change under a collective in flight.
+      EXPECT_EQ(comm.update_topology().code(), LOCKSTEP_STATUS_PENDING_ASYNC_OPERATIONS);
+      checked.set_value();
+    }
     auto done = comm.await(first.value());
     ASSERT_TRUE(done.is_ok()) << done.status().to_string();
     EXPECT_EQ(x[0], 2.0f);
