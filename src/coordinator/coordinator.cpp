@@ -117,6 +117,31 @@ std::string id_list(const std::vector<PeerId>& ids) {
 
 Coordinator::Coordinator(Config config) : config_(config), kv_(config.kv) {}
 
+void Coordinator::Tally::count(const Peer& peer, int sign) {
+  const auto add = [sign](std::size_t& n, bool counts) {
+    if (counts) n = sign > 0 ? n + 1 : n - 1;
+  };
+  const bool accepted = peer.phase == Phase::kAccepted;
+  const bool update = accepted && peer.state == PeerState::kVoteAcceptNewPeers;
+  const bool optimize = accepted && peer.state == PeerState::kVoteOptimizeTopology;
+  const bool sync = accepted && peer.state == PeerState::kVoteSync;
+  const bool pending = accepted && peer.voted_pending;
+  const bool agree = accepted && peer.agree_flag.has_value();
+  add(registered, !accepted);
+  add(control_voters, update || optimize || sync || pending || agree);
+  add(pending_voters, pending);
+  add(update_voters, update);
+  add(optimize_voters, optimize);
+  add(unreported, peer.state == PeerState::kEstablishingP2P && !peer.p2p_reported);
+  const bool rewiring = peer.state == PeerState::kEstablishingP2P || peer.state == PeerState::kMeasuringBandwidth;
+  if (!agree && !update && !optimize && !sync && !rewiring) return;
+  Group& g = groups[peer.group];
+  add(g.agree_voters, agree);
+  add(g.major_voters, update || optimize || sync);
+  add(g.rewiring, rewiring);
+  if (g == Group{}) groups.erase(peer.group);
+}
+
 void Coordinator::send_kv_replies(const KvStore::Replies& replies, Outbox& out) {
   for (const auto& reply : replies) {
     if (const Peer* p = find_peer(reply.peer)) send(*p, reply.result, out);
@@ -146,11 +171,8 @@ std::vector<PeerId> Coordinator::ring(std::uint32_t group) const {
 }
 
 MajorOp Coordinator::major_op(std::uint32_t group) const {
-  for (const auto& [id, peer] : peers_) {
-    if (peer.group == group &&
-        (peer.state == PeerState::kEstablishingP2P || peer.state == PeerState::kMeasuringBandwidth)) {
-      return MajorOp::kUpdateTopology;
-    }
+  if (auto t = tally_.groups.find(group); t != tally_.groups.end() && t->second.rewiring != 0) {
+    return MajorOp::kUpdateTopology;
   }
   if (auto it = collectives_.find(group); it != collectives_.end() && !it->second.empty()) return MajorOp::kCollective;
   if (auto it = syncs_.find(group); it != syncs_.end() && it->second.phase == SharedStateSync::Phase::kTransferring) {
@@ -419,8 +441,10 @@ void Coordinator::handle_hello(ConnId conn, const proto::Hello& hello, TimeMs no
     return reject("the run already has the maximum of " + std::to_string(config_.peers_max) + " peers");
   }
   // The loopback pitfall: a peer seen at 127.0.0.1 cannot be reached by peers on
-  // other hosts, and a remote address cannot be used by... itself, so never mix.
-  for (const auto& [id, other] : peers_) {
+  // other hosts, and a remote address cannot be used by... itself, so never mix (every
+  // peer of the run is on the same side, so one of them stands for all).
+  if (!peers_.empty()) {
+    const Peer& other = peers_.begin()->second;
     if (is_loopback(other.info.host) != is_loopback(host)) {
       return reject("this run's peers are reached at " + other.info.host + " but this peer at " + host +
                     "; a run cannot mix loopback and non-loopback addresses (connect every peer to the "
@@ -435,6 +459,7 @@ void Coordinator::handle_hello(ConnId conn, const proto::Hello& hello, TimeMs no
   peer.info = proto::MemberInfo{peer.id, host, hello.p2p_port, hello.shared_state_port, hello.benchmark_port};
   peer.pool_size = hello.pool_size;
   by_conn_[conn] = peer.id;
+  tally_.count(peer, +1);
   out.push_back(Event{.text = "peer " + peer.id.to_string() + " registered from " + host + " in group " +
                               std::to_string(peer.group),
                       .kind = EventKind::kRegistered,
@@ -476,8 +501,10 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
         topology_started_ms_ = peer.last_seen_ms;
         topology_round_started_ms_ = peer.last_seen_ms;
       }
-      peer.state = type == MsgType::kVoteUpdateTopology ? PeerState::kVoteAcceptNewPeers
-                                                        : PeerState::kVoteOptimizeTopology;
+      edit(peer, [type](Peer& p) {
+        p.state = type == MsgType::kVoteUpdateTopology ? PeerState::kVoteAcceptNewPeers
+                                                       : PeerState::kVoteOptimizeTopology;
+      });
       return;
     case MsgType::kP2PReport: {
       const auto& report = std::get<proto::P2PReport>(message);
@@ -489,7 +516,7 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
         return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE, "this peer already reported epoch " +
                                                                      std::to_string(epoch_), out);
       }
-      peer.p2p_reported = true;
+      edit(peer, [](Peer& p) { p.p2p_reported = true; });
       peer.unreachable = report.unreachable;
       return;
     }
@@ -499,7 +526,7 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
         return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE, "peer is already in a vote", out);
       }
       if (!pending_round_) pending_round_ = Round{peer.last_seen_ms, false, {}};
-      peer.voted_pending = true;
+      edit(peer, [](Peer& p) { p.voted_pending = true; });
       return;
     case MsgType::kVoteAgree:
       if (!accepted) return refuse(peer, type, LOCKSTEP_STATUS_NOT_INITIALIZED, "peer is not accepted yet", out);
@@ -507,7 +534,7 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
         return refuse(peer, type, LOCKSTEP_STATUS_INVALID_USAGE, "peer is already in a vote", out);
       }
       if (agree_rounds_.count(peer.group) == 0) agree_rounds_[peer.group] = Round{peer.last_seen_ms, false, {}};
-      peer.agree_flag = std::get<proto::VoteAgree>(message).flag;
+      edit(peer, [&](Peer& p) { p.agree_flag = std::get<proto::VoteAgree>(message).flag; });
       peer.agree_mode = std::get<proto::VoteAgree>(message).mode;
       peer.agree_value = std::get<proto::VoteAgree>(message).value;
       return;
@@ -614,7 +641,7 @@ void Coordinator::handle_collective_done(Peer& peer, const proto::CollectiveDone
     return;
   }
   Collective& c = it->second;
-  if (std::find(c.participants.begin(), c.participants.end(), peer.id) == c.participants.end() ||
+  if (!std::binary_search(c.sorted_participants.begin(), c.sorted_participants.end(), peer.id) ||
       c.done.count(peer.id) != 0) {
     return refuse(peer, MsgType::kCollectiveDone, LOCKSTEP_STATUS_INVALID_USAGE,
                   "not a participant of attempt " + std::to_string(done.attempt) + " or already reported", out);
@@ -770,6 +797,8 @@ bool Coordinator::try_start_collectives(Outbox& out) {
       c.phase = Collective::Phase::kPerforming;
       c.attempt = next_attempt_++;
       c.participants = members;
+      c.sorted_participants = members;
+      std::sort(c.sorted_participants.begin(), c.sorted_participants.end());
       c.votes.clear();
       out.push_back(Event{.text = "group " + std::to_string(group) + " collective tag " + std::to_string(tag) +
                                   " attempt " + std::to_string(c.attempt) +
@@ -834,6 +863,7 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
     out.push_back(Close{peer.conn, reason});
   }
   by_conn_.erase(peer.conn);
+  tally_.count(peer, -1);
   peers_.erase(it);
   kv_.on_peer_removed(id);
   if (peer.phase == Phase::kAccepted) {
@@ -895,32 +925,20 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
 // ---------------------------------------------------------------- decisions
 
 bool Coordinator::agree_has_voter(std::uint32_t group) const {
-  for (const auto& [id, peer] : peers_) {
-    if (peer.group == group && peer.agree_flag) return true;
-  }
-  return false;
+  const auto t = tally_.groups.find(group);
+  return t != tally_.groups.end() && t->second.agree_voters != 0;
 }
 
 // A vote whose every voter has left is closed: nobody waits in it any more, so its
 // deadline must not make the vote timeout remove anyone.
 void Coordinator::close_abandoned_votes() {
-  // Nothing to close (and no walk over every peer, on every message) while no such vote is open.
-  if (topology_phase_ != TopologyPhase::kVoting && !pending_round_ && agree_rounds_.empty()) return;
-  bool topology_voter = false;
-  bool pending_voter = false;
-  std::set<std::uint32_t> agree_groups;
-  for (const auto& [id, peer] : peers_) {
-    topology_voter = topology_voter || peer.state == PeerState::kVoteAcceptNewPeers ||
-                     peer.state == PeerState::kVoteOptimizeTopology;
-    pending_voter = pending_voter || peer.voted_pending;
-    if (peer.agree_flag) agree_groups.insert(peer.group);
-  }
+  const bool topology_voter = tally_.update_voters + tally_.optimize_voters != 0;
   if (topology_phase_ == TopologyPhase::kVoting && !topology_voter) topology_phase_ = TopologyPhase::kIdle;
-  if (pending_round_ && !pending_voter) pending_round_.reset();
+  if (pending_round_ && tally_.pending_voters == 0) pending_round_.reset();
   // A failed agree round stays until the next update topology, so that the peers of
   // that step who vote later still get its failure (one outcome per round).
   for (auto it = agree_rounds_.begin(); it != agree_rounds_.end();) {
-    it = agree_groups.count(it->first) == 0 && !it->second.failed ? agree_rounds_.erase(it) : std::next(it);
+    it = !agree_has_voter(it->first) && !it->second.failed ? agree_rounds_.erase(it) : std::next(it);
   }
 }
 
@@ -935,13 +953,9 @@ bool Coordinator::fail_collectives_blocked_by_major_vote(Outbox& out) {
                        [](const auto& c) { return c.second.phase == Collective::Phase::kVoting; });
   };
   if (std::none_of(collectives_.begin(), collectives_.end(), voting)) return false;
-  std::set<std::uint32_t> groups;
-  for (const auto& [id, peer] : peers_) {
-    if (peer.phase == Phase::kAccepted &&
-        (peer.state == PeerState::kVoteAcceptNewPeers || peer.state == PeerState::kVoteOptimizeTopology ||
-         peer.state == PeerState::kVoteSync)) {
-      groups.insert(peer.group);
-    }
+  std::vector<std::uint32_t> groups;
+  for (const auto& [group, t] : tally_.groups) {
+    if (t.major_voters != 0) groups.push_back(group);
   }
   bool changed = false;
   for (const auto group : groups) {
@@ -998,10 +1012,8 @@ bool Coordinator::try_complete_topology_vote(TimeMs now_ms, Outbox& out) {
     }
     return false;
   }
-  if (accepted_count() == 0) return false;  // abandoned votes are closed elsewhere
-  for (const auto& [id, peer] : peers_) {
-    if (peer.phase == Phase::kAccepted && peer.state != PeerState::kVoteAcceptNewPeers) return false;
-  }
+  // abandoned votes are closed elsewhere
+  if (accepted_count() == 0 || tally_.update_voters != accepted_count()) return false;
   out.push_back(Event{.text = "update-topology vote complete (" + std::to_string(accepted_count()) + " voters)",
                       .op = Operation::kUpdateTopology,
                       .round_started_ms = topology_round_started_ms_});
@@ -1023,8 +1035,10 @@ void Coordinator::start_establish(TimeMs now_ms, Outbox& out,
       newcomers_.insert(id);
       proposed_rings_[peer.group].push_back(id);  // join order: PeerId counters increase
     }
-    peer.state = PeerState::kEstablishingP2P;
-    peer.p2p_reported = false;
+    edit(peer, [](Peer& p) {
+      p.state = PeerState::kEstablishingP2P;
+      p.p2p_reported = false;
+    });
     peer.unreachable.clear();
   }
   for (const auto& [id, peer] : peers_) {
@@ -1050,8 +1064,10 @@ void Coordinator::fail_establish(const std::string& reason, Outbox& out) {
   optimizing_ = false;
   for (auto& [id, peer] : peers_) {
     if (peer.state != PeerState::kEstablishingP2P) continue;
-    peer.state = PeerState::kIdle;
-    peer.p2p_reported = false;
+    edit(peer, [](Peer& p) {
+      p.state = PeerState::kIdle;
+      p.p2p_reported = false;
+    });
     peer.unreachable.clear();
     send(peer, proto::TopologyResult{epoch_, status, reason, {}, {}}, out);
   }
@@ -1068,10 +1084,7 @@ void Coordinator::fail_establish(const std::string& reason, Outbox& out) {
 }
 
 bool Coordinator::try_complete_establish(Outbox& out) {
-  if (topology_phase_ != TopologyPhase::kEstablishing) return false;
-  for (const auto& [id, peer] : peers_) {
-    if (peer.state == PeerState::kEstablishingP2P && !peer.p2p_reported) return false;
-  }
+  if (topology_phase_ != TopologyPhase::kEstablishing || tally_.unreported != 0) return false;
   // Semantics rule 2: no newcomer blocks a run. A failed connection that involves a
   // newcomer is the newcomer's fault; between accepted peers, the one that could not
   // reach its neighbour is removed.
@@ -1110,14 +1123,18 @@ bool Coordinator::try_complete_establish(Outbox& out) {
   agree_rounds_.clear();  // every peer was in the update: no agree round has a voter
   rings_ = proposed_rings_;
   for (const auto& id : newcomers_) {
-    peers_.at(id).phase = Phase::kAccepted;
-    peers_.at(id).accepted_epoch = epoch_;
+    edit(peers_.at(id), [this](Peer& p) {
+      p.phase = Phase::kAccepted;
+      p.accepted_epoch = epoch_;
+    });
   }
   // Peers that registered during the establishment are not participants: they wait.
   for (auto& [id, peer] : peers_) {
     if (peer.state != PeerState::kEstablishingP2P) continue;
-    peer.state = PeerState::kIdle;
-    peer.p2p_reported = false;
+    edit(peer, [](Peer& p) {
+      p.state = PeerState::kIdle;
+      p.p2p_reported = false;
+    });
     send(peer, proto::TopologyResult{epoch_, LOCKSTEP_OK, {}, members(rings_.at(peer.group)), attributes(peer.group)},
          out);
   }
@@ -1143,18 +1160,14 @@ bool Coordinator::try_complete_establish(Outbox& out) {
 }
 
 bool Coordinator::try_complete_pending(Outbox& out) {
-  if (!pending_round_) return false;
-  bool any_registered = false;
-  for (const auto& [id, peer] : peers_) {
-    if (peer.phase == Phase::kAccepted && !peer.voted_pending) return false;
-    if (peer.phase == Phase::kRegistered) any_registered = true;
-  }
+  if (!pending_round_ || tally_.pending_voters != accepted_count()) return false;
+  const bool any_registered = tally_.registered != 0;
   const TimeMs round_started_ms = pending_round_->started_ms;
   pending_round_.reset();
   const bool pending = any_registered || topology_dirty_;
   for (auto& [id, peer] : peers_) {
     if (!peer.voted_pending) continue;
-    peer.voted_pending = false;
+    edit(peer, [](Peer& p) { p.voted_pending = false; });
     send(peer, proto::PeersPendingResult{LOCKSTEP_OK, pending, {}}, out);
   }
   std::string why;
@@ -1174,21 +1187,23 @@ bool Coordinator::try_complete_agree(Outbox& out) {
   bool changed = false;
   for (auto it = agree_rounds_.begin(); it != agree_rounds_.end();) {
     const std::uint32_t group = it->first;
-    bool complete = true;
-    bool value = true;
-    const Peer* first = nullptr;  // the voter accepted first (then the lowest id)
-    for (const auto& [id, peer] : peers_) {
-      if (peer.group != group || peer.phase != Phase::kAccepted) continue;
-      if (!peer.agree_flag) {
-        complete = false;
-        break;
-      }
-      value = value && *peer.agree_flag;
-      if (first == nullptr || peer.accepted_epoch < first->accepted_epoch) first = &peer;
-    }
-    if (!complete) {
+    const auto t = tally_.groups.find(group);
+    const auto r = rings_.find(group);
+    if ((t == tally_.groups.end() ? 0 : t->second.agree_voters) != (r == rings_.end() ? 0 : r->second.size())) {
       ++it;
       continue;
+    }
+    bool value = true;
+    const Peer* first = nullptr;  // the voter accepted first (then the lowest id)
+    if (r != rings_.end()) {
+      for (const auto& id : r->second) {
+        const Peer& peer = peers_.at(id);
+        value = value && *peer.agree_flag;
+        if (first == nullptr || peer.accepted_epoch < first->accepted_epoch ||
+            (peer.accepted_epoch == first->accepted_epoch && peer.id < first->id)) {
+          first = &peer;
+        }
+      }
     }
     Round round = it->second;
     it = agree_rounds_.erase(it);
@@ -1214,7 +1229,7 @@ bool Coordinator::try_complete_agree(Outbox& out) {
     }
     for (auto& [id, peer] : peers_) {
       if (peer.group != group || !peer.agree_flag) continue;
-      peer.agree_flag.reset();
+      edit(peer, [](Peer& p) { p.agree_flag.reset(); });
       peer.agree_value.clear();
       if (status != LOCKSTEP_OK) {
         send(peer, proto::AgreeResult{status, false, round.failure}, out);
@@ -1242,13 +1257,8 @@ bool Coordinator::try_complete_agree(Outbox& out) {
 // different operations. Votes are barriers, so without this the run would wait
 // forever; instead every vote fails with OPERATION_MISMATCH and all may retry.
 void Coordinator::detect_vote_mismatch(Outbox& out) {
-  std::size_t accepted = 0;
-  for (const auto& [id, peer] : peers_) {
-    if (peer.phase != Phase::kAccepted) continue;
-    ++accepted;
-    if (!in_control_vote(peer)) return;
-  }
-  if (accepted == 0) return;
+  const std::size_t accepted = accepted_count();
+  if (accepted == 0 || tally_.control_voters != accepted) return;
   const std::string reason = "accepted peers are waiting in different votes (update topology, optimize topology, "
                              "are-peers-pending, agree, shared-state sync); the application must call the same operation "
                              "on every peer";
@@ -1278,19 +1288,19 @@ void Coordinator::detect_vote_mismatch(Outbox& out) {
   }
   for (auto& [id, peer] : peers_) {
     if (peer.state == PeerState::kVoteSync) {
-      peer.state = PeerState::kIdle;
+      edit(peer, [](Peer& p) { p.state = PeerState::kIdle; });
       send(peer, proto::SyncResult{0, LOCKSTEP_STATUS_OPERATION_MISMATCH, 0, reason}, out);
     }
     if (peer.state == PeerState::kVoteAcceptNewPeers || peer.state == PeerState::kVoteOptimizeTopology) {
-      peer.state = PeerState::kIdle;
+      edit(peer, [](Peer& p) { p.state = PeerState::kIdle; });
       send(peer, proto::TopologyResult{epoch_, LOCKSTEP_STATUS_OPERATION_MISMATCH, reason, {}, {}}, out);
     }
     if (peer.voted_pending) {
-      peer.voted_pending = false;
+      edit(peer, [](Peer& p) { p.voted_pending = false; });
       send(peer, proto::PeersPendingResult{LOCKSTEP_STATUS_OPERATION_MISMATCH, false, reason}, out);
     }
     if (peer.agree_flag) {
-      peer.agree_flag.reset();
+      edit(peer, [](Peer& p) { p.agree_flag.reset(); });
       send(peer, proto::AgreeResult{LOCKSTEP_STATUS_OPERATION_MISMATCH, false, reason}, out);
     }
   }
@@ -1466,6 +1476,9 @@ std::optional<std::string> Coordinator::check_invariants() const {
     }
   }
   if (accepted != in_rings) return "accepted peers and ring members differ";
+  Tally recount;
+  for (const auto& [id, p] : peers_) recount.count(p, +1);
+  if (!(recount == tally_)) return "the tally of the peers' votes and states differs from a recount";
   if (by_conn_.size() != peers_.size()) return "connection map size differs from peers";
   // One major operation per group: every peer of a group is in the same one.
   std::map<std::uint32_t, std::set<MajorOp>> ops;

@@ -133,6 +133,7 @@ struct Collective {
   std::uint64_t attempt = 0;
   std::uint32_t slot = 0;
   std::vector<PeerId> participants;  // ring order
+  std::vector<PeerId> sorted_participants;  // the same, sorted (to look a reporter up)
   std::set<PeerId> done;
 };
 
@@ -288,6 +289,35 @@ class Coordinator {
     bool failed = false;
     std::string failure;
   };
+  // What the completion checks need to know of the peers, counted as the peers change,
+  // so that a check costs O(1) instead of a walk over every peer on every event (a vote
+  // round then costs O(participants), not O(participants^2)). Every change to a peer's
+  // phase, state or votes goes through edit(); check_invariants() recounts.
+  struct Tally {
+    struct Group {
+      std::size_t agree_voters = 0;  // accepted peers in the group's agree vote
+      std::size_t major_voters = 0;  // accepted peers voting to update or optimize the topology, or to sync
+      std::size_t rewiring = 0;      // peers establishing connections or measuring bandwidth
+      bool operator==(const Group&) const = default;
+    };
+    std::size_t registered = 0;
+    std::size_t control_voters = 0;   // accepted peers waiting in any control vote
+    std::size_t pending_voters = 0;   // accepted peers in the are-peers-pending vote
+    std::size_t update_voters = 0;    // accepted peers voting to update the topology
+    std::size_t optimize_voters = 0;  // accepted peers voting to optimize it
+    std::size_t unreported = 0;       // peers establishing connections that have not reported
+    std::map<std::uint32_t, Group> groups;  // only groups with a count above zero
+    bool operator==(const Tally&) const = default;
+    // Adds (sign +1) or removes (-1) what one peer counts for.
+    void count(const Peer& peer, int sign);
+  };
+  // Changes a peer (its phase, state, votes) with the tally kept in step.
+  template <class Change>
+  void edit(Peer& peer, Change&& change) {
+    tally_.count(peer, -1);
+    change(peer);
+    tally_.count(peer, +1);
+  }
 
   void handle_hello(ConnId conn, const proto::Hello& hello, TimeMs now_ms, Outbox& out);
   void handle_peer_message(Peer& peer, const proto::Message& message, TimeMs now_ms, Outbox& out);
@@ -351,6 +381,7 @@ class Coordinator {
   std::size_t contribution_bytes_held(const Peer& peer) const;
 
   Config config_;
+  Tally tally_;
   std::uint64_t next_peer_counter_ = 1;
   std::map<ConnId, Handshake> handshaking_;
   std::map<PeerId, Peer> peers_;

@@ -37,9 +37,9 @@ topo::Matrix Coordinator::bandwidth_matrix(const std::vector<PeerId>& ids) const
 }
 
 bool Coordinator::try_complete_optimize_vote(TimeMs now_ms, Outbox& out) {
-  if (topology_phase_ != TopologyPhase::kVoting || accepted_count() == 0) return false;
-  for (const auto& [id, peer] : peers_) {
-    if (peer.phase == Phase::kAccepted && peer.state != PeerState::kVoteOptimizeTopology) return false;
+  if (topology_phase_ != TopologyPhase::kVoting || accepted_count() == 0 ||
+      tally_.optimize_voters != accepted_count()) {
+    return false;
   }
   out.push_back(Event{.text = "optimize-topology vote complete (" + std::to_string(accepted_count()) + " voters)",
                       .kind = EventKind::kStarted,
@@ -93,7 +93,7 @@ void Coordinator::start_measurement(TimeMs now_ms, Outbox& out) {
   }
   for (auto& [id, peer] : peers_) {
     if (peer.phase != Phase::kAccepted) continue;
-    peer.state = PeerState::kMeasuringBandwidth;
+    edit(peer, [](Peer& p) { p.state = PeerState::kMeasuringBandwidth; });
     peer.measured = false;
   }
   topology_phase_ = TopologyPhase::kMeasuring;
@@ -227,7 +227,7 @@ void Coordinator::fail_optimize(const std::string& reason, Outbox& out) {
   topology_phase_ = TopologyPhase::kIdle;
   for (auto& [id, peer] : peers_) {
     if (peer.state != PeerState::kMeasuringBandwidth) continue;
-    peer.state = PeerState::kIdle;
+    edit(peer, [](Peer& p) { p.state = PeerState::kIdle; });
     peer.measured = false;
     send(peer, proto::TopologyResult{epoch_, LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED, reason, {}, {}}, out);
   }

@@ -101,16 +101,18 @@ void Coordinator::handle_sync_vote(Peer& peer, const proto::SyncVote& vote, Outb
     it->second.started_ms = peer.last_seen_ms;  // the vote timeout counts from the first vote
   }
   it->second.votes[peer.id] = vote;
-  peer.state = PeerState::kVoteSync;
+  edit(peer, [](Peer& p) { p.state = PeerState::kVoteSync; });
 }
 
 bool Coordinator::try_complete_syncs(Outbox& out) {
   std::vector<std::uint32_t> ready;
   for (const auto& [group, sync] : syncs_) {
     if (sync.phase != SharedStateSync::Phase::kVoting) continue;
-    const std::vector<PeerId> members = ring(group);
-    bool all = !members.empty();
-    for (const auto& id : members) all = all && sync.votes.count(id) != 0;
+    // Looked at member by member only once it has as many votes as the group has members.
+    const auto r = rings_.find(group);
+    if (r == rings_.end() || sync.votes.size() < r->second.size()) continue;
+    bool all = true;
+    for (const auto& id : r->second) all = all && sync.votes.count(id) != 0;
     if (all) ready.push_back(group);
   }
   for (const auto group : ready) decide_sync(group, out);
@@ -249,7 +251,7 @@ void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_rev
   std::size_t receivers = 0;
   for (const auto& id : members) {
     Peer& peer = peers_.at(id);
-    peer.state = PeerState::kSyncing;
+    edit(peer, [](Peer& p) { p.state = PeerState::kSyncing; });
     proto::SyncPlan& plan = plans.at(id);
     if (!plan.expect.empty()) ++receivers;
     plan.attempt = sync.attempt;
@@ -306,7 +308,7 @@ void Coordinator::finish_sync(std::uint32_t group, StatusCode status, const std:
   if (ok) revisions_[group] = sync.revision;
   for (auto& [id, peer] : peers_) {
     if (peer.group != group || (peer.state != PeerState::kVoteSync && peer.state != PeerState::kSyncing)) continue;
-    peer.state = PeerState::kIdle;
+    edit(peer, [](Peer& p) { p.state = PeerState::kIdle; });
     send(peer, proto::SyncResult{sync.attempt, status, ok ? sync.revision : 0, reason}, out);
   }
   std::vector<PeerId> involved = sync.participants;
