@@ -220,6 +220,32 @@ void Coordinator::send(const Peer& peer, proto::Message message, Outbox& out) {
   out.push_back(Send{peer.conn, std::move(message)});
 }
 
+void Coordinator::send_all(const std::vector<PeerId>& ids, proto::Message message, Outbox& out) {
+  std::vector<ConnId> conns;
+  conns.reserve(ids.size());
+  for (const auto& id : ids) {
+    if (const Peer* p = find_peer(id)) conns.push_back(p->conn);
+  }
+  if (conns.size() == 1) {
+    out.push_back(Send{conns.front(), std::move(message)});
+  } else if (!conns.empty()) {
+    out.push_back(Broadcast{std::move(conns), std::move(message)});
+  }
+}
+
+Outbox expanded(const Outbox& out) {
+  Outbox result;
+  result.reserve(out.size());
+  for (const auto& command : out) {
+    if (const auto* all = std::get_if<Broadcast>(&command)) {
+      for (const auto conn : all->conns) result.push_back(Send{conn, all->message});
+    } else {
+      result.push_back(command);
+    }
+  }
+  return result;
+}
+
 void Coordinator::refuse(const Peer& peer, MsgType request, StatusCode status, std::string reason, Outbox& out) {
   out.push_back(Event{.text = "refused " + std::string(proto::msg_type_name(request)) + " from " +
                               peer.id.to_string() + ": " + reason,
@@ -665,9 +691,7 @@ void Coordinator::finish_collective(std::uint32_t group, std::uint64_t tag, std:
   tags.erase(tag);
   if (tags.empty()) collectives_.erase(group);
   const auto world = static_cast<std::uint32_t>(c.participants.size());
-  for (const auto& id : recipients) {
-    if (const Peer* p = find_peer(id)) send(*p, proto::CollectiveResult{tag, c.attempt, status, world, reason, data}, out);
-  }
+  send_all(recipients, proto::CollectiveResult{tag, c.attempt, status, world, reason, data}, out);
   const bool ok = status == LOCKSTEP_OK;
   out.push_back(Event{.text = "group " + std::to_string(group) + " collective tag " + std::to_string(tag) +
                               " attempt " + std::to_string(c.attempt) + (ok ? " succeeded" : " failed: " + reason),
@@ -819,9 +843,7 @@ bool Coordinator::try_start_collectives(Outbox& out) {
                           reduce_in_ring_order(c.contributions, members, descriptor));
         continue;
       }
-      for (const auto& id : members) {
-        send(peers_.at(id), proto::CollectiveGo{tag, c.attempt, c.slot, members}, out);
-      }
+      send_all(members, proto::CollectiveGo{tag, c.attempt, c.slot, members}, out);
     }
   }
   return changed;
@@ -1041,9 +1063,12 @@ void Coordinator::start_establish(TimeMs now_ms, Outbox& out,
     });
     peer.unreachable.clear();
   }
+  std::map<std::uint32_t, std::vector<PeerId>> participants;
   for (const auto& [id, peer] : peers_) {
-    if (peer.state != PeerState::kEstablishingP2P) continue;
-    send(peer, proto::EstablishP2P{epoch_, members(proposed_rings_.at(peer.group))}, out);
+    if (peer.state == PeerState::kEstablishingP2P) participants[peer.group].push_back(id);
+  }
+  for (const auto& [group, ids] : participants) {
+    send_all(ids, proto::EstablishP2P{epoch_, members(proposed_rings_.at(group))}, out);
   }
   std::vector<PeerId> newcomers(newcomers_.begin(), newcomers_.end());
   out.push_back(Event{.text = "epoch " + std::to_string(epoch_) + ": establishing p2p connections with " +
@@ -1062,6 +1087,7 @@ void Coordinator::fail_establish(const std::string& reason, Outbox& out) {
       optimizing_ ? LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED : LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED;
   const Operation op = optimizing_ ? Operation::kOptimizeTopology : Operation::kUpdateTopology;
   optimizing_ = false;
+  std::vector<PeerId> participants;
   for (auto& [id, peer] : peers_) {
     if (peer.state != PeerState::kEstablishingP2P) continue;
     edit(peer, [](Peer& p) {
@@ -1069,8 +1095,9 @@ void Coordinator::fail_establish(const std::string& reason, Outbox& out) {
       p.p2p_reported = false;
     });
     peer.unreachable.clear();
-    send(peer, proto::TopologyResult{epoch_, status, reason, {}, {}}, out);
+    participants.push_back(id);
   }
+  send_all(participants, proto::TopologyResult{epoch_, status, reason, {}, {}}, out);
   newcomers_.clear();
   proposed_rings_.clear();
   out.push_back(Event{.text = "epoch " + std::to_string(epoch_) + ": " +
@@ -1129,14 +1156,17 @@ bool Coordinator::try_complete_establish(Outbox& out) {
     });
   }
   // Peers that registered during the establishment are not participants: they wait.
+  std::map<std::uint32_t, std::vector<PeerId>> participants;
   for (auto& [id, peer] : peers_) {
     if (peer.state != PeerState::kEstablishingP2P) continue;
     edit(peer, [](Peer& p) {
       p.state = PeerState::kIdle;
       p.p2p_reported = false;
     });
-    send(peer, proto::TopologyResult{epoch_, LOCKSTEP_OK, {}, members(rings_.at(peer.group)), attributes(peer.group)},
-         out);
+    participants[peer.group].push_back(id);
+  }
+  for (const auto& [group, ids] : participants) {
+    send_all(ids, proto::TopologyResult{epoch_, LOCKSTEP_OK, {}, members(rings_.at(group)), attributes(group)}, out);
   }
   std::string summary = "epoch " + std::to_string(epoch_) + ": topology updated;";
   std::vector<PeerId> everyone;
@@ -1165,11 +1195,13 @@ bool Coordinator::try_complete_pending(Outbox& out) {
   const TimeMs round_started_ms = pending_round_->started_ms;
   pending_round_.reset();
   const bool pending = any_registered || topology_dirty_;
+  std::vector<PeerId> voters;
   for (auto& [id, peer] : peers_) {
     if (!peer.voted_pending) continue;
     edit(peer, [](Peer& p) { p.voted_pending = false; });
-    send(peer, proto::PeersPendingResult{LOCKSTEP_OK, pending, {}}, out);
+    voters.push_back(id);
   }
+  send_all(voters, proto::PeersPendingResult{LOCKSTEP_OK, pending, {}}, out);
   std::string why;
   if (any_registered) why = "registered peers wait to join";
   if (topology_dirty_) why += std::string(why.empty() ? "" : "; ") + "peers left since the last update";
@@ -1227,16 +1259,17 @@ bool Coordinator::try_complete_agree(Outbox& out) {
       }
       if (status == LOCKSTEP_OK && first->agree_mode != proto::AgreeMode::kFlag) agreed = first->agree_value;
     }
+    std::vector<PeerId> voters;
     for (auto& [id, peer] : peers_) {
       if (peer.group != group || !peer.agree_flag) continue;
       edit(peer, [](Peer& p) { p.agree_flag.reset(); });
       peer.agree_value.clear();
-      if (status != LOCKSTEP_OK) {
-        send(peer, proto::AgreeResult{status, false, round.failure}, out);
-      } else {
-        send(peer, proto::AgreeResult{LOCKSTEP_OK, value, {}, agreed}, out);
-      }
+      voters.push_back(id);
     }
+    send_all(voters,
+             status != LOCKSTEP_OK ? proto::AgreeResult{status, false, round.failure}
+                                   : proto::AgreeResult{LOCKSTEP_OK, value, {}, agreed},
+             out);
     const bool failed = status != LOCKSTEP_OK;
     out.push_back(Event{.text = "group " + std::to_string(group) + " agree vote complete: " +
                                 (failed ? "failed (" + round.failure + ")"

@@ -155,6 +155,13 @@ struct Send {
   ConnId conn = 0;
   proto::Message message;
 };
+// Send one message to several connections: an outcome every participant gets alike
+// (a CollectiveGo with the ring, a TopologyResult with the view) is built once, and
+// the shell encodes it once, not once per peer.
+struct Broadcast {
+  std::vector<ConnId> conns;
+  proto::Message message;
+};
 // Close the connection after flushing what was queued for it.
 struct Close {
   ConnId conn = 0;
@@ -221,8 +228,11 @@ struct OpenRound {
   std::vector<PeerId> done{};     // voted, or reported
   std::vector<PeerId> waiting{};  // not yet
 };
-using Command = std::variant<Send, Close, Event>;
+using Command = std::variant<Send, Broadcast, Close, Event>;
 using Outbox = std::vector<Command>;
+// The same commands with each Broadcast replaced by one Send per connection, in order:
+// for tests and simulations that follow the messages connection by connection.
+Outbox expanded(const Outbox& out);
 
 class Coordinator {
  public:
@@ -323,6 +333,8 @@ class Coordinator {
   void handle_peer_message(Peer& peer, const proto::Message& message, TimeMs now_ms, Outbox& out);
   void refuse(const Peer& peer, proto::MsgType request, StatusCode status, std::string reason, Outbox& out);
   void send(const Peer& peer, proto::Message message, Outbox& out);
+  // Sends the message to every peer listed (that is still here), as one Broadcast.
+  void send_all(const std::vector<PeerId>& ids, proto::Message message, Outbox& out);
   // Removes a peer: tells it why (unless its connection is already gone), closes the
   // connection, and unwinds every operation it took part in.
   void remove_peer(PeerId id, StatusCode status, const std::string& reason, bool connection_open,

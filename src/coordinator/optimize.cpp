@@ -225,12 +225,15 @@ void Coordinator::step_background_search() {
 void Coordinator::fail_optimize(const std::string& reason, Outbox& out) {
   measurement_.reset();
   topology_phase_ = TopologyPhase::kIdle;
+  std::vector<PeerId> participants;
   for (auto& [id, peer] : peers_) {
     if (peer.state != PeerState::kMeasuringBandwidth) continue;
     edit(peer, [](Peer& p) { p.state = PeerState::kIdle; });
     peer.measured = false;
-    send(peer, proto::TopologyResult{epoch_, LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED, reason, {}, {}}, out);
+    participants.push_back(id);
   }
+  send_all(participants, proto::TopologyResult{epoch_, LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED, reason, {}, {}},
+           out);
   out.push_back(Event{.text = "optimize topology failed: " + reason,
                       .kind = EventKind::kFailed,
                       .op = Operation::kOptimizeTopology,

@@ -306,11 +306,13 @@ void Coordinator::finish_sync(std::uint32_t group, StatusCode status, const std:
   syncs_.erase(group);
   const bool ok = status == LOCKSTEP_OK;
   if (ok) revisions_[group] = sync.revision;
+  std::vector<PeerId> participants;
   for (auto& [id, peer] : peers_) {
     if (peer.group != group || (peer.state != PeerState::kVoteSync && peer.state != PeerState::kSyncing)) continue;
     edit(peer, [](Peer& p) { p.state = PeerState::kIdle; });
-    send(peer, proto::SyncResult{sync.attempt, status, ok ? sync.revision : 0, reason}, out);
+    participants.push_back(id);
   }
+  send_all(participants, proto::SyncResult{sync.attempt, status, ok ? sync.revision : 0, reason}, out);
   std::vector<PeerId> involved = sync.participants;
   if (involved.empty()) {
     for (const auto& [id, vote] : sync.votes) involved.push_back(id);

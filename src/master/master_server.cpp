@@ -135,6 +135,8 @@ class MasterServer::Impl {
  private:
   // Where a connection stands in the challenge-response (with a secret only).
   enum class Auth { kAwaitHello, kAwaitProof, kDone };
+  // An encoded frame, queued for one session or shared by several.
+  using Frame = std::shared_ptr<const std::vector<std::uint8_t>>;
   struct Session : std::enable_shared_from_this<Session> {
     Session(asio::ip::tcp::socket s, coord::ConnId c) : socket(std::move(s)), conn(c), close_timer(socket.get_executor()) {}
     asio::ip::tcp::socket socket;
@@ -148,7 +150,7 @@ class MasterServer::Impl {
     std::unique_ptr<security::FrameCrypto> crypto;  // set once the secret is proven
     std::array<std::uint8_t, proto::kFrameHeaderBytes> header{};
     std::vector<std::uint8_t> payload;
-    std::deque<std::vector<std::uint8_t>> writes;
+    std::deque<Frame> writes;  // plain frames may be shared by several sessions
     std::size_t queued_bytes = 0;
     bool writing = false;
     bool closing = false;  // no more input is decoded
@@ -394,16 +396,14 @@ class MasterServer::Impl {
       std::abort();
     }
 #endif
-    // One outcome often goes to every participant in a row (a CollectiveGo carries the
-    // whole ring): the plain frame of such a run of equal messages is encoded once.
-    std::optional<std::vector<std::uint8_t>> run;
-    for (std::size_t i = 0; i < out.size(); ++i) {
-      auto& command = out[i];
+    for (auto& command : out) {
       if (auto* send = std::get_if<coord::Send>(&command)) {
-        const auto* next = i + 1 < out.size() ? std::get_if<coord::Send>(&out[i + 1]) : nullptr;
-        const bool last = next == nullptr || !(next->message == send->message);
-        enqueue(send->conn, send->message, &run, last);
-        if (last) run.reset();
+        enqueue(send->conn, send->message);
+      } else if (auto* all = std::get_if<coord::Broadcast>(&command)) {
+        // One outcome to every participant (a CollectiveGo carries the whole ring): its
+        // plain frame is encoded once and shared by every plain session's queue.
+        Frame plain;
+        for (const auto conn : all->conns) enqueue(conn, all->message, &plain);
       } else if (auto* close = std::get_if<coord::Close>(&command)) {
         if (auto it = sessions_.find(close->conn); it != sessions_.end()) begin_close(it->second);
       } else if (auto* event = std::get_if<coord::Event>(&command)) {
@@ -418,29 +418,25 @@ class MasterServer::Impl {
     out.clear();
   }
 
-  // `run`: where apply() keeps the plain frame of a run of equal messages to several
-  // peers (encoded by the first plain session of the run), or null; `last`: this is the
-  // run's last message, so its frame may be moved out.
-  void enqueue(coord::ConnId conn, const proto::Message& message, std::optional<std::vector<std::uint8_t>>* run = nullptr,
-               bool last = true) {
+  // `plain`: where apply() keeps the plain frame of a message to several peers (encoded
+  // by the first plain session), or null.
+  void enqueue(coord::ConnId conn, const proto::Message& message, Frame* plain = nullptr) {
     auto it = sessions_.find(conn);
     if (it == sessions_.end()) return;
     const SessionPtr& s = it->second;
     if (s->closed || s->closing) return;
-    // Keys only ever travel sealed.
-    std::optional<proto::Message> keyed;
-    if (s->crypto) keyed = with_pair_keys(conn, message);
-    const proto::Message& m = keyed ? *keyed : message;
-    std::vector<std::uint8_t> frame;
+    Frame frame;
     if (s->crypto) {
-      frame = s->crypto->seal(m);
-    } else if (run == nullptr) {
-      frame = proto::encode_frame(m);
+      // Keys only ever travel sealed.
+      const std::optional<proto::Message> keyed = with_pair_keys(conn, message);
+      frame = std::make_shared<const std::vector<std::uint8_t>>(s->crypto->seal(keyed ? *keyed : message));
+    } else if (plain == nullptr) {
+      frame = std::make_shared<const std::vector<std::uint8_t>>(proto::encode_frame(message));
     } else {
-      if (!*run) *run = proto::encode_frame(m);
-      frame = last ? std::move(**run) : **run;
+      if (!*plain) *plain = std::make_shared<const std::vector<std::uint8_t>>(proto::encode_frame(message));
+      frame = *plain;
     }
-    s->queued_bytes += frame.size();
+    s->queued_bytes += frame->size();
     if (s->queued_bytes > limits::kSendQueueBytesMax) {
       LOG_WARN(kLog, "connection " << conn << " does not read its messages; dropping it");
       // Report the loss after the current batch of commands is applied.
@@ -461,9 +457,9 @@ class MasterServer::Impl {
       return;
     }
     s->writing = true;
-    asio::async_write(s->socket, asio::buffer(s->writes.front()), [this, s](const asio::error_code& ec, std::size_t) {
+    asio::async_write(s->socket, asio::buffer(*s->writes.front()), [this, s](const asio::error_code& ec, std::size_t) {
       if (s->closed) return;
-      s->queued_bytes -= s->writes.front().size();
+      s->queued_bytes -= s->writes.front()->size();
       s->writes.pop_front();
       if (ec) {
         if (s->closing) return destroy(s);

@@ -392,7 +392,7 @@ class Driver {
     std::size_t sends = 0;
     bool refused = false;
     bool closed = false;
-    for (const auto& command : out) {
+    for (const auto& command : coord::expanded(out)) {
       if (const auto* send = std::get_if<coord::Send>(&command)) {
         ++sends;
         refused = refused || (send->conn == conn && std::holds_alternative<p::Refused>(send->message));
@@ -415,7 +415,7 @@ class Driver {
 
   // What the shell does with the commands; checks every message sent.
   void apply(const coord::Outbox& out) {
-    for (const auto& command : out) {
+    for (const auto& command : coord::expanded(out)) {
       if (verbose()) print(command);
       if (const auto* send = std::get_if<coord::Send>(&command)) {
         const auto type = static_cast<std::uint16_t>(p::type_of(send->message));

@@ -657,7 +657,7 @@ class Sim {
     Outbox out;
     c_.on_message(sp.conn, done, now_, out);
     note(describe_out(out));
-    for (const auto& cmd : out) {
+    for (const auto& cmd : expanded(out)) {
       require(!std::holds_alternative<Send>(cmd) && !std::holds_alternative<Close>(cmd),
               "a report of something that is not running was answered");
     }
@@ -808,7 +808,7 @@ class Sim {
     c_.on_message(sp.conn, p::Heartbeat{}, now_, out);
     note("t=" + std::to_string(now_) + " " + name(sp) + " heartbeat\n");
     std::size_t sends = 0;
-    for (const auto& cmd : out) {
+    for (const auto& cmd : expanded(out)) {
       if (const auto* s = std::get_if<Send>(&cmd)) {
         ++sends;
         require(s->conn == sp.conn && std::holds_alternative<p::HeartbeatAck>(s->message),
@@ -842,7 +842,7 @@ class Sim {
     c_.on_message(sp.conn, m, now_, out);
     if (!legal) {
       std::size_t sends = 0;
-      for (const auto& cmd : out) {
+      for (const auto& cmd : expanded(out)) {
         if (const auto* s = std::get_if<Send>(&cmd)) {
           ++sends;
           const auto* refused = std::get_if<p::Refused>(&s->message);
@@ -953,7 +953,7 @@ class Sim {
 
   std::string describe_out(const Outbox& out) const {
     std::ostringstream s;
-    for (const auto& cmd : out) {
+    for (const auto& cmd : expanded(out)) {
       if (const auto* send = std::get_if<Send>(&cmd)) {
         s << "    -> conn " << send->conn << ": " << describe(send->message) << "\n";
       } else if (const auto* close = std::get_if<Close>(&cmd)) {
@@ -975,7 +975,8 @@ class Sim {
 
   // Applies what the coordinator sent to the simulated peers, checking each message
   // against what the peer could legitimately receive, then the per-batch rules.
-  void absorb(const Outbox& out, const Expect& expect) {
+  void absorb(const Outbox& batch, const Expect& expect) {
+    const Outbox out = expanded(batch);
     note(describe_out(out));
     closed_in_batch_.clear();
     std::set<ConnId>& closed_here = closed_in_batch_;

@@ -65,7 +65,7 @@ std::string describe(const p::Message& m) {
 
 std::string describe(const Outbox& out) {
   std::ostringstream s;
-  for (const auto& cmd : out) {
+  for (const auto& cmd : expanded(out)) {
     if (const auto* send = std::get_if<Send>(&cmd)) {
       s << "  send conn " << send->conn << ": " << describe(send->message) << "\n";
     } else if (const auto* close = std::get_if<Close>(&cmd)) {
@@ -79,7 +79,7 @@ std::string describe(const Outbox& out) {
 
 std::vector<p::Message> sent_to(const Outbox& out, ConnId conn) {
   std::vector<p::Message> result;
-  for (const auto& cmd : out) {
+  for (const auto& cmd : expanded(out)) {
     if (const auto* send = std::get_if<Send>(&cmd); send != nullptr && send->conn == conn) result.push_back(send->message);
   }
   return result;
@@ -108,7 +108,8 @@ std::optional<T> one_of(const Outbox& out, ConnId conn) {
   return all.front();
 }
 
-std::size_t send_count(const Outbox& out) {
+std::size_t send_count(const Outbox& batch) {
+  const Outbox out = expanded(batch);
   return static_cast<std::size_t>(std::count_if(out.begin(), out.end(), [](const Command& c) { return std::holds_alternative<Send>(c); }));
 }
 
@@ -175,33 +176,33 @@ class Harness {
     Outbox out;
     c.on_connect(conn, host, now, out);
     check();
-    return out;
+    return expanded(out);
   }
   Outbox send(ConnId conn, const p::Message& message) {
     Outbox out;
     c.on_message(conn, message, now, out);
     check();
-    return out;
+    return expanded(out);
   }
   Outbox send(const FakePeer& peer, const p::Message& message) { return send(peer.conn, message); }
   Outbox disconnect(ConnId conn) {
     Outbox out;
     c.on_disconnect(conn, "reset by peer", now, out);
     check();
-    return out;
+    return expanded(out);
   }
   Outbox disconnect(const FakePeer& peer) { return disconnect(peer.conn); }
   Outbox protocol_error(ConnId conn) {
     Outbox out;
     c.on_protocol_error(conn, "frame of unknown type 999", now, out);
     check();
-    return out;
+    return expanded(out);
   }
   Outbox tick() {
     Outbox out;
     c.on_tick(now, out);
     check();
-    return out;
+    return expanded(out);
   }
   Outbox advance(TimeMs dt) {
     now += dt;

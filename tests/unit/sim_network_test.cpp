@@ -654,7 +654,8 @@ class Sim {
 
   // Carries out the coordinator's commands as the master's shell does, and checks the
   // outcomes it sends as a batch (one decision for all).
-  void apply(Outbox& out) {
+  void apply(Outbox& batch) {
+    Outbox out = expanded(batch);
     std::map<std::uint32_t, p::AgreeResult> agree;
     std::optional<p::PeersPendingResult> pending;
     for (auto& cmd : out) {
