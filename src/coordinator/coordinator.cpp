@@ -843,7 +843,18 @@ bool Coordinator::try_start_collectives(Outbox& out) {
                           reduce_in_ring_order(c.contributions, members, descriptor));
         continue;
       }
-      send_all(members, proto::CollectiveGo{tag, c.attempt, c.slot, members}, out);
+      // The ring is the group's view less its peers removed since (the ring keeps the
+      // view's order): only those travel.
+      std::vector<PeerId> absent;
+      const std::vector<PeerId>& view = views_.at(group);
+      for (std::size_t v = 0, m = 0; v < view.size(); ++v) {
+        if (m < members.size() && view[v] == members[m]) {
+          ++m;
+        } else {
+          absent.push_back(view[v]);
+        }
+      }
+      send_all(members, proto::CollectiveGo{tag, c.attempt, c.slot, view_epoch_, std::move(absent)}, out);
     }
   }
   return changed;
@@ -1149,6 +1160,8 @@ bool Coordinator::try_complete_establish(Outbox& out) {
   optimizing_ = false;
   agree_rounds_.clear();  // every peer was in the update: no agree round has a voter
   rings_ = proposed_rings_;
+  views_ = rings_;
+  view_epoch_ = epoch_;
   for (const auto& id : newcomers_) {
     edit(peers_.at(id), [this](Peer& p) {
       p.phase = Phase::kAccepted;
@@ -1434,6 +1447,8 @@ std::string Coordinator::digest() const {
       << ":" << p.voted_pending << ":" << (p.agree_flag ? (*p.agree_flag ? "T" : "F") : "-") << ":" << p.p2p_reported
       << ":" << p.unreachable.size() << " ";
   }
+  s << "] view_epoch=" << view_epoch_ << " views=[";
+  for (const auto& [g, ids] : views_) s << g << ":" << id_list(ids) << " ";
   s << "] rings=[";
   for (const auto& [g, ids] : rings_) {
     s << g << ":";
@@ -1482,6 +1497,14 @@ std::optional<std::string> Coordinator::check_invariants() const {
       if (!seen.insert(id).second) return "ring lists " + id.to_string() + " twice";
     }
     in_rings += ids.size();
+    // The ring is its view less the peers removed since, in the view's order.
+    const auto view = views_.find(group);
+    if (view == views_.end()) return "group " + std::to_string(group) + " has a ring but no view";
+    std::size_t m = 0;
+    for (std::size_t v = 0; v < view->second.size() && m < ids.size(); ++v) {
+      if (view->second[v] == ids[m]) ++m;
+    }
+    if (m != ids.size()) return "the ring of group " + std::to_string(group) + " is not its view less removed peers";
   }
   std::size_t accepted = 0;
   for (const auto& [id, p] : peers_) {

@@ -400,6 +400,11 @@ class Coordinator {
   std::map<ConnId, PeerId> by_conn_;
   // Ring order per group: accepted peers only.
   std::map<std::uint32_t, std::vector<PeerId>> rings_;
+  // The rings every peer was last told (the membership views of view_epoch_, the last
+  // successful update or optimize topology); each ring is the view less the peers
+  // removed since, in the same order, so a CollectiveGo names only those.
+  std::map<std::uint32_t, std::vector<PeerId>> views_;
+  std::uint64_t view_epoch_ = 0;
 
   TopologyPhase topology_phase_ = TopologyPhase::kIdle;
   TimeMs topology_started_ms_ = 0;

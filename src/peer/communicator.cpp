@@ -944,7 +944,23 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
     link_->send(proto::CollectiveDone{d.tag, go.attempt, false, why, 0, 0});
     return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, why);
   }
-  LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": attempt " << go.attempt << " over " << go.ring.size()
+  // The attempt's ring: this peer's view less the peers the master names as removed
+  // since (the master starts collectives only between updates, so the view is that of
+  // go.epoch; anything else is not this protocol's master).
+  std::vector<PeerId> ring;
+  ring.reserve(view_.size());
+  for (const auto& m : view_) {
+    if (std::find(go.absent.begin(), go.absent.end(), m.id) == go.absent.end()) ring.push_back(m.id);
+  }
+  if (go.epoch != epoch_ || ring.size() + go.absent.size() != view_.size()) {
+    const std::string why = "the master started tag " + std::to_string(d.tag) + " in the view of epoch " +
+                            std::to_string(go.epoch) + " less " + std::to_string(go.absent.size()) +
+                            " peer(s), where this peer's view is that of epoch " + std::to_string(epoch_);
+    link_->release_slot(go.slot, go.attempt);
+    link_->send(proto::CollectiveDone{d.tag, go.attempt, false, why, 0, 0});
+    return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, why);
+  }
+  LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": attempt " << go.attempt << " over " << ring.size()
                                   << " peer(s), slot " << go.slot);
   if (go.slot >= options_.p2p_pool_size) {
     const std::string why = "the master gave slot " + std::to_string(go.slot) + " of a pool of " +
@@ -954,10 +970,10 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
     return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, why);
   }
 
-  const auto self = std::find(go.ring.begin(), go.ring.end(), id_);
-  if (self == go.ring.end()) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master's ring does not include this peer");
-  const std::size_t n = go.ring.size();
-  const std::size_t rank = static_cast<std::size_t>(self - go.ring.begin());
+  const auto self = std::find(ring.begin(), ring.end(), id_);
+  if (self == ring.end()) return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master's ring does not include this peer");
+  const std::size_t n = ring.size();
+  const std::size_t rank = static_cast<std::size_t>(self - ring.begin());
   if (proto::shape_bound(d.kind) && n != init.descriptor.world) {
     // The master checks this before any attempt: not this protocol's master.
     const std::string why = "the master started tag " + std::to_string(d.tag) + " over " + std::to_string(n) +
@@ -966,8 +982,8 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
     link_->send(proto::CollectiveDone{d.tag, go.attempt, false, why, 0, 0});
     return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, why);
   }
-  const PeerId next = go.ring[(rank + 1) % n];
-  const PeerId prev = go.ring[(rank + n - 1) % n];
+  const PeerId next = ring[(rank + 1) % n];
+  const PeerId prev = ring[(rank + n - 1) % n];
 
   std::unique_ptr<coll::RingScratch> scratch;
   {
@@ -1013,7 +1029,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   plan.distribution = d.distribution;
   plan.attempt = go.attempt;
   plan.subchunk_bytes = coll::ring_subchunk_bytes(n);
-  const std::size_t peers_here = peers_on_this_host(go.ring);
+  const std::size_t peers_here = peers_on_this_host(ring);
   const unsigned cores = std::thread::hardware_concurrency();
   if (coll::ring_sender_thread(peers_here, cores)) plan.sender_thread_bytes_min = coll::kSenderThreadBytesMin;
   plan.spin_us = coll::ring_spin_us(peers_here, cores);

@@ -333,11 +333,12 @@ void encode_body(Writer& w, const CollectiveGo& m) {
   w.u(m.tag);
   w.u(m.attempt);
   w.u(m.slot);
-  put_ids(w, m.ring);
+  w.u(m.epoch);
+  put_ids(w, m.absent);
 }
 bool decode_body(Reader& r, CollectiveGo* m) {
   return r.u(&m->tag, "go.tag") && r.u(&m->attempt, "go.attempt") && r.u(&m->slot, "go.slot") &&
-         get_ids(r, &m->ring, "go.ring");
+         r.u(&m->epoch, "go.epoch") && get_ids(r, &m->absent, "go.absent");
 }
 void encode_body(Writer& w, const CollectiveResult& m) {
   w.u(m.tag);

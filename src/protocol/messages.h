@@ -26,7 +26,9 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 // 7: the key-value store (KvRequest, KvResult); a refusal carries its status
 // 8: shared-state blocks (compression) and delta transfers (StateRequest.have,
 //    StateResponse.sending)
-inline constexpr std::uint16_t kProtocolVersion = 8;
+// 9: CollectiveGo names the epoch of the view and the view's peers absent from the
+//    attempt instead of the whole ring
+inline constexpr std::uint16_t kProtocolVersion = 9;
 
 enum class MsgType : std::uint16_t {
   // peer -> master
@@ -342,7 +344,11 @@ struct CollectiveGo {
   std::uint64_t tag = 0;
   std::uint64_t attempt = 0;
   std::uint32_t slot = 0;
-  std::vector<PeerId> ring;
+  // The attempt's ring: the membership view of this epoch (the last successful update
+  // or optimize topology) less the peers listed here (removed since), in view order.
+  // Empty in the common case, so that the message does not grow with the world.
+  std::uint64_t epoch = 0;
+  std::vector<PeerId> absent;
   bool operator==(const CollectiveGo&) const = default;
 };
 // The outcome of a collective, the same for every participant. attempt 0: the

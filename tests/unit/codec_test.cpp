@@ -123,7 +123,7 @@ std::vector<Message> samples() {
   all.push_back(Refused{MsgType::kCollectiveInit, 77, LOCKSTEP_STATUS_INVALID_USAGE, "tag 77 is already in flight"});
   all.push_back(Goodbye{LOCKSTEP_STATUS_KICKED, "heartbeat timeout"});
   all.push_back(Goodbye{LOCKSTEP_STATUS_INTERRUPTED, ""});
-  all.push_back(CollectiveGo{5, 9, 3, {PeerId{1, 1}, PeerId{1, 2}, PeerId{1, 3}}});
+  all.push_back(CollectiveGo{5, 9, 3, 4, {PeerId{1, 1}, PeerId{1, 2}, PeerId{1, 3}}});
   all.push_back(CollectiveGo{});
   all.push_back(CollectiveResult{5, 9, LOCKSTEP_OK, 3, ""});
   all.push_back(CollectiveResult{5, 9, LOCKSTEP_OK, 3, "", std::vector<std::uint8_t>(12, 0xcd)});
@@ -401,11 +401,11 @@ TEST(CodecRoundTrip, MembershipOfMaximumSize) {
   result.epoch = 3;
   result.attributes = {limits::kMembersPerMessageMax, limits::kMembersPerMessageMax, 1, limits::kMembersPerMessageMax};
   P2PReport report;
-  CollectiveGo go{1, 2, 3, {}};
+  CollectiveGo go{1, 2, 3, 4, {}};
   for (std::uint32_t i = 0; i < limits::kMembersPerMessageMax; ++i) {
     big.ring.push_back(member(i, "10.0." + std::to_string(i / 256) + "." + std::to_string(i % 256)));
     report.unreachable.push_back(PeerId{i, ~static_cast<std::uint64_t>(i)});
-    go.ring.push_back(PeerId{~static_cast<std::uint64_t>(i), i});
+    go.absent.push_back(PeerId{~static_cast<std::uint64_t>(i), i});
   }
   result.ring = big.ring;
   for (const Message& m : std::vector<Message>{big, result, report, go}) {
@@ -596,7 +596,7 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
       {Refused{MsgType::kVoteAgree, 3, LOCKSTEP_STATUS_INVALID_USAGE, "r"},
        {"refused.request", "refused.tag", "refused.status", "refused.reason"}},
       {Goodbye{LOCKSTEP_STATUS_KICKED, "r"}, {"goodbye.status", "goodbye.reason"}},
-      {CollectiveGo{1, 2, 3, {PeerId{4, 5}}}, {"go.tag", "go.attempt", "go.slot", "go.ring"}},
+      {CollectiveGo{1, 2, 3, 6, {PeerId{4, 5}}}, {"go.tag", "go.attempt", "go.slot", "go.epoch", "go.absent"}},
       {CollectiveResult{1, 2, LOCKSTEP_OK, 3, "r", {4}},
        {"result.tag", "result.attempt", "result.status", "result.world_size", "result.reason", "result.data"}},
       {P2PHello{kMagic, kProtocolVersion, Channel::kRing, PeerId{1, 2}, PeerId{3, 4}, 5, 6, {7}},
@@ -964,9 +964,10 @@ TEST(CodecPayload, LyingCountsFailWithoutAllocating) {
     put_u64(go, 1);
     put_u64(go, 2);
     put_u32(go, 0);
+    put_u64(go, 3);
     put_u32(go, count);
     AllocationProbe probe;
-    EXPECT_TRUE(payload_rejected(MsgType::kCollectiveGo, go, {"CollectiveGo", "go.ring", "count above"}));
+    EXPECT_TRUE(payload_rejected(MsgType::kCollectiveGo, go, {"CollectiveGo", "go.absent", "count above"}));
     EXPECT_TRUE(payload_rejected(MsgType::kEstablishP2P, establish, {"EstablishP2P", "members", "count above 4096"}));
     EXPECT_TRUE(payload_rejected(MsgType::kTopologyResult, topology, {"TopologyResult", "members", "count above"}));
     EXPECT_TRUE(payload_rejected(MsgType::kP2PReport, report, {"P2PReport", "p2p_report.unreachable", "count above"}));
@@ -986,10 +987,11 @@ TEST(CodecPayload, LyingCountsFailWithoutAllocating) {
     put_u64(go, 1);
     put_u64(go, 2);
     put_u32(go, 0);
+    put_u64(go, 3);
     put_u32(go, count);
     go.insert(go.end(), 15, 0);
     AllocationProbe probe;
-    EXPECT_TRUE(payload_rejected(MsgType::kCollectiveGo, go, {"go.ring", "count exceeds payload"}));
+    EXPECT_TRUE(payload_rejected(MsgType::kCollectiveGo, go, {"go.absent", "count exceeds payload"}));
     EXPECT_TRUE(payload_rejected(MsgType::kEstablishP2P, establish, {"members", "count exceeds payload"}));
     EXPECT_TRUE(payload_rejected(MsgType::kP2PReport, report, {"p2p_report.unreachable", "count exceeds payload"}));
     EXPECT_LT(probe.largest(), kAllocationLimit) << "count " << count;
@@ -1002,7 +1004,7 @@ TEST(CodecPayload, WrongMagicOrVersion) {
     p[0] ^= 1;
     EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"Hello", "hello.magic", "not a lockstep peer"}));
   }
-  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}, std::uint16_t{4}, std::uint16_t{5}, std::uint16_t{6}, std::uint16_t{7}, std::uint16_t{9}, std::uint16_t{0xffff}}) {
+  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}, std::uint16_t{4}, std::uint16_t{5}, std::uint16_t{6}, std::uint16_t{7}, std::uint16_t{8}, std::uint16_t{10}, std::uint16_t{0xffff}}) {
     Hello h = hello_of("");
     h.version = version;
     const Bytes p = payload_copy(h);

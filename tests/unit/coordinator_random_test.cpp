@@ -162,6 +162,7 @@ struct SimPeer {
   std::map<std::uint64_t, SimCollective> collectives;  // by tag
   std::uint64_t accepted_epoch = 0;  // the epoch that accepted it (earliest accepted wins election ties)
   std::size_t view_size = 0;         // peers in its group's membership view
+  std::vector<PeerId> view;          // that view, in ring order
   // shared state
   bool has_state = false;
   bool synced = false;  // holds an elected state (adopted, or restored from a checkpoint)
@@ -997,7 +998,11 @@ class Sim {
     bool welcomed = false;
     bool mismatch = false;
     bool topology_updated = false;
-    std::map<std::pair<std::uint32_t, std::uint64_t>, p::CollectiveGo> gos;              // (group, tag)
+    struct Go {
+      p::CollectiveGo go;
+      std::vector<PeerId> ring;  // as its recipients read it: their view less the absent
+    };
+    std::map<std::pair<std::uint32_t, std::uint64_t>, Go> gos;                            // (group, tag)
     std::map<std::pair<std::uint32_t, std::uint64_t>, p::CollectiveResult> coll_results;  // (group, tag)
     // Shared state: the decisions of this batch per group (checked against the election
     // over the votes as they stood before it), and the outcomes per attempt.
@@ -1080,6 +1085,7 @@ class Sim {
           sp.accepted = true;
           sp.view_epoch = result->epoch;
           sp.view_size = result->ring.size();
+          sp.view = ids(result->ring);
           dirty_ = false;
           ++stats_.topology_ok;
           topology_updated = true;
@@ -1153,12 +1159,19 @@ class Sim {
         auto c = sp.collectives.find(go->tag);
         require(c != sp.collectives.end() && !c->second.performing,
                 "CollectiveGo for tag " + std::to_string(go->tag) + " to " + name(sp) + " that did not start it");
-        auto [g, inserted] = gos.emplace(std::make_pair(sp.group, go->tag), *go);
-        require(inserted || g->second == *go, "members of a group got different CollectiveGo for one tag");
-        require(std::find(go->ring.begin(), go->ring.end(), sp.id) != go->ring.end(), "CollectiveGo ring without the recipient");
+        require(go->epoch == sp.view_epoch, "CollectiveGo names the view of epoch " + std::to_string(go->epoch) +
+                                                " where " + name(sp) + " has that of " + std::to_string(sp.view_epoch));
+        std::vector<PeerId> ring;
+        for (const auto& id : sp.view) {
+          if (std::find(go->absent.begin(), go->absent.end(), id) == go->absent.end()) ring.push_back(id);
+        }
+        require(ring.size() + go->absent.size() == sp.view.size(), "CollectiveGo names an absent peer outside the view");
+        auto [g, inserted] = gos.emplace(std::make_pair(sp.group, go->tag), Go{*go, ring});
+        require(inserted || g->second.go == *go, "members of a group got different CollectiveGo for one tag");
+        require(std::find(ring.begin(), ring.end(), sp.id) != ring.end(), "CollectiveGo ring without the recipient");
         c->second.performing = true;
         c->second.attempt = go->attempt;
-        c->second.ring = go->ring;
+        c->second.ring = ring;
         max_attempt_ = std::max(max_attempt_, go->attempt);
       } else if (const auto* outcome = std::get_if<p::CollectiveResult>(&m)) {
         auto c = sp.collectives.find(outcome->tag);
@@ -1350,11 +1363,12 @@ class Sim {
     }
     // collectives: a started attempt runs on the group's current ring, is sent to all of
     // it, and uses a pool slot every participant has; an outcome reaches everyone.
-    for (const auto& [key, go] : gos) {
+    for (const auto& [key, started] : gos) {
       const auto& [group, tag] = key;
-      require(go.ring == c_.ring(group), "a collective attempt's ring is not the group's ring");
+      const p::CollectiveGo& go = started.go;
+      require(started.ring == c_.ring(group), "a collective attempt's ring is not the group's ring");
       std::uint16_t pool = 0xffff;
-      for (const auto& id : go.ring) {
+      for (const auto& id : started.ring) {
         const SimPeer* member = by_id(id);
         require(member != nullptr && member->open, "a collective ring names a peer that is gone");
         const auto c = member->collectives.find(tag);

@@ -159,7 +159,7 @@ TEST(SessionTest, CollectiveMessagesAreRoutedByTag) {
   Session s = attached(1000);
   EXPECT_TRUE(s.register_op(7).empty());
 
-  Commands c = s.on_message(at(1), p::CollectiveGo{7, 1, 0, {}});
+  Commands c = s.on_message(at(1), p::CollectiveGo{7, 1, 0, 0, {}});
   ASSERT_EQ(all_of<cmd::RouteToOp>(c).size(), 1u);
   EXPECT_EQ(all_of<cmd::RouteToOp>(c)[0].tag, 7u);
   EXPECT_TRUE(std::holds_alternative<p::CollectiveGo>(all_of<cmd::RouteToOp>(c)[0].message));
@@ -182,7 +182,7 @@ TEST(SessionTest, CollectiveMessagesAreRoutedByTag) {
   EXPECT_EQ(s.mailbox_size(), 1u);
 
   // Nobody waits for tag 8: dropped, neither routed nor queued.
-  c = s.on_message(at(5), p::CollectiveGo{8, 2, 0, {}});
+  c = s.on_message(at(5), p::CollectiveGo{8, 2, 0, 0, {}});
   EXPECT_TRUE(c.empty());
   result.tag = 8;
   EXPECT_TRUE(s.on_message(at(6), result).empty());
@@ -190,7 +190,7 @@ TEST(SessionTest, CollectiveMessagesAreRoutedByTag) {
 
   // Unregistered: dropped from then on.
   s.unregister_op(7);
-  EXPECT_TRUE(s.on_message(at(7), p::CollectiveGo{7, 3, 0, {}}).empty());
+  EXPECT_TRUE(s.on_message(at(7), p::CollectiveGo{7, 3, 0, 0, {}}).empty());
   EXPECT_EQ(s.slot_turn(0, 3), Turn::kNotQueued);
 }
 
@@ -198,11 +198,11 @@ TEST(SessionTest, SlotsAreTakenInTheOrderOfTheGoMessages) {
   Session s = attached(1000);
   (void)s.register_op(1);
   (void)s.register_op(2);
-  (void)s.on_message(at(1), p::CollectiveGo{2, 11, 3, {}});
-  (void)s.on_message(at(2), p::CollectiveGo{1, 10, 3, {}});
-  (void)s.on_message(at(3), p::CollectiveGo{1, 12, 4, {}});
+  (void)s.on_message(at(1), p::CollectiveGo{2, 11, 3, 0, {}});
+  (void)s.on_message(at(2), p::CollectiveGo{1, 10, 3, 0, {}});
+  (void)s.on_message(at(3), p::CollectiveGo{1, 12, 4, 0, {}});
   // A Go for an op nobody registered does not queue its attempt.
-  (void)s.on_message(at(4), p::CollectiveGo{9, 13, 3, {}});
+  (void)s.on_message(at(4), p::CollectiveGo{9, 13, 3, 0, {}});
 
   EXPECT_EQ(s.slot_turn(3, 11), Turn::kMine);
   EXPECT_EQ(s.slot_turn(3, 10), Turn::kWaiting);

@@ -123,7 +123,7 @@ std::string describe(const p::Message& m) {
         if constexpr (std::is_same_v<T, p::EstablishP2P> || std::is_same_v<T, p::TopologyResult>) {
           s << " ring=[" << ids(v.ring) << "]";
         }
-        if constexpr (std::is_same_v<T, p::CollectiveGo>) s << " slot=" << v.slot << " ring=[" << ids(v.ring) << "]";
+        if constexpr (std::is_same_v<T, p::CollectiveGo>) s << " slot=" << v.slot << " absent=[" << ids(v.absent) << "]";
         if constexpr (std::is_same_v<T, p::P2PReport>) s << " unreachable=[" << ids(v.unreachable) << "]";
         if constexpr (std::is_same_v<T, p::CollectiveDone>) s << " ok=" << v.ok;
         if constexpr (std::is_same_v<T, p::AgreeResult>) s << " value=" << v.value;
@@ -1256,19 +1256,26 @@ class Sim {
     if (pr.stage != Stage::kCollectives || it == pr.tags.end() || it->second.st != TagState::St::kVoting) {
       unexpected(pr, m);
     }
-    require(std::find(go.ring.begin(), go.ring.end(), pr.id) != go.ring.end(), name(pr) + ": Go without itself");
-    for (const auto& id : go.ring) {
+    // The attempt's ring, as a peer reads it: its view less the peers named absent.
+    require(go.epoch == pr.epoch, name(pr) + ": attempt " + std::to_string(go.attempt) + " names the view of epoch " +
+                                      std::to_string(go.epoch) + ", not its own (" + std::to_string(pr.epoch) + ")");
+    for (const auto& id : go.absent) {
       const bool known = std::any_of(pr.view.begin(), pr.view.end(), [&](const auto& mi) { return mi.id == id; });
       require(known, name(pr) + ": attempt " + std::to_string(go.attempt) + " names " + id.to_string() +
-                         ", who is not in its membership view");
+                         " absent, who is not in its membership view");
     }
-    auto [ra, fresh] = ring_attempts_.try_emplace(go.attempt, RingAttempt{go.ring, {}});
-    require(ra->second.ring == go.ring, "attempt " + std::to_string(go.attempt) + " has two rings");
+    std::vector<PeerId> ring;
+    for (const auto& mi : pr.view) {
+      if (std::find(go.absent.begin(), go.absent.end(), mi.id) == go.absent.end()) ring.push_back(mi.id);
+    }
+    require(std::find(ring.begin(), ring.end(), pr.id) != ring.end(), name(pr) + ": Go without itself");
+    auto [ra, fresh] = ring_attempts_.try_emplace(go.attempt, RingAttempt{ring, {}});
+    require(ra->second.ring == ring, "attempt " + std::to_string(go.attempt) + " has two rings");
     TagState& t = it->second;
     t.st = TagState::St::kQueued;
     t.attempt = go.attempt;
     t.slot = go.slot;
-    t.ring = go.ring;
+    t.ring = ring;
     pr.slots[go.slot].push_back(go.attempt);
     next_on_slot(pr, go.slot);
   }
