@@ -6,8 +6,12 @@
 // the latency from the last vote sent to each peer's outcome (as this process reads it),
 // the master's CPU per round per peer (utime + stime of its process over the rounds,
 // divided by rounds x N) and its resident memory per peer ((RSS(N) - RSS(0)) / N).
-// Last, a tenth of N more peers register and one update topology of the N accepted
-// admits them (kind update_topology_late: from the last vote to the last result).
+// Then a tenth of N more peers register and one update topology of the N accepted
+// admits them (kind update_topology_late: from the last vote to the last result). Last,
+// a flood: N more peers connect and say Hello at once, every other one hanging up right
+// after its Hello, and one update topology admits the survivors (kind join_flood). All
+// along, every peer sends a heartbeat each second; kind heartbeat reports how long the
+// acknowledgements took (as this process reads them: its own loop is inside).
 #include "bench_common.h"
 #include "subprocess.h"
 
@@ -20,6 +24,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -89,6 +94,7 @@ struct SimPeer {
   bool accepted = false;
   bool gone = false;
   std::vector<std::pair<proto::Message, Clock::time_point>> inbox;
+  std::deque<Clock::time_point> heartbeats;  // sent, not yet acknowledged
 };
 
 // N simulated peers on one poll loop.
@@ -102,6 +108,20 @@ class Swarm {
   }
 
   std::vector<SimPeer>& peers() { return peers_; }
+  std::size_t live() const {
+    return static_cast<std::size_t>(std::count_if(peers_.begin(), peers_.end(), [](const SimPeer& p) { return !p.gone; }));
+  }
+  // How long each acknowledged heartbeat took, in ms.
+  const std::vector<double>& heartbeat_ms() const { return heartbeat_ms_; }
+
+  // The peer hangs up (it dies during its join); the swarm forgets it.
+  void drop(SimPeer& p) {
+    ::close(p.fd);
+    p.fd = -1;
+    p.gone = true;
+    p.inbox.clear();
+    p.heartbeats.clear();
+  }
 
   // Connects n more peers and sends their Hellos.
   bool add(int n) {
@@ -152,7 +172,7 @@ class Swarm {
   // Reads and decodes whatever arrived within wait (heartbeats every second meanwhile).
   bool pump(std::chrono::milliseconds wait) {
     fds_.resize(peers_.size());
-    for (std::size_t i = 0; i < peers_.size(); ++i) fds_[i] = pollfd{peers_[i].fd, POLLIN, 0};
+    for (std::size_t i = 0; i < peers_.size(); ++i) fds_[i] = pollfd{peers_[i].fd, POLLIN, 0};  // -1: ignored
     const int ready = ::poll(fds_.data(), fds_.size(), static_cast<int>(wait.count()));
     if (ready < 0 && errno != EINTR) return fail("poll: " + std::string(std::strerror(errno)));
     const auto now = Clock::now();
@@ -179,7 +199,12 @@ class Swarm {
             std::span<const std::uint8_t>(p.in.data() + at + proto::kFrameHeaderBytes, header.value().payload_bytes));
         if (!message.is_ok()) return fail("a bad frame from the master: " + message.status().message());
         at += whole;
-        if (std::holds_alternative<proto::HeartbeatAck>(message.value())) continue;
+        if (std::holds_alternative<proto::HeartbeatAck>(message.value())) {
+          if (p.heartbeats.empty()) return fail("an acknowledgement of no heartbeat");
+          heartbeat_ms_.push_back(std::chrono::duration<double, std::milli>(now - p.heartbeats.front()).count());
+          p.heartbeats.pop_front();
+          continue;
+        }
         if (const auto* bye = std::get_if<proto::Goodbye>(&message.value())) {
           return fail("the master said goodbye to a simulated peer: " + bye->reason);
         }
@@ -194,7 +219,9 @@ class Swarm {
     if (now - last_heartbeat_ >= std::chrono::seconds(1)) {
       last_heartbeat_ = now;
       for (auto& p : peers_) {
+        if (p.gone) continue;
         if (!send(p, proto::Heartbeat{})) return false;
+        p.heartbeats.push_back(Clock::now());
       }
     }
     return true;
@@ -209,8 +236,12 @@ class Swarm {
     const auto deadline = Clock::now() + timeout;
     std::vector<std::size_t> got(peers_.size(), 0);
     std::size_t done = first;
+    for (std::size_t i = first; i < peers_.size(); ++i) {
+      if (peers_[i].gone) ++done;  // nothing to wait for
+    }
     for (;;) {
       for (std::size_t i = first; i < peers_.size(); ++i) {
+        if (peers_[i].gone) continue;
         auto& inbox = peers_[i].inbox;
         for (auto it = inbox.begin(); it != inbox.end() && got[i] < per_peer;) {
           if (const auto* m = std::get_if<T>(&it->first)) {
@@ -243,7 +274,8 @@ class Swarm {
   std::vector<SimPeer> peers_;
   std::vector<pollfd> fds_;
   std::vector<std::uint8_t> out_;
-  Clock::time_point last_heartbeat_ = Clock::now();
+  Clock::time_point last_heartbeat_{};  // the first pump sends the first heartbeats
+  std::vector<double> heartbeat_ms_;
   std::string error_;
 };
 
@@ -267,38 +299,46 @@ bool report_established(Swarm& swarm, SimPeer& p, const proto::EstablishP2P& e) 
 }
 
 // The accepted peers vote update topology; every participant (the registered newcomers
-// too) gets EstablishP2P, reports, and gets the result. Returns the update's figures.
-std::optional<json> update_admitting(Swarm& swarm, std::size_t newcomers) {
-  for (auto& p : swarm.peers()) {
-    if (p.accepted && !swarm.send(p, proto::VoteUpdateTopology{})) return std::nullopt;
+// too) gets EstablishP2P, reports, and gets the result. An update that fails
+// (UPDATE_TOPOLOGY_FAILED: a newcomer left during it) is retried, as an application
+// does, up to `tries` times. Returns the figures of the update that succeeded.
+std::optional<json> update_admitting(Swarm& swarm, std::size_t newcomers, int tries = 1) {
+  for (int attempt = 1;; ++attempt) {
+    for (auto& p : swarm.peers()) {
+      if (p.accepted && !p.gone && !swarm.send(p, proto::VoteUpdateTopology{})) return std::nullopt;
+    }
+    const Clock::time_point last_vote = Clock::now();
+    Clock::time_point last_establish = last_vote;
+    if (!swarm.await_each<proto::EstablishP2P>(
+            [&](SimPeer& p, const proto::EstablishP2P& e, Clock::time_point at) {
+              last_establish = std::max(last_establish, at);
+              return report_established(swarm, p, e);
+            },
+            std::chrono::seconds(120))) {
+      return std::nullopt;
+    }
+    Clock::time_point last_result = last_vote;
+    bool all_ok = true;
+    bool failed = false;
+    const std::size_t n = swarm.live();
+    if (!swarm.await_each<proto::TopologyResult>(
+            [&](SimPeer& p, const proto::TopologyResult& t, Clock::time_point at) {
+              last_result = std::max(last_result, at);
+              failed = failed || t.status == LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED;
+              all_ok = all_ok && t.status == LOCKSTEP_OK && t.ring.size() == n;
+              if (t.status == LOCKSTEP_OK) p.accepted = true;
+              return true;
+            },
+            std::chrono::seconds(120))) {
+      return std::nullopt;
+    }
+    if (failed && attempt < tries) continue;
+    if (!all_ok) return std::nullopt;
+    return json{{"newcomers", newcomers},
+                {"tries", attempt},
+                {"last_vote_to_last_establish_ms", ms_between(last_vote, last_establish)},
+                {"last_vote_to_last_result_ms", ms_between(last_vote, last_result)}};
   }
-  const Clock::time_point last_vote = Clock::now();
-  Clock::time_point last_establish = last_vote;
-  if (!swarm.await_each<proto::EstablishP2P>(
-          [&](SimPeer& p, const proto::EstablishP2P& e, Clock::time_point at) {
-            last_establish = std::max(last_establish, at);
-            return report_established(swarm, p, e);
-          },
-          std::chrono::seconds(120))) {
-    return std::nullopt;
-  }
-  Clock::time_point last_result = last_vote;
-  bool all_ok = true;
-  const std::size_t n = swarm.peers().size();
-  if (!swarm.await_each<proto::TopologyResult>(
-          [&](SimPeer& p, const proto::TopologyResult& t, Clock::time_point at) {
-            last_result = std::max(last_result, at);
-            all_ok = all_ok && t.status == LOCKSTEP_OK && t.ring.size() == n;
-            p.accepted = true;
-            return true;
-          },
-          std::chrono::seconds(120))) {
-    return std::nullopt;
-  }
-  if (!all_ok) return std::nullopt;
-  return json{{"newcomers", newcomers},
-              {"last_vote_to_last_establish_ms", ms_between(last_vote, last_establish)},
-              {"last_vote_to_last_result_ms", ms_between(last_vote, last_result)}};
 }
 
 // Brings every simulated peer into the run: the first are admitted without a vote, the
@@ -336,9 +376,9 @@ std::optional<json> admit_all(Swarm& swarm, int n) {
 
 int run_control(const ControlSettings& c) {
   const rlim_t limit = raise_open_files();
-  // The largest N, and a tenth of it more for the late newcomers.
+  // The largest N, a tenth of it more for the late newcomers, and N for the flood.
   const int largest = *std::max_element(c.peers.begin(), c.peers.end());
-  const int files = largest + largest / 10 + 65;
+  const int files = 2 * largest + largest / 10 + 65;
   if (limit < static_cast<rlim_t>(files)) {
     std::cerr << "lockstep-bench control: " << largest << " peers need " << files
               << " open files here, and the limit is " << limit << "\n";
@@ -347,7 +387,7 @@ int run_control(const ControlSettings& c) {
   const std::string master_bin = std::filesystem::path(c.self).parent_path() / "lockstep-master";
   for (const int n : c.peers) {
     auto master = tools::Subprocess::spawn({master_bin, "--listen", "127.0.0.1:0", "--heartbeat-timeout-ms", "60000",
-                                            "--peers-max", std::to_string(n + n / 10 + 16), "--log-level", "warn"});
+                                            "--peers-max", std::to_string(2 * n + n / 10 + 16), "--log-level", "warn"});
     if (!master) {
       std::cerr << "lockstep-bench control: cannot start " << master_bin << "\n";
       return 1;
@@ -530,6 +570,36 @@ int run_control(const ControlSettings& c) {
     (*later)["peers"] = n;
     (*later)["kind"] = "update_topology_late";
     std::cout << later->dump() << std::endl;
+    // A join flood: N more peers connect and say Hello in one go, every other one hangs
+    // up at once; the accepted ones then admit the survivors.
+    {
+      const std::size_t first = swarm.peers().size();
+      const auto flood_start = Clock::now();
+      if (!swarm.add(n)) return failed("flood");
+      for (std::size_t i = first; i < swarm.peers().size(); i += 2) swarm.drop(swarm.peers()[i]);
+      const double hello_ms = ms_between(flood_start, Clock::now());
+      if (!await_welcomes(swarm, first)) return failed("flood welcomes");
+      auto flood = update_admitting(swarm, static_cast<std::size_t>(n / 2), 3);
+      if (!flood) return failed("admitting the flood's survivors");
+      (*flood)["bench"] = "control";
+      (*flood)["peers"] = n;
+      (*flood)["kind"] = "join_flood";
+      (*flood)["joining"] = n;
+      (*flood)["died"] = n - n / 2;
+      (*flood)["hellos_ms"] = hello_ms;
+      (*flood)["master_rss_kib"] = rss_kib(pid);
+      std::cout << flood->dump() << std::endl;
+    }
+    const auto& hb = swarm.heartbeat_ms();
+    std::cout << json{{"bench", "control"},
+                      {"peers", n},
+                      {"kind", "heartbeat"},
+                      {"acknowledged", hb.size()},
+                      {"p50_ms", percentile(hb, 0.5)},
+                      {"p99_ms", percentile(hb, 0.99)},
+                      {"max_ms", hb.empty() ? 0.0 : *std::max_element(hb.begin(), hb.end())}}
+                     .dump()
+              << std::endl;
     master->kill();
     master->wait(std::chrono::seconds(10));
   }
