@@ -2,6 +2,7 @@
 // (peer/link.h). The first fatal error sticks: every later call fails fast.
 #include "peer/communicator.h"
 
+#include "collectives/doubling.h"
 #include "collectives/quantize.h"
 #include "common/limits.h"
 #include "common/log.h"
@@ -91,6 +92,18 @@ Result<std::unique_ptr<Communicator>> Communicator::create(const Options& option
                       std::to_string(options.p2p_streams));
   }
   Options chosen = options;
+  if (const char* env = std::getenv("LOCKSTEP_ALLREDUCE_ALGORITHM");
+      env != nullptr && *env != '\0' && chosen.allreduce_algorithm == proto::Algorithm::kAuto) {
+    const std::string name(env);
+    if (name == "ring") {
+      chosen.allreduce_algorithm = proto::Algorithm::kRing;
+    } else if (name == "doubling") {
+      chosen.allreduce_algorithm = proto::Algorithm::kDoubling;
+    } else if (name != "auto") {
+      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "LOCKSTEP_ALLREDUCE_ALGORITHM is \"" + name.substr(0, 32) +
+                                                          "\"; it must be auto, ring or doubling");
+    }
+  }
   if (!chosen.tcp_congestion.empty()) {
     if (!transport::congestion_control_name_valid(chosen.tcp_congestion)) {
       return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "tcp congestion control \"" + chosen.tcp_congestion.substr(0, 32) +
@@ -689,6 +702,7 @@ proto::CollectiveDescriptor Communicator::wire_descriptor(const ReduceDescriptor
     w.op = static_cast<std::uint8_t>(d.op);
     w.quantization = static_cast<std::uint8_t>(d.quantization);
   }
+  if (d.kind == Kind::kAllReduce) w.algorithm = options_.allreduce_algorithm;
   if (!proto::shape_bound(d.kind)) return w;
   const std::uint32_t world = view_size_.load();
   w.world = world;
@@ -1035,6 +1049,9 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   plan.spin_us = coll::ring_spin_us(peers_here, cores);
   coll::tune_same_host(plan, n > 1 && peers_on_this_host({prev}) == 1, n > 1 && peers_on_this_host({next}) == 1);
   coll::RingStats stats;
+  const bool doubling = coll::runs_by_doubling(init.descriptor, n);
+  std::vector<std::uint8_t> original;  // doubling: the destination before the attempt
+  std::vector<PeerId> partners;
 
   Status local = Status::ok();
   bool ran = false;
@@ -1043,6 +1060,11 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   const bool had_turn = link_->wait_slot_turn(go.slot, go.attempt, channel);
   if (!had_turn) {
     local = Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the attempt ended before it started here");
+  } else if (doubling) {
+    ran = true;
+    const auto* dst = static_cast<const std::uint8_t*>(plan.dst);
+    original.assign(dst, dst + plan.count * coll::dtype_size(plan.dtype));
+    local = run_doubling(ring, rank, plan, go.slot, channel, *scratch, &stats, &partners);
   } else {
     coll::RingIo io;
     io.abort_fd = channel.event_fd();
@@ -1116,9 +1138,17 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
     if (result.status != LOCKSTEP_OK) final_status = Status(result.status, result.reason);
     info->world_size = result.world_size;
   }
-  if (!final_status.is_ok() && ran && local.is_ok()) coll::restore(plan, *scratch);  // we had finished: undo
-  if (final_status.is_ok() && ran) coll::commit_residual(plan, *scratch);
-  if (!final_status.is_ok() && had_turn) drop_connections(next, prev, go.slot);
+  if (doubling) {
+    // Every stage wrote the destination in place: a failed attempt gets it back whole.
+    if (!final_status.is_ok() && ran) std::memcpy(plan.dst, original.data(), original.size());
+    if (!final_status.is_ok()) {
+      for (const auto& partner : partners) drop_connections(partner, partner, go.slot);
+    }
+  } else {
+    if (!final_status.is_ok() && ran && local.is_ok()) coll::restore(plan, *scratch);  // we had finished: undo
+    if (final_status.is_ok() && ran) coll::commit_residual(plan, *scratch);
+    if (!final_status.is_ok() && had_turn) drop_connections(next, prev, go.slot);
+  }
   link_->release_slot(go.slot, go.attempt);
   slot_bytes_[go.slot].sent.fetch_add(stats.bytes_sent, std::memory_order_relaxed);
   slot_bytes_[go.slot].received.fetch_add(stats.bytes_received, std::memory_order_relaxed);
@@ -1130,6 +1160,65 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
     free_scratch_.push_back(std::move(scratch));
   }
   return final_status;
+}
+
+Status Communicator::run_doubling(const std::vector<PeerId>& ring, std::size_t rank, const coll::RingPlan& plan,
+                                  std::uint32_t slot, const OpChannel& channel, coll::RingScratch& scratch,
+                                  coll::RingStats* stats, std::vector<PeerId>* partners) {
+  using Kind = coll::DoublingStage::Kind;
+  bool first = true;  // the first stage reads the caller's source; the others the destination
+  for (const auto& stage : coll::doubling_stages(ring.size(), rank)) {
+    const PeerId partner = ring[stage.partner];
+    partners->push_back(partner);
+    proto::MemberInfo to;
+    {
+      std::lock_guard<std::mutex> lock(connections_mutex_);
+      if (auto it = members_.find(partner); it != members_.end()) to = it->second;
+    }
+    if (to.id.is_nil()) {
+      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "peer " + partner.to_string() + " is not in the membership view");
+    }
+    coll::RingIo io;
+    io.abort_fd = channel.event_fd();
+    io.abort_flag = channel.abort_flag();
+    io.stall_timeout_ms = options_.p2p_stall_timeout_ms;
+    auto tx = tx_connection(to, slot, channel.event_fd(), &io.seal);
+    if (!tx.is_ok()) return tx.status();
+    const auto rx_deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
+    auto rx = rx_connection(partner, slot, rx_deadline, channel.abort_flag(), &io.open);
+    if (!rx.is_ok()) return rx.status();
+    io.tx_fd = tx.value();
+    io.rx_fd = rx.value();
+    // A ring of the two, the partner both next and previous.
+    coll::RingPlan pair = plan;
+    pair.world = 2;
+    pair.rank = stage.role;
+    pair.residual = nullptr;
+    pair.subchunk_bytes = coll::ring_subchunk_bytes(2);
+    if (stage.kind == Kind::kBroadcast) {
+      pair.kind = coll::RingKind::kBroadcast;
+      pair.root = 0;
+      pair.src = plan.dst;
+    } else {
+      pair.src = first ? plan.src : plan.dst;
+      if (plan.op == LOCKSTEP_AVG) pair.op = LOCKSTEP_SUM;  // divided once, at the end
+    }
+    pair.tx_buffer_bytes = 0;
+    pair.rx_buffer_bytes = 0;
+    pair.rx_lowat_bytes = coll::RingPlan{}.rx_lowat_bytes;
+    const bool here = peers_on_this_host({partner}) == 1;
+    coll::tune_same_host(pair, here, here);
+    coll::RingStats step;
+    const Status s = coll::run_ring(pair, io, scratch, &step);
+    stats->bytes_sent += step.bytes_sent;
+    stats->bytes_received += step.bytes_received;
+    if (!s.is_ok()) return s;
+    first = false;
+    if (stage.finalize_after) {
+      coll::finalize(plan.dst, plan.count, plan.dtype, plan.op, static_cast<std::uint32_t>(ring.size()));
+    }
+  }
+  return Status::ok();
 }
 
 Result<proto::Attributes> Communicator::attributes() const {

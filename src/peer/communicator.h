@@ -71,6 +71,12 @@ struct Options {
   // Ask for shared-state transfers in blocks, compressed where the sender finds that it
   // pays (state/blocks.h); false: raw bytes.
   bool compress_state = true;
+  // How all-reduces between the peers move their data (coll::runs_by_doubling): auto
+  // chooses by size and world. Left at auto, the environment's
+  // LOCKSTEP_ALLREDUCE_ALGORITHM (auto, ring or doubling) decides. Every peer must
+  // choose alike: it travels with the vote, and differing choices fail the collective
+  // with OPERATION_MISMATCH.
+  proto::Algorithm allreduce_algorithm = proto::Algorithm::kAuto;
 };
 
 class Link;       // the background thread and everything it owns (communicator.cpp)
@@ -281,6 +287,12 @@ class Communicator {
                     const OpChannel& channel, coll::RingIo& io);
   void drop_connections(PeerId next, PeerId prev, std::uint32_t slot);
   void prune_connections(const std::vector<proto::MemberInfo>& members);
+  // An all-reduce by doubling (collectives/doubling.h): this rank's pair exchanges over
+  // the slot's connections to each partner, in order; *partners gets every partner it
+  // turned to (their connections are dropped if the attempt fails).
+  Status run_doubling(const std::vector<PeerId>& ring, std::size_t rank, const coll::RingPlan& plan,
+                      std::uint32_t slot, const OpChannel& channel, coll::RingScratch& scratch,
+                      coll::RingStats* stats, std::vector<PeerId>* partners);
 
   Options options_;
   std::thread::id owner_;

@@ -245,9 +245,11 @@ void put(Writer& w, const CollectiveDescriptor& d) {
   const auto n = static_cast<std::uint32_t>(std::min<std::size_t>(d.counts.size(), limits::kMembersPerMessageMax));
   w.u(n);
   for (std::uint32_t i = 0; i < n; ++i) w.u(d.counts[i]);
+  w.u(static_cast<std::uint8_t>(d.algorithm));
 }
 bool get(Reader& r, CollectiveDescriptor* d) {
   std::uint8_t kind = 0;
+  std::uint8_t algorithm = 0;
   std::uint32_t n = 0;
   if (!r.u(&d->count, "descriptor.count") || !r.u(&d->dtype, "descriptor.dtype") || !r.u(&d->op, "descriptor.op") ||
       !r.u(&d->quantization, "descriptor.quantization") || !r.u(&kind, "descriptor.kind") ||
@@ -259,6 +261,9 @@ bool get(Reader& r, CollectiveDescriptor* d) {
   for (auto& c : d->counts) {
     if (!r.u(&c, "descriptor.counts")) return false;
   }
+  if (!r.u(&algorithm, "descriptor.algorithm")) return false;
+  if (algorithm > kAlgorithmMax) return r.fail("descriptor.algorithm: unknown algorithm");
+  d->algorithm = static_cast<Algorithm>(algorithm);
   if (d->dtype > LOCKSTEP_F64) return r.fail("descriptor.dtype: unknown dtype");
   if (d->op > LOCKSTEP_MIN) return r.fail("descriptor.op: unknown reduce op");
   if (d->quantization > LOCKSTEP_QUANT_CAST_BF16) return r.fail("descriptor.quantization: unknown kind");

@@ -27,7 +27,7 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 // 8: shared-state blocks (compression) and delta transfers (StateRequest.have,
 //    StateResponse.sending)
 // 9: CollectiveGo names the epoch of the view and the view's peers absent from the
-//    attempt instead of the whole ring
+//    attempt instead of the whole ring; the descriptor names the all-reduce algorithm
 inline constexpr std::uint16_t kProtocolVersion = 9;
 
 enum class MsgType : std::uint16_t {
@@ -156,6 +156,15 @@ enum class CollectiveKind : std::uint8_t {
   kBarrier = 4,
 };
 inline constexpr std::uint8_t kCollectiveKindMax = 4;
+// How an all-reduce that runs between the peers moves its data (docs/collectives.md):
+// chosen by size and world (auto), or forced. Part of the voted descriptor, so that every
+// peer of an attempt runs the same one.
+enum class Algorithm : std::uint8_t {
+  kAuto = 0,
+  kRing = 1,
+  kDoubling = 2,  // log2(N) pairwise exchanges of the whole buffer
+};
+inline constexpr std::uint8_t kAlgorithmMax = 2;
 inline bool shape_bound(CollectiveKind kind) {
   return kind == CollectiveKind::kBroadcast || kind == CollectiveKind::kAllGather ||
          kind == CollectiveKind::kReduceScatter;
@@ -174,6 +183,7 @@ struct CollectiveDescriptor {
   std::uint32_t world = 0;  // shape-bound kinds: the size of the view the call was made in
   // All-gather with a count per rank (all_gatherv), in rank order; empty otherwise.
   std::vector<std::uint64_t> counts = {};
+  Algorithm algorithm = Algorithm::kAuto;  // all-reduce
   bool operator==(const CollectiveDescriptor&) const = default;
 };
 // Vote to initiate a collective with this tag.

@@ -105,6 +105,8 @@ std::vector<Message> samples() {
   all.push_back(CollectiveInit{9, CollectiveDescriptor{5, LOCKSTEP_U8, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE,
                                                        CollectiveKind::kBroadcast, 2, 4, {}}});
   all.push_back(CollectiveInit{10, CollectiveDescriptor{0, 0, 0, 0, CollectiveKind::kBarrier, 0, 0, {}}});
+  all.push_back(CollectiveInit{11, CollectiveDescriptor{1 << 14, LOCKSTEP_F32, LOCKSTEP_AVG, LOCKSTEP_QUANT_NONE,
+                                                        CollectiveKind::kAllReduce, 0, 0, {}, Algorithm::kDoubling}});
   all.push_back(CollectiveDone{5, 9, true, ""});
   all.push_back(CollectiveDone{5, 9, false, "ring neighbour p3 hung up"});
   all.push_back(CollectiveDone{5, 10, true, "", 123456789, 987654321});
@@ -555,6 +557,7 @@ CollectiveInit collective_init_case() {
   m.descriptor.root = 6;
   m.descriptor.world = 7;
   m.descriptor.counts = {8, 9};
+  m.descriptor.algorithm = Algorithm::kDoubling;
   m.data = {5};
   m.refusal = "r";
   m.refusal_status = LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION;
@@ -574,7 +577,7 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
       {VoteAgree{true, AgreeMode::kAllEqual, {1}}, {"vote_agree.flag", "vote_agree.mode", "vote_agree.value"}},
       {collective_init_case(),
        {"init.tag", "descriptor.count", "descriptor.dtype", "descriptor.op", "descriptor.quantization",
-        "descriptor.kind", "descriptor.root", "descriptor.world", "descriptor.counts", "init.data", "init.refusal",
+        "descriptor.kind", "descriptor.root", "descriptor.world", "descriptor.counts", "descriptor.algorithm", "init.data", "init.refusal",
         "init.refusal_status"}},
       {KvRequest{1, KvOp::kSet, "k", {2}, 0},
        {"kv_request.request", "kv_request.op", "kv_request.key", "kv_request.value", "kv_request.timeout_ms"}},
@@ -1149,6 +1152,22 @@ TEST(CodecPayload, CollectiveDescriptorOutOfRange) {
         ASSERT_FALSE(r.is_ok()) << v;
         EXPECT_TRUE(is_protocol_error(r.status(), {"CollectiveInit", f.name}));
       }
+    }
+  }
+  // The algorithm: the last byte of the descriptor, before the (empty) data.
+  CollectiveInit doubling = base;
+  doubling.descriptor.algorithm = Algorithm::kDoubling;
+  const std::size_t at = offset_of_difference(base, doubling);
+  for (int v = 0; v < 256; ++v) {
+    Bytes p = payload_copy(base);
+    p[at] = static_cast<std::uint8_t>(v);
+    auto r = decode_payload(MsgType::kCollectiveInit, p);
+    if (v <= kAlgorithmMax) {
+      ASSERT_TRUE(r.is_ok()) << v << ": " << r.status().to_string();
+      EXPECT_EQ(std::get<CollectiveInit>(r.value()).descriptor.algorithm, static_cast<Algorithm>(v));
+    } else {
+      ASSERT_FALSE(r.is_ok()) << v;
+      EXPECT_TRUE(is_protocol_error(r.status(), {"CollectiveInit", "descriptor.algorithm", "unknown algorithm"}));
     }
   }
 }

@@ -844,6 +844,7 @@ int run_collective(const Settings& settings) {
                 {"pool", s.pool},
                 {"streams", s.streams},
                 {"cc", s.congestion.empty() ? "default" : s.congestion},
+                {"algorithm", s.collective == Collective::kAllReduce ? s.algorithm : "ring"},
                 {"encrypt", s.encrypt},
                 {"check_finite", s.check_finite},
                 {"iterations", s.iterations},

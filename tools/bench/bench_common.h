@@ -43,6 +43,7 @@ struct Settings {
   int pool = 1;
   int streams = 0;          // p2p_streams: 0 adapts
   std::string congestion;   // tcp_congestion: empty for the system's
+  std::string algorithm = "auto";  // the all-reduce's (LOCKSTEP_ALLREDUCE_ALGORITHM of every peer)
   int iterations = 9;
   int warmup = 2;
   // allreduce: lockstep, the raw ring and Gloo take turns round by round, in an order

@@ -100,6 +100,10 @@ int main(int argc, char** argv) {
                         "HOST:PORT of a running master: be ONE peer of a run started on several hosts (each host "
                         "runs this command; --peers is the group size to wait for) and print this peer's figures");
   allreduce->add_option("--advertised-host", s.advertised_host, "with --master: the address other peers use");
+  allreduce->add_option("--algorithm", s.algorithm,
+                        "how lockstep's all-reduce moves its data: auto (by size and world), ring or doubling "
+                        "(LOCKSTEP_ALLREDUCE_ALGORITHM of every peer; docs/collectives.md)")
+      ->check(CLI::IsMember({"auto", "ring", "doubling"}));
   allreduce->add_flag("--optimize", s.optimize,
                       "with --master: measure in join order, optimize the topology, measure again");
 
@@ -186,6 +190,8 @@ int main(int argc, char** argv) {
   worker->add_flag("--check-finite", s.check_finite);
   worker->add_flag("--paced", s.paced);
   CLI11_PARSE(app, argc, argv);
+  // The peers this process starts inherit it.
+  if (s.algorithm != "auto") ::setenv("LOCKSTEP_ALLREDUCE_ALGORITHM", s.algorithm.c_str(), 1);
 
   if (*control) {
     control_settings.self = lockstep::bench::self_path(argv[0]);

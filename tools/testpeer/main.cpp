@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <sstream>
@@ -180,6 +181,7 @@ int main(int argc, char** argv) {
   bool no_state_compression = false;
   bool loop = false;
   uint32_t loop_interval_ms = 100;
+  std::string algorithm;
   app.add_option("--master", master, "HOST:PORT of the master");
   app.add_option("--name", name, "name printed in every line");
   app.add_option("--group", group, "peer group");
@@ -193,6 +195,7 @@ int main(int argc, char** argv) {
   app.add_flag("--encrypt", encrypt, "encrypt the data plane (needs the secret)");
   app.add_flag("--no-state-compression", no_state_compression, "ask for shared-state transfers as raw bytes");
   app.add_flag("--loop", loop, "run the membership loop instead of reading commands");
+  app.add_option("--algorithm", algorithm, "all-reduce algorithm: auto, ring or doubling (LOCKSTEP_ALLREDUCE_ALGORITHM)");
   app.add_option("--loop-interval-ms", loop_interval_ms, "pause between loop iterations");
   CLI11_PARSE(app, argc, argv);
 
@@ -205,6 +208,7 @@ int main(int argc, char** argv) {
   if (master_host.size() > 2 && master_host.front() == '[' && master_host.back() == ']') {
     master_host = master_host.substr(1, master_host.size() - 2);
   }
+  if (!algorithm.empty()) ::setenv("LOCKSTEP_ALLREDUCE_ALGORITHM", algorithm.c_str(), 1);
   lockstep_comm_config_t config;
   lockstep_comm_config_init(&config);
   config.master_host = master_host.c_str();
