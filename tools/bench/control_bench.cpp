@@ -15,6 +15,7 @@
 #include "bench_common.h"
 #include "subprocess.h"
 
+#include "common/limits.h"
 #include "protocol/codec.h"
 #include "protocol/messages.h"
 
@@ -416,9 +417,23 @@ int run_control(const ControlSettings& c) {
     update["kind"] = "update_topology";
     std::cout << update.dump() << std::endl;
 
+    // The slowest heartbeat acknowledgement since the last line: how late the master
+    // answered others while it worked for these rounds (this process's loop included);
+    // null if no heartbeat (one per peer per second) was answered meanwhile.
+    std::size_t heartbeats_seen = 0;
+    const auto slowest_heartbeat = [&] {
+      const auto& hb = swarm.heartbeat_ms();
+      json most = nullptr;
+      for (std::size_t i = heartbeats_seen; i < hb.size(); ++i) {
+        if (most.is_null() || hb[i] > most.get<double>()) most = hb[i];
+      }
+      heartbeats_seen = hb.size();
+      return most;
+    };
     const auto report = [&](const char* kind, const std::vector<double>& lat, double cpu_s, int rounds,
                             json extra = json::object()) {
       json j{{"bench", "control"},
+             {"heartbeat_max_ms", slowest_heartbeat()},
              {"peers", n},
              {"kind", kind},
              {"rounds", rounds},
@@ -510,6 +525,35 @@ int run_control(const ControlSettings& c) {
       // Both votes of a collective count as rounds: 2 x rounds x tags.
       report("collective_initiate", init_lat, cpu / 2, c.rounds * c.tags, json{{"tags_in_flight", c.tags}});
       report("collective_complete", done_lat, cpu / 2, c.rounds * c.tags, json{{"tags_in_flight", c.tags}});
+    }
+
+    // All-reduces small enough to travel with the votes (16 KiB each): the master holds
+    // every contribution, folds them on its event loop and sends each peer the result.
+    {
+      std::vector<double> lat;
+      const double cpu0 = cpu_seconds(pid);
+      proto::CollectiveInit init;
+      init.descriptor.count = limits::kVoteCarriedBytesMax / sizeof(float);
+      init.descriptor.dtype = LOCKSTEP_F32;
+      init.descriptor.op = LOCKSTEP_SUM;
+      init.data.assign(limits::kVoteCarriedBytesMax, 0);
+      for (int r = 0; r < c.rounds; ++r) {
+        init.tag = 1'000'000 + static_cast<std::uint64_t>(r);
+        for (auto& p : swarm.peers()) {
+          if (!swarm.send(p, init)) return failed("carried all-reduce vote");
+        }
+        const auto last_vote = Clock::now();
+        if (!swarm.await_each<proto::CollectiveResult>(
+                [&](SimPeer&, const proto::CollectiveResult& res, Clock::time_point at) {
+                  lat.push_back(ms_between(last_vote, at));
+                  return res.status == LOCKSTEP_OK && res.data.size() == limits::kVoteCarriedBytesMax;
+                },
+                std::chrono::seconds(60))) {
+          return failed("carried all-reduce result");
+        }
+      }
+      report("collective_carried", lat, cpu_seconds(pid) - cpu0, c.rounds,
+             json{{"bytes", limits::kVoteCarriedBytesMax}});
     }
 
     // Shared-state syncs: every peer holds the same content (the plan moves nothing).
