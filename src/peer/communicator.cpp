@@ -429,6 +429,14 @@ Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::
   }
   // A newer connection from the same sender replaces the cached one (it reconnected).
   auto fresh = link_->take_inbound(from, slot, have, cached ? Clock::now() : deadline, abort);
+  // One its sender has closed already belongs to an attempt that failed (a peer drops
+  // its connections then), and its unread frames must not meet this attempt: a newer
+  // one follows.
+  while (fresh && closed_by_other_end(fresh->fd.get())) {
+    LOG_DEBUG(kLog, "ring connection from " << from.to_string() << " (slot " << slot
+                                            << ") was closed before it was used; waiting for a newer one");
+    fresh = link_->take_inbound(from, slot, fresh->epoch, cached ? Clock::now() : deadline, abort);
+  }
   std::lock_guard<std::mutex> lock(connections_mutex_);
   if (fresh) {
     if (options_.encrypt_data && !fresh->keys) {
@@ -1051,7 +1059,6 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   coll::RingStats stats;
   const bool doubling = coll::runs_by_doubling(init.descriptor, n);
   std::vector<std::uint8_t> original;  // doubling: the destination before the attempt
-  std::vector<PeerId> partners;
 
   Status local = Status::ok();
   bool ran = false;
@@ -1064,7 +1071,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
     ran = true;
     const auto* dst = static_cast<const std::uint8_t*>(plan.dst);
     original.assign(dst, dst + plan.count * coll::dtype_size(plan.dtype));
-    local = run_doubling(ring, rank, plan, go.slot, channel, *scratch, &stats, &partners);
+    local = run_doubling(ring, rank, plan, go.slot, channel, *scratch, &stats);
   } else {
     coll::RingIo io;
     io.abort_fd = channel.event_fd();
@@ -1141,8 +1148,12 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   if (doubling) {
     // Every stage wrote the destination in place: a failed attempt gets it back whole.
     if (!final_status.is_ok() && ran) std::memcpy(plan.dst, original.data(), original.size());
-    if (!final_status.is_ok()) {
-      for (const auto& partner : partners) drop_connections(partner, partner, go.slot);
+    // Every partner of the plan, not only those reached: a later partner may already
+    // have sent this attempt's frames, which must not meet the next attempt.
+    if (!final_status.is_ok() && had_turn) {
+      for (const auto& stage : coll::doubling_stages(n, rank)) {
+        drop_connections(ring[stage.partner], ring[stage.partner], go.slot);
+      }
     }
   } else {
     if (!final_status.is_ok() && ran && local.is_ok()) coll::restore(plan, *scratch);  // we had finished: undo
@@ -1164,12 +1175,11 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
 
 Status Communicator::run_doubling(const std::vector<PeerId>& ring, std::size_t rank, const coll::RingPlan& plan,
                                   std::uint32_t slot, const OpChannel& channel, coll::RingScratch& scratch,
-                                  coll::RingStats* stats, std::vector<PeerId>* partners) {
+                                  coll::RingStats* stats) {
   using Kind = coll::DoublingStage::Kind;
   bool first = true;  // the first stage reads the caller's source; the others the destination
   for (const auto& stage : coll::doubling_stages(ring.size(), rank)) {
     const PeerId partner = ring[stage.partner];
-    partners->push_back(partner);
     proto::MemberInfo to;
     {
       std::lock_guard<std::mutex> lock(connections_mutex_);

@@ -288,11 +288,10 @@ class Communicator {
   void drop_connections(PeerId next, PeerId prev, std::uint32_t slot);
   void prune_connections(const std::vector<proto::MemberInfo>& members);
   // An all-reduce by doubling (collectives/doubling.h): this rank's pair exchanges over
-  // the slot's connections to each partner, in order; *partners gets every partner it
-  // turned to (their connections are dropped if the attempt fails).
+  // the slot's connections to each partner, in order.
   Status run_doubling(const std::vector<PeerId>& ring, std::size_t rank, const coll::RingPlan& plan,
                       std::uint32_t slot, const OpChannel& channel, coll::RingScratch& scratch,
-                      coll::RingStats* stats, std::vector<PeerId>* partners);
+                      coll::RingStats* stats);
 
   Options options_;
   std::thread::id owner_;
