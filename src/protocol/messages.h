@@ -358,7 +358,7 @@ struct CollectiveGo {
   // or optimize topology) less the peers listed here (removed since), in view order.
   // Empty in the common case, so that the message does not grow with the world.
   std::uint64_t epoch = 0;
-  std::vector<PeerId> absent;
+  std::vector<PeerId> absent = {};
   bool operator==(const CollectiveGo&) const = default;
 };
 // The outcome of a collective, the same for every participant. attempt 0: the

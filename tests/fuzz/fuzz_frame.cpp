@@ -132,7 +132,7 @@ std::vector<p::Message> sample_messages() {
   m.emplace_back(p::AgreeResult{LOCKSTEP_STATUS_PEER_CONNECTION_LOST, false, "peer lost"});
   m.emplace_back(p::Refused{p::MsgType::kCollectiveInit, 7, LOCKSTEP_STATUS_INVALID_USAGE, "tag in flight"});
   m.emplace_back(p::Goodbye{LOCKSTEP_STATUS_KICKED, "heartbeat timeout"});
-  m.emplace_back(p::CollectiveGo{7, 4, 1, {a, b}});
+  m.emplace_back(p::CollectiveGo{7, 4, 1, 2, {a, b}});
   m.emplace_back(p::CollectiveResult{7, 4, LOCKSTEP_OK, 2, ""});
   m.emplace_back(p::CollectiveResult{8, 5, LOCKSTEP_OK, 2, "", std::vector<std::uint8_t>(16, 9)});
   m.emplace_back(p::P2PHello{p::kMagic, p::kProtocolVersion, p::Channel::kSharedState, a, b, 3, 0, {}});
