@@ -1,8 +1,8 @@
-// The all-reduce for small buffers among many peers (docs/collectives.md, "Algorithms"):
-// log2(N) pairwise exchanges instead of a ring's 2(N-1) steps. Each exchange is a ring
-// all-reduce of two peers (coll::run_ring with world 2) over the pair's connections, so
-// attempts, aborts, stall detection and encryption are the ring's. Pure planning here;
-// the communicator runs the stages.
+// The all-reduce for small buffers among many peers (docs/collectives.md, "All-reduce:
+// the ring, or doubling among many peers"): log2(N) pairwise exchanges instead of a
+// ring's 2(N-1) steps. Each exchange is a ring all-reduce of two peers (coll::run_ring
+// with world 2) over the pair's connections, so attempts, aborts, stall detection and
+// encryption are the ring's. Pure planning here; the communicator runs the stages.
 #pragma once
 
 #include "protocol/messages.h"
