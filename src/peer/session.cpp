@@ -40,7 +40,12 @@ Commands Session::attach(Time now, std::uint32_t heartbeat_timeout_ms) {
   last_rx_ = now;
   suspect_silence_ = false;
   heartbeat_interval_ = std::max(std::chrono::milliseconds(heartbeat_timeout_ms / 4), kHeartbeatIntervalMin);
-  return commands(cmd::ArmTimer{now + heartbeat_interval_});
+  next_heartbeat_ = now + heartbeat_interval_;
+  return commands(next_wake());
+}
+
+cmd::ArmTimer Session::next_wake() const {
+  return cmd::ArmTimer{std::min(next_heartbeat_, last_rx_ + heartbeat_timeout_ + std::chrono::milliseconds(1))};
 }
 
 Commands Session::on_timer(Time now) {
@@ -55,7 +60,9 @@ Commands Session::on_timer(Time now) {
                        "no message from the master for " + std::to_string(silent.count()) + " ms"));
   }
   suspect_silence_ = false;
-  return commands(cmd::SendFrame{proto::encode_frame(proto::Heartbeat{})}, cmd::ArmTimer{now + heartbeat_interval_});
+  if (now < next_heartbeat_) return commands(next_wake());
+  next_heartbeat_ = now + heartbeat_interval_;
+  return commands(cmd::SendFrame{proto::encode_frame(proto::Heartbeat{})}, next_wake());
 }
 
 Commands Session::on_message(Time now, proto::Message message) {

@@ -76,7 +76,8 @@ class Session {
     kEnded,      // the first fatal status is set (status()); nothing is sent any more
   };
 
-  // While the master is silent for longer than the heartbeat timeout, the link is
+  // A heartbeat goes out every heartbeat interval. While the master is silent for
+  // longer than the heartbeat timeout (the timer wakes at that moment), the link is
   // suspected once and looked at again this much later before it fails: after this
   // process was stopped, the timer and the bytes that arrived meanwhile (perhaps the
   // master's reason for closing) become ready together, and the bytes must win.
@@ -138,7 +139,12 @@ class Session {
   std::chrono::milliseconds heartbeat_timeout_{0};
   std::chrono::milliseconds heartbeat_interval_{0};
   Time last_rx_{};
+  Time next_heartbeat_{};
   bool suspect_silence_ = false;
+  // The timer for the next heartbeat, or for the moment the silence would exceed the
+  // timeout if that comes first: a silent master is noticed at the timeout (plus the
+  // recheck), not up to one heartbeat interval later.
+  cmd::ArmTimer next_wake() const;
 
   std::deque<proto::Message> mailbox_;
   std::set<std::uint64_t> ops_;

@@ -346,20 +346,51 @@ TEST(Membership, MasterThatNeverAnswersGivesATimeoutNotAHang) {
   EXPECT_GE(waited, 900ms);
 }
 
+// The master's /api/state shows an agree round that waits for one peer.
+bool agree_waits_for_one(const json& state) {
+  for (const auto& op : state["operations"]) {
+    if (op["operation"] == "agree" && op["done"].size() == 1 && op["waiting"].size() == 1) return true;
+  }
+  return false;
+}
+
 TEST(Membership, MasterDeathGivesEveryPeerAnErrorNotAHang) {
-  auto master = std::make_unique<Master>();
+  auto master = std::make_unique<Master>(std::vector<std::string>{"--http", "127.0.0.1:0"});
   Peer a(*master, "m0");
   Peer b(*master, "m1");
   std::vector<Peer*> members;
   admit(members, {&a, &b});
   ASSERT_EQ(members.size(), 2u);
   a.send("agree 1");  // blocked: b does not vote
-  std::this_thread::sleep_for(50ms);
+  ASSERT_TRUE(master->wait_for_state(agree_waits_for_one)) << master->state().dump();
   master->proc().kill();
   auto r = a.reply(scaled(10s));
   EXPECT_EQ(code(r), LOCKSTEP_STATUS_MASTER_CONNECTION_LOST) << r.dump();
   auto rb = b.call("agree 1", scaled(10s));
   EXPECT_EQ(code(rb), LOCKSTEP_STATUS_MASTER_CONNECTION_LOST) << rb.dump();
+}
+
+// A stopped master (its connections open, nothing read or answered) is noticed by a
+// peer waiting in a vote at the heartbeat timeout after the master's last word, plus
+// the recheck: within the timeout and half a second of the stop.
+TEST(Membership, StoppedMasterIsNoticedWithinTheHeartbeatTimeout) {
+  const auto heartbeat = scaled(2000ms);
+  Master master({"--http", "127.0.0.1:0", "--heartbeat-timeout-ms", std::to_string(heartbeat.count())});
+  Peer a(master, "t0");
+  Peer b(master, "t1");
+  std::vector<Peer*> members;
+  admit(members, {&a, &b});
+  ASSERT_EQ(members.size(), 2u);
+  a.send("agree 1");  // blocked: b does not vote
+  ASSERT_TRUE(master.wait_for_state(agree_waits_for_one)) << master.state().dump();
+  const auto stopped = std::chrono::steady_clock::now();
+  ASSERT_TRUE(master.proc().signal(SIGSTOP));
+  auto r = a.reply(heartbeat + scaled(10s));
+  const auto waited = std::chrono::steady_clock::now() - stopped;
+  ASSERT_TRUE(master.proc().signal(SIGCONT));
+  EXPECT_EQ(code(r), LOCKSTEP_STATUS_MASTER_CONNECTION_LOST) << r.dump();
+  EXPECT_GE(waited, heartbeat - heartbeat / 4 - 100ms) << "noticed before the master was silent for the timeout";
+  EXPECT_LE(waited, heartbeat + scaled(500ms)) << "noticed later than the heartbeat timeout and half a second";
 }
 
 }  // namespace

@@ -106,6 +106,41 @@ TEST(SessionTest, SilenceIsSuspectedThenFailsAfterTheRecheck) {
   EXPECT_EQ(all_of<cmd::CloseMaster>(c)[0].status.message(), s.status().message());
 }
 
+// The session driven as its shell drives it (each on_timer at the time it armed), the
+// master answering every heartbeat 3 ms later until it goes silent at `stop`: the link
+// fails at the timeout after the last answer, plus the recheck, whatever the phase of the
+// heartbeat ticks; never a heartbeat interval later, never before the timeout.
+TEST(SessionTest, ASilentMasterIsNoticedAtTheTimeoutWhateverThePhase) {
+  constexpr std::int64_t kTimeout = 1000;
+  for (std::int64_t stop = 2000; stop < 2300; stop += 7) {
+    SCOPED_TRACE("master silent from " + std::to_string(stop) + " ms");
+    Session s(false);
+    Session::Time wake = all_of<cmd::ArmTimer>(s.attach(kT0, kTimeout)).at(0).at;
+    Session::Time last_answer = kT0;
+    std::vector<Session::Time> answers;  // heartbeat answers due, in order
+    while (s.state() == State::kConnected) {
+      ASSERT_LT(wake, at(stop + 10 * kTimeout)) << "the silence was never noticed";
+      // Answers due before the next wake arrive first.
+      while (!answers.empty() && answers.front() <= wake) {
+        EXPECT_TRUE(s.on_message(answers.front(), p::HeartbeatAck{}).empty());
+        last_answer = answers.front();
+        answers.erase(answers.begin());
+      }
+      const Commands c = s.on_timer(wake);
+      for (const auto& send : all_of<cmd::SendFrame>(c)) {
+        EXPECT_TRUE(is_heartbeat(send));
+        if (wake + milliseconds(3) < at(stop)) answers.push_back(wake + milliseconds(3));
+      }
+      if (s.state() != State::kConnected) break;
+      ASSERT_EQ(all_of<cmd::ArmTimer>(c).size(), 1u);
+      wake = all_of<cmd::ArmTimer>(c)[0].at;
+    }
+    EXPECT_EQ(s.status().code(), LOCKSTEP_STATUS_MASTER_CONNECTION_LOST);
+    EXPECT_GT(wake - last_answer, milliseconds(kTimeout));
+    EXPECT_LE(wake - last_answer, milliseconds(kTimeout) + milliseconds(1) + Session::kSilenceRecheck);
+  }
+}
+
 TEST(SessionTest, AFrameDuringTheSuspicionSavesTheLink) {
   Session s = attached(100);
   Commands c = s.on_timer(at(150));
