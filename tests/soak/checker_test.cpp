@@ -106,6 +106,48 @@ TEST(SoakChecker, OneOutcomePerAttempt) {
   EXPECT_EQ(c.violations().size(), 2u) << kinds(c);
 }
 
+// A failed attempt that began long after anything was done to the run is unexplained
+// (once per attempt, however many peers report it); one near a kill, a spawn or during
+// a partition is not; a frame of another attempt is counted by its reason.
+TEST(SoakChecker, FailuresNothingExplainsAndStaleFramesAreCounted) {
+  Checker c(config(), kStart);
+  for (const char* n : {"a", "b", "c"}) c.spawned(n, kStart);
+  auto failed = [](const std::string& name, std::uint64_t tag, std::int64_t end_ms, const std::string& error) {
+    json j = json::parse(reduce_line(name, tag, 1, LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "", 0, end_ms));
+    j["ms"] = 40;
+    j["error"] = error;
+    return j.dump();
+  };
+  // Within the heartbeat timeout and the window after the spawns: explained.
+  c.line("a", failed("a", 1, kStart + 3'000, "ring neighbour hung up"), kStart + 3'000);
+  EXPECT_EQ(c.unexplained_failures(), 0u);
+  // 20 s later, nothing done since: unexplained, once for both reports.
+  const std::int64_t t = kStart + 20'000;
+  c.line("a", failed("a", 2, t, "write failed: Broken pipe"), t);
+  c.line("b", failed("b", 2, t, "write failed: Broken pipe"), t);
+  EXPECT_EQ(c.unexplained_failures(), 1u);
+  ASSERT_EQ(c.unexplained_samples().size(), 1u);
+  EXPECT_NE(c.unexplained_samples()[0].find("Broken pipe"), std::string::npos) << c.unexplained_samples()[0];
+  // A kill just before the attempt began explains it; so does one during it.
+  c.killed("c", t + 1'000);
+  c.line("a", failed("a", 3, t + 1'030, "ring neighbour hung up"), t + 1'030);
+  // ... but not a kill after it ended (its line read late).
+  c.killed("b", t + 31'000);
+  c.line("a", failed("a", 4, t + 30'000, "x"), t + 31'010);
+  EXPECT_EQ(c.unexplained_failures(), 2u);
+  // During a partition: explained.
+  c.spawned("d", t + 40'000);
+  c.partition_started({}, t + 50'000);
+  c.line("a", failed("a", 5, t + 58'000, "no data moved"), t + 58'000);
+  c.partition_healed(t + 59'000);
+  EXPECT_EQ(c.unexplained_failures(), 2u);
+  // A frame of another attempt.
+  EXPECT_EQ(c.stale_frame_failures(), 0u);
+  c.line("a", failed("a", 6, t + 59'010, "p3: ring frame of attempt 2 during attempt 3"), t + 59'010);
+  EXPECT_EQ(c.stale_frame_failures(), 1u);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+}
+
 TEST(SoakChecker, AFailedAllReduceMustRestoreItsBuffer) {
   Checker c(config(), kStart);
   c.spawned("a", kStart);

@@ -477,7 +477,7 @@ int worker_collective(const Settings& s) {
 }
 
 // Loops over all-reduces, retrying failures, admitting newcomers between steps, and
-// prints the monotonic time of every success.
+// prints the monotonic times at which every successful one began and ended.
 int worker_recovery(const Settings& s) {
   peer::Options options;
   options.master_port = s.master_port;
@@ -491,10 +491,12 @@ int worker_recovery(const Settings& s) {
     auto a = comm.attributes();
     if (a.is_ok() && a.value().group_world_size >= 2) {
       peer::ReduceDescriptor d{data.data(), data.data(), count, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, 0};
+      const std::int64_t began = now_ns();
       auto r = comm.all_reduce(d);
       if (r.is_ok()) {
         std::fill(data.begin(), data.end(), 1.0f);
-        std::printf("{\"ok_ns\":%lld,\"world\":%u}\n", static_cast<long long>(now_ns()), r.value().world_size);
+        std::printf("{\"begin_ns\":%lld,\"ok_ns\":%lld,\"world\":%u}\n", static_cast<long long>(began),
+                    static_cast<long long>(now_ns()), r.value().world_size);
         std::fflush(stdout);
       } else if (r.status().code() != LOCKSTEP_STATUS_PEER_CONNECTION_LOST) {
         return 1;
@@ -891,30 +893,32 @@ int run_recovery(const Settings& s) {
     auto p = tools::Subprocess::spawn(worker_argv(s, "recovery", next_index, master->port()));
     if (p) workers.emplace(next_index++, std::move(*p));
   };
-  // Reads every worker's successes for a while; returns the last success time of each.
-  auto drain = [&](std::chrono::milliseconds duration, std::map<int, std::int64_t>& last_ok) {
+  // Reads every worker's reports for a while, handing each success (worker, began, ended) to `on_ok`.
+  auto drain = [&](std::chrono::milliseconds duration, const std::function<void(int, std::int64_t, std::int64_t)>& on_ok) {
     const auto until = Clock::now() + duration;
-    while (Clock::now() < until) {
+    do {
       bool any = false;
       for (auto& [i, w] : workers) {
         while (auto line = w.read_line(std::chrono::milliseconds(0))) {
           auto j = json::parse(*line, nullptr, false);
-          if (!j.is_discarded() && j.contains("ok_ns")) last_ok[i] = j["ok_ns"].get<std::int64_t>();
+          if (!j.is_discarded() && j.contains("ok_ns") && j.contains("begin_ns")) {
+            on_ok(i, j["begin_ns"].get<std::int64_t>(), j["ok_ns"].get<std::int64_t>());
+          }
           any = true;
         }
       }
       if (!any) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    } while (Clock::now() < until);
   };
+  const auto ignore = [](int, std::int64_t, std::int64_t) {};
   for (int i = 0; i < s.peers; ++i) spawn();
-  std::map<int, std::int64_t> last_ok;
-  drain(std::chrono::milliseconds(3000), last_ok);
+  drain(std::chrono::milliseconds(3000), ignore);
   std::mt19937 random(12345);
   std::vector<double> recovery_ms;
   for (int trial = 0; trial < s.trials; ++trial) {
     // Kill a random worker at a uniformly random moment.
     std::this_thread::sleep_for(std::chrono::milliseconds(50 + random() % 250));
-    drain(std::chrono::milliseconds(0), last_ok);
+    drain(std::chrono::milliseconds(0), ignore);
     auto victim = workers.begin();
     std::advance(victim, static_cast<long>(random() % workers.size()));
     const std::int64_t killed_ns = now_ns();
@@ -926,16 +930,14 @@ int run_recovery(const Settings& s) {
       stopped.kill();
     }
     workers.erase(victim);
+    // Wait until every survivor has completed an all-reduce that began after the kill
+    // (one already in flight at the kill may still complete with every peer: it does not count).
     std::map<int, std::int64_t> after;
     const auto deadline = Clock::now() + std::chrono::milliseconds(s.heartbeat_timeout_ms + 30'000);
-    // Wait until every survivor has completed an all-reduce that began after the kill.
-    for (;;) {
-      std::map<int, std::int64_t> seen;
-      drain(std::chrono::milliseconds(2), seen);
-      for (const auto& [i, t] : seen) {
-        if (t > killed_ns && after.count(i) == 0) after[i] = t;
-      }
-      if (after.size() == workers.size() || Clock::now() > deadline) break;
+    while (after.size() < workers.size() && Clock::now() < deadline) {
+      drain(std::chrono::milliseconds(2), [&](int i, std::int64_t began, std::int64_t ended) {
+        if (began > killed_ns) after.emplace(i, ended);
+      });
     }
     if (after.size() != workers.size()) {
       std::fprintf(stderr, "lockstep-bench: survivors did not recover within the deadline\n");
@@ -946,7 +948,7 @@ int run_recovery(const Settings& s) {
     recovery_ms.push_back(static_cast<double>(latest - killed_ns) / 1e6);
     stopped.kill();
     spawn();  // a replacement joins; let the run settle
-    drain(std::chrono::milliseconds(500), last_ok);
+    drain(std::chrono::milliseconds(500), ignore);
   }
   json out = {{"bench", "recovery"},
               {"signal", s.stop_instead_of_kill ? "SIGSTOP" : "SIGKILL"},

@@ -81,6 +81,7 @@ void Checker::update_condition(std::int64_t now_ms) {
 }
 
 void Checker::spawned(const std::string& name, std::int64_t now_ms) {
+  event(now_ms);
   Worker w;
   w.spawned_ms = now_ms;
   w.last_progress_ms = now_ms;
@@ -89,6 +90,7 @@ void Checker::spawned(const std::string& name, std::int64_t now_ms) {
 }
 
 void Checker::stopped(const std::string& name, std::int64_t now_ms) {
+  event(now_ms);
   auto it = workers_.find(name);
   if (it == workers_.end() || it->second.life != Life::kActive) return;
   it->second.life = Life::kStopped;
@@ -96,6 +98,7 @@ void Checker::stopped(const std::string& name, std::int64_t now_ms) {
 }
 
 void Checker::resumed(const std::string& name, std::int64_t now_ms) {
+  event(now_ms);
   auto it = workers_.find(name);
   if (it == workers_.end() || it->second.life != Life::kStopped) return;
   it->second.life = Life::kResumed;
@@ -104,6 +107,7 @@ void Checker::resumed(const std::string& name, std::int64_t now_ms) {
 }
 
 void Checker::partition_started(const std::vector<std::string>& cut_off, std::int64_t now_ms) {
+  event(now_ms);
   for (const auto& name : cut_off) {
     auto it = workers_.find(name);
     if (it != workers_.end() && it->second.life == Life::kActive) it->second.life = Life::kPartitioned;
@@ -114,12 +118,40 @@ void Checker::partition_started(const std::vector<std::string>& cut_off, std::in
 }
 
 void Checker::partition_healed(std::int64_t now_ms) {
+  event(now_ms);
   for (auto& [name, w] : workers_) {
     if (w.life != Life::kPartitioned) continue;
     w.life = Life::kHealed;
     w.resumed_ms = now_ms;
   }
   if (!partitions_.empty() && !partitions_.back().second) partitions_.back().second = now_ms;
+}
+
+void Checker::event(std::int64_t now_ms) {
+  events_.push_back(now_ms);
+  if (events_.size() > 4096) events_.erase(events_.begin(), events_.begin() + 2048);
+}
+
+void Checker::classify_failure(const json& j, std::uint64_t tag, std::uint64_t attempt) {
+  if (!classified_.insert({tag, attempt}).second) return;
+  while (!classified_.empty() && classified_.begin()->first + config_.history < tag) classified_.erase(classified_.begin());
+  const std::string error = j.value("error", std::string());
+  if (error.find("ring frame of attempt") != std::string::npos) ++stale_frames_;
+  const std::int64_t end_ms = j.value("end_ms", std::int64_t{0});
+  const std::int64_t began_ms = end_ms - j.value("ms", std::int64_t{0});
+  if (end_ms <= 0) return;
+  const std::int64_t from_ms = began_ms - config_.heartbeat_timeout_ms - config_.explained_window_ms;
+  const bool explained = partition_overlaps(from_ms, end_ms) ||
+                         std::any_of(events_.begin(), events_.end(), [&](std::int64_t t) {
+                           // (the orchestrator notes an event just after it acted: a little slack)
+                           return t >= from_ms && t <= end_ms + 100;
+                         });
+  if (explained) return;
+  ++unexplained_;
+  if (unexplained_samples_.size() < 8) {
+    unexplained_samples_.push_back("tag " + std::to_string(tag) + " attempt " + std::to_string(attempt) + " (" +
+                                   status_text(j.value("code", -1)) + "): " + error);
+  }
 }
 
 bool Checker::partition_overlaps(std::int64_t from_ms, std::int64_t to_ms) const {
@@ -142,6 +174,7 @@ void Checker::progressed(Worker& w, std::int64_t now_ms, std::int64_t done_ms) {
 }
 
 void Checker::killed(const std::string& name, std::int64_t now_ms) {
+  event(now_ms);
   auto it = workers_.find(name);
   if (it == workers_.end() || it->second.life == Life::kGone) return;
   it->second.killed = true;
@@ -150,6 +183,7 @@ void Checker::killed(const std::string& name, std::int64_t now_ms) {
 }
 
 void Checker::exited(const std::string& name, int exit_code, std::int64_t now_ms, bool shutting_down) {
+  event(now_ms);
   auto it = workers_.find(name);
   if (it == workers_.end() || it->second.life == Life::kGone) return;
   Worker& w = it->second;
@@ -260,6 +294,7 @@ void Checker::on_allreduce(Worker& w, const std::string& name, const json& j, st
     }
   } else {
     ++allreduce_failures_;
+    classify_failure(j, tag, attempt);
     if (j.contains("restored") && !j.value("restored", true)) {
       add("restore", name + ": tag " + std::to_string(tag) + " attempt " + std::to_string(attempt) + " failed (" +
                          status_text(code) + ") and its buffer does not hold what it held before the call",

@@ -54,6 +54,9 @@ struct CheckerConfig {
   // duration, the p2p connect and stall timeouts: what a ring across the cut takes to
   // fail and be retried once healed).
   std::int64_t partition_allowance_ms = 0;
+  // A failed all-reduce is explained by an event of the run this long (plus the
+  // heartbeat timeout) before it began, or later (the stall timeout and a retry).
+  std::int64_t explained_window_ms = 3'000;
   // Revisions and tags this far below the newest are forgotten (bounded memory).
   std::uint64_t history = 100'000;
 };
@@ -122,6 +125,16 @@ class Checker {
   std::uint64_t partitioned_returned() const { return partitioned_returned_; }
   std::uint64_t partitioned_evicted() const { return partitioned_evicted_; }
   std::int64_t longest_heal_settle_ms() const { return longest_heal_settle_ms_; }
+  // Failed all-reduce attempts (counted once per tag and attempt) lost to a frame of
+  // another attempt on a ring connection ("ring frame of attempt M during attempt N"),
+  // and those that nothing done to the run explains: no worker was spawned, stopped,
+  // resumed, killed or exited and no partition began, lasted or healed between the
+  // heartbeat timeout plus explained_window_ms before the attempt began and its end (a
+  // stale connection after a membership change, or any other fault of the library,
+  // lands here). The first few of each, with the reason.
+  std::uint64_t stale_frame_failures() const { return stale_frames_; }
+  std::uint64_t unexplained_failures() const { return unexplained_; }
+  const std::vector<std::string>& unexplained_samples() const { return unexplained_samples_; }
   // The longest time the highest revision did not grow, up to now_ms.
   std::int64_t longest_revision_gap_ms(std::int64_t now_ms) const {
     return std::max(longest_revision_gap_ms_, now_ms - max_revision_ms_);
@@ -175,6 +188,9 @@ class Checker {
   void progressed(Worker& w, std::int64_t now_ms, std::int64_t done_ms);
   // Whether a partition overlapped [from_ms, to_ms].
   bool partition_overlaps(std::int64_t from_ms, std::int64_t to_ms) const;
+  // Something was done to the run (spawn, stop, resume, kill, exit, partition, heal).
+  void event(std::int64_t now_ms);
+  void classify_failure(const nlohmann::json& j, std::uint64_t tag, std::uint64_t attempt);
   std::size_t active_count() const;
 
   CheckerConfig config_;
@@ -205,6 +221,12 @@ class Checker {
   std::int64_t longest_revision_gap_ms_ = 0;
   // The latest partitions (start, end; end unset while it lasts), oldest first.
   std::vector<std::pair<std::int64_t, std::optional<std::int64_t>>> partitions_;
+  // When things were done to the run, the latest last (bounded).
+  std::vector<std::int64_t> events_;
+  std::set<std::pair<std::uint64_t, std::uint64_t>> classified_;
+  std::uint64_t stale_frames_ = 0;
+  std::uint64_t unexplained_ = 0;
+  std::vector<std::string> unexplained_samples_;
   std::uint64_t partitioned_returned_ = 0;
   std::uint64_t partitioned_evicted_ = 0;
   std::int64_t longest_heal_settle_ms_ = 0;

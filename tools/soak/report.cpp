@@ -93,6 +93,9 @@ json summary_report(const RunOptions& o, const Checker& checker, const EventCoun
   s["newcomer_syncs"] = checker.newcomer_syncs();
   s["allreduces_completed"] = checker.allreduces_completed();
   s["allreduce_failures_reported"] = checker.allreduce_failures_reported();
+  s["stale_frame_failures"] = checker.stale_frame_failures();
+  s["unexplained_failures"] = checker.unexplained_failures();
+  if (!checker.unexplained_samples().empty()) s["unexplained_failure_samples"] = checker.unexplained_samples();
   s["longest_stall_ms"] = checker.longest_stall_ms();
   s["longest_stall_worker"] = checker.longest_stall_worker();
   s["longest_stall_from_s"] = static_cast<double>(checker.longest_stall_from_ms()) / 1000.0;

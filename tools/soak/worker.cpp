@@ -273,6 +273,8 @@ class Worker {
           j["world"] = info.world_size;
           j["checksum"] = hash_of(buffers_[k].data(), buffers_[k].size() * sizeof(float));
         } else {
+          // Why it failed (the checker counts stale frames and failures nothing explains).
+          j["error"] = std::string(lockstep_comm_last_error(comm_)).substr(0, 300);
           // A failed all-reduce leaves the buffer exactly as it was before the call.
           fill(expected_, contribution_key(k));
           j["restored"] = std::memcmp(expected_.data(), buffers_[k].data(), expected_.size() * sizeof(float)) == 0;
