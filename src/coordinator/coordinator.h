@@ -193,6 +193,8 @@ enum class EventKind {
 };
 const char* to_string(Operation op);
 const char* to_string(EventKind kind);
+// The ids, space-separated (for logs and digests).
+std::string id_list(const std::vector<PeerId>& ids);
 
 // A transition worth logging, with its reason. `text` is the whole line for the log;
 // the other fields are the same facts in structured form for the master's status page
