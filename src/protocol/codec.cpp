@@ -1,11 +1,14 @@
-// Frame codec. Writer appends little-endian fields; Reader consumes them and turns
-// every underflow or out-of-range value into a PROTOCOL_ERROR naming the field.
+// Frame codec. Each message, and each structure inside one, has one description,
+// `fields(io, m)`: its fields in wire order, with the conditions a decoded value must
+// meet placed where the decoder checks them. The description runs with a Writer, which
+// appends the fields little-endian and ignores names and conditions (it cuts what is
+// too long where its primitives say so), or with a Reader, which consumes them and
+// turns every underflow or out-of-range value into a PROTOCOL_ERROR naming the field.
 #include "protocol/codec.h"
 
 #include "common/limits.h"
 
 #include <algorithm>
-#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -14,106 +17,167 @@ namespace {
 
 Status protocol_error(std::string what) { return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, std::move(what)); }
 
+template <typename E>
+constexpr std::underlying_type_t<E> underlying(E value) {
+  return static_cast<std::underlying_type_t<E>>(value);
+}
+
+// Enumerations travel as their underlying type. Only scoped ones with an unsigned
+// underlying type (which hold any raw value, so the reader can store a value before it
+// checks the range); StatusCode, a C enum, has its own primitive.
+template <typename E>
+constexpr bool kWireEnum =
+    std::is_enum_v<E> && !std::is_convertible_v<E, int> && std::is_unsigned_v<std::underlying_type_t<E>>;
+
+// What the writer does with a list longer than the reader's maximum.
+enum class Excess {
+  kWrite,  // writes it whole (the receiver refuses the frame)
+  kCut,    // writes the first count_max elements
+};
+
 class Writer {
  public:
+  static constexpr bool kReading = false;
   explicit Writer(std::vector<std::uint8_t>& out) : out_(out) {}
+
   template <typename T>
-  void u(T value) {
+  bool u(T value, const char* /*field*/) {
     static_assert(std::is_unsigned_v<T>);
-    for (std::size_t i = 0; i < sizeof(T); ++i) out_.push_back(static_cast<std::uint8_t>(value >> (8 * i)));
+    std::uint8_t le[sizeof(T)];
+    for (std::size_t i = 0; i < sizeof(T); ++i) le[i] = static_cast<std::uint8_t>(value >> (8 * i));
+    out_.insert(out_.end(), le, le + sizeof(T));
+    return true;
   }
-  void boolean(bool value) { u<std::uint8_t>(value ? 1 : 0); }
-  void status(StatusCode code) { u<std::uint32_t>(static_cast<std::uint32_t>(code)); }
-  // Strings longer than the wire bound are cut (only reasons can be that long).
-  void str(const std::string& value) {
-    const std::size_t n = std::min<std::size_t>(value.size(), limits::kWireStringBytesMax);
-    u<std::uint16_t>(static_cast<std::uint16_t>(n));
-    out_.insert(out_.end(), value.begin(), value.begin() + static_cast<std::ptrdiff_t>(n));
+  template <typename E>
+  bool enumeration(E value, const char* field) {
+    static_assert(kWireEnum<E>);
+    return u(underlying(value), field);
   }
-  // Byte strings are cut at the bound the decoder enforces (a u16 length at most).
-  void bytes(const std::vector<std::uint8_t>& value, std::size_t bytes_max = limits::kAuthBytesMax) {
-    const std::size_t n = std::min<std::size_t>(value.size(), std::min<std::size_t>(bytes_max, 0xffff));
-    u<std::uint16_t>(static_cast<std::uint16_t>(n));
-    out_.insert(out_.end(), value.begin(), value.begin() + static_cast<std::ptrdiff_t>(n));
+  bool boolean(bool value, const char* field) { return u(static_cast<std::uint8_t>(value ? 1 : 0), field); }
+  bool status(StatusCode code, const char* field) { return u(static_cast<std::uint32_t>(code), field); }
+  // Strings are cut at the wire's bound, not the field's: only reasons can be that long,
+  // and a longer host or key is written whole for the reader to refuse.
+  bool str(const std::string& value, std::uint32_t /*bytes_max*/, const char* /*field*/) {
+    return sized<std::uint16_t>(value, limits::kWireStringBytesMax);
+  }
+  // Byte strings are cut at the reader's bound (and at the u16 length), or at cut_at
+  // where a field gives one.
+  bool bytes(const std::vector<std::uint8_t>& value, std::uint32_t bytes_max, const char* field) {
+    return bytes(value, bytes_max, field, bytes_max);
+  }
+  bool bytes(const std::vector<std::uint8_t>& value, std::uint32_t /*bytes_max*/, const char* /*field*/,
+             std::uint32_t cut_at) {
+    return sized<std::uint16_t>(value, std::min<std::size_t>(cut_at, 0xffff));
   }
   // Byte strings with a u32 length, cut at bytes_max.
-  void bytes32(const std::vector<std::uint8_t>& value, std::size_t bytes_max) {
-    const std::size_t n = std::min<std::size_t>(value.size(), bytes_max);
-    u<std::uint32_t>(static_cast<std::uint32_t>(n));
-    out_.insert(out_.end(), value.begin(), value.begin() + static_cast<std::ptrdiff_t>(n));
+  bool bytes32(const std::vector<std::uint8_t>& value, std::uint32_t bytes_max, const char* /*field*/) {
+    return sized<std::uint32_t>(value, bytes_max);
   }
-  void id(const PeerId& value) {
-    u(value.hi);
-    u(value.lo);
+  // A u32 count, then each element as `element` describes it.
+  template <typename T, typename Element>
+  bool list(const std::vector<T>& values, std::uint32_t count_max, std::size_t /*element_bytes_min*/,
+            const char* field, Element&& element, Excess excess = Excess::kWrite) {
+    std::size_t n = values.size();
+    if (excess == Excess::kCut) n = std::min<std::size_t>(n, count_max);
+    u(static_cast<std::uint32_t>(n), field);
+    for (std::size_t i = 0; i < n; ++i) element(values[i]);
+    return true;
+  }
+  // Conditions are the reader's.
+  template <typename What>
+  bool check(bool /*ok*/, const What& /*what*/) {
+    return true;
   }
 
  private:
+  template <typename Length, typename Container>
+  bool sized(const Container& value, std::size_t bytes_max) {
+    const std::size_t n = std::min<std::size_t>(value.size(), bytes_max);
+    u(static_cast<Length>(n), nullptr);
+    out_.insert(out_.end(), value.begin(), value.begin() + static_cast<std::ptrdiff_t>(n));
+    return true;
+  }
   std::vector<std::uint8_t>& out_;
 };
 
 class Reader {
  public:
+  static constexpr bool kReading = true;
   explicit Reader(std::span<const std::uint8_t> in) : in_(in) {}
 
   template <typename T>
-  bool u(T* value, const char* field) {
+  bool u(T& value, const char* field) {
     static_assert(std::is_unsigned_v<T>);
     if (!need(sizeof(T), field)) return false;
     T out = 0;
     for (std::size_t i = 0; i < sizeof(T); ++i) out = static_cast<T>(out | (static_cast<T>(in_[pos_ + i]) << (8 * i)));
     pos_ += sizeof(T);
-    *value = out;
+    value = out;
     return true;
   }
-  bool boolean(bool* value, const char* field) {
+  // Any raw value is stored; the description checks the range.
+  template <typename E>
+  bool enumeration(E& value, const char* field) {
+    static_assert(kWireEnum<E>);
+    std::underlying_type_t<E> raw = 0;
+    if (!u(raw, field)) return false;
+    value = static_cast<E>(raw);
+    return true;
+  }
+  bool boolean(bool& value, const char* field) {
     std::uint8_t raw = 0;
-    if (!u(&raw, field)) return false;
+    if (!u(raw, field)) return false;
     if (raw > 1) return fail(std::string(field) + ": boolean out of range");
-    *value = raw == 1;
+    value = raw == 1;
     return true;
   }
-  bool status(StatusCode* value, const char* field) {
+  bool status(StatusCode& value, const char* field) {
     std::uint32_t raw = 0;
-    if (!u(&raw, field)) return false;
+    if (!u(raw, field)) return false;
     if (raw > static_cast<std::uint32_t>(kStatusCodeMax)) return fail(std::string(field) + ": unknown status code");
-    *value = static_cast<StatusCode>(raw);
+    value = static_cast<StatusCode>(raw);
     return true;
   }
-  bool str(std::string* value, std::uint32_t bytes_max, const char* field) {
-    std::uint16_t len = 0;
-    if (!u(&len, field)) return false;
-    if (len > bytes_max) return fail(std::string(field) + ": string longer than " + std::to_string(bytes_max) + " bytes");
-    if (!need(len, field)) return false;
-    value->assign(reinterpret_cast<const char*>(in_.data() + pos_), len);
-    pos_ += len;
+  bool str(std::string& value, std::uint32_t bytes_max, const char* field) {
+    return sized<std::uint16_t>(value, bytes_max, field, ": string longer than ");
+  }
+  bool bytes(std::vector<std::uint8_t>& value, std::uint32_t bytes_max, const char* field) {
+    return sized<std::uint16_t>(value, bytes_max, field, ": longer than ");
+  }
+  bool bytes(std::vector<std::uint8_t>& value, std::uint32_t bytes_max, const char* field, std::uint32_t /*cut_at*/) {
+    return bytes(value, bytes_max, field);
+  }
+  bool bytes32(std::vector<std::uint8_t>& value, std::uint32_t bytes_max, const char* field) {
+    return sized<std::uint32_t>(value, bytes_max, field, ": longer than ");
+  }
+  // A count of elements each at least element_bytes_min long, bounded by count_max and
+  // by what is left in the payload (so a lying count cannot make us allocate), then
+  // each element as `element` describes it.
+  template <typename T, typename Element>
+  bool list(std::vector<T>& values, std::uint32_t count_max, std::size_t element_bytes_min, const char* field,
+            Element&& element, Excess /*excess*/ = Excess::kWrite) {
+    std::uint32_t n = 0;
+    if (!u(n, field)) return false;
+    if (n > count_max) return fail(std::string(field) + ": count above " + std::to_string(count_max));
+    if (static_cast<std::size_t>(n) * element_bytes_min > in_.size() - pos_) {
+      return fail(std::string(field) + ": count exceeds payload");
+    }
+    values.resize(n);
+    for (auto& value : values) {
+      if (!element(value)) return false;
+    }
     return true;
   }
-  bool bytes(std::vector<std::uint8_t>* value, std::uint32_t bytes_max, const char* field) {
-    std::uint16_t len = 0;
-    if (!u(&len, field)) return false;
-    if (len > bytes_max) return fail(std::string(field) + ": longer than " + std::to_string(bytes_max) + " bytes");
-    if (!need(len, field)) return false;
-    value->assign(in_.begin() + static_cast<std::ptrdiff_t>(pos_), in_.begin() + static_cast<std::ptrdiff_t>(pos_ + len));
-    pos_ += len;
-    return true;
-  }
-  bool bytes32(std::vector<std::uint8_t>* value, std::uint32_t bytes_max, const char* field) {
-    std::uint32_t len = 0;
-    if (!u(&len, field)) return false;
-    if (len > bytes_max) return fail(std::string(field) + ": longer than " + std::to_string(bytes_max) + " bytes");
-    if (!need(len, field)) return false;
-    value->assign(in_.begin() + static_cast<std::ptrdiff_t>(pos_), in_.begin() + static_cast<std::ptrdiff_t>(pos_ + len));
-    pos_ += len;
-    return true;
-  }
-  bool id(PeerId* value, const char* field) { return u(&value->hi, field) && u(&value->lo, field); }
-  // A count of elements each at least element_bytes_min long, bounded by count_max
-  // and by what is left in the payload (so a lying count cannot make us allocate).
-  bool count(std::uint32_t* value, std::uint32_t count_max, std::size_t element_bytes_min, const char* field) {
-    if (!u(value, field)) return false;
-    if (*value > count_max) return fail(std::string(field) + ": count above " + std::to_string(count_max));
-    if (static_cast<std::size_t>(*value) * element_bytes_min > in_.size() - pos_) return fail(std::string(field) + ": count exceeds payload");
-    return true;
+  // A condition the value read so far must meet; `what` is the error, a text or a
+  // callable that makes it (only on failure).
+  template <typename What>
+  bool check(bool ok, const What& what) {
+    if (ok) return true;
+    if constexpr (std::is_invocable_v<const What&>) {
+      return fail(what());
+    } else {
+      return fail(std::string(what));
+    }
   }
   bool fail(std::string what) {
     if (error_.empty()) error_ = std::move(what);
@@ -131,529 +195,355 @@ class Reader {
     if (in_.size() - pos_ < n) return fail(std::string(field) + ": truncated");
     return true;
   }
+  // A length of type Length, at most bytes_max, then that many bytes.
+  template <typename Length, typename Container>
+  bool sized(Container& value, std::uint32_t bytes_max, const char* field, const char* longer_than) {
+    Length len = 0;
+    if (!u(len, field)) return false;
+    if (len > bytes_max) return fail(std::string(field) + longer_than + std::to_string(bytes_max) + " bytes");
+    if (!need(len, field)) return false;
+    const std::uint8_t* first = in_.data() + pos_;
+    if constexpr (std::is_same_v<Container, std::string>) {
+      value.assign(reinterpret_cast<const char*>(first), len);
+    } else {
+      value.assign(first, first + len);
+    }
+    pos_ += len;
+    return true;
+  }
   std::span<const std::uint8_t> in_;
   std::size_t pos_ = 0;
   std::string error_;
 };
 
-// ---- per-message encode/decode
+// The type a description sees: const for the writer, mutable for the reader.
+template <typename Io, typename T>
+using Of = std::conditional_t<Io::kReading, T, const T>;
 
-void put(Writer& w, const MemberInfo& m) {
-  w.id(m.id);
-  w.str(m.host);
-  w.u(m.p2p_port);
-  w.u(m.shared_state_port);
-  w.u(m.benchmark_port);
-  w.bytes(m.key);
+// ---- structures inside messages
+
+// Ids and digests are two u64 (hi, lo); both halves carry the name of the field.
+template <typename Io>
+bool fields(Io& io, Of<Io, PeerId>& id, const char* field) {
+  return io.u(id.hi, field) && io.u(id.lo, field);
 }
-bool get(Reader& r, MemberInfo* m) {
-  return r.id(&m->id, "member.id") && r.str(&m->host, limits::kHostBytesMax, "member.host") &&
-         r.u(&m->p2p_port, "member.p2p_port") && r.u(&m->shared_state_port, "member.shared_state_port") &&
-         r.u(&m->benchmark_port, "member.benchmark_port") && r.bytes(&m->key, limits::kAuthFieldBytesMax, "member.key");
+template <typename Io>
+bool fields(Io& io, Of<Io, state::Digest>& digest, const char* field) {
+  return io.u(digest.hi, field) && io.u(digest.lo, field);
+}
+
+// A list of peer ids: a u32 count (bounded) and 16 bytes per id.
+template <typename Io, typename Ids>
+bool id_list(Io& io, Ids& ids, const char* field) {
+  return io.list(ids, limits::kMembersPerMessageMax, 16, field, [&](auto& id) { return fields(io, id, field); });
+}
+
+// The member's key is bounded at kAuthFieldBytesMax by the reader; the writer cuts it at
+// kAuthBytesMax, like every authentication byte string.
+template <typename Io>
+bool fields(Io& io, Of<Io, MemberInfo>& m) {
+  return fields(io, m.id, "member.id") && io.str(m.host, limits::kHostBytesMax, "member.host") &&
+         io.u(m.p2p_port, "member.p2p_port") && io.u(m.shared_state_port, "member.shared_state_port") &&
+         io.u(m.benchmark_port, "member.benchmark_port") &&
+         io.bytes(m.key, limits::kAuthFieldBytesMax, "member.key", limits::kAuthBytesMax);
 }
 constexpr std::size_t kMemberBytesMin = 16 + 2 + 6 + 2;
 
-void put_members(Writer& w, const std::vector<MemberInfo>& members) {
-  w.u(static_cast<std::uint32_t>(members.size()));
-  for (const auto& m : members) put(w, m);
+template <typename Io, typename Members>
+bool member_list(Io& io, Members& members) {
+  return io.list(members, limits::kMembersPerMessageMax, kMemberBytesMin, "members",
+                 [&](auto& member) { return fields(io, member); });
 }
-bool get_members(Reader& r, std::vector<MemberInfo>* members) {
-  std::uint32_t n = 0;
-  if (!r.count(&n, limits::kMembersPerMessageMax, kMemberBytesMin, "members")) return false;
-  members->resize(n);
-  for (auto& m : *members) {
-    if (!get(r, &m)) return false;
-  }
+
+// The dtype, op, quantization and kind are checked once the whole descriptor is read.
+template <typename Io>
+bool fields(Io& io, Of<Io, CollectiveDescriptor>& d) {
+  return io.u(d.count, "descriptor.count") && io.u(d.dtype, "descriptor.dtype") && io.u(d.op, "descriptor.op") &&
+         io.u(d.quantization, "descriptor.quantization") && io.enumeration(d.kind, "descriptor.kind") &&
+         io.u(d.root, "descriptor.root") && io.u(d.world, "descriptor.world") &&
+         io.list(
+             d.counts, limits::kMembersPerMessageMax, 8, "descriptor.counts",
+             [&](auto& count) { return io.u(count, "descriptor.counts"); }, Excess::kCut) &&
+         io.enumeration(d.algorithm, "descriptor.algorithm") &&
+         io.check(underlying(d.algorithm) <= kAlgorithmMax, "descriptor.algorithm: unknown algorithm") &&
+         io.check(d.dtype <= LOCKSTEP_F64, "descriptor.dtype: unknown dtype") &&
+         io.check(d.op <= LOCKSTEP_MIN, "descriptor.op: unknown reduce op") &&
+         io.check(d.quantization <= LOCKSTEP_QUANT_CAST_BF16, "descriptor.quantization: unknown kind") &&
+         io.check(underlying(d.kind) <= kCollectiveKindMax, "descriptor.kind: unknown collective");
+}
+
+template <typename Io>
+bool fields(Io& io, Of<Io, Attributes>& a) {
+  return io.u(a.global_world_size, "topology.global_world_size") &&
+         io.u(a.group_world_size, "topology.group_world_size") && io.u(a.num_groups, "topology.num_groups") &&
+         io.u(a.largest_group_size, "topology.largest_group_size");
+}
+
+// A SyncVote's entry; the key and dtype are checked once the entry is read.
+template <typename Io>
+bool fields(Io& io, Of<Io, TensorEntry>& t) {
+  return io.str(t.key, limits::kSharedStateKeyBytesMax, "sync_vote.key") && io.u(t.dtype, "sync_vote.dtype") &&
+         io.u(t.count, "sync_vote.count") && fields(io, t.hash, "sync_vote.hash") &&
+         io.boolean(t.allow_content_inequality, "sync_vote.allow_content_inequality") &&
+         io.check(!t.key.empty(), "sync_vote.key: empty") &&
+         io.check(t.dtype <= LOCKSTEP_F64, "sync_vote.dtype: unknown dtype");
+}
+constexpr std::size_t kTensorEntryBytesMin = 2 + 1 + 8 + 16 + 1;
+
+// A SyncPlan's fetch (its source is checked against the plan's sources there).
+template <typename Io>
+bool fields(Io& io, Of<Io, SyncFetch>& f) {
+  return io.u(f.tensor, "sync_plan.fetch.tensor") && io.u(f.offset, "sync_plan.fetch.offset") &&
+         io.u(f.bytes, "sync_plan.fetch.bytes") && io.u(f.source, "sync_plan.fetch.source");
+}
+constexpr std::size_t kSyncFetchBytes = 4 + 8 + 8 + 4;
+
+template <typename Io>
+bool fields(Io& io, Of<Io, SyncExpect>& e) {
+  return io.u(e.tensor, "sync_plan.expect.tensor") && fields(io, e.hash, "sync_plan.expect.hash");
+}
+constexpr std::size_t kSyncExpectBytes = 4 + 16;
+
+// ---- messages
+
+// Heartbeat, VoteUpdateTopology, VotePeersPending, HeartbeatAck, VoteOptimizeTopology.
+template <typename Io, typename M>
+  requires std::is_empty_v<std::remove_const_t<M>>
+bool fields(Io& /*io*/, M& /*m*/) {
   return true;
 }
 
-void encode_body(Writer& w, const Hello& m) {
-  w.u(m.magic);
-  w.u(m.version);
-  w.u(m.group);
-  w.u(m.pool_size);
-  w.u(m.p2p_port);
-  w.u(m.shared_state_port);
-  w.u(m.benchmark_port);
-  w.str(m.advertised_host);
-  w.bytes(m.auth);
-}
-bool decode_body(Reader& r, Hello* m) {
-  if (!r.u(&m->magic, "hello.magic")) return false;
-  if (m->magic != kMagic) return r.fail("hello.magic: not a lockstep peer");
-  if (!r.u(&m->version, "hello.version")) return false;
-  if (m->version != kProtocolVersion) return r.fail("hello.version: unsupported protocol version " + std::to_string(m->version));
-  if (!r.u(&m->group, "hello.group") || !r.u(&m->pool_size, "hello.pool_size")) return false;
-  if (m->pool_size == 0 || m->pool_size > limits::kP2PPoolSizeMax) return r.fail("hello.pool_size: out of range");
-  return r.u(&m->p2p_port, "hello.p2p_port") &&
-         r.u(&m->shared_state_port, "hello.shared_state_port") && r.u(&m->benchmark_port, "hello.benchmark_port") &&
-         r.str(&m->advertised_host, limits::kHostBytesMax, "hello.advertised_host") &&
-         r.bytes(&m->auth, limits::kAuthBytesMax, "hello.auth");
-}
-void encode_body(Writer&, const Heartbeat&) {}
-bool decode_body(Reader&, Heartbeat*) { return true; }
-void encode_body(Writer&, const VoteUpdateTopology&) {}
-bool decode_body(Reader&, VoteUpdateTopology*) { return true; }
-// A list of peer ids: a u32 count (bounded) and 16 bytes per id.
-void put_ids(Writer& w, const std::vector<PeerId>& ids) {
-  w.u(static_cast<std::uint32_t>(ids.size()));
-  for (const auto& id : ids) w.id(id);
-}
-bool get_ids(Reader& r, std::vector<PeerId>* ids, const char* field) {
-  std::uint32_t n = 0;
-  if (!r.count(&n, limits::kMembersPerMessageMax, 16, field)) return false;
-  ids->resize(n);
-  for (auto& id : *ids) {
-    if (!r.id(&id, field)) return false;
-  }
-  return true;
+template <typename Io>
+bool fields(Io& io, Of<Io, Hello>& m) {
+  return io.u(m.magic, "hello.magic") && io.check(m.magic == kMagic, "hello.magic: not a lockstep peer") &&
+         io.u(m.version, "hello.version") &&
+         io.check(m.version == kProtocolVersion,
+                  [&] { return "hello.version: unsupported protocol version " + std::to_string(m.version); }) &&
+         io.u(m.group, "hello.group") && io.u(m.pool_size, "hello.pool_size") &&
+         io.check(m.pool_size != 0 && m.pool_size <= limits::kP2PPoolSizeMax, "hello.pool_size: out of range") &&
+         io.u(m.p2p_port, "hello.p2p_port") && io.u(m.shared_state_port, "hello.shared_state_port") &&
+         io.u(m.benchmark_port, "hello.benchmark_port") &&
+         io.str(m.advertised_host, limits::kHostBytesMax, "hello.advertised_host") &&
+         io.bytes(m.auth, limits::kAuthBytesMax, "hello.auth");
 }
 
-void encode_body(Writer& w, const P2PReport& m) {
-  w.u(m.epoch);
-  put_ids(w, m.unreachable);
-}
-bool decode_body(Reader& r, P2PReport* m) {
-  return r.u(&m->epoch, "p2p_report.epoch") && get_ids(r, &m->unreachable, "p2p_report.unreachable");
-}
-void encode_body(Writer&, const VotePeersPending&) {}
-bool decode_body(Reader&, VotePeersPending*) { return true; }
-void encode_body(Writer& w, const VoteAgree& m) {
-  w.boolean(m.flag);
-  w.u(static_cast<std::uint8_t>(m.mode));
-  w.bytes(m.value, limits::kAgreeValueBytesMax);
-}
-bool decode_body(Reader& r, VoteAgree* m) {
-  std::uint8_t mode = 0;
-  if (!r.boolean(&m->flag, "vote_agree.flag") || !r.u(&mode, "vote_agree.mode") ||
-      !r.bytes(&m->value, limits::kAgreeValueBytesMax, "vote_agree.value")) {
-    return false;
-  }
-  if (mode > kAgreeModeMax) return r.fail("vote_agree.mode: unknown mode");
-  m->mode = static_cast<AgreeMode>(mode);
-  return true;
+template <typename Io>
+bool fields(Io& io, Of<Io, P2PReport>& m) {
+  return io.u(m.epoch, "p2p_report.epoch") && id_list(io, m.unreachable, "p2p_report.unreachable");
 }
 
-void put(Writer& w, const CollectiveDescriptor& d) {
-  w.u(d.count);
-  w.u(d.dtype);
-  w.u(d.op);
-  w.u(d.quantization);
-  w.u(static_cast<std::uint8_t>(d.kind));
-  w.u(d.root);
-  w.u(d.world);
-  const auto n = static_cast<std::uint32_t>(std::min<std::size_t>(d.counts.size(), limits::kMembersPerMessageMax));
-  w.u(n);
-  for (std::uint32_t i = 0; i < n; ++i) w.u(d.counts[i]);
-  w.u(static_cast<std::uint8_t>(d.algorithm));
-}
-bool get(Reader& r, CollectiveDescriptor* d) {
-  std::uint8_t kind = 0;
-  std::uint8_t algorithm = 0;
-  std::uint32_t n = 0;
-  if (!r.u(&d->count, "descriptor.count") || !r.u(&d->dtype, "descriptor.dtype") || !r.u(&d->op, "descriptor.op") ||
-      !r.u(&d->quantization, "descriptor.quantization") || !r.u(&kind, "descriptor.kind") ||
-      !r.u(&d->root, "descriptor.root") || !r.u(&d->world, "descriptor.world") ||
-      !r.count(&n, limits::kMembersPerMessageMax, 8, "descriptor.counts")) {
-    return false;
-  }
-  d->counts.resize(n);
-  for (auto& c : d->counts) {
-    if (!r.u(&c, "descriptor.counts")) return false;
-  }
-  if (!r.u(&algorithm, "descriptor.algorithm")) return false;
-  if (algorithm > kAlgorithmMax) return r.fail("descriptor.algorithm: unknown algorithm");
-  d->algorithm = static_cast<Algorithm>(algorithm);
-  if (d->dtype > LOCKSTEP_F64) return r.fail("descriptor.dtype: unknown dtype");
-  if (d->op > LOCKSTEP_MIN) return r.fail("descriptor.op: unknown reduce op");
-  if (d->quantization > LOCKSTEP_QUANT_CAST_BF16) return r.fail("descriptor.quantization: unknown kind");
-  if (kind > kCollectiveKindMax) return r.fail("descriptor.kind: unknown collective");
-  d->kind = static_cast<CollectiveKind>(kind);
-  return true;
-}
-void encode_body(Writer& w, const CollectiveInit& m) {
-  w.u(m.tag);
-  put(w, m.descriptor);
-  w.bytes(m.data, limits::kVoteCarriedBytesMax);
-  w.str(m.refusal);
-  w.status(m.refusal_status);
-}
-bool decode_body(Reader& r, CollectiveInit* m) {
-  if (!(r.u(&m->tag, "init.tag") && get(r, &m->descriptor) &&
-        r.bytes(&m->data, limits::kVoteCarriedBytesMax, "init.data") &&
-        r.str(&m->refusal, limits::kWireStringBytesMax, "init.refusal") &&
-        r.status(&m->refusal_status, "init.refusal_status"))) {
-    return false;
-  }
-  if (m->refusal_status != LOCKSTEP_STATUS_INVALID_ARGUMENT &&
-      m->refusal_status != LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION) {
-    return r.fail("init.refusal_status: not a status a refusal may carry");
-  }
-  return true;
-}
-void encode_body(Writer& w, const KvRequest& m) {
-  w.u(m.request);
-  w.u(static_cast<std::uint8_t>(m.op));
-  w.str(m.key);
-  w.bytes32(m.value, limits::kKvValueBytesMaxLimit);
-  w.u(m.timeout_ms);
-}
-bool decode_body(Reader& r, KvRequest* m) {
-  std::uint8_t op = 0;
-  if (!(r.u(&m->request, "kv_request.request") && r.u(&op, "kv_request.op") &&
-        r.str(&m->key, limits::kKvKeyBytesMaxLimit, "kv_request.key") &&
-        r.bytes32(&m->value, limits::kKvValueBytesMaxLimit, "kv_request.value") &&
-        r.u(&m->timeout_ms, "kv_request.timeout_ms"))) {
-    return false;
-  }
-  if (op == 0 || op > kKvOpMax) return r.fail("kv_request.op: unknown operation");
-  m->op = static_cast<KvOp>(op);
-  return true;
-}
-void encode_body(Writer& w, const KvResult& m) {
-  w.u(m.request);
-  w.status(m.status);
-  w.str(m.reason);
-  w.bytes32(m.value, limits::kKvValueBytesMaxLimit);
-}
-bool decode_body(Reader& r, KvResult* m) {
-  return r.u(&m->request, "kv_result.request") && r.status(&m->status, "kv_result.status") &&
-         r.str(&m->reason, limits::kWireStringBytesMax, "kv_result.reason") &&
-         r.bytes32(&m->value, limits::kKvValueBytesMaxLimit, "kv_result.value");
-}
-void encode_body(Writer& w, const CollectiveDone& m) {
-  w.u(m.tag);
-  w.u(m.attempt);
-  w.boolean(m.ok);
-  w.str(m.reason);
-  w.u(m.bytes_sent);
-  w.u(m.bytes_received);
-}
-bool decode_body(Reader& r, CollectiveDone* m) {
-  return r.u(&m->tag, "done.tag") && r.u(&m->attempt, "done.attempt") && r.boolean(&m->ok, "done.ok") &&
-         r.str(&m->reason, limits::kWireStringBytesMax, "done.reason") && r.u(&m->bytes_sent, "done.bytes_sent") &&
-         r.u(&m->bytes_received, "done.bytes_received");
-}
-void encode_body(Writer& w, const CollectiveGo& m) {
-  w.u(m.tag);
-  w.u(m.attempt);
-  w.u(m.slot);
-  w.u(m.epoch);
-  put_ids(w, m.absent);
-}
-bool decode_body(Reader& r, CollectiveGo* m) {
-  return r.u(&m->tag, "go.tag") && r.u(&m->attempt, "go.attempt") && r.u(&m->slot, "go.slot") &&
-         r.u(&m->epoch, "go.epoch") && get_ids(r, &m->absent, "go.absent");
-}
-void encode_body(Writer& w, const CollectiveResult& m) {
-  w.u(m.tag);
-  w.u(m.attempt);
-  w.status(m.status);
-  w.u(m.world_size);
-  w.str(m.reason);
-  w.bytes(m.data, limits::kVoteCarriedBytesMax);
-}
-bool decode_body(Reader& r, CollectiveResult* m) {
-  return r.u(&m->tag, "result.tag") && r.u(&m->attempt, "result.attempt") && r.status(&m->status, "result.status") &&
-         r.u(&m->world_size, "result.world_size") && r.str(&m->reason, limits::kWireStringBytesMax, "result.reason") &&
-         r.bytes(&m->data, limits::kVoteCarriedBytesMax, "result.data");
+// The mode is checked after the value.
+template <typename Io>
+bool fields(Io& io, Of<Io, VoteAgree>& m) {
+  return io.boolean(m.flag, "vote_agree.flag") && io.enumeration(m.mode, "vote_agree.mode") &&
+         io.bytes(m.value, limits::kAgreeValueBytesMax, "vote_agree.value") &&
+         io.check(underlying(m.mode) <= kAgreeModeMax, "vote_agree.mode: unknown mode");
 }
 
-void encode_body(Writer& w, const Welcome& m) {
-  w.id(m.id);
-  w.str(m.observed_host);
-  w.u(m.heartbeat_timeout_ms);
+template <typename Io>
+bool fields(Io& io, Of<Io, CollectiveInit>& m) {
+  return io.u(m.tag, "init.tag") && fields(io, m.descriptor) &&
+         io.bytes(m.data, limits::kVoteCarriedBytesMax, "init.data") &&
+         io.str(m.refusal, limits::kWireStringBytesMax, "init.refusal") &&
+         io.status(m.refusal_status, "init.refusal_status") &&
+         io.check(m.refusal_status == LOCKSTEP_STATUS_INVALID_ARGUMENT ||
+                      m.refusal_status == LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION,
+                  "init.refusal_status: not a status a refusal may carry");
 }
-bool decode_body(Reader& r, Welcome* m) {
-  return r.id(&m->id, "welcome.id") && r.str(&m->observed_host, limits::kHostBytesMax, "welcome.observed_host") &&
-         r.u(&m->heartbeat_timeout_ms, "welcome.heartbeat_timeout_ms");
+
+// The operation is checked after the whole request.
+template <typename Io>
+bool fields(Io& io, Of<Io, KvRequest>& m) {
+  return io.u(m.request, "kv_request.request") && io.enumeration(m.op, "kv_request.op") &&
+         io.str(m.key, limits::kKvKeyBytesMaxLimit, "kv_request.key") &&
+         io.bytes32(m.value, limits::kKvValueBytesMaxLimit, "kv_request.value") &&
+         io.u(m.timeout_ms, "kv_request.timeout_ms") &&
+         io.check(underlying(m.op) >= 1 && underlying(m.op) <= kKvOpMax, "kv_request.op: unknown operation");
 }
-void encode_body(Writer&, const HeartbeatAck&) {}
-bool decode_body(Reader&, HeartbeatAck*) { return true; }
-void encode_body(Writer& w, const EstablishP2P& m) {
-  w.u(m.epoch);
-  put_members(w, m.ring);
+
+template <typename Io>
+bool fields(Io& io, Of<Io, KvResult>& m) {
+  return io.u(m.request, "kv_result.request") && io.status(m.status, "kv_result.status") &&
+         io.str(m.reason, limits::kWireStringBytesMax, "kv_result.reason") &&
+         io.bytes32(m.value, limits::kKvValueBytesMaxLimit, "kv_result.value");
 }
-bool decode_body(Reader& r, EstablishP2P* m) { return r.u(&m->epoch, "establish.epoch") && get_members(r, &m->ring); }
-void encode_body(Writer& w, const TopologyResult& m) {
-  w.u(m.epoch);
-  w.status(m.status);
-  w.str(m.reason);
-  put_members(w, m.ring);
-  w.u(m.attributes.global_world_size);
-  w.u(m.attributes.group_world_size);
-  w.u(m.attributes.num_groups);
-  w.u(m.attributes.largest_group_size);
+
+template <typename Io>
+bool fields(Io& io, Of<Io, CollectiveDone>& m) {
+  return io.u(m.tag, "done.tag") && io.u(m.attempt, "done.attempt") && io.boolean(m.ok, "done.ok") &&
+         io.str(m.reason, limits::kWireStringBytesMax, "done.reason") && io.u(m.bytes_sent, "done.bytes_sent") &&
+         io.u(m.bytes_received, "done.bytes_received");
 }
-bool decode_body(Reader& r, TopologyResult* m) {
-  return r.u(&m->epoch, "topology.epoch") && r.status(&m->status, "topology.status") &&
-         r.str(&m->reason, limits::kWireStringBytesMax, "topology.reason") && get_members(r, &m->ring) &&
-         r.u(&m->attributes.global_world_size, "topology.global_world_size") &&
-         r.u(&m->attributes.group_world_size, "topology.group_world_size") &&
-         r.u(&m->attributes.num_groups, "topology.num_groups") &&
-         r.u(&m->attributes.largest_group_size, "topology.largest_group_size");
+
+template <typename Io>
+bool fields(Io& io, Of<Io, CollectiveGo>& m) {
+  return io.u(m.tag, "go.tag") && io.u(m.attempt, "go.attempt") && io.u(m.slot, "go.slot") &&
+         io.u(m.epoch, "go.epoch") && id_list(io, m.absent, "go.absent");
 }
-void encode_body(Writer& w, const PeersPendingResult& m) {
-  w.status(m.status);
-  w.boolean(m.pending);
-  w.str(m.reason);
+
+template <typename Io>
+bool fields(Io& io, Of<Io, CollectiveResult>& m) {
+  return io.u(m.tag, "result.tag") && io.u(m.attempt, "result.attempt") && io.status(m.status, "result.status") &&
+         io.u(m.world_size, "result.world_size") && io.str(m.reason, limits::kWireStringBytesMax, "result.reason") &&
+         io.bytes(m.data, limits::kVoteCarriedBytesMax, "result.data");
 }
-bool decode_body(Reader& r, PeersPendingResult* m) {
-  return r.status(&m->status, "pending.status") && r.boolean(&m->pending, "pending.pending") &&
-         r.str(&m->reason, limits::kWireStringBytesMax, "pending.reason");
+
+template <typename Io>
+bool fields(Io& io, Of<Io, Welcome>& m) {
+  return fields(io, m.id, "welcome.id") && io.str(m.observed_host, limits::kHostBytesMax, "welcome.observed_host") &&
+         io.u(m.heartbeat_timeout_ms, "welcome.heartbeat_timeout_ms");
 }
-void encode_body(Writer& w, const AgreeResult& m) {
-  w.status(m.status);
-  w.boolean(m.value);
-  w.str(m.reason);
-  w.bytes(m.agreed, limits::kAgreeValueBytesMax);
+
+template <typename Io>
+bool fields(Io& io, Of<Io, EstablishP2P>& m) {
+  return io.u(m.epoch, "establish.epoch") && member_list(io, m.ring);
 }
-bool decode_body(Reader& r, AgreeResult* m) {
-  return r.status(&m->status, "agree.status") && r.boolean(&m->value, "agree.value") &&
-         r.str(&m->reason, limits::kWireStringBytesMax, "agree.reason") &&
-         r.bytes(&m->agreed, limits::kAgreeValueBytesMax, "agree.agreed");
+
+template <typename Io>
+bool fields(Io& io, Of<Io, TopologyResult>& m) {
+  return io.u(m.epoch, "topology.epoch") && io.status(m.status, "topology.status") &&
+         io.str(m.reason, limits::kWireStringBytesMax, "topology.reason") && member_list(io, m.ring) &&
+         fields(io, m.attributes);
 }
-void encode_body(Writer& w, const Refused& m) {
-  w.u(static_cast<std::uint16_t>(m.request));
-  w.u(m.tag);
-  w.status(m.status);
-  w.str(m.reason);
+
+template <typename Io>
+bool fields(Io& io, Of<Io, PeersPendingResult>& m) {
+  return io.status(m.status, "pending.status") && io.boolean(m.pending, "pending.pending") &&
+         io.str(m.reason, limits::kWireStringBytesMax, "pending.reason");
 }
-bool decode_body(Reader& r, Refused* m) {
-  std::uint16_t raw = 0;
-  if (!r.u(&raw, "refused.request")) return false;
-  if (payload_bytes_max(raw) == 0) return r.fail("refused.request: unknown message type");
-  m->request = static_cast<MsgType>(raw);
-  return r.u(&m->tag, "refused.tag") && r.status(&m->status, "refused.status") && r.str(&m->reason, limits::kWireStringBytesMax, "refused.reason");
+
+template <typename Io>
+bool fields(Io& io, Of<Io, AgreeResult>& m) {
+  return io.status(m.status, "agree.status") && io.boolean(m.value, "agree.value") &&
+         io.str(m.reason, limits::kWireStringBytesMax, "agree.reason") &&
+         io.bytes(m.agreed, limits::kAgreeValueBytesMax, "agree.agreed");
 }
-void encode_body(Writer& w, const Goodbye& m) {
-  w.status(m.status);
-  w.str(m.reason);
+
+template <typename Io>
+bool fields(Io& io, Of<Io, Refused>& m) {
+  return io.enumeration(m.request, "refused.request") &&
+         io.check(payload_bytes_max(underlying(m.request)) != 0, "refused.request: unknown message type") &&
+         io.u(m.tag, "refused.tag") && io.status(m.status, "refused.status") &&
+         io.str(m.reason, limits::kWireStringBytesMax, "refused.reason");
 }
-bool decode_body(Reader& r, Goodbye* m) {
-  return r.status(&m->status, "goodbye.status") && r.str(&m->reason, limits::kWireStringBytesMax, "goodbye.reason");
+
+template <typename Io>
+bool fields(Io& io, Of<Io, Goodbye>& m) {
+  return io.status(m.status, "goodbye.status") && io.str(m.reason, limits::kWireStringBytesMax, "goodbye.reason");
 }
-void encode_body(Writer& w, const P2PHello& m) {
-  w.u(m.magic);
-  w.u(m.version);
-  w.u(static_cast<std::uint8_t>(m.channel));
-  w.id(m.from);
-  w.id(m.to);
-  w.u(m.epoch);
-  w.u(m.pool_index);
-  w.bytes(m.auth);
-  w.u(m.flags);
+
+template <typename Io>
+bool fields(Io& io, Of<Io, P2PHello>& m) {
+  return io.u(m.magic, "p2p_hello.magic") && io.check(m.magic == kMagic, "p2p_hello.magic: not a lockstep peer") &&
+         io.u(m.version, "p2p_hello.version") &&
+         io.check(m.version == kProtocolVersion, "p2p_hello.version: unsupported protocol version") &&
+         io.enumeration(m.channel, "p2p_hello.channel") &&
+         io.check(m.channel >= Channel::kRing && m.channel <= Channel::kBenchmark, "p2p_hello.channel: unknown channel") &&
+         fields(io, m.from, "p2p_hello.from") && fields(io, m.to, "p2p_hello.to") && io.u(m.epoch, "p2p_hello.epoch") &&
+         io.u(m.pool_index, "p2p_hello.pool_index") && io.bytes(m.auth, limits::kAuthBytesMax, "p2p_hello.auth") &&
+         io.u(m.flags, "p2p_hello.flags") && io.check((m.flags & ~kP2PFlagsKnown) == 0, "p2p_hello.flags: unknown flag");
 }
-bool decode_body(Reader& r, P2PHello* m) {
-  if (!r.u(&m->magic, "p2p_hello.magic")) return false;
-  if (m->magic != kMagic) return r.fail("p2p_hello.magic: not a lockstep peer");
-  if (!r.u(&m->version, "p2p_hello.version")) return false;
-  if (m->version != kProtocolVersion) return r.fail("p2p_hello.version: unsupported protocol version");
-  std::uint8_t channel = 0;
-  if (!r.u(&channel, "p2p_hello.channel")) return false;
-  if (channel < 1 || channel > 3) return r.fail("p2p_hello.channel: unknown channel");
-  m->channel = static_cast<Channel>(channel);
-  return r.id(&m->from, "p2p_hello.from") && r.id(&m->to, "p2p_hello.to") && r.u(&m->epoch, "p2p_hello.epoch") &&
-         r.u(&m->pool_index, "p2p_hello.pool_index") && r.bytes(&m->auth, limits::kAuthBytesMax, "p2p_hello.auth") &&
-         r.u(&m->flags, "p2p_hello.flags") &&
-         ((m->flags & ~kP2PFlagsKnown) == 0 || r.fail("p2p_hello.flags: unknown flag"));
+
+template <typename Io>
+bool fields(Io& io, Of<Io, P2PHelloAck>& m) {
+  return io.status(m.status, "p2p_hello_ack.status");
 }
-void encode_body(Writer& w, const P2PHelloAck& m) { w.status(m.status); }
-bool decode_body(Reader& r, P2PHelloAck* m) { return r.status(&m->status, "p2p_hello_ack.status"); }
 
 // ---- shared state
-void put(Writer& w, const state::Digest& d) {
-  w.u(d.hi);
-  w.u(d.lo);
-}
-bool get(Reader& r, state::Digest* d, const char* field) { return r.u(&d->hi, field) && r.u(&d->lo, field); }
-
-void encode_body(Writer& w, const SyncVote& m) {
-  w.u(static_cast<std::uint8_t>(m.strategy));
-  w.u(m.revision);
-  w.u(static_cast<std::uint32_t>(m.tensors.size()));
-  for (const auto& t : m.tensors) {
-    w.str(t.key);
-    w.u(t.dtype);
-    w.u(t.count);
-    put(w, t.hash);
-    w.boolean(t.allow_content_inequality);
-  }
-}
-bool decode_body(Reader& r, SyncVote* m) {
-  std::uint8_t strategy = 0;
-  if (!r.u(&strategy, "sync_vote.strategy")) return false;
-  if (strategy > static_cast<std::uint8_t>(SyncStrategy::kSendOnly)) return r.fail("sync_vote.strategy: unknown strategy");
-  m->strategy = static_cast<SyncStrategy>(strategy);
-  std::uint32_t n = 0;
-  constexpr std::size_t kEntryBytesMin = 2 + 1 + 8 + 16 + 1;
-  if (!r.u(&m->revision, "sync_vote.revision") ||
-      !r.count(&n, limits::kSharedStateTensorsMax, kEntryBytesMin, "sync_vote.tensors")) {
-    return false;
-  }
-  m->tensors.resize(n);
-  for (auto& t : m->tensors) {
-    if (!r.str(&t.key, limits::kSharedStateKeyBytesMax, "sync_vote.key") || !r.u(&t.dtype, "sync_vote.dtype") ||
-        !r.u(&t.count, "sync_vote.count") || !get(r, &t.hash, "sync_vote.hash") ||
-        !r.boolean(&t.allow_content_inequality, "sync_vote.allow_content_inequality")) {
-      return false;
-    }
-    if (t.key.empty()) return r.fail("sync_vote.key: empty");
-    if (t.dtype > LOCKSTEP_F64) return r.fail("sync_vote.dtype: unknown dtype");
-  }
-  return true;
-}
-void encode_body(Writer& w, const SyncDone& m) {
-  w.u(m.attempt);
-  w.status(m.status);
-  w.str(m.reason);
-  w.u(m.bytes_sent);
-  w.u(m.bytes_received);
-}
-bool decode_body(Reader& r, SyncDone* m) {
-  return r.u(&m->attempt, "sync_done.attempt") && r.status(&m->status, "sync_done.status") &&
-         r.str(&m->reason, limits::kWireStringBytesMax, "sync_done.reason") &&
-         r.u(&m->bytes_sent, "sync_done.bytes_sent") && r.u(&m->bytes_received, "sync_done.bytes_received");
-}
-void encode_body(Writer& w, const SyncPlan& m) {
-  w.u(m.attempt);
-  w.u(m.revision);
-  put_members(w, m.sources);
-  w.u(static_cast<std::uint32_t>(m.fetches.size()));
-  for (const auto& f : m.fetches) {
-    w.u(f.tensor);
-    w.u(f.offset);
-    w.u(f.bytes);
-    w.u(f.source);
-  }
-  w.u(static_cast<std::uint32_t>(m.expect.size()));
-  for (const auto& e : m.expect) {
-    w.u(e.tensor);
-    put(w, e.hash);
-  }
-}
-bool decode_body(Reader& r, SyncPlan* m) {
-  if (!r.u(&m->attempt, "sync_plan.attempt") || !r.u(&m->revision, "sync_plan.revision") ||
-      !get_members(r, &m->sources)) {
-    return false;
-  }
-  std::uint32_t n = 0;
-  if (!r.count(&n, limits::kSyncFetchesMax, 4 + 8 + 8 + 4, "sync_plan.fetches")) return false;
-  m->fetches.resize(n);
-  for (auto& f : m->fetches) {
-    if (!r.u(&f.tensor, "sync_plan.fetch.tensor") || !r.u(&f.offset, "sync_plan.fetch.offset") ||
-        !r.u(&f.bytes, "sync_plan.fetch.bytes") || !r.u(&f.source, "sync_plan.fetch.source")) {
-      return false;
-    }
-    if (f.source >= m->sources.size()) return r.fail("sync_plan.fetch.source: no such source");
-  }
-  if (!r.count(&n, limits::kSharedStateTensorsMax, 4 + 16, "sync_plan.expect")) return false;
-  m->expect.resize(n);
-  for (auto& e : m->expect) {
-    if (!r.u(&e.tensor, "sync_plan.expect.tensor") || !get(r, &e.hash, "sync_plan.expect.hash")) return false;
-  }
-  return true;
-}
-void encode_body(Writer& w, const SyncResult& m) {
-  w.u(m.attempt);
-  w.status(m.status);
-  w.u(m.revision);
-  w.str(m.reason);
-}
-bool decode_body(Reader& r, SyncResult* m) {
-  return r.u(&m->attempt, "sync_result.attempt") && r.status(&m->status, "sync_result.status") &&
-         r.u(&m->revision, "sync_result.revision") && r.str(&m->reason, limits::kWireStringBytesMax, "sync_result.reason");
-}
-void encode_body(Writer& w, const StateRequest& m) {
-  w.u(m.attempt);
-  w.str(m.key);
-  w.u(m.offset);
-  w.u(m.bytes);
-  put(w, m.hash);
-  w.u(m.encoding);
-  const auto n = static_cast<std::uint32_t>(std::min<std::size_t>(m.have.size(), limits::kStateSegmentsPerRequestMax));
-  w.u(n);
-  for (std::uint32_t i = 0; i < n; ++i) put(w, m.have[i]);
-}
-bool decode_body(Reader& r, StateRequest* m) {
-  std::uint32_t n = 0;
-  if (!r.u(&m->attempt, "state_request.attempt") ||
-      !r.str(&m->key, limits::kSharedStateKeyBytesMax, "state_request.key") ||
-      !r.u(&m->offset, "state_request.offset") || !r.u(&m->bytes, "state_request.bytes") ||
-      !get(r, &m->hash, "state_request.hash") || !r.u(&m->encoding, "state_request.encoding") ||
-      !r.count(&n, limits::kStateSegmentsPerRequestMax, 16, "state_request.have")) {
-    return false;
-  }
-  m->have.resize(n);
-  for (auto& d : m->have) {
-    if (!get(r, &d, "state_request.have")) return false;
-  }
-  if (m->key.empty()) return r.fail("state_request.key: empty");
-  if (m->encoding > kStateEncodingBlocks) return r.fail("state_request.encoding: unknown encoding");
-  if (m->offset > UINT64_MAX - m->bytes || state::segment_count(m->offset, m->bytes) != n) {
-    return r.fail("state_request.have: not one digest per segment of the range");
-  }
-  return true;
-}
-void encode_body(Writer& w, const StateResponse& m) {
-  w.status(m.status);
-  w.u(m.bytes);
-  w.str(m.reason);
-  w.bytes(m.sending, limits::kStateSendingBytesMax);
-}
-bool decode_body(Reader& r, StateResponse* m) {
-  return r.status(&m->status, "state_response.status") && r.u(&m->bytes, "state_response.bytes") &&
-         r.str(&m->reason, limits::kWireStringBytesMax, "state_response.reason") &&
-         r.bytes(&m->sending, limits::kStateSendingBytesMax, "state_response.sending");
+template <typename Io>
+bool fields(Io& io, Of<Io, SyncVote>& m) {
+  return io.enumeration(m.strategy, "sync_vote.strategy") &&
+         io.check(m.strategy <= SyncStrategy::kSendOnly, "sync_vote.strategy: unknown strategy") &&
+         io.u(m.revision, "sync_vote.revision") &&
+         io.list(m.tensors, limits::kSharedStateTensorsMax, kTensorEntryBytesMin, "sync_vote.tensors",
+                 [&](auto& tensor) { return fields(io, tensor); });
 }
 
-// ---- authentication
-void encode_body(Writer& w, const AuthChallenge& m) {
-  w.bytes(m.nonce);
-  w.bytes(m.proof);
+template <typename Io>
+bool fields(Io& io, Of<Io, SyncDone>& m) {
+  return io.u(m.attempt, "sync_done.attempt") && io.status(m.status, "sync_done.status") &&
+         io.str(m.reason, limits::kWireStringBytesMax, "sync_done.reason") &&
+         io.u(m.bytes_sent, "sync_done.bytes_sent") && io.u(m.bytes_received, "sync_done.bytes_received");
 }
-bool decode_body(Reader& r, AuthChallenge* m) {
-  return r.bytes(&m->nonce, limits::kAuthFieldBytesMax, "auth_challenge.nonce") &&
-         r.bytes(&m->proof, limits::kAuthFieldBytesMax, "auth_challenge.proof");
+
+template <typename Io>
+bool fields(Io& io, Of<Io, SyncPlan>& m) {
+  return io.u(m.attempt, "sync_plan.attempt") && io.u(m.revision, "sync_plan.revision") &&
+         member_list(io, m.sources) &&
+         io.list(m.fetches, limits::kSyncFetchesMax, kSyncFetchBytes, "sync_plan.fetches",
+                 [&](auto& fetch) {
+                   return fields(io, fetch) &&
+                          io.check(fetch.source < m.sources.size(), "sync_plan.fetch.source: no such source");
+                 }) &&
+         io.list(m.expect, limits::kSharedStateTensorsMax, kSyncExpectBytes, "sync_plan.expect",
+                 [&](auto& expect) { return fields(io, expect); });
 }
-void encode_body(Writer& w, const AuthProof& m) { w.bytes(m.proof); }
-bool decode_body(Reader& r, AuthProof* m) { return r.bytes(&m->proof, limits::kAuthFieldBytesMax, "auth_proof.proof"); }
+
+template <typename Io>
+bool fields(Io& io, Of<Io, SyncResult>& m) {
+  return io.u(m.attempt, "sync_result.attempt") && io.status(m.status, "sync_result.status") &&
+         io.u(m.revision, "sync_result.revision") &&
+         io.str(m.reason, limits::kWireStringBytesMax, "sync_result.reason");
+}
+
+// The key, the encoding and the digests' agreement with the range are checked once the
+// whole request is read.
+template <typename Io>
+bool fields(Io& io, Of<Io, StateRequest>& m) {
+  return io.u(m.attempt, "state_request.attempt") &&
+         io.str(m.key, limits::kSharedStateKeyBytesMax, "state_request.key") &&
+         io.u(m.offset, "state_request.offset") && io.u(m.bytes, "state_request.bytes") &&
+         fields(io, m.hash, "state_request.hash") && io.u(m.encoding, "state_request.encoding") &&
+         io.list(
+             m.have, limits::kStateSegmentsPerRequestMax, 16, "state_request.have",
+             [&](auto& digest) { return fields(io, digest, "state_request.have"); }, Excess::kCut) &&
+         io.check(!m.key.empty(), "state_request.key: empty") &&
+         io.check(m.encoding <= kStateEncodingBlocks, "state_request.encoding: unknown encoding") &&
+         io.check(m.offset <= UINT64_MAX - m.bytes && state::segment_count(m.offset, m.bytes) == m.have.size(),
+                  "state_request.have: not one digest per segment of the range");
+}
+
+template <typename Io>
+bool fields(Io& io, Of<Io, StateResponse>& m) {
+  return io.status(m.status, "state_response.status") && io.u(m.bytes, "state_response.bytes") &&
+         io.str(m.reason, limits::kWireStringBytesMax, "state_response.reason") &&
+         io.bytes(m.sending, limits::kStateSendingBytesMax, "state_response.sending");
+}
+
+// ---- authentication: nonces and proofs are bounded at kAuthFieldBytesMax by the reader
+// and cut at kAuthBytesMax by the writer, like the member's key.
+template <typename Io>
+bool fields(Io& io, Of<Io, AuthChallenge>& m) {
+  return io.bytes(m.nonce, limits::kAuthFieldBytesMax, "auth_challenge.nonce", limits::kAuthBytesMax) &&
+         io.bytes(m.proof, limits::kAuthFieldBytesMax, "auth_challenge.proof", limits::kAuthBytesMax);
+}
+
+template <typename Io>
+bool fields(Io& io, Of<Io, AuthProof>& m) {
+  return io.bytes(m.proof, limits::kAuthFieldBytesMax, "auth_proof.proof", limits::kAuthBytesMax);
+}
 
 // ---- topology optimization
-void encode_body(Writer&, const VoteOptimizeTopology&) {}
-bool decode_body(Reader&, VoteOptimizeTopology*) { return true; }
-void encode_body(Writer& w, const BandwidthReport& m) {
-  w.u(m.test);
-  w.id(m.from);
-  w.u(m.bytes_per_s);
+template <typename Io>
+bool fields(Io& io, Of<Io, BandwidthReport>& m) {
+  return io.u(m.test, "bandwidth_report.test") && fields(io, m.from, "bandwidth_report.from") &&
+         io.u(m.bytes_per_s, "bandwidth_report.bytes_per_s");
 }
-bool decode_body(Reader& r, BandwidthReport* m) {
-  return r.u(&m->test, "bandwidth_report.test") && r.id(&m->from, "bandwidth_report.from") &&
-         r.u(&m->bytes_per_s, "bandwidth_report.bytes_per_s");
-}
-void encode_body(Writer& w, const BandwidthTest& m) {
-  w.u(m.test);
-  put(w, m.partner);
-  w.boolean(m.initiator);
-  w.u(m.duration_ms);
-  w.u(m.streams);
-}
-bool decode_body(Reader& r, BandwidthTest* m) {
-  if (!r.u(&m->test, "bandwidth_test.test") || !get(r, &m->partner) ||
-      !r.boolean(&m->initiator, "bandwidth_test.initiator") || !r.u(&m->duration_ms, "bandwidth_test.duration_ms") ||
-      !r.u(&m->streams, "bandwidth_test.streams")) {
-    return false;
-  }
-  if (m->duration_ms == 0 || m->duration_ms > 60'000) return r.fail("bandwidth_test.duration_ms: out of range");
-  if (m->streams == 0 || m->streams > limits::kP2PPoolSizeMax) return r.fail("bandwidth_test.streams: out of range");
-  return true;
+
+template <typename Io>
+bool fields(Io& io, Of<Io, BandwidthTest>& m) {
+  return io.u(m.test, "bandwidth_test.test") && fields(io, m.partner) &&
+         io.boolean(m.initiator, "bandwidth_test.initiator") && io.u(m.duration_ms, "bandwidth_test.duration_ms") &&
+         io.u(m.streams, "bandwidth_test.streams") &&
+         io.check(m.duration_ms != 0 && m.duration_ms <= 60'000, "bandwidth_test.duration_ms: out of range") &&
+         io.check(m.streams != 0 && m.streams <= limits::kP2PPoolSizeMax, "bandwidth_test.streams: out of range");
 }
 
 template <typename T>
 Result<Message> decode_as(std::span<const std::uint8_t> payload) {
   Reader r(payload);
   T message;
-  if (!decode_body(r, &message) || !r.finish()) {
+  if (!fields(r, message) || !r.finish()) {
     return protocol_error(std::string(msg_type_name(T::kType)) + ": " + r.error());
   }
   return Message(std::move(message));
@@ -829,7 +719,7 @@ void encode_frame(const Message& message, std::vector<std::uint8_t>& out) {
   const std::size_t start = out.size();
   out.resize(start + kFrameHeaderBytes);
   Writer w(out);
-  std::visit([&](const auto& m) { encode_body(w, m); }, message);
+  std::visit([&](const auto& m) { fields(w, m); }, message);
   write_header(out.data() + start, type_of(message), static_cast<std::uint32_t>(out.size() - start - kFrameHeaderBytes));
 }
 
