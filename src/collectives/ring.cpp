@@ -800,6 +800,17 @@ class Runner {
     auto parsed = parse_ring_header(r.header);
     if (!parsed.is_ok()) return parsed.status();
     const RingHeader& h = parsed.value();
+    if (h.attempt < p_.attempt && r.cur.item == 0 && io_.rx_replace) {
+      auto fresh = io_.rx_replace(k);
+      if (!fresh.is_ok()) return fresh.status();
+      set_lowat(r, 1);
+      r.fd = fresh.value().fd;
+      r.open = fresh.value().aead;
+      r.lowat = 1;
+      r.cur.bytes = 0;
+      set_buffer(r.fd, SO_RCVBUF, p_.rx_buffer_bytes);
+      return Status::ok();
+    }
     if (h.attempt != p_.attempt) {
       return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring frame of attempt " + std::to_string(h.attempt) +
                                                         " during attempt " + std::to_string(p_.attempt));

@@ -186,6 +186,13 @@ struct RingIo {
   // cannot be had (the attempt then fails with that status). Unset: only one stream is
   // accepted.
   std::function<Status(std::size_t streams, std::vector<RingStream>* out)> rx_more;
+  // Called when the first frame on stream k's receiving connection belongs to an older
+  // attempt: the previous peer is still in an attempt that has already ended here (it
+  // ended before its turn here, so this peer never read its frames) and drops the
+  // connection when it learns so. The connection is given up and a newer one from the
+  // same peer returned (non-blocking; the wait ends with the attempt's abort), or why
+  // there is none. Unset: such a frame fails the attempt.
+  std::function<Result<RingStream>(std::size_t stream)> rx_replace;
   int abort_fd = -1;                              // readable when the attempt must stop
   const std::atomic<bool>* abort_flag = nullptr;  // checked between sub-chunks
   // The attempt fails when no byte moves in either direction for this long (0: never):

@@ -410,7 +410,7 @@ Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32
 }
 
 Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::time_point deadline,
-                                        const std::atomic<bool>* abort, security::Aead** open) {
+                                        const std::atomic<bool>* abort, security::Aead** open, bool give_up_cached) {
   std::uint64_t have = 0;  // the generation of the cached connection (0: none)
   bool cached = false;
   {
@@ -418,10 +418,12 @@ Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::
     if (auto it = rx_.find(SlotKey{from, slot}); it != rx_.end()) {
       have = it->second.generation;
       cached = true;
-      if (closed_by_other_end(it->second.fd.get())) {
+      if (give_up_cached || closed_by_other_end(it->second.fd.get())) {
         // Wait below for the sender's new connection (newer than the closed one).
-        LOG_DEBUG(kLog, "ring connection from " << from.to_string() << " (slot " << slot
-                                                << ") was closed at the other end; waiting for a new one");
+        LOG_DEBUG(kLog, "ring connection from " << from.to_string() << " (slot " << slot << ") "
+                                                << (give_up_cached ? "carries frames of an ended attempt"
+                                                                   : "was closed at the other end")
+                                                << "; waiting for a new one");
         rx_.erase(it);
         cached = false;
       }
@@ -455,6 +457,19 @@ Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::
     return it->second.fd.get();
   }
   return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer " + from.to_string() + " did not connect in time");
+}
+
+std::function<Result<coll::RingStream>(std::size_t)> Communicator::rx_replacer(PeerId from, std::uint32_t slot,
+                                                                               const OpChannel& channel) {
+  return [this, from, slot, &channel](std::size_t stream) -> Result<coll::RingStream> {
+    coll::RingStream out;
+    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
+    const std::uint32_t key = stream == 0 ? slot : stream_key(slot, static_cast<std::uint32_t>(stream));
+    auto fd = rx_connection(from, key, deadline, channel.abort_flag(), &out.aead, /*give_up_cached=*/true);
+    if (!fd.is_ok()) return fd.status();
+    out.fd = fd.value();
+    return out;
+  };
 }
 
 void Communicator::drop_connections(PeerId next, PeerId prev, std::uint32_t slot) {
@@ -1098,6 +1113,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
         else {
           io.tx_fd = tx.value();
           io.rx_fd = rx.value();
+          io.rx_replace = rx_replacer(prev, go.slot, channel);
           open_streams(to, go.slot, plan, channel, io);
           // The previous peer's stripes, once its first frame says how many.
           io.rx_more = [&, rx_deadline](std::size_t count, std::vector<coll::RingStream>* out) {
@@ -1199,6 +1215,7 @@ Status Communicator::run_doubling(const std::vector<PeerId>& ring, std::size_t r
     if (!rx.is_ok()) return rx.status();
     io.tx_fd = tx.value();
     io.rx_fd = rx.value();
+    io.rx_replace = rx_replacer(partner, slot, channel);
     // A ring of the two, the partner both next and previous.
     coll::RingPlan pair = plan;
     pair.world = 2;

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -281,8 +282,14 @@ class Communicator {
   // With encrypt_data, *seal / *open (if given) receive the connection's cipher state.
   Result<int> tx_connection(const proto::MemberInfo& to, std::uint32_t slot, int cancel_fd = -1,
                             security::Aead** seal = nullptr);
+  // give_up_cached: the cached connection carries frames of an attempt that ended here
+  // before its turn; it is closed (its sender connects anew) and a newer one awaited.
   Result<int> rx_connection(PeerId from, std::uint32_t slot, std::chrono::steady_clock::time_point deadline,
-                            const std::atomic<bool>* abort = nullptr, security::Aead** open = nullptr);
+                            const std::atomic<bool>* abort = nullptr, security::Aead** open = nullptr,
+                            bool give_up_cached = false);
+  // The ring's rx_replace for the connections from `from` on `slot` (stream 0) and its stripes.
+  std::function<Result<coll::RingStream>(std::size_t)> rx_replacer(PeerId from, std::uint32_t slot,
+                                                                   const OpChannel& channel);
   void open_streams(const proto::MemberInfo& to, std::uint32_t slot, const coll::RingPlan& plan,
                     const OpChannel& channel, coll::RingIo& io);
   void drop_connections(PeerId next, PeerId prev, std::uint32_t slot);

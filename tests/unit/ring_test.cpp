@@ -333,6 +333,58 @@ TEST_P(Ring, FrameOfAnotherAttemptFailsTheAttemptAndRestores) {
   EXPECT_EQ(b, std::vector<float>(300'000, 2.0f));
 }
 
+// A frame of an older attempt first on the receiving connection: the previous peer ran
+// an attempt that ended here before its turn (its frames were never read here). With
+// rx_replace the connection is given up for a newer one and the attempt goes on, its
+// result exact; the older frame reaches nothing. Without rx_replace it fails the attempt.
+TEST_P(Ring, FrameOfAnOlderAttemptFirstGivesUpTheConnection) {
+  for (const bool replace : {true, false}) {
+    SCOPED_TRACE(replace ? "with rx_replace" : "without");
+    SocketPair a_to_b, stale_b_to_a, b_to_a;
+    std::vector<float> a(300'000, 1.0f), b(300'000, 2.0f);
+    const std::vector<float> before = a;
+    RingPlan plan_a = plan_for(0, a, a);
+    RingPlan plan_b = plan_for(1, b, b);
+    plan_a.attempt = plan_b.attempt = 9;
+    // b's older attempt 8 left a whole frame, and more, in the connection a holds.
+    std::uint8_t header[lockstep::coll::kRingHeaderBytes] = {};
+    lockstep::coll::put_ring_header(header, {0, 1, 0, 8});
+    std::vector<std::uint8_t> frame(header, header + sizeof header);
+    frame.resize(frame.size() + 4096, 0x3f);
+    ASSERT_EQ(::write(stale_b_to_a.fds[0], frame.data(), frame.size()), static_cast<ssize_t>(frame.size()));
+    RingScratch scratch_a, scratch_b;
+    RingIo io_a, io_b;
+    io_a.tx_fd = a_to_b.fds[0];
+    io_a.rx_fd = stale_b_to_a.fds[1];
+    io_b.tx_fd = b_to_a.fds[0];
+    io_b.rx_fd = a_to_b.fds[1];
+    io_a.stall_timeout_ms = io_b.stall_timeout_ms = 2'000;
+    int replaced = 0;
+    if (replace) {
+      io_a.rx_replace = [&](std::size_t stream) -> lockstep::Result<lockstep::coll::RingStream> {
+        EXPECT_EQ(stream, 0u);
+        ++replaced;
+        return lockstep::coll::RingStream{b_to_a.fds[1], nullptr};
+      };
+    }
+    lockstep::Status sb;
+    std::thread peer_b([&] { sb = lockstep::coll::run_ring_all_reduce(plan_b, io_b, scratch_b, nullptr); });
+    const auto sa = lockstep::coll::run_ring_all_reduce(plan_a, io_a, scratch_a, nullptr);
+    peer_b.join();
+    if (replace) {
+      ASSERT_TRUE(sa.is_ok()) << sa.to_string();
+      ASSERT_TRUE(sb.is_ok()) << sb.to_string();
+      EXPECT_EQ(replaced, 1);
+      EXPECT_EQ(a, std::vector<float>(300'000, 3.0f));
+      EXPECT_EQ(b, std::vector<float>(300'000, 3.0f));
+    } else {
+      EXPECT_EQ(sa.code(), LOCKSTEP_STATUS_PROTOCOL_ERROR) << sa.to_string();
+      EXPECT_NE(sa.message().find("ring frame of attempt 8 during attempt 9"), std::string::npos) << sa.to_string();
+      EXPECT_EQ(a, before);
+    }
+  }
+}
+
 // A neighbour whose frame header is wrong (no magic number; a frame out of sequence)
 // fails the attempt with PROTOCOL_ERROR, whatever else it sends.
 TEST_P(Ring, MalformedFrameHeaderFailsTheAttempt) {
