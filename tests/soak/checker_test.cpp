@@ -141,11 +141,14 @@ TEST(SoakChecker, FailuresNothingExplainsAndStaleFramesAreCounted) {
   c.line("a", failed("a", 5, t + 58'000, "no data moved"), t + 58'000);
   c.partition_healed(t + 59'000);
   EXPECT_EQ(c.unexplained_failures(), 2u);
-  // A frame of another attempt.
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  // An attempt lost to a frame of another attempt: counted once, and a violation.
   EXPECT_EQ(c.stale_frame_failures(), 0u);
   c.line("a", failed("a", 6, t + 59'010, "p3: ring frame of attempt 2 during attempt 3"), t + 59'010);
+  c.line("b", failed("b", 6, t + 59'010, "p3: ring frame of attempt 2 during attempt 3"), t + 59'010);
   EXPECT_EQ(c.stale_frame_failures(), 1u);
-  EXPECT_TRUE(c.ok()) << kinds(c);
+  ASSERT_EQ(c.violations().size(), 1u) << kinds(c);
+  EXPECT_EQ(c.violations()[0].kind, "stale_frame");
 }
 
 TEST(SoakChecker, AFailedAllReduceMustRestoreItsBuffer) {

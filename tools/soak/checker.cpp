@@ -136,7 +136,14 @@ void Checker::classify_failure(const json& j, std::uint64_t tag, std::uint64_t a
   if (!classified_.insert({tag, attempt}).second) return;
   while (!classified_.empty() && classified_.begin()->first + config_.history < tag) classified_.erase(classified_.begin());
   const std::string error = j.value("error", std::string());
-  if (error.find("ring frame of attempt") != std::string::npos) ++stale_frames_;
+  if (error.find("ring frame of attempt") != std::string::npos) {
+    // A receiver gives up a connection whose first frame is of an older attempt, and an
+    // attempt starts on a slot only once the previous one's outcome is known: a frame of
+    // another attempt can no longer be the first reason an attempt fails.
+    ++stale_frames_;
+    add("stale_frame", "tag " + std::to_string(tag) + " attempt " + std::to_string(attempt) + " was lost to " + error,
+        j.value("end_ms", std::int64_t{0}));
+  }
   const std::int64_t end_ms = j.value("end_ms", std::int64_t{0});
   const std::int64_t began_ms = end_ms - j.value("ms", std::int64_t{0});
   if (end_ms <= 0) return;

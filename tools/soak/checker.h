@@ -63,7 +63,7 @@ struct CheckerConfig {
 
 struct Violation {
   std::int64_t t_ms = 0;
-  // parity, revision, allreduce, outcome_skew, restore, stall, progress, resume, heal, status, state, crash,
+  // parity, revision, allreduce, outcome_skew, restore, stale_frame, stall, progress, resume, heal, status, state, crash,
   // output, or one of the orchestrator's: master, memory, shutdown, testbed
   std::string kind;
   std::string text;
