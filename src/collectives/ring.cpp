@@ -803,7 +803,7 @@ class Runner {
     if (h.attempt < p_.attempt && r.cur.item == 0 && io_.rx_replace) {
       auto fresh = io_.rx_replace(k);
       if (!fresh.is_ok()) return fresh.status();
-      set_lowat(r, 1);
+      // (the old connection is closed by now; the new one has the default low-water mark)
       r.fd = fresh.value().fd;
       r.open = fresh.value().aead;
       r.lowat = 1;
