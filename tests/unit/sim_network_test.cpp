@@ -299,6 +299,10 @@ struct Proc {
   bool accepted = false;
   TimeUs started_us = 0, dead_us = 0, last_rx_us = 0;
   bool suspect = false;
+  // peer::Session's timer: the next heartbeat, and the generation of the armed wake-up
+  // (arming replaces the previous one)
+  TimeUs next_heartbeat_us = 0;
+  std::uint64_t heartbeat_gen = 0;
   std::uint64_t flow_gen = 0;
   // membership
   std::uint64_t epoch = 0;
@@ -803,7 +807,12 @@ class Sim {
     hello.shared_state_port = static_cast<std::uint16_t>(hello.p2p_port + 1);
     hello.benchmark_port = static_cast<std::uint16_t>(hello.p2p_port + 2);
     send(ref, hello);
-    timer(ref, 250 * kMs, TimerKind::kHeartbeat);
+    arm_heartbeat(ref, now_ + 250 * kMs);
+  }
+
+  void arm_heartbeat(Proc& pr, TimeUs at) {
+    ++pr.heartbeat_gen;
+    timer(pr, at - now_, TimerKind::kHeartbeat, pr.heartbeat_gen);
   }
 
   void send(Proc& pr, const p::Message& m) {
@@ -845,7 +854,7 @@ class Sim {
 
   void on_timer(Proc& pr, TimerKind kind, std::uint64_t arg, std::uint64_t arg2) {
     switch (kind) {
-      case TimerKind::kHeartbeat: return heartbeat(pr);
+      case TimerKind::kHeartbeat: return arg == pr.heartbeat_gen ? heartbeat(pr) : void();
       case TimerKind::kFlow:
         if (arg != pr.flow_gen) return;
         if (pr.stage == Stage::kAlone) return pending_vote(pr);
@@ -869,19 +878,24 @@ class Sim {
       if (now_ - pr.started_us > 3 * kSec) {
         return finish(pr, LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED, "no Welcome from the master");
       }
-      return timer(pr, 250 * kMs, TimerKind::kHeartbeat);
+      return arm_heartbeat(pr, now_ + 250 * kMs);
     }
     if (now_ - pr.last_rx_us > timeout) {
       // look once more shortly: after a stop, the bytes that arrived meanwhile win
       if (!pr.suspect) {
         pr.suspect = true;
-        return timer(pr, 20 * kMs, TimerKind::kHeartbeat);
+        return arm_heartbeat(pr, now_ + 20 * kMs);
       }
       return finish(pr, LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "no message from the master for too long");
     }
     pr.suspect = false;
-    send(pr, p::Heartbeat{});
-    timer(pr, timeout / 4, TimerKind::kHeartbeat);
+    // a heartbeat every quarter of the timeout; the wake-up also when the silence would
+    // pass the timeout (peer::Session::next_wake)
+    if (now_ >= pr.next_heartbeat_us) {
+      send(pr, p::Heartbeat{});
+      pr.next_heartbeat_us = now_ + timeout / 4;
+    }
+    arm_heartbeat(pr, std::min(pr.next_heartbeat_us, pr.last_rx_us + timeout + kMs));
   }
 
   void deliver_to_peer(Proc& pr, const Frame& f) {
@@ -906,6 +920,9 @@ class Sim {
       if (pr.stage != Stage::kConnecting) unexpected(pr, m);
       pr.id = w->id;
       pr.stage = Stage::kJoining;
+      // peer::Session::attach: heartbeats start a quarter of the timeout from now
+      pr.next_heartbeat_us = now_ + static_cast<TimeUs>(c_.config().heartbeat_timeout_ms) * kMs / 4;
+      arm_heartbeat(pr, pr.next_heartbeat_us);
       return;
     }
     if (const auto* bye = std::get_if<p::Goodbye>(&m)) {
