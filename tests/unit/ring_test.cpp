@@ -333,6 +333,13 @@ TEST_P(Ring, FrameOfAnotherAttemptFailsTheAttemptAndRestores) {
   EXPECT_EQ(b, std::vector<float>(300'000, 2.0f));
 }
 
+// A ring frame with this header and 4096 bytes of payload, as a neighbour would send it.
+std::vector<std::uint8_t> frame_of(const lockstep::coll::RingHeader& h) {
+  std::vector<std::uint8_t> frame(lockstep::coll::kRingHeaderBytes + 4096, 0x3f);
+  lockstep::coll::put_ring_header(frame.data(), h);
+  return frame;
+}
+
 // A frame of an older attempt first on the receiving connection: the previous peer ran
 // an attempt that ended here before its turn (its frames were never read here). With
 // rx_replace the connection is given up for a newer one and the attempt goes on, its
@@ -347,10 +354,7 @@ TEST_P(Ring, FrameOfAnOlderAttemptFirstGivesUpTheConnection) {
     RingPlan plan_b = plan_for(1, b, b);
     plan_a.attempt = plan_b.attempt = 9;
     // b's older attempt 8 left a whole frame, and more, in the connection a holds.
-    std::uint8_t header[lockstep::coll::kRingHeaderBytes] = {};
-    lockstep::coll::put_ring_header(header, {0, 1, 0, 8});
-    std::vector<std::uint8_t> frame(header, header + sizeof header);
-    frame.resize(frame.size() + 4096, 0x3f);
+    const std::vector<std::uint8_t> frame = frame_of({0, 1, 0, 8});
     ASSERT_EQ(::write(stale_b_to_a.fds[0], frame.data(), frame.size()), static_cast<ssize_t>(frame.size()));
     RingScratch scratch_a, scratch_b;
     RingIo io_a, io_b;
@@ -394,11 +398,8 @@ TEST_P(Ring, MalformedFrameHeaderFailsTheAttempt) {
     std::vector<float> a(300'000, 1.0f);
     const std::vector<float> before = a;
     const RingPlan plan = plan_for(0, a, a);
-    std::uint8_t header[lockstep::coll::kRingHeaderBytes] = {};
-    lockstep::coll::put_ring_header(header, {0, 1, bad_magic ? 0u : 7u, plan.attempt});
-    if (bad_magic) header[0] ^= 0x5a;
-    std::vector<std::uint8_t> frame(header, header + sizeof header);
-    frame.resize(frame.size() + 4096, 0x3f);
+    std::vector<std::uint8_t> frame = frame_of({0, 1, bad_magic ? 0u : 7u, plan.attempt});
+    if (bad_magic) frame[0] ^= 0x5a;
     ASSERT_EQ(::write(b_to_a.fds[0], frame.data(), frame.size()), static_cast<ssize_t>(frame.size()));
     RingScratch scratch;
     RingIo io;
