@@ -188,6 +188,10 @@ struct RxStream {
   Cursor cur;
   std::uint8_t header[kRingHeaderBytes] = {};
   std::size_t lowat = 1;  // the socket's low-water mark, as this attempt set it
+  // The frame being read is a commit token of an earlier attempt (run_ring_commit), to
+  // be read (its tag checked, when sealed) and skipped.
+  bool skipping = false;
+  std::uint8_t token[security::kTagBytes] = {};
   // pack(cur.step, cur.sub): everything before it has been received (and reduced);
   // published by the receiving thread for the sending one.
   std::atomic<std::uint64_t> pos{0};
@@ -695,6 +699,11 @@ class Runner {
   Status pump_recv(std::size_t k, bool* progress) {
     RxStream& r = rx_[k];
     while (r.cur.step < l_.rx_steps()) {
+      if (r.skipping) {
+        Status st = skip_token(r, progress);
+        if (!st.is_ok() || r.skipping) return st;
+        continue;
+      }
       const std::size_t c = l_.recv_chunk(r.cur.step);
       const std::size_t start = l_.sub_start(c, r.cur.sub);
       const std::size_t elems = l_.sub_len(c, r.cur.sub);
@@ -757,6 +766,32 @@ class Runner {
     return Status::ok();
   }
 
+  // Reads the rest of an earlier attempt's commit token (its tag, when sealed: opening
+  // it keeps the connection's cipher in step) and makes the stream wait for a header again.
+  Status skip_token(RxStream& r, bool* progress) {
+    const std::size_t due = kRingHeaderBytes + on_wire(0);
+    while (r.cur.bytes < due) {
+      const ssize_t got = ::read(r.fd, r.token + (r.cur.bytes - kRingHeaderBytes), due - r.cur.bytes);
+      if (got < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return Status::ok();
+        return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
+                      std::string("receiving from the previous ring peer: ") + std::strerror(errno));
+      }
+      if (got == 0) return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the previous ring peer closed the connection");
+      *progress = true;
+      r.cur.bytes += static_cast<std::size_t>(got);
+      if (stats_ != nullptr) stats_->bytes_received += static_cast<std::uint64_t>(got);
+    }
+    std::uint8_t none[1];
+    if (encrypted() && !r.open->open(std::span<const std::uint8_t>(r.token, security::kTagBytes),
+                                     std::span<const std::uint8_t>(r.header, kRingHeaderBytes), none)) {
+      return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "a commit token from the previous ring peer does not verify");
+    }
+    r.skipping = false;
+    r.cur.bytes = 0;
+    return Status::ok();
+  }
+
   // Where a received sub-chunk's payload (decrypted) goes: the stream's staging buffer
   // for a reduce, the destination for the all-gather, or the kept encoded form when quantized.
   std::uint8_t* target_of(std::size_t k, std::size_t c, std::size_t start, bool reducing) {
@@ -800,6 +835,12 @@ class Runner {
     auto parsed = parse_ring_header(r.header);
     if (!parsed.is_ok()) return parsed.status();
     const RingHeader& h = parsed.value();
+    // What an earlier attempt's commit exchange left on the connection when its outcome
+    // came first (run_ring_commit, kSettled): skipped.
+    if (k == 0 && h.seq == kRingTokenSeq && h.attempt < p_.attempt && r.cur.item == 0) {
+      r.skipping = true;
+      return Status::ok();
+    }
     if (h.attempt < p_.attempt && r.cur.item == 0 && io_.rx_replace) {
       auto fresh = io_.rx_replace(k);
       if (!fresh.is_ok()) return fresh.status();
@@ -951,6 +992,114 @@ Status run_ring(const RingPlan& plan, const RingIo& io, RingScratch& scratch, Ri
     return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "broadcast root outside the world");
   }
   return Runner(plan, io, scratch, stats).run();
+}
+
+Result<CommitEnd> run_ring_commit(const RingPlan& plan, const RingIo& io, RingStats* stats) {
+  if (plan.world <= 1) return CommitEnd::kCommitted;
+  const std::size_t need = plan.world - 1;
+  const bool sealed = io.seal != nullptr && io.open != nullptr;
+  const std::size_t frame = kRingHeaderBytes + (sealed ? security::kTagBytes : 0);
+  // Tokens made (sealing advances the cipher: each is made once) and not yet sent.
+  std::vector<std::uint8_t> out;
+  std::size_t out_off = 0;
+  std::size_t made = 0;
+  const auto make = [&](std::size_t upto) {
+    while (made < upto) {
+      const std::size_t at = out.size();
+      out.resize(at + frame);
+      put_ring_header(out.data() + at, RingHeader{0, 1, kRingTokenSeq, plan.attempt});
+      if (sealed) {
+        io.seal->seal(std::span<const std::uint8_t>(), std::span<const std::uint8_t>(out.data() + at, kRingHeaderBytes),
+                      out.data() + at + kRingHeaderBytes);
+      }
+      ++made;
+    }
+  };
+  std::uint8_t in[kRingHeaderBytes + security::kTagBytes];
+  std::size_t in_len = 0;
+  std::size_t received = 0;
+  make(1);  // this peer holds the result
+  auto last_move = std::chrono::steady_clock::now();
+  for (;;) {
+    if (io.abort_flag != nullptr && io.abort_flag->load()) {
+      return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the attempt was aborted");
+    }
+    const bool settled = io.settled_flag != nullptr && io.settled_flag->load();
+    if (settled) make(need);
+    bool progress = false;
+    while (out_off < out.size()) {
+      const ssize_t sent = ::send(io.tx_fd, out.data() + out_off, out.size() - out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (sent < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+        return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, std::string("sending a commit token: ") + std::strerror(errno));
+      }
+      out_off += static_cast<std::size_t>(sent);
+      if (stats != nullptr) stats->bytes_sent += static_cast<std::uint64_t>(sent);
+      progress = true;
+    }
+    if (out_off == out.size()) {
+      out.clear();
+      out_off = 0;
+    }
+    // A token half read is finished even once settled: the next attempt reads whole frames.
+    const bool reading = received < need && (!settled || in_len > 0);
+    if (!reading && out.empty()) return received == need ? CommitEnd::kCommitted : CommitEnd::kSettled;
+    if (reading) {
+      const ssize_t got = ::read(io.rx_fd, in + in_len, frame - in_len);
+      if (got == 0) return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the previous ring peer closed the connection");
+      if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
+                      std::string("receiving a commit token: ") + std::strerror(errno));
+      }
+      if (got > 0) {
+        in_len += static_cast<std::size_t>(got);
+        if (stats != nullptr) stats->bytes_received += static_cast<std::uint64_t>(got);
+        progress = true;
+      }
+      if (in_len == frame) {
+        auto h = parse_ring_header(in);
+        if (!h.is_ok()) return h.status();
+        if (h.value().seq != kRingTokenSeq || h.value().stream != 0 || h.value().attempt != plan.attempt) {
+          return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "a ring frame where a commit token of attempt " +
+                                                            std::to_string(plan.attempt) + " was due");
+        }
+        std::uint8_t none[1];
+        if (sealed && !io.open->open(std::span<const std::uint8_t>(in + kRingHeaderBytes, security::kTagBytes),
+                                     std::span<const std::uint8_t>(in, kRingHeaderBytes), none)) {
+          return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "a commit token from the previous ring peer does not verify");
+        }
+        in_len = 0;
+        ++received;
+        make(std::min(need, received + 1));
+      }
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (progress) {
+      last_move = now;
+      continue;
+    }
+    int timeout_ms = -1;
+    if (io.stall_timeout_ms > 0) {
+      const auto idle_ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - last_move).count();
+      if (idle_ms >= io.stall_timeout_ms) {
+        return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "no commit token moved to or from the ring neighbours for " +
+                                                                std::to_string(io.stall_timeout_ms) + " ms");
+      }
+      timeout_ms = static_cast<int>(io.stall_timeout_ms - idle_ms);
+    }
+    pollfd fds[3];
+    nfds_t nfds = 0;
+    if (!out.empty()) fds[nfds++] = pollfd{io.tx_fd, POLLOUT, 0};
+    if (reading) fds[nfds++] = pollfd{io.rx_fd, POLLIN, 0};
+    // Readable once the outcome (settled) or an abort came: watched until then.
+    const bool watch_abort = io.abort_fd >= 0 && !settled;
+    if (watch_abort) fds[nfds++] = pollfd{io.abort_fd, POLLIN, 0};
+    if (::poll(fds, nfds, timeout_ms) < 0 && errno != EINTR) return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll");
+    if (watch_abort && fds[nfds - 1].revents != 0 && !(io.settled_flag != nullptr && io.settled_flag->load()) &&
+        !(io.abort_flag != nullptr && io.abort_flag->load())) {
+      return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the attempt was aborted");
+    }
+  }
 }
 
 void commit_residual(const RingPlan& plan, const RingScratch& scratch) {

@@ -195,6 +195,9 @@ struct RingIo {
   std::function<Result<RingStream>(std::size_t stream)> rx_replace;
   int abort_fd = -1;                              // readable when the attempt must stop
   const std::atomic<bool>* abort_flag = nullptr;  // checked between sub-chunks
+  // run_ring_commit: set (and abort_fd made readable) when the master's successful
+  // outcome arrived, so that no more commit tokens need be waited for.
+  const std::atomic<bool>* settled_flag = nullptr;
   // The attempt fails when no byte moves in either direction for this long (0: never):
   // a link cut between two ring neighbours that both still reach the master would
   // otherwise hold the collective, and every peer voting on it, forever.
@@ -254,6 +257,24 @@ Status run_ring(const RingPlan& plan, const RingIo& io, RingScratch& scratch, Ri
 inline Status run_ring_all_reduce(const RingPlan& plan, const RingIo& io, RingScratch& scratch, RingStats* stats) {
   return run_ring(plan, io, scratch, stats);
 }
+// The commit exchange, after a successful run_ring of every kind (docs/protocol.md,
+// "Completion"): each peer sends its next peer world-1 tokens, the first once it holds
+// the result, then one more for each token it receives but the last; the k-th token a
+// peer receives says that the k peers before it hold the result, so the (world-1)-th
+// says that every participant does. A token is a frame header (stream 0, sequence
+// kRingTokenSeq, the attempt) with no payload (sealed: its 16-byte tag).
+//   kCommitted: every token came (all of this peer's are sent): the attempt can only
+//     succeed, and the caller may return without the master's outcome.
+//   kSettled: io.settled_flag rose first (the master's successful outcome came): this
+//     peer's remaining tokens are sent, and the previous peer's that are still due are
+//     skipped by the next attempt on the connection (run_ring skips a token of an older
+//     attempt where the first frame of a connection is due).
+// Any other end (abort, a lost or stalled connection, a frame that is not this
+// attempt's token) is an error: the connections are then out of step and must go.
+// The destination is never touched.
+enum class CommitEnd { kCommitted, kSettled };
+inline constexpr std::uint32_t kRingTokenSeq = 0xffffffffu;
+Result<CommitEnd> run_ring_commit(const RingPlan& plan, const RingIo& io, RingStats* stats);
 // Puts back every part of the destination written by the last run with this scratch.
 void restore(const RingPlan& plan, RingScratch& scratch);
 // Error feedback: once the attempt succeeded everywhere, its residual becomes the

@@ -100,14 +100,49 @@ void Coordinator::handle_collective_done(Peer& peer, const proto::CollectiveDone
     return refuse(peer, MsgType::kCollectiveDone, LOCKSTEP_STATUS_INVALID_USAGE,
                   "not a participant of attempt " + std::to_string(done.attempt) + " or already reported", out);
   }
+  // One outcome for all (docs/protocol.md, "Completion"): a participant that failed
+  // never forwards a commit token, so nobody committed and the attempt fails; one
+  // that committed proves that every participant holds the result, so it succeeds.
   if (!done.ok) {
-    const std::string reason = "peer " + peer.id.to_string() + " failed attempt " + std::to_string(done.attempt) +
-                               (done.reason.empty() ? "" : ": " + done.reason);
-    return finish_collective(peer.group, done.tag, c.participants, LOCKSTEP_STATUS_PEER_CONNECTION_LOST, reason, out);
+    const std::string reason = !c.abort_reason.empty()
+                                   ? c.abort_reason
+                                   : "peer " + peer.id.to_string() + " failed attempt " + std::to_string(done.attempt) +
+                                         (done.reason.empty() ? "" : ": " + done.reason);
+    return finish_collective(peer.group, done.tag, survivors(c), LOCKSTEP_STATUS_PEER_CONNECTION_LOST, reason, out);
   }
+  if (done.committed) return finish_collective(peer.group, done.tag, survivors(c), LOCKSTEP_OK, {}, out);
+  // It holds the result but saw no commit (its exchange was cut, or the attempt ran by
+  // doubling, which has none): the attempt succeeds once every survivor says so.
   c.done.insert(peer.id);
-  if (c.done.size() == c.participants.size()) {
-    finish_collective(peer.group, done.tag, c.participants, LOCKSTEP_OK, {}, out);
+  settle_collective(peer.group, done.tag, out);
+}
+
+std::vector<PeerId> Coordinator::survivors(const Collective& c) {
+  std::vector<PeerId> out;
+  out.reserve(c.participants.size() - c.lost.size());
+  for (const PeerId& id : c.participants) {
+    if (c.lost.count(id) == 0) out.push_back(id);
+  }
+  return out;
+}
+
+void Coordinator::abort_attempt(std::uint64_t tag, Collective& c, std::string lost_reason, Outbox& out) {
+  if (c.abort_reason.empty()) c.abort_reason = std::move(lost_reason);
+  if (c.aborting) return;
+  c.aborting = true;
+  std::vector<PeerId> told;
+  for (const PeerId& id : c.participants) {
+    if (c.done.count(id) == 0 && c.lost.count(id) == 0) told.push_back(id);
+  }
+  send_all(told, proto::CollectiveAbort{tag, c.attempt}, out);
+}
+
+// Every participant still in the run reported that it holds the result (or none is
+// left): the attempt succeeded for them.
+void Coordinator::settle_collective(std::uint32_t group, std::uint64_t tag, Outbox& out) {
+  const Collective& c = collectives_.at(group).at(tag);
+  if (c.done.size() + c.lost.size() == c.participants.size()) {
+    finish_collective(group, tag, survivors(c), LOCKSTEP_OK, {}, out);
   }
 }
 

@@ -607,28 +607,28 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
       a->second.failed = true;
       a->second.failure = "peer " + id.to_string() + " was lost during the agree vote (" + reason + ")";
     }
-    // Collectives of its group: a vote simply loses a voter; a running attempt fails
-    // for every other participant (they retry with the survivors).
-    std::vector<std::pair<std::uint64_t, std::vector<PeerId>>> failed;
+    // Collectives of its group: a vote simply loses a voter; a running attempt can no
+    // longer commit: the other participants are told to stop and report, and their
+    // reports decide it (settle_collective, handle_collective_done).
+    std::vector<std::uint64_t> lost_in;
     if (auto g = collectives_.find(peer.group); g != collectives_.end()) {
       for (auto c = g->second.begin(); c != g->second.end();) {
         c->second.votes.erase(id);
         c->second.contributions.erase(id);
         auto& who = c->second.participants;
         if (c->second.phase == Collective::Phase::kPerforming && std::find(who.begin(), who.end(), id) != who.end()) {
-          std::vector<PeerId> others = who;
-          others.erase(std::remove(others.begin(), others.end(), id), others.end());
-          failed.emplace_back(c->first, std::move(others));
+          c->second.lost.insert(id);
+          c->second.done.erase(id);
+          abort_attempt(c->first, c->second, "peer " + id.to_string() + " was lost during the collective (" + reason + ")",
+                        out);
+          lost_in.push_back(c->first);
         }
         const bool abandoned = c->second.phase == Collective::Phase::kVoting && c->second.votes.empty();
         c = abandoned ? g->second.erase(c) : std::next(c);
       }
       if (g->second.empty()) collectives_.erase(g);
     }
-    for (const auto& [tag, others] : failed) {
-      finish_collective(peer.group, tag, others, LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
-                        "peer " + id.to_string() + " was lost during the collective (" + reason + ")", out);
-    }
+    for (const std::uint64_t tag : lost_in) settle_collective(peer.group, tag, out);
     // Its shared-state sync: a vote loses a voter; a transfer fails for everyone (rule 7).
     if (auto sy = syncs_.find(peer.group); sy != syncs_.end()) {
       if (sy->second.phase == SharedStateSync::Phase::kVoting) {

@@ -134,7 +134,13 @@ struct Collective {
   std::uint32_t slot = 0;
   std::vector<PeerId> participants;  // ring order
   std::vector<PeerId> sorted_participants;  // the same, sorted (to look a reporter up)
-  std::set<PeerId> done;
+  std::set<PeerId> done;  // reported ok (they hold the result) without a commit
+  // Participants lost during the attempt (removed from the run): they get no outcome.
+  std::set<PeerId> lost;
+  // The attempt can no longer end by commit: the participants that had not reported
+  // were told to stop (CollectiveAbort); the outcome comes with the last report.
+  bool aborting = false;
+  std::string abort_reason;  // a lost participant, for the failure outcome
 };
 
 // One shared-state sync of a group, from its first vote to its outcome.
@@ -337,6 +343,10 @@ class Coordinator {
   void send(const Peer& peer, proto::Message message, Outbox& out);
   // Sends the message to every peer listed (that is still here), as one Broadcast.
   void send_all(const std::vector<PeerId>& ids, proto::Message message, Outbox& out);
+  // A performing attempt that can no longer end by commit (collectives.cpp).
+  static std::vector<PeerId> survivors(const Collective& c);
+  void abort_attempt(std::uint64_t tag, Collective& c, std::string lost_reason, Outbox& out);
+  void settle_collective(std::uint32_t group, std::uint64_t tag, Outbox& out);
   // Removes a peer: tells it why (unless its connection is already gone), closes the
   // connection, and unwinds every operation it took part in.
   void remove_peer(PeerId id, StatusCode status, const std::string& reason, bool connection_open,

@@ -71,7 +71,9 @@ std::vector<OpenRound> Coordinator::open_rounds() const {
               [&votes = c.votes](const Peer& p) { return votes.count(p.id) != 0; });
       } else {
         r.phase = "performing";
-        for (const auto& id : c.participants) (c.done.count(id) != 0 ? r.done : r.waiting).push_back(id);
+        for (const auto& id : c.participants) {
+          if (c.lost.count(id) == 0) (c.done.count(id) != 0 ? r.done : r.waiting).push_back(id);
+        }
         rounds.push_back(std::move(r));
       }
     }
@@ -122,7 +124,7 @@ std::string Coordinator::digest() const {
   for (const auto& [g, tags] : collectives_) {
     for (const auto& [tag, c] : tags) {
       s << g << "/" << tag << ":" << (c.phase == Collective::Phase::kVoting ? "voting" : "performing") << ":"
-        << c.votes.size() << ":" << c.contributions.size() << ":" << c.attempt << ":" << c.done.size() << " ";
+        << c.votes.size() << ":" << c.contributions.size() << ":" << c.attempt << ":" << c.done.size() << ":" << c.lost.size() << (c.aborting ? ":aborting" : "") << " ";
     }
   }
   s << "] next_attempt=" << next_attempt_ << " syncs=[";
@@ -214,7 +216,13 @@ std::optional<std::string> Coordinator::check_invariants() const {
       }
       for (const auto& id : c.participants) {
         const Peer* p = find_peer(id);
-        if (p == nullptr || p->group != group) return "collective participant is gone or foreign";
+        if (c.lost.count(id) == 0 && (p == nullptr || p->group != group)) return "collective participant is gone or foreign";
+        if (c.lost.count(id) != 0 && c.done.count(id) != 0) return "a lost participant counted as reported";
+      }
+      if (c.lost.size() > c.participants.size()) return "more lost participants than participants";
+      if (!c.lost.empty() && !c.aborting) return "an attempt that lost a participant is not aborting";
+      if (c.phase == Collective::Phase::kPerforming && c.done.size() + c.lost.size() == c.participants.size()) {
+        return "an attempt every participant reported on is still open";
       }
       if (c.phase == Collective::Phase::kVoting && c.votes.empty()) return "collective vote without voters";
     }

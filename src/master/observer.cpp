@@ -161,16 +161,24 @@ void Observer::on_slot_bytes_reported(const coord::Coordinator& c, PeerId peer, 
                                       std::uint64_t attempt, std::uint64_t bytes_sent, std::uint64_t bytes_received) {
   const coord::Peer* p = c.find_peer(peer);
   if (p == nullptr) return;
-  const auto group = c.collectives().find(p->group);
-  if (group == c.collectives().end()) return;
-  const auto it = group->second.find(tag);
-  if (it == group->second.end()) return;
-  const coord::Collective& collective = it->second;
-  if (collective.phase != coord::Collective::Phase::kPerforming || collective.attempt != attempt ||
-      !collective.contributions.empty() || collective.slot >= limits::kP2PPoolSizeMax) {
-    return;
+  std::pair<std::uint32_t, std::uint32_t> key;
+  if (const auto known = attempt_slots_.find(attempt); known != attempt_slots_.end()) {
+    if (known->second.first != p->group) return;
+    key = known->second;  // also a report after the attempt ended on a commit
+  } else {
+    const auto group = c.collectives().find(p->group);
+    if (group == c.collectives().end()) return;
+    const auto it = group->second.find(tag);
+    if (it == group->second.end()) return;
+    const coord::Collective& collective = it->second;
+    if (collective.phase != coord::Collective::Phase::kPerforming || collective.attempt != attempt ||
+        !collective.contributions.empty() || collective.slot >= limits::kP2PPoolSizeMax) {
+      return;
+    }
+    key = {p->group, collective.slot};
+    if (attempt_slots_.size() >= kAttemptSlotsMax) attempt_slots_.erase(attempt_slots_.begin());
+    attempt_slots_.emplace(attempt, key);
   }
-  const std::pair<std::uint32_t, std::uint32_t> key{p->group, collective.slot};
   const auto first = slot_bytes_.lower_bound({p->group, 0});
   if (first == slot_bytes_.end() || first->first.first != p->group) {
     // A group seen for the first time: forget the groups that have no peer any more.

@@ -104,6 +104,10 @@ class Observer {
   // Ring bytes by (group, pool slot): slots below kP2PPoolSizeMax, groups that had a peer
   // when a group was last added (at most the groups present, plus one, times the pool bound).
   std::map<std::pair<std::uint32_t, std::uint32_t>, PeerBytes> slot_bytes_;
+  // The (group, slot) of recent attempts, for the reports that come after a commit
+  // ended the attempt (the oldest forgotten beyond kAttemptSlotsMax).
+  std::map<std::uint64_t, std::pair<std::uint32_t, std::uint32_t>> attempt_slots_;
+  static constexpr std::size_t kAttemptSlotsMax = 4096;
   std::deque<Bucket> throughput_;           // the last kThroughputHistorySeconds seconds
   std::set<RoundKey> reported_stalls_;      // open rounds already reported
 };

@@ -1077,6 +1077,8 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
 
   Status local = Status::ok();
   bool ran = false;
+  bool committed = false;    // the ring's commit exchange completed here
+  bool out_of_step = false;  // it was cut short: tokens may be left on the connections
   // Only the attempt whose turn it is on the slot may touch the slot's connections: one
   // that ended before its turn must not drop those another attempt is using.
   const bool had_turn = link_->wait_slot_turn(go.slot, go.attempt, channel);
@@ -1140,14 +1142,34 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
           it->second.on_attempt(stats.streams, stats.bytes_sent, static_cast<std::uint64_t>(us));
         }
       }
+      if (local.is_ok()) {
+        // This peer holds the result: the commit exchange (docs/protocol.md, "Completion").
+        io.settled_flag = channel.settled_flag();
+        auto end = coll::run_ring_commit(plan, io, &stats);
+        if (!end.is_ok()) {
+          LOG_DEBUG(kLog, id_.to_string() << " tag " << d.tag << ": no commit: " << end.status().to_string());
+          out_of_step = true;
+        } else if (end.value() == coll::CommitEnd::kCommitted) {
+          committed = true;
+        }
+      }
     }
   }
-  // Vote to complete, unless the master already ended the attempt (an abort).
-  LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": attempt " << go.attempt << " done here: " << local.to_string());
-  if (!channel.aborted()) {
-    link_->send(proto::CollectiveDone{d.tag, go.attempt, local.is_ok(), local.message(), stats.bytes_sent,
-                                      stats.bytes_received});
+  LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": attempt " << go.attempt << " done here: " << local.to_string()
+                                  << (committed ? " (committed)" : ""));
+  if (committed) {
+    // Every participant holds the result: the attempt can only succeed. The master's
+    // outcome, when it comes, is dropped.
+    link_->settled_early(d.tag, go.attempt);
+    link_->send(proto::CollectiveDone{d.tag, go.attempt, true, {}, stats.bytes_sent, stats.bytes_received, true});
+    coll::commit_residual(plan, *scratch);
+    info->world_size = static_cast<std::uint32_t>(n);
+    finish_attempt(go.slot, go.attempt, stats, info, std::move(scratch));
+    return Status::ok();
   }
+  // Vote to complete (also after the master's abort or outcome: a late report is ignored).
+  link_->send(proto::CollectiveDone{d.tag, go.attempt, local.is_ok(), local.message(), stats.bytes_sent,
+                                    stats.bytes_received});
   auto outcome = channel.wait([&](const proto::Message& m) {
     const auto* r = std::get_if<proto::CollectiveResult>(&m);
     return r != nullptr && r->attempt == go.attempt;
@@ -1174,19 +1196,23 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   } else {
     if (!final_status.is_ok() && ran && local.is_ok()) coll::restore(plan, *scratch);  // we had finished: undo
     if (final_status.is_ok() && ran) coll::commit_residual(plan, *scratch);
-    if (!final_status.is_ok() && had_turn) drop_connections(next, prev, go.slot);
+    // A commit exchange cut short leaves tokens on the connections.
+    if ((!final_status.is_ok() || out_of_step) && had_turn) drop_connections(next, prev, go.slot);
   }
-  link_->release_slot(go.slot, go.attempt);
-  slot_bytes_[go.slot].sent.fetch_add(stats.bytes_sent, std::memory_order_relaxed);
-  slot_bytes_[go.slot].received.fetch_add(stats.bytes_received, std::memory_order_relaxed);
+  finish_attempt(go.slot, go.attempt, stats, info, std::move(scratch));
+  return final_status;
+}
+
+void Communicator::finish_attempt(std::uint32_t slot, std::uint64_t attempt, const coll::RingStats& stats,
+                                  ReduceInfo* info, std::unique_ptr<coll::RingScratch> scratch) {
+  link_->release_slot(slot, attempt);
+  slot_bytes_[slot].sent.fetch_add(stats.bytes_sent, std::memory_order_relaxed);
+  slot_bytes_[slot].received.fetch_add(stats.bytes_received, std::memory_order_relaxed);
   info->bytes_sent = stats.bytes_sent;
   info->bytes_received = stats.bytes_received;
   info->streams = stats.streams;
-  {
-    std::lock_guard<std::mutex> lock(ops_mutex_);
-    free_scratch_.push_back(std::move(scratch));
-  }
-  return final_status;
+  std::lock_guard<std::mutex> lock(ops_mutex_);
+  free_scratch_.push_back(std::move(scratch));
 }
 
 Status Communicator::run_doubling(const std::vector<PeerId>& ring, std::size_t rank, const coll::RingPlan& plan,

@@ -275,6 +275,9 @@ class Communicator {
   Result<std::shared_ptr<AsyncReduce>> start_collective(const ReduceDescriptor& d, bool on_own_thread);
   // The body of one collective, on a worker thread or the caller's.
   Status run_collective(const ReduceDescriptor& d, OpChannel& channel, ReduceInfo* info);
+  // An attempt's end here, whatever its outcome: the slot, the counters, the scratch.
+  void finish_attempt(std::uint32_t slot, std::uint64_t attempt, const coll::RingStats& stats, ReduceInfo* info,
+                      std::unique_ptr<coll::RingScratch> scratch);
   // How many peers of `ring` run on this host.
   std::size_t peers_on_this_host(const std::vector<PeerId>& ring);
   // Ring connections, made on first use and cached per (peer, pool slot).

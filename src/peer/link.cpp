@@ -81,6 +81,11 @@ void Link::unregister_op(std::uint64_t tag) {
   session_.unregister_op(tag);
 }
 
+void Link::settled_early(std::uint64_t tag, std::uint64_t attempt) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  session_.settled_early(tag, attempt);
+}
+
 void Link::set_establishment(std::uint64_t epoch, std::shared_ptr<OpChannel> channel) {
   std::lock_guard<std::mutex> lock(mutex_);
   establishment_ = std::move(channel);

@@ -77,6 +77,8 @@ class Link {
   // master's messages for its tag; a failure outcome also raises its abort signal.
   void register_op(std::uint64_t tag, const std::shared_ptr<OpChannel>& channel);
   void unregister_op(std::uint64_t tag);
+  // The collective's attempt ended here on its commit (Session::settled_early).
+  void settled_early(std::uint64_t tag, std::uint64_t attempt);
 
   // The p2p establishment of `epoch` in progress (null: none): when the master ends
   // that epoch with a failure, its signal stops connection setup that would otherwise

@@ -56,9 +56,18 @@ OpChannel::~OpChannel() {
 }
 
 void OpChannel::push(proto::Message message) {
+  // CollectiveAbort: nobody waits for the message itself; its report follows (the
+  // collective sends it once its ring has stopped).
+  if (std::holds_alternative<proto::CollectiveAbort>(message)) return signal();
   const auto* result = std::get_if<proto::CollectiveResult>(&message);
   const bool stop = result != nullptr && result->status != LOCKSTEP_OK;
-  if (!messages_.push(std::move(message)) || stop) signal();
+  const bool settled = result != nullptr && !stop;
+  if (!messages_.push(std::move(message)) || stop) return signal();
+  if (settled) {
+    settled_ = true;
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const ssize_t n = ::write(event_fd_, &one, sizeof one);
+  }
 }
 
 void OpChannel::abort(const Status& status) {

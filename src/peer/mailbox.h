@@ -46,10 +46,13 @@ class OpChannel {
   int event_fd() const { return event_fd_; }
   const std::atomic<bool>* abort_flag() const { return &aborted_; }
   bool aborted() const { return aborted_.load(); }
+  // The master's successful outcome arrived (it also makes event_fd readable): the
+  // ring's commit exchange stops waiting for tokens (coll::run_ring_commit).
+  const std::atomic<bool>* settled_flag() const { return &settled_; }
 
   // Raises the abort signal without a message (the end of a p2p establishment).
   void cancel() { signal(); }
-  // A failure outcome also stops a ring in progress.
+  // A failure outcome, or the master's CollectiveAbort, also stops a ring in progress.
   void push(proto::Message message);
   // The link failed: every waiting call ends with this status.
   void abort(const Status& status);
@@ -60,6 +63,7 @@ class OpChannel {
 
   int event_fd_;
   std::atomic<bool> aborted_{false};
+  std::atomic<bool> settled_{false};
   Mailbox messages_;
 };
 

@@ -102,6 +102,10 @@ Commands Session::deliver(proto::Message message) {
     tag = go->tag;
   } else if (const auto* result = std::get_if<proto::CollectiveResult>(&message)) {
     tag = result->tag;
+    if (forget_settled(result->tag, result->attempt, true)) return out;
+  } else if (const auto* abort = std::get_if<proto::CollectiveAbort>(&message)) {
+    tag = abort->tag;
+    if (forget_settled(abort->tag, abort->attempt, false)) return out;
   } else if (const auto* refused = std::get_if<proto::Refused>(&message);
              refused != nullptr && refused->request == proto::MsgType::kCollectiveInit) {
     tag = refused->tag;
@@ -163,6 +167,19 @@ std::optional<proto::Message> Session::take(const std::function<bool(const proto
     }
   }
   return std::nullopt;
+}
+
+void Session::settled_early(std::uint64_t tag, std::uint64_t attempt) {
+  if (settled_early_.size() >= kSettledEarlyMax) settled_early_.pop_front();
+  settled_early_.emplace_back(tag, attempt);
+}
+
+// Whether (tag, attempt) ended here on its commit; its outcome (`last`) ends the watch.
+bool Session::forget_settled(std::uint64_t tag, std::uint64_t attempt, bool last) {
+  const auto it = std::find(settled_early_.begin(), settled_early_.end(), std::make_pair(tag, attempt));
+  if (it == settled_early_.end()) return false;
+  if (last) settled_early_.erase(it);
+  return true;
 }
 
 Commands Session::register_op(std::uint64_t tag) {

@@ -116,6 +116,12 @@ class Session {
   // ---- collectives in flight, by tag, and the pool slots' turns
   Commands register_op(std::uint64_t tag);
   void unregister_op(std::uint64_t tag) { ops_.erase(tag); }
+  // The collective returned on its ring's commit, before the master's outcome of this
+  // attempt: that outcome (and any CollectiveAbort of the attempt) is dropped when it
+  // comes, so that it never reaches a later collective of the same tag. At most
+  // kSettledEarlyMax are remembered (the master answers each within a round trip).
+  void settled_early(std::uint64_t tag, std::uint64_t attempt);
+  static constexpr std::size_t kSettledEarlyMax = 4096;
   // The p2p establishment of `epoch` in progress (`active` false: none).
   Commands set_establishment(std::uint64_t epoch, bool active);
 
@@ -128,6 +134,7 @@ class Session {
  private:
   void change_state(State next);
   Commands deliver(proto::Message message);
+  bool forget_settled(std::uint64_t tag, std::uint64_t attempt, bool last);
   std::optional<cmd::LearnPairKeys> pair_keys_in(const proto::Message& message) const;
 
   const bool learns_pair_keys_;
@@ -148,6 +155,7 @@ class Session {
 
   std::deque<proto::Message> mailbox_;
   std::set<std::uint64_t> ops_;
+  std::deque<std::pair<std::uint64_t, std::uint64_t>> settled_early_;  // (tag, attempt), oldest first
   bool establishment_ = false;
   std::uint64_t establishment_epoch_ = 0;
   std::map<std::uint32_t, std::deque<std::uint64_t>> slots_;

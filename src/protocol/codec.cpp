@@ -372,7 +372,12 @@ template <typename Io>
 bool fields(Io& io, Of<Io, CollectiveDone>& m) {
   return io.u(m.tag, "done.tag") && io.u(m.attempt, "done.attempt") && io.boolean(m.ok, "done.ok") &&
          io.str(m.reason, limits::kWireStringBytesMax, "done.reason") && io.u(m.bytes_sent, "done.bytes_sent") &&
-         io.u(m.bytes_received, "done.bytes_received");
+         io.u(m.bytes_received, "done.bytes_received") && io.boolean(m.committed, "done.committed");
+}
+
+template <typename Io>
+bool fields(Io& io, Of<Io, CollectiveAbort>& m) {
+  return io.u(m.tag, "abort.tag") && io.u(m.attempt, "abort.attempt");
 }
 
 template <typename Io>
@@ -571,6 +576,7 @@ const char* msg_type_name(MsgType type) {
     case MsgType::kCollectiveInit: return "CollectiveInit";
     case MsgType::kCollectiveDone: return "CollectiveDone";
     case MsgType::kCollectiveGo: return "CollectiveGo";
+    case MsgType::kCollectiveAbort: return "CollectiveAbort";
     case MsgType::kCollectiveResult: return "CollectiveResult";
     case MsgType::kWelcome: return "Welcome";
     case MsgType::kHeartbeatAck: return "HeartbeatAck";
@@ -614,6 +620,7 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
       return kEmptyPayload;
     case MsgType::kVoteAgree: return 1 + 1 + 2 + limits::kAgreeValueBytesMax;
     case MsgType::kP2PHelloAck: return 4;
+    case MsgType::kCollectiveAbort: return 16;
     case MsgType::kAuthChallenge: return 2 + limits::kAuthFieldBytesMax + 2 + limits::kAuthFieldBytesMax;
     case MsgType::kAuthProof: return 2 + limits::kAuthFieldBytesMax;
     case MsgType::kSealed: return kSealedPayloadBytesMax;
@@ -681,6 +688,7 @@ Result<Message> decode_payload(MsgType type, std::span<const std::uint8_t> paylo
     case MsgType::kCollectiveInit: return decode_as<CollectiveInit>(payload);
     case MsgType::kCollectiveDone: return decode_as<CollectiveDone>(payload);
     case MsgType::kCollectiveGo: return decode_as<CollectiveGo>(payload);
+    case MsgType::kCollectiveAbort: return decode_as<CollectiveAbort>(payload);
     case MsgType::kCollectiveResult: return decode_as<CollectiveResult>(payload);
     case MsgType::kWelcome: return decode_as<Welcome>(payload);
     case MsgType::kHeartbeatAck: return decode_as<HeartbeatAck>(payload);

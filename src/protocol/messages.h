@@ -28,7 +28,9 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 //    StateResponse.sending)
 // 9: CollectiveGo names the epoch of the view and the view's peers absent from the
 //    attempt instead of the whole ring; the descriptor names the all-reduce algorithm
-inline constexpr std::uint16_t kProtocolVersion = 9;
+// 10: completion among the peers: CollectiveDone.committed, CollectiveAbort, and the
+//    ring's commit tokens (docs/protocol.md, "Completion")
+inline constexpr std::uint16_t kProtocolVersion = 10;
 
 enum class MsgType : std::uint16_t {
   // peer -> master
@@ -62,6 +64,7 @@ enum class MsgType : std::uint16_t {
   kSyncResult = 75,
   kBandwidthTest = 76,
   kKvResult = 78,
+  kCollectiveAbort = 79,
   // master -> peer, and on p2p channels acceptor -> connector (with a secret)
   kAuthChallenge = 77,
   // peer -> peer (p2p, shared-state and benchmark sockets)
@@ -202,7 +205,10 @@ struct CollectiveInit {
   StatusCode refusal_status = LOCKSTEP_STATUS_INVALID_ARGUMENT;
   bool operator==(const CollectiveInit&) const = default;
 };
-// Vote to complete: this peer finished its part of the attempt (ok) or failed it.
+// Vote to complete: this peer finished its part of the attempt (ok: it holds the
+// result) or failed it (it never will). `committed` (with ok): the ring's commit tokens
+// told this peer that every participant holds the result, and it has returned success
+// to its caller; the attempt can only succeed (docs/protocol.md, "Completion").
 struct CollectiveDone {
   static constexpr MsgType kType = MsgType::kCollectiveDone;
   std::uint64_t tag = 0;
@@ -213,6 +219,7 @@ struct CollectiveDone {
   // metrics; it decides nothing with them.
   std::uint64_t bytes_sent = 0;
   std::uint64_t bytes_received = 0;
+  bool committed = false;
   bool operator==(const CollectiveDone&) const = default;
 };
 
@@ -361,6 +368,14 @@ struct CollectiveGo {
   std::vector<PeerId> absent = {};
   bool operator==(const CollectiveGo&) const = default;
 };
+// The attempt cannot end by commit any more (a participant was lost, or reported
+// without committing): stop, and report with CollectiveDone. The outcome follows.
+struct CollectiveAbort {
+  static constexpr MsgType kType = MsgType::kCollectiveAbort;
+  std::uint64_t tag = 0;
+  std::uint64_t attempt = 0;
+  bool operator==(const CollectiveAbort&) const = default;
+};
 // The outcome of a collective, the same for every participant. attempt 0: the
 // collective ended before an attempt started (a descriptor mismatch).
 struct CollectiveResult {
@@ -507,7 +522,8 @@ using Message = std::variant<Hello, Heartbeat, VoteUpdateTopology, P2PReport, Vo
                              EstablishP2P, TopologyResult, PeersPendingResult, AgreeResult, Refused,
                              Goodbye, CollectiveGo, CollectiveResult, P2PHello, P2PHelloAck, SyncVote,
                              SyncDone, SyncPlan, SyncResult, StateRequest, StateResponse, VoteOptimizeTopology,
-                             BandwidthReport, BandwidthTest, AuthChallenge, AuthProof, KvRequest, KvResult>;
+                             BandwidthReport, BandwidthTest, AuthChallenge, AuthProof, KvRequest, KvResult,
+                             CollectiveAbort>;
 
 MsgType type_of(const Message& message);
 

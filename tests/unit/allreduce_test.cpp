@@ -20,6 +20,7 @@
 #include <random>
 #include <algorithm>
 #include <string>
+#include <thread>
 
 namespace lockstep::testing {
 namespace {
@@ -652,15 +653,29 @@ TEST(AllReduce, TheMasterShowsTheBytesOfEachPoolSlot) {
             peer_received[k] += counters.slot_bytes_received[k];
           }
         }
-        // Every peer's reports reached the master before its outcome did.
+        // Every peer sent its reports before its call returned; a peer that returned on
+        // its ring's commit did not wait for the master to read the others' reports.
         reported.arrive_and_wait();
         if (index == 0) {
-          auto metrics = cluster.master().render(master::View::kMetricsText, 5000);
-          auto state = cluster.master().render(master::View::kStateJson, 5000);
+          Result<std::string> metrics = Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "not rendered");
+          Result<std::string> state = metrics;
+          nlohmann::json slots = nlohmann::json::array();
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+          for (;;) {
+            // (the state first: once it shows every report, so do the metrics rendered after it)
+            state = cluster.master().render(master::View::kStateJson, 5000);
+            metrics = cluster.master().render(master::View::kMetricsText, 5000);
+            const auto json = nlohmann::json::parse(state.is_ok() ? state.value() : std::string("{}"));
+            slots = json.contains("groups") && json["groups"].size() == 1 ? json["groups"][0]["slots"]
+                                                                           : nlohmann::json::array();
+            bool all = slots.size() == kPool;
+            for (std::uint32_t k = 0; all && k < kPool; ++k) {
+              all = slots[k]["bytes_sent"] == peer_sent[k] && slots[k]["bytes_received"] == peer_received[k];
+            }
+            if (all || std::chrono::steady_clock::now() > deadline) break;
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          }
           EXPECT_TRUE(metrics.is_ok() && state.is_ok());
-          const auto json = nlohmann::json::parse(state.is_ok() ? state.value() : std::string("{}"));
-          const auto slots = json.contains("groups") && json["groups"].size() == 1 ? json["groups"][0]["slots"]
-                                                                                    : nlohmann::json::array();
           EXPECT_EQ(slots.size(), kPool) << (state.is_ok() ? state.value() : state.status().to_string());
           for (std::uint32_t k = 0; k < kPool && k < slots.size() && metrics.is_ok(); ++k) {
             EXPECT_GT(peer_sent[k], 0u) << "slot " << k;

@@ -111,6 +111,9 @@ std::vector<Message> samples() {
   all.push_back(CollectiveDone{5, 9, true, ""});
   all.push_back(CollectiveDone{5, 9, false, "ring neighbour p3 hung up"});
   all.push_back(CollectiveDone{5, 10, true, "", 123456789, 987654321});
+  all.push_back(CollectiveDone{5, 11, true, "", 1, 2, true});
+  all.push_back(CollectiveAbort{5, 11});
+  all.push_back(CollectiveAbort{});
   all.push_back(Welcome{PeerId{0x1234, 99}, "192.168.0.17", 5000});
   all.push_back(HeartbeatAck{});
   all.push_back(EstablishP2P{9, {member(1, "10.0.0.1"), member(2, "10.0.0.2"), member(3, "")}});
@@ -187,7 +190,7 @@ const std::vector<MsgType>& all_types() {
       MsgType::kSyncVote,       MsgType::kSyncDone,           MsgType::kSyncPlan,           MsgType::kSyncResult,
       MsgType::kStateRequest,   MsgType::kStateResponse,      MsgType::kVoteOptimizeTopology,
       MsgType::kBandwidthReport, MsgType::kBandwidthTest, MsgType::kAuthChallenge, MsgType::kAuthProof,
-      MsgType::kKvRequest,      MsgType::kKvResult};
+      MsgType::kKvRequest,      MsgType::kKvResult,         MsgType::kCollectiveAbort};
   return types;
 }
 
@@ -358,7 +361,8 @@ TEST(CodecRoundTrip, StringsAndBytesAtTheirBounds) {
       Welcome{PeerId{~0ull, ~0ull}, host255, 0xffffffffu},
       Goodbye{LOCKSTEP_STATUS_REJECTED, reason1024},
       Refused{MsgType::kP2PHelloAck, ~0ull, LOCKSTEP_STATUS_INTERRUPTED, reason1024},
-      CollectiveDone{~0ull, ~0ull, false, reason1024, ~0ull, ~0ull},
+      CollectiveDone{~0ull, ~0ull, false, reason1024, ~0ull, ~0ull, true},
+      CollectiveAbort{~0ull, ~0ull},
       SyncDone{~0ull, LOCKSTEP_STATUS_HASH_MISMATCH, reason1024, ~0ull, ~0ull},
       CollectiveResult{~0ull, ~0ull, LOCKSTEP_STATUS_INTERRUPTED, ~0u, reason1024,
                        std::vector<std::uint8_t>(lockstep::limits::kVoteCarriedBytesMax, 0xff)},
@@ -435,7 +439,7 @@ TEST(CodecNames, EveryTypeHasANameAndABound) {
   EXPECT_EQ(payload_bytes_max(0), 0u);
   EXPECT_EQ(payload_bytes_max(15), 0u);
   EXPECT_EQ(payload_bytes_max(63), 0u);
-  EXPECT_EQ(payload_bytes_max(79), 0u);
+  EXPECT_EQ(payload_bytes_max(80), 0u);
   EXPECT_EQ(payload_bytes_max(0xffff), 0u);
   for (const Message& m : samples()) EXPECT_EQ(payload_of(encode_frame(m)).size() == 0, has_empty_payload(type_of(m)));
 }
@@ -664,8 +668,10 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
       {KvRequest{1, KvOp::kSet, "k", {2}, 0},
        {"kv_request.request", "kv_request.op", "kv_request.key", "kv_request.value", "kv_request.timeout_ms"}},
       {KvResult{1, LOCKSTEP_OK, "r", {2}}, {"kv_result.request", "kv_result.status", "kv_result.reason", "kv_result.value"}},
-      {CollectiveDone{1, 2, true, "r", 3, 4},
-       {"done.tag", "done.attempt", "done.ok", "done.reason", "done.bytes_sent", "done.bytes_received"}},
+      {CollectiveDone{1, 2, true, "r", 3, 4, true},
+       {"done.tag", "done.attempt", "done.ok", "done.reason", "done.bytes_sent", "done.bytes_received",
+        "done.committed"}},
+      {CollectiveAbort{1, 2}, {"abort.tag", "abort.attempt"}},
       {Welcome{PeerId{1, 2}, "abc", 7}, {"welcome.id", "welcome.observed_host", "welcome.heartbeat_timeout_ms"}},
       {EstablishP2P{1, {}}, {"establish.epoch", "members"}},
       // the member count is checked against the bytes left first (26 per member at
@@ -786,6 +792,7 @@ TEST(CodecPayload, BooleansAboveOneAreRejected) {
       {PeersPendingResult{LOCKSTEP_OK, false, "x"}, PeersPendingResult{LOCKSTEP_OK, true, "x"}, "pending.pending"},
       {AgreeResult{LOCKSTEP_OK, false, ""}, AgreeResult{LOCKSTEP_OK, true, ""}, "agree.value"},
       {CollectiveDone{1, 2, false, "x"}, CollectiveDone{1, 2, true, "x"}, "done.ok"},
+      {CollectiveDone{1, 2, true, "x", 0, 0, false}, CollectiveDone{1, 2, true, "x", 0, 0, true}, "done.committed"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.field);
@@ -1089,7 +1096,7 @@ TEST(CodecPayload, WrongMagicOrVersion) {
     p[0] ^= 1;
     EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"Hello", "hello.magic", "not a lockstep peer"}));
   }
-  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}, std::uint16_t{4}, std::uint16_t{5}, std::uint16_t{6}, std::uint16_t{7}, std::uint16_t{8}, std::uint16_t{10}, std::uint16_t{0xffff}}) {
+  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}, std::uint16_t{4}, std::uint16_t{5}, std::uint16_t{6}, std::uint16_t{7}, std::uint16_t{8}, std::uint16_t{9}, std::uint16_t{11}, std::uint16_t{0xffff}}) {
     Hello h = hello_of("");
     h.version = version;
     const Bytes p = payload_copy(h);

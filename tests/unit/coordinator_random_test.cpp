@@ -128,6 +128,12 @@ struct SimCollective {
   std::vector<PeerId> ring;
   bool done_sent = false;  // reported its part as finished
   TimeMs voted_ms = 0;
+  // Its part of the attempt: it holds the result (complete) or never will (failed). A
+  // complete peer may stay silent (its commit exchange runs) until it commits, reports
+  // without a commit, or is told to stop (aborted).
+  bool complete = false;
+  bool failed = false;
+  bool aborted = false;
 };
 
 // Large enough for the ring (smaller all-reduces travel with the votes).
@@ -160,6 +166,10 @@ struct SimPeer {
   TimeMs connected_ms = 0;
   std::uint64_t view_epoch = 0;
   std::map<std::uint64_t, SimCollective> collectives;  // by tag
+  // (tag, attempt) it committed and returned from: their outcome must be a success.
+  std::set<std::pair<std::uint64_t, std::uint64_t>> committed;
+  // The report of its last commit, on its way to the master (sent at its next turn).
+  std::optional<p::CollectiveDone> unsent_commit;
   std::uint64_t accepted_epoch = 0;  // the epoch that accepted it (earliest accepted wins election ties)
   std::size_t view_size = 0;         // peers in its group's membership view
   std::vector<PeerId> view;          // that view, in ring order
@@ -222,7 +232,7 @@ class Sim {
     int accepted = 0, topology_ok = 0, topology_failed = 0, mismatches = 0, agree_ok = 0, agree_lost = 0,
         pending_yes = 0, pending_no = 0, refused = 0, kicked = 0, rejected = 0, protocol_errors = 0,
         heartbeat_kicks = 0, straggler_kicks = 0, establish_timeouts = 0, blamed = 0, collectives_ok = 0,
-        collectives_failed = 0;
+        collectives_failed = 0, collective_commits = 0, collective_aborts = 0;
     // shared-state syncs: attempts that succeeded / failed (of which by a hash mismatch),
     // votes answered "no shared state available" or OPERATION_MISMATCH (per recipient),
     // peers removed for a revision violation / a shared-state mismatch / as stragglers of a
@@ -428,6 +438,13 @@ class Sim {
     }
     if (candidates.empty()) return;
     SimPeer& sp = *pick(candidates);
+    // A commit's report left this peer when it committed; it reaches the master now,
+    // after whatever the other peers did meanwhile (a loss, other reports).
+    if (sp.unsent_commit) {
+      const p::CollectiveDone done = *sp.unsent_commit;
+      sp.unsent_commit.reset();
+      return request(sp, done, true);
+    }
     if (sp.sluggish && chance(85)) return send_heartbeat(sp);
     const auto r = rng_() % 1000;
     if (r < 15) return act_disconnect(sp);
@@ -487,9 +504,30 @@ class Sim {
     if (!running.empty() && chance(70)) {
       const std::uint64_t tag = pick(running);
       SimCollective& c = sp.collectives.at(tag);
-      const bool ok = !chance(5);
+      if (!c.complete) {
+        c.failed = chance(5);
+        c.complete = !c.failed;
+        if (c.complete) holders_[c.attempt].insert(sp.id);
+        if (c.complete && chance(50)) return send_heartbeat(sp);  // silent: its commit exchange runs
+        c.done_sent = true;
+        return request(sp, p::CollectiveDone{tag, c.attempt, c.complete, c.complete ? "" : "ring neighbour hung up"},
+                       true);
+      }
+      // The commit tokens went round: every participant holds the result (the lost
+      // ones did before they went). It returns at once, and may call the tag again.
+      if (!c.aborted && holders_[c.attempt].size() == c.ring.size() && chance(60)) {
+        const std::uint64_t attempt = c.attempt;
+        committed_.insert(attempt);
+        ++stats_.collective_commits;
+        sp.committed.emplace(tag, attempt);
+        sp.collectives.erase(tag);
+        if (sp.collectives.empty()) sp.free_since_ms = now_;
+        sp.unsent_commit = p::CollectiveDone{tag, attempt, true, {}, 0, 0, true};
+        return;
+      }
+      if (!c.aborted && chance(70)) return send_heartbeat(sp);
       c.done_sent = true;
-      return request(sp, p::CollectiveDone{tag, c.attempt, ok, ok ? "" : "ring neighbour hung up"}, true);
+      return request(sp, p::CollectiveDone{tag, c.attempt, true, {}}, true);
     }
     const std::uint64_t tag = 1 + rng_() % 3;
     if (sp.collectives.count(tag) != 0) return send_heartbeat(sp);
@@ -1173,6 +1211,21 @@ class Sim {
         c->second.attempt = go->attempt;
         c->second.ring = ring;
         max_attempt_ = std::max(max_attempt_, go->attempt);
+      } else if (const auto* abort = std::get_if<p::CollectiveAbort>(&m)) {
+        const auto c = sp.collectives.find(abort->tag);
+        const bool mine = c != sp.collectives.end() && c->second.performing && c->second.attempt == abort->attempt;
+        require(mine || sp.committed.count({abort->tag, abort->attempt}) != 0,
+                "CollectiveAbort of an attempt " + name(sp) + " does not perform");
+        if (mine) c->second.aborted = true;
+        ++stats_.collective_aborts;
+      } else if (const auto* late = std::get_if<p::CollectiveResult>(&m);
+                 late != nullptr && sp.committed.count({late->tag, late->attempt}) != 0) {
+        // It returned on its commit: the outcome can only confirm it.
+        require(late->status == LOCKSTEP_OK, name(sp) + " committed attempt " + std::to_string(late->attempt) +
+                                                 " and then got " + status_name(late->status));
+        auto [g, inserted] = coll_results.emplace(std::make_pair(sp.group, late->tag), *late);
+        require(inserted || g->second == *late, "participants of a collective got different outcomes");
+        sp.committed.erase({late->tag, late->attempt});
       } else if (const auto* outcome = std::get_if<p::CollectiveResult>(&m)) {
         auto c = sp.collectives.find(outcome->tag);
         require(c != sp.collectives.end(),
@@ -1191,15 +1244,18 @@ class Sim {
           require(outcome->world_size == c->second.ring.size(), "the outcome's world size is not the ring's");
           require(outcome->status == LOCKSTEP_OK || outcome->status == LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
                   std::string("a collective ended with ") + status_name(outcome->status));
-          if (outcome->status == LOCKSTEP_OK && inserted) {
-            // success needs every participant's report (checked at the first recipient,
-            // before any participant forgets the tag)
+          // Success only where every participant holds the result (the lost ones
+          // included: they may have committed before they went); failure never after
+          // a commit.
+          if (outcome->status == LOCKSTEP_OK) {
+            const auto& holders = holders_[outcome->attempt];
             for (const auto& id : c->second.ring) {
-              const SimPeer* other = by_id(id);
-              require(other != nullptr && other->collectives.count(outcome->tag) != 0 &&
-                          other->collectives.at(outcome->tag).done_sent,
-                      "a collective succeeded before participant " + id.to_string() + " reported");
+              require(holders.count(id) != 0 || c_.find_peer(id) == nullptr,
+                      "a collective succeeded while participant " + id.to_string() + " does not hold the result");
             }
+          } else {
+            require(committed_.count(outcome->attempt) == 0,
+                    "attempt " + std::to_string(outcome->attempt) + " failed after a participant committed it");
           }
         }
         ++(outcome->status == LOCKSTEP_OK ? stats_.collectives_ok : stats_.collectives_failed);
@@ -1892,7 +1948,8 @@ class Sim {
       }
     }
     // Collectives: a tag every accepted member of the group started is started (or
-    // failed) at once; a running attempt that lost a participant has failed.
+    // failed) at once; a running attempt that lost a participant was aborted for every
+    // participant that had not reported.
     std::map<std::pair<std::uint32_t, std::uint64_t>, std::size_t> tag_votes;
     std::map<std::uint32_t, std::size_t> group_size;
     for (const SimPeer* sp : accepted) {
@@ -1902,9 +1959,9 @@ class Sim {
         if (!c.performing) continue;
         for (const auto& id : c.ring) {
           const SimPeer* member = by_id(id);
-          require(member != nullptr && member->open,
-                  "attempt " + std::to_string(c.attempt) + " lost participant " + id.to_string() + " and still runs for " +
-                      name(*sp));
+          require((member != nullptr && member->open) || c.aborted || c.done_sent,
+                  "attempt " + std::to_string(c.attempt) + " lost participant " + id.to_string() +
+                      " and was not aborted for " + name(*sp));
         }
       }
     }
@@ -2016,6 +2073,9 @@ class Sim {
   std::map<std::uint32_t, std::vector<p::TensorEntry>> group_state_;  // the elected tensors at R (a "checkpoint")
   std::map<std::uint64_t, SyncAttempt> sync_attempts_;                // planned and not yet ended
   std::uint64_t max_attempt_ = 0;                                     // the last attempt number given out
+  // Collective attempts: the participants that hold the result, and those committed.
+  std::map<std::uint64_t, std::set<PeerId>> holders_;
+  std::set<std::uint64_t> committed_;
   std::deque<std::string> log_;
   bool verbose_ = env_u64("LOCKSTEP_SIM_VERBOSE").value_or(0) != 0;
   Stats stats_;
@@ -2058,6 +2118,8 @@ TEST(CoordinatorRandom, SeededRuns) {
     total.blamed += s.blamed;
     total.collectives_ok += s.collectives_ok;
     total.collectives_failed += s.collectives_failed;
+    total.collective_commits += s.collective_commits;
+    total.collective_aborts += s.collective_aborts;
     total.syncs_ok += s.syncs_ok;
     total.syncs_failed += s.syncs_failed;
     total.syncs_hash_mismatch += s.syncs_hash_mismatch;
@@ -2078,7 +2140,8 @@ TEST(CoordinatorRandom, SeededRuns) {
           << ", rejected " << total.rejected << ", protocol errors " << total.protocol_errors << "; removed for silence "
           << total.heartbeat_kicks << ", as vote stragglers " << total.straggler_kicks << ", for not reporting p2p "
           << total.establish_timeouts << ", blamed for p2p failures " << total.blamed << "; collectives ok "
-          << total.collectives_ok << " / failed " << total.collectives_failed << "; syncs ok " << total.syncs_ok
+           << total.collectives_ok << " / failed " << total.collectives_failed << " (commits " << total.collective_commits
+          << ", aborts " << total.collective_aborts << "); syncs ok " << total.syncs_ok
           << " / failed " << total.syncs_failed << " (hash mismatch " << total.syncs_hash_mismatch
           << "), no shared state available " << total.sync_unavailable << ", sync votes mismatched "
           << total.sync_mismatches << ", decisions with removals " << total.sync_decisions_with_removals
@@ -2099,6 +2162,8 @@ TEST(CoordinatorRandom, SeededRuns) {
     EXPECT_GT(total.mismatches, 0);
     EXPECT_GT(total.agree_ok, 0);
     EXPECT_GT(total.agree_lost, 0);
+    EXPECT_GT(total.collective_commits, 0);
+    EXPECT_GT(total.collective_aborts, 0);
     EXPECT_GT(total.pending_yes, 0);
     EXPECT_GT(total.pending_no, 0);
     EXPECT_GT(total.refused, 0);

@@ -1774,17 +1774,19 @@ TEST(CoordinatorEvict, AcceptedPeerMidCollectiveIsKickedAndTheOthersContinue) {
   ASSERT_TRUE(bye.has_value());
   EXPECT_NE(bye->reason.find("evicted by the operator: requested over HTTP"), std::string::npos) << bye->reason;
   EXPECT_TRUE(h.gone(peers[1]));
-  for (const auto& f : {peers[0], peers[2]}) {
-    const auto r = one_of<p::CollectiveResult>(out, f.conn);
-    ASSERT_TRUE(r.has_value()) << describe(out);
-    EXPECT_EQ(r->status, LOCKSTEP_STATUS_PEER_CONNECTION_LOST);
-  }
+  EXPECT_TRUE(one_of<p::CollectiveAbort>(out, peers[2].conn).has_value()) << describe(out);
   const auto removed = std::find_if(out.begin(), out.end(), [](const Command& c) {
     const auto* e = std::get_if<Event>(&c);
     return e != nullptr && e->kind == EventKind::kRemoved;
   });
   ASSERT_NE(removed, out.end());
   EXPECT_EQ(std::get<Event>(*removed).status, LOCKSTEP_STATUS_KICKED);
+  out = h.send(peers[2], p::CollectiveDone{5, go->attempt, false, "the attempt was aborted"});
+  for (const auto& f : {peers[0], peers[2]}) {
+    const auto r = one_of<p::CollectiveResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value()) << describe(out);
+    EXPECT_EQ(r->status, LOCKSTEP_STATUS_PEER_CONNECTION_LOST);
+  }
   EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{peers[0].id, peers[2].id}));
   // The survivors see the change at their next are-peers-pending, update, and retry.
   h.send(peers[0], p::VotePeersPending{});
@@ -2073,7 +2075,10 @@ TEST(CoordinatorCollectiveKinds, DescriptorsThatDifferInKindRootOrCountsFailForA
   }
 }
 
-TEST(CoordinatorCollective, ParticipantLostFailsTheAttemptForTheOthers) {
+// A participant lost mid-attempt: nobody can commit any more, so the master tells the
+// participants that have not reported to stop (CollectiveAbort); their reports decide
+// (one that failed its part fails the attempt for all survivors).
+TEST(CoordinatorCollective, ParticipantLostAbortsTheAttemptAndTheReportsDecide) {
   Harness h;
   const auto peers = h.run_of(3);
   Outbox out;
@@ -2082,11 +2087,16 @@ TEST(CoordinatorCollective, ParticipantLostFailsTheAttemptForTheOthers) {
   ASSERT_TRUE(go.has_value());
   h.send(peers[0], p::CollectiveDone{2, go->attempt, true, {}});
   out = h.disconnect(peers[2]);
+  EXPECT_EQ(one_of<p::CollectiveAbort>(out, peers[1].conn), (p::CollectiveAbort{2, go->attempt})) << describe(out);
+  EXPECT_TRUE(all_of<p::CollectiveAbort>(out, peers[0].conn).empty()) << "it has reported";
+  EXPECT_TRUE(all_of<p::CollectiveResult>(out, peers[0].conn).empty()) << describe(out);
+  out = h.send(peers[1], p::CollectiveDone{2, go->attempt, false, "the attempt was aborted"});
   for (const auto& f : {peers[0], peers[1]}) {
     const auto r = one_of<p::CollectiveResult>(out, f.conn);
     ASSERT_TRUE(r.has_value()) << describe(out);
     EXPECT_EQ(r->status, LOCKSTEP_STATUS_PEER_CONNECTION_LOST);
     EXPECT_EQ(r->attempt, go->attempt);
+    EXPECT_NE(r->reason.find("was lost during the collective"), std::string::npos) << r->reason;
   }
   // a late report of the ended attempt changes nothing; the retry gets a new attempt
   const std::string before = h.c.digest();
@@ -2099,6 +2109,62 @@ TEST(CoordinatorCollective, ParticipantLostFailsTheAttemptForTheOthers) {
   EXPECT_GT(retry->attempt, go->attempt);
   EXPECT_EQ(retry->epoch, go->epoch);  // the same view, less the peer that was lost
   EXPECT_EQ(retry->absent, std::vector<PeerId>{peers[2].id});
+}
+
+// Every survivor holds the result (the lost peer may have committed before it went):
+// the attempt succeeds for them.
+TEST(CoordinatorCollective, ParticipantLostAfterEveryoneHeldTheResultSucceeds) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::CollectiveInit{2, kSum});
+  const auto go = one_of<p::CollectiveGo>(out, peers[0].conn);
+  ASSERT_TRUE(go.has_value());
+  out = h.disconnect(peers[2]);
+  EXPECT_TRUE(one_of<p::CollectiveAbort>(out, peers[0].conn).has_value()) << describe(out);
+  EXPECT_EQ(send_count(h.send(peers[0], p::CollectiveDone{2, go->attempt, true, {}})), 0u);
+  out = h.send(peers[1], p::CollectiveDone{2, go->attempt, true, {}});
+  for (const auto& f : {peers[0], peers[1]}) {
+    EXPECT_EQ(one_of<p::CollectiveResult>(out, f.conn), (p::CollectiveResult{2, go->attempt, LOCKSTEP_OK, 3, {}}))
+        << describe(out);
+  }
+  EXPECT_TRUE(h.c.collectives().empty());
+}
+
+// Completion among the peers (docs/protocol.md, "Completion"): one report of a commit
+// proves that every participant holds the result, so the attempt succeeds at once for
+// all, whoever has not reported yet; the committed peer may call the tag again right
+// away, and the others' late reports change nothing.
+TEST(CoordinatorCollective, ACommitEndsTheAttemptAtOnceWithSuccess) {
+  Harness h;
+  const auto peers = h.run_of(3);
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::CollectiveInit{3, kSum});
+  const auto go = one_of<p::CollectiveGo>(out, peers[0].conn);
+  ASSERT_TRUE(go.has_value());
+  out = h.send(peers[1], p::CollectiveDone{3, go->attempt, true, {}, 10, 10, true});
+  for (const auto& f : peers) {
+    EXPECT_EQ(one_of<p::CollectiveResult>(out, f.conn), (p::CollectiveResult{3, go->attempt, LOCKSTEP_OK, 3, {}}))
+        << describe(out);
+  }
+  EXPECT_TRUE(h.c.collectives().empty());
+  out = h.send(peers[1], p::CollectiveInit{3, kSum});
+  EXPECT_EQ(send_count(out), 0u) << describe(out);  // a new vote, not refused
+  EXPECT_EQ(send_count(h.send(peers[0], p::CollectiveDone{3, go->attempt, true, {}, 0, 0, true})), 0u);
+  EXPECT_EQ(send_count(h.send(peers[2], p::CollectiveDone{3, go->attempt, true, {}})), 0u);
+  // A commit that crossed the master's abort on the wire still wins.
+  h.send(peers[0], p::CollectiveInit{3, kSum});
+  out = h.send(peers[2], p::CollectiveInit{3, kSum});
+  const auto next = one_of<p::CollectiveGo>(out, peers[0].conn);
+  ASSERT_TRUE(next.has_value()) << describe(out);
+  out = h.disconnect(peers[0]);
+  EXPECT_TRUE(one_of<p::CollectiveAbort>(out, peers[2].conn).has_value()) << describe(out);
+  out = h.send(peers[1], p::CollectiveDone{3, next->attempt, true, {}, 0, 0, true});
+  for (const auto& f : {peers[1], peers[2]}) {
+    const auto r = one_of<p::CollectiveResult>(out, f.conn);
+    ASSERT_TRUE(r.has_value()) << describe(out);
+    EXPECT_EQ(r->status, LOCKSTEP_OK);
+  }
 }
 
 // Guarantee 1: one participant that reports its part failed (a neighbour it could not

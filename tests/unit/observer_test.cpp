@@ -239,8 +239,10 @@ TEST(Observer, RingBytesAreCountedPerPoolSlot) {
     run.report_done(2, p::CollectiveDone{k + 1, attempts[k], true, "", 100 * (k + 1), 1 * (k + 1)});
   }
   ASSERT_TRUE(run.coordinator_.collectives().count(0) == 0 || run.coordinator_.collectives().at(0).empty());
-  // A report of an attempt that already ended has no slot: it counts in the totals only.
+  // A report of an attempt that already ended (it came after a commit) counts on the
+  // attempt's slot; one that names no attempt the master ran counts in the totals only.
   run.report_done(1, p::CollectiveDone{1, attempts[0], true, "", 5, 5});
+  run.report_done(1, p::CollectiveDone{1, attempts[2] + 100, true, "", 7, 7});
   // An all-reduce that travels with the votes runs on no slot either.
   start_all_reduce(run, 0, 9, /*count=*/4);
 
@@ -249,18 +251,19 @@ TEST(Observer, RingBytesAreCountedPerPoolSlot) {
   const auto& slots = state["groups"][0]["slots"];
   ASSERT_EQ(slots.size(), 4u);
   for (std::uint32_t k = 0; k < 3; ++k) {
-    EXPECT_EQ(metric(metrics, slot_series(0, k, "sent")), 1100.0 * (k + 1)) << metrics;
-    EXPECT_EQ(metric(metrics, slot_series(0, k, "received")), 11.0 * (k + 1));
+    const std::uint32_t late = k == 0 ? 5 : 0;
+    EXPECT_EQ(metric(metrics, slot_series(0, k, "sent")), 1100.0 * (k + 1) + late) << metrics;
+    EXPECT_EQ(metric(metrics, slot_series(0, k, "received")), 11.0 * (k + 1) + late);
     EXPECT_EQ(slots[k]["slot"], k);
-    EXPECT_EQ(slots[k]["bytes_sent"], 1100 * (k + 1));
-    EXPECT_EQ(slots[k]["bytes_received"], 11 * (k + 1));
+    EXPECT_EQ(slots[k]["bytes_sent"], 1100 * (k + 1) + late);
+    EXPECT_EQ(slots[k]["bytes_received"], 11 * (k + 1) + late);
     EXPECT_EQ(slots[k]["in_flight"], 0);
   }
   // The idle slot of the pool is shown, at zero.
   EXPECT_EQ(metric(metrics, slot_series(0, 3, "sent")), 0);
   EXPECT_EQ(slots[3]["bytes_sent"], 0);
   EXPECT_EQ(metric(metrics, slot_series(0, 4, "sent")), -1);  // not in the pool
-  EXPECT_EQ(state["counters"]["bytes"]["all_reduce"]["sent"], 6600 + 5);
+  EXPECT_EQ(state["counters"]["bytes"]["all_reduce"]["sent"], 6600 + 5 + 7);
 }
 
 TEST(Observer, SlotBytesOfGroupsThatLeftAreForgotten) {

@@ -662,3 +662,123 @@ TEST(RingModes, CountsBelowAndJustAboveTheRingSize) {
     }
   }
 }
+
+// ---------------------------------------------------------------- the commit exchange
+
+using lockstep::coll::CommitEnd;
+
+// Bytes waiting to be read on a receiving end.
+int unread(int fd) {
+  int n = -1;
+  EXPECT_EQ(::ioctl(fd, FIONREAD, &n), 0);
+  return n;
+}
+
+// Each peer runs the attempt and then the commit exchange, on its own thread; `settled`
+// (per peer, may be null) is its master's outcome already in.
+struct CommitRun {
+  std::vector<lockstep::Status> status;
+  std::vector<lockstep::Result<CommitEnd>> end;
+};
+CommitRun run_with_commit(const std::vector<RingPlan>& plans, std::vector<SocketPair>& links,
+                          std::vector<RingScratch>& scratch, const std::vector<std::atomic<bool>*>& settled) {
+  const std::size_t n = plans.size();
+  CommitRun out{std::vector<lockstep::Status>(n),
+                std::vector<lockstep::Result<CommitEnd>>(n, lockstep::Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "not run"))};
+  std::vector<std::thread> peers;
+  for (std::size_t i = 0; i < n; ++i) {
+    peers.emplace_back([&, i] {
+      RingIo io;
+      io.tx_fd = links[i].fds[0];
+      io.rx_fd = links[(i + n - 1) % n].fds[1];
+      io.stall_timeout_ms = 10'000;
+      io.settled_flag = settled[i];
+      out.status[i] = lockstep::coll::run_ring_all_reduce(plans[i], io, scratch[i], nullptr);
+      if (out.status[i].is_ok()) out.end[i] = lockstep::coll::run_ring_commit(plans[i], io, nullptr);
+    });
+  }
+  for (auto& t : peers) t.join();
+  return out;
+}
+
+// Every peer commits once the tokens went round, and the exchange leaves nothing on the
+// connections: the next attempt on them runs as on fresh ones. A peer that learned the
+// outcome first (settled) sends its remaining tokens and stops reading; the tokens it did
+// not read are skipped by the next attempt, whose result is exact.
+TEST(RingCommit, TokensGoRoundAndWhatASettledPeerLeftIsSkippedByTheNextAttempt) {
+  constexpr std::size_t kPeers = 4;
+  constexpr std::size_t kCount = 100'000;
+  std::vector<SocketPair> links(kPeers);
+  std::vector<RingScratch> scratch(kPeers);
+  std::atomic<bool> settled{true};
+  for (const bool settle_first : {false, true, false}) {
+    SCOPED_TRACE(settle_first ? "peer 0 settled" : "all commit");
+    std::vector<std::vector<float>> data(kPeers);
+    std::vector<RingPlan> plans(kPeers);
+    static std::uint64_t attempt = 0;
+    ++attempt;
+    for (std::size_t i = 0; i < kPeers; ++i) {
+      data[i].assign(kCount, static_cast<float>(i + attempt));
+      plans[i] = Ring::base_plan(static_cast<std::uint32_t>(i), data[i], data[i]);
+      plans[i].world = kPeers;
+      plans[i].attempt = attempt;
+    }
+    std::vector<std::atomic<bool>*> flags(kPeers, nullptr);
+    if (settle_first) flags[0] = &settled;
+    const CommitRun run = run_with_commit(plans, links, scratch, flags);
+    const float sum = static_cast<float>(0 + 1 + 2 + 3 + kPeers * attempt);
+    for (std::size_t i = 0; i < kPeers; ++i) {
+      ASSERT_TRUE(run.status[i].is_ok()) << i << ": " << run.status[i].to_string();
+      ASSERT_TRUE(run.end[i].is_ok()) << i << ": " << run.end[i].status().to_string();
+      EXPECT_EQ(run.end[i].value(), settle_first && i == 0 ? CommitEnd::kSettled : CommitEnd::kCommitted) << i;
+      EXPECT_EQ(data[i], std::vector<float>(kCount, sum)) << i;
+    }
+    // Only the settled peer's connection from its previous peer holds unread tokens
+    // (world - 1 of them, 16 bytes each).
+    for (std::size_t i = 0; i < kPeers; ++i) {
+      EXPECT_EQ(unread(links[i].fds[1]), settle_first && i == kPeers - 1 ? int{16 * (kPeers - 1)} : 0) << i;
+    }
+  }
+}
+
+// A ring of one commits at once; a frame that is not this attempt's token, a neighbour
+// that closes, and an abort end the exchange with an error (the caller then drops the
+// connections and waits for the master's outcome).
+TEST(RingCommit, AnythingButTheAttemptsTokensEndsTheExchange) {
+  std::vector<float> a(1000, 1.0f);
+  RingPlan plan = Ring::base_plan(0, a, a);
+  plan.world = 1;
+  RingIo alone;
+  auto end = lockstep::coll::run_ring_commit(plan, alone, nullptr);
+  ASSERT_TRUE(end.is_ok());
+  EXPECT_EQ(end.value(), CommitEnd::kCommitted);
+  plan.world = 2;
+  plan.attempt = 5;
+  for (int c = 0; c < 4; ++c) {
+    SCOPED_TRACE(c);
+    SocketPair a_to_b, b_to_a;
+    AbortSignal abort;
+    RingIo io;
+    io.tx_fd = a_to_b.fds[0];
+    io.rx_fd = b_to_a.fds[1];
+    io.stall_timeout_ms = 10'000;
+    abort.attach(io);
+    std::vector<std::uint8_t> frame(lockstep::coll::kRingHeaderBytes);
+    if (c == 0) lockstep::coll::put_ring_header(frame.data(), {0, 1, 0, 5});  // a data frame's header
+    if (c == 1) lockstep::coll::put_ring_header(frame.data(), {0, 1, lockstep::coll::kRingTokenSeq, 4});  // older token
+    if (c <= 1) {
+      ASSERT_EQ(::write(b_to_a.fds[0], frame.data(), frame.size()), static_cast<ssize_t>(frame.size()));
+    }
+    if (c == 2) {
+      ::close(b_to_a.fds[0]);
+      b_to_a.fds[0] = -1;
+    }
+    if (c == 3) abort.raise();
+    end = lockstep::coll::run_ring_commit(plan, io, nullptr);
+    ASSERT_FALSE(end.is_ok());
+    EXPECT_EQ(end.status().code(), c <= 1 ? LOCKSTEP_STATUS_PROTOCOL_ERROR : LOCKSTEP_STATUS_PEER_CONNECTION_LOST)
+        << end.status().to_string();
+    // Its own token went out first (it holds the result), whole.
+    EXPECT_EQ(unread(a_to_b.fds[1]), c == 3 ? 0 : 16);
+  }
+}

@@ -229,6 +229,39 @@ TEST(SessionTest, CollectiveMessagesAreRoutedByTag) {
   EXPECT_EQ(s.slot_turn(0, 3), Turn::kNotQueued);
 }
 
+// A collective that returned on its ring's commit: the master's outcome and any abort of
+// that attempt are dropped when they come, even while a later collective of the same tag
+// waits (they would end it wrongly); the later attempt's own messages still reach it.
+TEST(SessionTest, TheOutcomeOfAnAttemptSettledByItsCommitNeverReachesTheNextCollective) {
+  Session s = attached(1000);
+  s.register_op(7);
+  s.on_message(at(1), p::CollectiveGo{7, 1, 0, 0, {}});
+  s.settled_early(7, 1);
+  s.unregister_op(7);
+  s.register_op(7);  // the same tag, called again at once
+  EXPECT_TRUE(s.on_message(at(2), p::CollectiveAbort{7, 1}).empty());
+  p::CollectiveResult result;
+  result.tag = 7;
+  result.attempt = 1;
+  EXPECT_TRUE(s.on_message(at(3), result).empty());
+  // Its outcome ended the watch: a (wrong) second one would be routed.
+  Commands c = s.on_message(at(4), result);
+  EXPECT_EQ(all_of<cmd::RouteToOp>(c).size(), 1u);
+  c = s.on_message(at(5), p::CollectiveAbort{7, 2});
+  ASSERT_EQ(all_of<cmd::RouteToOp>(c).size(), 1u);
+  EXPECT_TRUE(std::holds_alternative<p::CollectiveAbort>(all_of<cmd::RouteToOp>(c)[0].message));
+  result.attempt = 2;
+  EXPECT_EQ(all_of<cmd::RouteToOp>(s.on_message(at(6), result)).size(), 1u);
+  // Bounded: the oldest is forgotten first.
+  for (std::uint64_t k = 0; k < Session::kSettledEarlyMax + 1; ++k) s.settled_early(9, 100 + k);
+  s.register_op(9);
+  result.tag = 9;
+  result.attempt = 100;
+  EXPECT_EQ(all_of<cmd::RouteToOp>(s.on_message(at(7), result)).size(), 1u);
+  result.attempt = 101;
+  EXPECT_TRUE(s.on_message(at(8), result).empty());
+}
+
 TEST(SessionTest, SlotsAreTakenInTheOrderOfTheGoMessages) {
   Session s = attached(1000);
   (void)s.register_op(1);

@@ -341,7 +341,7 @@ struct Partition {
 
 // Totals, to report what the runs exercised.
 enum Count : std::size_t {
-  kEvents, kDeliveries, kSimUs, kSyncsOk, kSyncsFailed, kNoState, kCollectivesOk, kCollectivesFailed,
+  kEvents, kDeliveries, kSimUs, kSyncsOk, kSyncsFailed, kNoState, kCollectivesOk, kCollectivesFailed, kCollectiveAborts,
   kTopologyOk, kTopologyFailed, kOptimizeOk, kOptimizeFailed, kBandwidthTests, kAgreeOk, kAgreeLost,
   kPendingYes, kPendingNo, kJoined, kKicked, kRejected, kMasterLost, kCrashes, kStops, kIsolations,
   kP2PPartitions, kDrops, kEvictions, kSpawned, kLivenessArmed, kRevisions, kSplitFetches,
@@ -979,6 +979,7 @@ class Sim {
     }
     if (const auto* go = std::get_if<p::CollectiveGo>(&m)) return on_go(pr, *go, m);
     if (const auto* r = std::get_if<p::CollectiveResult>(&m)) return on_collective_result(pr, *r, m);
+    if (const auto* a = std::get_if<p::CollectiveAbort>(&m)) return on_collective_abort(pr, *a, m);
     if (const auto* plan = std::get_if<p::SyncPlan>(&m)) return on_sync_plan(pr, *plan, m);
     if (const auto* r = std::get_if<p::SyncResult>(&m)) return on_sync_result(pr, *r, m);
     unexpected(pr, m);
@@ -1357,6 +1358,19 @@ class Sim {
     fail("no tag for attempt " + std::to_string(attempt));
   }
 
+  // The master lost a participant: an attempt that has not reported here stops (its ring
+  // closes) and reports; one already reported waits for the outcome.
+  void on_collective_abort(Proc& pr, const p::CollectiveAbort& a, const p::Message& m) {
+    auto it = pr.tags.find(a.tag);
+    if (pr.stage != Stage::kCollectives || it == pr.tags.end() || it->second.attempt != a.attempt) unexpected(pr, m);
+    TagState& t = it->second;
+    if (t.st != TagState::St::kQueued && t.st != TagState::St::kRunning) return;
+    t.st = TagState::St::kLocalDone;
+    ring_attempts_.at(a.attempt).state[pr.id] = 3;
+    ++stats_.n[kCollectiveAborts];
+    send(pr, p::CollectiveDone{a.tag, a.attempt, false, "the attempt was aborted"});
+  }
+
   void on_collective_result(Proc& pr, const p::CollectiveResult& r, const p::Message& m) {
     auto it = pr.tags.find(r.tag);
     if (pr.stage != Stage::kCollectives || it == pr.tags.end() || it->second.st == TagState::St::kEnded) {
@@ -1732,6 +1746,7 @@ TEST(SimNetwork, SeededRuns) {
             << "  revisions " << total.n[kRevisions] << "; syncs ok " << total.n[kSyncsOk] << " / failed " << total.n[kSyncsFailed]
             << " (no shared state " << total.n[kNoState] << "), split fetches " << total.n[kSplitFetches]
             << "; collectives ok " << total.n[kCollectivesOk] << " / failed " << total.n[kCollectivesFailed]
+            << " (aborts " << total.n[kCollectiveAborts] << ")"
             << "; agree ok " << total.n[kAgreeOk] << " / lost " << total.n[kAgreeLost] << "; pending yes "
             << total.n[kPendingYes] << " / no " << total.n[kPendingNo] << "; topology ok " << total.n[kTopologyOk]
             << " / failed " << total.n[kTopologyFailed] << "; optimize ok " << total.n[kOptimizeOk] << " / failed "
