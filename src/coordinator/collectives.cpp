@@ -95,8 +95,11 @@ void Coordinator::handle_collective_done(Peer& peer, const proto::CollectiveDone
     return;
   }
   Collective& c = it->second;
+  // A peer reports `ok` once it holds the result, and `committed` too if its commit
+  // exchange ends before the outcome reaches it.
+  const bool upgrade = done.ok && done.committed && c.done.count(peer.id) != 0;
   if (!std::binary_search(c.sorted_participants.begin(), c.sorted_participants.end(), peer.id) ||
-      c.done.count(peer.id) != 0) {
+      (c.done.count(peer.id) != 0 && !upgrade)) {
     return refuse(peer, MsgType::kCollectiveDone, LOCKSTEP_STATUS_INVALID_USAGE,
                   "not a participant of attempt " + std::to_string(done.attempt) + " or already reported", out);
   }

@@ -1077,6 +1077,7 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
 
   Status local = Status::ok();
   bool ran = false;
+  bool reported = false;     // CollectiveDone sent
   bool committed = false;    // the ring's commit exchange completed here
   bool out_of_step = false;  // it was cut short: tokens may be left on the connections
   // Only the attempt whose turn it is on the slot may touch the slot's connections: one
@@ -1143,9 +1144,14 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
         }
       }
       if (local.is_ok()) {
-        // This peer holds the result: the commit exchange (docs/protocol.md, "Completion").
+        // This peer holds the result: it says so to the master, and runs the commit
+        // exchange meanwhile (docs/protocol.md, "Completion"); whichever ends first, the
+        // master's outcome or the exchange, ends the call. (The exchange's few bytes are
+        // left out of the counters, which must match what the reports carry.)
+        link_->send(proto::CollectiveDone{d.tag, go.attempt, true, {}, stats.bytes_sent, stats.bytes_received});
+        reported = true;
         io.settled_flag = channel.settled_flag();
-        auto end = coll::run_ring_commit(plan, io, &stats);
+        auto end = coll::run_ring_commit(plan, io, nullptr);
         if (!end.is_ok()) {
           LOG_DEBUG(kLog, id_.to_string() << " tag " << d.tag << ": no commit: " << end.status().to_string());
           out_of_step = true;
@@ -1157,19 +1163,24 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   }
   LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": attempt " << go.attempt << " done here: " << local.to_string()
                                   << (committed ? " (committed)" : ""));
-  if (committed) {
-    // Every participant holds the result: the attempt can only succeed. The master's
-    // outcome, when it comes, is dropped.
+  if (committed && !channel.settled_flag()->load()) {
+    // Every participant holds the result: the attempt can only succeed. The master learns
+    // it from this report (and ends the attempt for the others, if it has not); its
+    // outcome, when it comes, is dropped. (Should it have come in between, it reached
+    // the collective's channel instead, and the session's note of this attempt is
+    // forgotten among its oldest.)
     link_->settled_early(d.tag, go.attempt);
-    link_->send(proto::CollectiveDone{d.tag, go.attempt, true, {}, stats.bytes_sent, stats.bytes_received, true});
+    link_->send(proto::CollectiveDone{d.tag, go.attempt, true, {}, 0, 0, true});
     coll::commit_residual(plan, *scratch);
     info->world_size = static_cast<std::uint32_t>(n);
     finish_attempt(go.slot, go.attempt, stats, info, std::move(scratch));
     return Status::ok();
   }
   // Vote to complete (also after the master's abort or outcome: a late report is ignored).
-  link_->send(proto::CollectiveDone{d.tag, go.attempt, local.is_ok(), local.message(), stats.bytes_sent,
-                                    stats.bytes_received});
+  if (!reported) {
+    link_->send(proto::CollectiveDone{d.tag, go.attempt, local.is_ok(), local.message(), stats.bytes_sent,
+                                      stats.bytes_received});
+  }
   auto outcome = channel.wait([&](const proto::Message& m) {
     const auto* r = std::get_if<proto::CollectiveResult>(&m);
     return r != nullptr && r->attempt == go.attempt;

@@ -499,7 +499,8 @@ class Sim {
   void act_collective(SimPeer& sp) {
     std::vector<std::uint64_t> running;
     for (const auto& [tag, c] : sp.collectives) {
-      if (c.performing && !c.done_sent) running.push_back(tag);
+      // (one that reported ok may still commit before the outcome reaches it)
+      if (c.performing && (!c.done_sent || (c.complete && !c.aborted))) running.push_back(tag);
     }
     if (!running.empty() && chance(70)) {
       const std::uint64_t tag = pick(running);
@@ -525,7 +526,7 @@ class Sim {
         sp.unsent_commit = p::CollectiveDone{tag, attempt, true, {}, 0, 0, true};
         return;
       }
-      if (!c.aborted && chance(70)) return send_heartbeat(sp);
+      if (c.done_sent || (!c.aborted && chance(70))) return send_heartbeat(sp);
       c.done_sent = true;
       return request(sp, p::CollectiveDone{tag, c.attempt, true, {}}, true);
     }

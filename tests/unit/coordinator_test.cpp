@@ -2142,7 +2142,16 @@ TEST(CoordinatorCollective, ACommitEndsTheAttemptAtOnceWithSuccess) {
   for (const auto& f : peers) out = h.send(f, p::CollectiveInit{3, kSum});
   const auto go = one_of<p::CollectiveGo>(out, peers[0].conn);
   ASSERT_TRUE(go.has_value());
-  out = h.send(peers[1], p::CollectiveDone{3, go->attempt, true, {}, 10, 10, true});
+  EXPECT_EQ(send_count(h.send(peers[1], p::CollectiveDone{3, go->attempt, true, {}, 10, 10})), 0u);
+  // Any other second report is refused and changes nothing.
+  for (const bool ok : {true, false}) {
+    const std::string before = h.c.digest();
+    out = h.send(peers[1], p::CollectiveDone{3, go->attempt, ok, {}});
+    EXPECT_EQ(all_of<p::Refused>(out, peers[1].conn).size(), 1u) << describe(out);
+    EXPECT_EQ(h.c.digest(), before);
+  }
+  // It reported ok, then committed before the outcome came: the one report sent twice.
+  out = h.send(peers[1], p::CollectiveDone{3, go->attempt, true, {}, 0, 0, true});
   for (const auto& f : peers) {
     EXPECT_EQ(one_of<p::CollectiveResult>(out, f.conn), (p::CollectiveResult{3, go->attempt, LOCKSTEP_OK, 3, {}}))
         << describe(out);
