@@ -8,7 +8,7 @@ host 1 with one stream (-P1) and with eight (-P8); then, on the same links, ever
 concurrency and stream count with `lockstep-bench allreduce --master` on each host.
 
 One JSON line per case:
-  {"bench": "wan_loss", "hosts", "cap_mbit", "rtt_ms", "loss", "cc", "bytes",
+  {"bench": "wan_loss", "hosts", "master", "cap_mbit", "rtt_ms", "loss", "cc", "bytes",
    "concurrency", "streams", "pool", "quant", "p50_ms", "link_use", "mbit_s",
    "effective_mbit_s", "iperf3_p1_mbit", "iperf3_p8_mbit"}
 p50_ms: the slowest peer's median time of one iteration (all `concurrency` all-reduces);
@@ -21,7 +21,7 @@ null figures.
 Usage: scripts/bench-wan-loss.py [--build build] [--hosts 2,4] [--cap 1000]
          [--rtt-ms 50] [--loss 0.001] [--cc reno] [--sizes 16MiB]
          [--concurrency 1,8] [--quant none] [--streams 1] [--pool N] [--iterations 5]
-         [--iperf-seconds 10] [--timeout 600]
+         [--iperf-seconds 10] [--timeout 600] [--master-apart]
 Lists are comma-separated. --streams is passed on as `lockstep-bench allreduce
 --streams N` (0: the communicator adapts the count to the path, docs/wan.md; 1 to 16
 fixes it) only where that command offers it; otherwise every line says "streams": 1.
@@ -122,14 +122,16 @@ def iperf3(bed: Testbed, streams: int, seconds: int) -> float | None:
         server.wait()
 
 
-def allreduce(bed: Testbed, bin_dir: str, args: list[str], timeout: float) -> list[dict] | str:
-    """Runs lockstep-bench allreduce on every host; each peer's figures, or an error."""
-    master = start_master(bed, bin_dir, 0)
+def allreduce(bed: Testbed, bin_dir: str, peers: int, args: list[str], timeout: float) -> list[dict] | str:
+    """Runs lockstep-bench allreduce on hosts 0..peers-1, the master on host 0 or, with a
+    host more than peers, on the last one; each peer's figures, or an error."""
+    master_host = bed.hosts - 1 if bed.hosts > peers else 0
+    master = start_master(bed, bin_dir, master_host)
     procs = []
     try:
-        for h in range(bed.hosts):
+        for h in range(peers):
             procs.append(bed.popen(h, os.path.join(bin_dir, "lockstep-bench"), "allreduce", "--master",
-                                   f"{bed.addr(0)}:7000", "--peers", bed.hosts, *args,
+                                   f"{bed.addr(master_host)}:7000", "--peers", peers, *args,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         deadline = time.monotonic() + timeout
         rows = []
@@ -171,6 +173,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iperf-seconds", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per case")
+    parser.add_argument("--master-apart", action="store_true",
+                        help="run the master on a host of its own (one more, on the same links) "
+                             "rather than beside the peer of host 0")
     args = parser.parse_args()
 
     if os.geteuid() != 0:
@@ -203,10 +208,11 @@ def main() -> int:
     for hosts in hosts_list:
         for cc in ccs:
             for loss in losses:
-                with Testbed(hosts, command=os.path.join(bin_dir, "lockstep-testbed")) as bed:
+                bed_hosts = hosts + (1 if args.master_apart else 0)
+                with Testbed(bed_hosts, command=os.path.join(bin_dir, "lockstep-testbed")) as bed:
                     set_cc(bed, cc)
-                    for a in range(hosts):
-                        for b in range(a + 1, hosts):
+                    for a in range(bed_hosts):
+                        for b in range(a + 1, bed_hosts):
                             bed.cap(a, b, f"{int(args.cap * 1e6)}", both=True)
                             if args.rtt_ms > 0:
                                 bed.delay(a, b, args.rtt_ms / 2, both=True)
@@ -223,8 +229,9 @@ def main() -> int:
                                        "--concurrency", str(conc), "--quant", quant]
                                 if has_streams:
                                     cmd += ["--streams", str(streams)]
-                                result = allreduce(bed, bin_dir, cmd, args.timeout)
-                                line = {"bench": "wan_loss", "hosts": hosts, "cap_mbit": args.cap,
+                                result = allreduce(bed, bin_dir, hosts, cmd, args.timeout)
+                                line = {"bench": "wan_loss", "hosts": hosts,
+                                        "master": "apart" if args.master_apart else "host 0", "cap_mbit": args.cap,
                                         "rtt_ms": args.rtt_ms, "loss": loss, "cc": cc, "bytes": size,
                                         "concurrency": conc, "streams": streams, "pool": pool, "quant": quant}
                                 if isinstance(result, str):
