@@ -270,6 +270,7 @@ enum class TimerKind : std::uint8_t {
   kFlow,            // a pause of the loop ended (compute, alone, sync retry)
   kEstablishCheck,  // arg: epoch
   kRingPoll,        // arg: attempt
+  kCommitPoll,      // arg: attempt
   kFetchPoll,       // arg: sync attempt
   kBandwidthDone,   // arg: test; arg2: partner proc
 };
@@ -326,6 +327,7 @@ struct Proc {
   // collectives of the current step
   std::map<std::uint64_t, TagState> tags;
   std::map<std::uint32_t, std::deque<std::uint64_t>> slots;  // attempts per pool slot, in Go order
+  std::set<std::uint64_t> committed;  // attempts it returned from on its commit, outcome still due
   bool agree_flag = false;
   // a stopped process: what arrived and which timers fired meanwhile
   std::deque<Frame> frozen_frames;
@@ -341,7 +343,7 @@ struct Partition {
 
 // Totals, to report what the runs exercised.
 enum Count : std::size_t {
-  kEvents, kDeliveries, kSimUs, kSyncsOk, kSyncsFailed, kNoState, kCollectivesOk, kCollectivesFailed, kCollectiveAborts,
+  kEvents, kDeliveries, kSimUs, kSyncsOk, kSyncsFailed, kNoState, kCollectivesOk, kCollectivesFailed, kCollectiveAborts, kCommits,
   kTopologyOk, kTopologyFailed, kOptimizeOk, kOptimizeFailed, kBandwidthTests, kAgreeOk, kAgreeLost,
   kPendingYes, kPendingNo, kJoined, kKicked, kRejected, kMasterLost, kCrashes, kStops, kIsolations,
   kP2PPartitions, kDrops, kEvictions, kSpawned, kLivenessArmed, kRevisions, kSplitFetches,
@@ -866,6 +868,7 @@ class Sim {
         return;
       case TimerKind::kEstablishCheck: return establish_check(pr, arg);
       case TimerKind::kRingPoll: return ring_poll(pr, arg);
+      case TimerKind::kCommitPoll: return commit_poll(pr, arg);
       case TimerKind::kFetchPoll: return fetch_poll(pr, arg);
       case TimerKind::kBandwidthDone: return bandwidth_done(pr, arg, arg2);
     }
@@ -1349,6 +1352,31 @@ class Sim {
     t->st = TagState::St::kLocalDone;
     ra.state[pr.id] = 2;
     send(pr, p::CollectiveDone{tag_key(pr, attempt), attempt, true, {}});
+    timer(pr, rng_.between(300, 5 * kMs), TimerKind::kCommitPoll, attempt);
+  }
+
+  // The commit exchange (docs/protocol.md, "Completion"): its tokens go round once every
+  // participant holds the result and every participant and hop is up. A peer whose
+  // tokens all came before the master's outcome commits: it says so and returns at
+  // once; the outcome, when it comes, must be a success.
+  void commit_poll(Proc& pr, std::uint64_t attempt) {
+    TagState* t = tag_of_attempt(pr, attempt);
+    if (t == nullptr || t->st != TagState::St::kLocalDone) return;
+    RingAttempt& ra = ring_attempts_.at(attempt);
+    if (ra.state[pr.id] != 2) return;
+    const auto& ring = ra.ring;
+    const std::size_t n = ring.size();
+    bool round = true;
+    for (std::size_t k = 0; k < n && round; ++k) {
+      const Proc* q = proc_of(ring[k]);
+      round = ra.state[ring[k]] == 2 && !q->stopped && q->stage != Stage::kDead &&
+              (n == 1 || !p2p_cut(q->index, proc_of(ring[(k + 1) % n])->index));
+    }
+    if (!round || !rng_.chance(50)) return timer(pr, rng_.between(1 * kMs, 10 * kMs), TimerKind::kCommitPoll, attempt);
+    send(pr, p::CollectiveDone{tag_key(pr, attempt), attempt, true, {}, 0, 0, true});
+    pr.committed.insert(attempt);
+    ++stats_.n[kCommits];
+    end_tag(pr, *t, attempt, LOCKSTEP_OK);
   }
 
   std::uint64_t tag_key(Proc& pr, std::uint64_t attempt) {
@@ -1361,6 +1389,7 @@ class Sim {
   // The master lost a participant: an attempt that has not reported here stops (its ring
   // closes) and reports; one already reported waits for the outcome.
   void on_collective_abort(Proc& pr, const p::CollectiveAbort& a, const p::Message& m) {
+    if (pr.committed.count(a.attempt) != 0) return;  // crossed its commit on the wire
     auto it = pr.tags.find(a.tag);
     if (pr.stage != Stage::kCollectives || it == pr.tags.end() || it->second.attempt != a.attempt) unexpected(pr, m);
     TagState& t = it->second;
@@ -1372,6 +1401,14 @@ class Sim {
   }
 
   void on_collective_result(Proc& pr, const p::CollectiveResult& r, const p::Message& m) {
+    if (pr.committed.erase(r.attempt) != 0) {
+      require(r.status == LOCKSTEP_OK, name(pr) + " committed attempt " + std::to_string(r.attempt) + " and then got " +
+                                           describe(m));
+      auto [o, fresh] = collective_outcomes_.try_emplace(r.attempt, r);
+      require(fresh || o->second == r, "attempt " + std::to_string(r.attempt) + " has two outcomes: " +
+                                           describe(o->second) + " and " + describe(r));
+      return;
+    }
     auto it = pr.tags.find(r.tag);
     if (pr.stage != Stage::kCollectives || it == pr.tags.end() || it->second.st == TagState::St::kEnded) {
       unexpected(pr, m);
@@ -1403,12 +1440,16 @@ class Sim {
     }
     auto& ra = ring_attempts_.at(r.attempt);
     if (ra.state[pr.id] < 2) ra.state[pr.id] = 3;  // an abort: its connections close
+    end_tag(pr, t, r.attempt, r.status);
+  }
+
+  void end_tag(Proc& pr, TagState& t, std::uint64_t attempt, StatusCode status) {
     t.st = TagState::St::kEnded;
-    t.outcome = r.status;
-    ++(r.status == LOCKSTEP_OK ? stats_.n[kCollectivesOk] : stats_.n[kCollectivesFailed]);
+    t.outcome = status;
+    ++(status == LOCKSTEP_OK ? stats_.n[kCollectivesOk] : stats_.n[kCollectivesFailed]);
     auto& queue = pr.slots[t.slot];
-    const bool front = !queue.empty() && queue.front() == r.attempt;
-    queue.erase(std::remove(queue.begin(), queue.end(), r.attempt), queue.end());
+    const bool front = !queue.empty() && queue.front() == attempt;
+    queue.erase(std::remove(queue.begin(), queue.end(), attempt), queue.end());
     if (front) next_on_slot(pr, t.slot);
     end_of_collectives(pr);
   }
@@ -1746,7 +1787,7 @@ TEST(SimNetwork, SeededRuns) {
             << "  revisions " << total.n[kRevisions] << "; syncs ok " << total.n[kSyncsOk] << " / failed " << total.n[kSyncsFailed]
             << " (no shared state " << total.n[kNoState] << "), split fetches " << total.n[kSplitFetches]
             << "; collectives ok " << total.n[kCollectivesOk] << " / failed " << total.n[kCollectivesFailed]
-            << " (aborts " << total.n[kCollectiveAborts] << ")"
+            << " (aborts " << total.n[kCollectiveAborts] << ", commits " << total.n[kCommits] << ")"
             << "; agree ok " << total.n[kAgreeOk] << " / lost " << total.n[kAgreeLost] << "; pending yes "
             << total.n[kPendingYes] << " / no " << total.n[kPendingNo] << "; topology ok " << total.n[kTopologyOk]
             << " / failed " << total.n[kTopologyFailed] << "; optimize ok " << total.n[kOptimizeOk] << " / failed "
@@ -1764,6 +1805,8 @@ TEST(SimNetwork, SeededRuns) {
     EXPECT_GT(total.n[kSyncsFailed], 0u);
     EXPECT_GT(total.n[kCollectivesOk], 0u);
     EXPECT_GT(total.n[kCollectivesFailed], 0u);
+    EXPECT_GT(total.n[kCommits], 0u);
+    EXPECT_GT(total.n[kCollectiveAborts], 0u);
     EXPECT_GT(total.n[kTopologyOk], 0u);
     EXPECT_GT(total.n[kTopologyFailed], 0u);
     EXPECT_GT(total.n[kOptimizeOk], 0u);
