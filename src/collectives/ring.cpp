@@ -779,8 +779,7 @@ class Runner {
       }
       if (got == 0) return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the previous ring peer closed the connection");
       *progress = true;
-      r.cur.bytes += static_cast<std::size_t>(got);
-      if (stats_ != nullptr) stats_->bytes_received += static_cast<std::uint64_t>(got);
+      r.cur.bytes += static_cast<std::size_t>(got);  // (not counted: as its sender does not)
     }
     std::uint8_t none[1];
     if (encrypted() && !r.open->open(std::span<const std::uint8_t>(r.token, security::kTagBytes),
@@ -839,6 +838,9 @@ class Runner {
     // came first (run_ring_commit, kSettled): skipped.
     if (k == 0 && h.seq == kRingTokenSeq && h.attempt < p_.attempt && r.cur.item == 0) {
       r.skipping = true;
+      // Its header was counted as it came; tokens are left out of the counters, as their
+      // sender leaves them out.
+      if (stats_ != nullptr) stats_->bytes_received -= kRingHeaderBytes;
       return Status::ok();
     }
     if (h.attempt < p_.attempt && r.cur.item == 0 && io_.rx_replace) {

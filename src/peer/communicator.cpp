@@ -1193,6 +1193,16 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
     const auto& result = std::get<proto::CollectiveResult>(outcome.value());
     if (result.status != LOCKSTEP_OK) final_status = Status(result.status, result.reason);
     info->world_size = result.world_size;
+    // A success needs every participant to hold the result (a commit proves it): one
+    // declared where this peer never got it is not this protocol's master (or a peer
+    // lied about its commit). The destination is as it was; say so rather than return it
+    // as the result.
+    if (final_status.is_ok() && !local.is_ok()) {
+      final_status = Status(LOCKSTEP_STATUS_PROTOCOL_ERROR,
+                            "the master declared attempt " + std::to_string(go.attempt) + " of tag " +
+                                std::to_string(d.tag) + " a success where this peer did not finish it (" +
+                                local.message() + ")");
+    }
   }
   if (doubling) {
     // Every stage wrote the destination in place: a failed attempt gets it back whole.

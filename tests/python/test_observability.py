@@ -96,6 +96,10 @@ def test_metrics_match_a_scripted_run(master, peers):
     for tag in range(6, 8):
         sent += all_reduce(members, tag)
 
+    # A peer returns once its ring's commit tokens came: the others' reports may still be
+    # on their way to the master.
+    wait_for(lambda: master.metrics().get("lockstep_reported_bytes_total", operation="all_reduce",
+                                          direction="received") == sent, "every peer's report of its bytes")
     m = master.metrics()
     assert m.value("lockstep_peers_registered_total") == 3
     assert m.value("lockstep_peers", group="0", phase="ACCEPTED", state="IDLE") == 2

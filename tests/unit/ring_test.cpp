@@ -679,12 +679,14 @@ int unread(int fd) {
 struct CommitRun {
   std::vector<lockstep::Status> status;
   std::vector<lockstep::Result<CommitEnd>> end;
+  std::vector<lockstep::coll::RingStats> stats;  // the attempts' (the exchange's are not counted)
 };
 CommitRun run_with_commit(const std::vector<RingPlan>& plans, std::vector<SocketPair>& links,
                           std::vector<RingScratch>& scratch, const std::vector<std::atomic<bool>*>& settled) {
   const std::size_t n = plans.size();
   CommitRun out{std::vector<lockstep::Status>(n),
-                std::vector<lockstep::Result<CommitEnd>>(n, lockstep::Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "not run"))};
+                std::vector<lockstep::Result<CommitEnd>>(n, lockstep::Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "not run")),
+                std::vector<lockstep::coll::RingStats>(n)};
   std::vector<std::thread> peers;
   for (std::size_t i = 0; i < n; ++i) {
     peers.emplace_back([&, i] {
@@ -693,7 +695,7 @@ CommitRun run_with_commit(const std::vector<RingPlan>& plans, std::vector<Socket
       io.rx_fd = links[(i + n - 1) % n].fds[1];
       io.stall_timeout_ms = 10'000;
       io.settled_flag = settled[i];
-      out.status[i] = lockstep::coll::run_ring_all_reduce(plans[i], io, scratch[i], nullptr);
+      out.status[i] = lockstep::coll::run_ring_all_reduce(plans[i], io, scratch[i], &out.stats[i]);
       if (out.status[i].is_ok()) out.end[i] = lockstep::coll::run_ring_commit(plans[i], io, nullptr);
     });
   }
@@ -732,6 +734,9 @@ TEST(RingCommit, TokensGoRoundAndWhatASettledPeerLeftIsSkippedByTheNextAttempt) 
       ASSERT_TRUE(run.end[i].is_ok()) << i << ": " << run.end[i].status().to_string();
       EXPECT_EQ(run.end[i].value(), settle_first && i == 0 ? CommitEnd::kSettled : CommitEnd::kCommitted) << i;
       EXPECT_EQ(data[i], std::vector<float>(kCount, sum)) << i;
+      // What a peer counts as received is what its previous peer counts as sent: the
+      // tokens it skipped are not counted, as their sender does not count them.
+      EXPECT_EQ(run.stats[i].bytes_received, run.stats[(i + kPeers - 1) % kPeers].bytes_sent) << i;
     }
     // Only the settled peer's connection from its previous peer holds unread tokens
     // (world - 1 of them, 16 bytes each).
