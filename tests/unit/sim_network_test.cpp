@@ -13,6 +13,10 @@
 // on heal) and connection drops (each direction delivers a prefix of what was in
 // flight, then both ends see the close). New peers join over time.
 //
+// Each peer's master link is the real peer::Session, fed the simulated time and messages
+// and its commands carried out as peer/link.cpp does (heartbeats, the silence check,
+// routing by tag, slot turns, commits' late outcomes dropped).
+//
 // The peers run the loop of tools/soak/worker.cpp as a state machine: connect and wait
 // to be accepted; per step: sync the shared state (retried on PEER_CONNECTION_LOST; after
 // NO_SHARED_STATE_AVAILABLE a pause and the membership check first), K concurrent
@@ -43,6 +47,7 @@
 // print its trace.
 #include "common/dtype.h"
 #include "coordinator/coordinator.h"
+#include "peer/session.h"
 #include "protocol/codec.h"
 
 #include <gtest/gtest.h>
@@ -298,11 +303,12 @@ struct Proc {
   Stage stage = Stage::kConnecting;
   PeerId id;
   bool accepted = false;
-  TimeUs started_us = 0, dead_us = 0, last_rx_us = 0;
-  bool suspect = false;
+  TimeUs started_us = 0, dead_us = 0;
+  // The real peer::Session decides about the master link once welcomed: heartbeats,
+  // silence, routing to the collectives by tag, slot turns, commits' late outcomes.
+  peer::Session session{false};
   // peer::Session's timer: the next heartbeat, and the generation of the armed wake-up
   // (arming replaces the previous one)
-  TimeUs next_heartbeat_us = 0;
   std::uint64_t heartbeat_gen = 0;
   std::uint64_t flow_gen = 0;
   // membership
@@ -326,8 +332,6 @@ struct Proc {
   bool done_ok = false;  // reported its transfers as verified
   // collectives of the current step
   std::map<std::uint64_t, TagState> tags;
-  std::map<std::uint32_t, std::deque<std::uint64_t>> slots;  // attempts per pool slot, in Go order
-  std::set<std::uint64_t> committed;  // attempts it returned from on its commit, outcome still due
   bool agree_flag = false;
   // a stopped process: what arrived and which timers fired meanwhile
   std::deque<Frame> frozen_frames;
@@ -781,7 +785,6 @@ class Sim {
     pr.pool = static_cast<std::uint16_t>(1 + rng_.below(3));
     pr.host = "10.0." + std::to_string(pr.index / 200) + "." + std::to_string(1 + pr.index % 200);
     pr.started_us = now_;
-    pr.last_rx_us = now_;
     pr.bootstrap = !c_.revision(pr.group).has_value();
     const auto& shape = shapes_.at(pr.group);
     pr.content.resize(shape.size());
@@ -874,8 +877,9 @@ class Sim {
     }
   }
 
+  static peer::Session::Time at_us(TimeUs t) { return peer::Session::Time(std::chrono::microseconds(t)); }
+
   void heartbeat(Proc& pr) {
-    const TimeUs timeout = static_cast<TimeUs>(c_.config().heartbeat_timeout_ms) * kMs;
     if (pr.stage == Stage::kConnecting) {
       // the blocking connect waits for Welcome at most this long
       if (now_ - pr.started_us > 3 * kSec) {
@@ -883,22 +887,44 @@ class Sim {
       }
       return arm_heartbeat(pr, now_ + 250 * kMs);
     }
-    if (now_ - pr.last_rx_us > timeout) {
-      // look once more shortly: after a stop, the bytes that arrived meanwhile win
-      if (!pr.suspect) {
-        pr.suspect = true;
-        return arm_heartbeat(pr, now_ + 20 * kMs);
+    execute(pr, pr.session.on_timer(at_us(now_)));
+  }
+
+  // Carries out the session's commands as the peer's IO shell does (peer/link.cpp), then
+  // hands what waits in its mailbox to the loop.
+  void execute(Proc& pr, const peer::Commands& commands) {
+    for (const auto& command : commands) {
+      if (pr.stage == Stage::kDead) return;
+      if (const auto* f = std::get_if<peer::cmd::SendFrame>(&command)) {
+        require(f->frame.size() >= p::kFrameHeaderBytes, "the session sent a frame without a header");
+        const auto header = p::decode_header(std::span<const std::uint8_t, p::kFrameHeaderBytes>(f->frame.data(),
+                                                                                                  p::kFrameHeaderBytes));
+        require(header.is_ok(), "the session sent a frame that does not decode");
+        auto m = p::decode_payload(header.value().type,
+                                   std::span<const std::uint8_t>(f->frame).subspan(p::kFrameHeaderBytes));
+        require(m.is_ok(), "the session sent a frame that does not decode");
+        send(pr, m.value());
+      } else if (const auto* route = std::get_if<peer::cmd::RouteToOp>(&command)) {
+        on_message(pr, route->message);
+      } else if (const auto* arm = std::get_if<peer::cmd::ArmTimer>(&command)) {
+        const auto us = std::chrono::duration_cast<std::chrono::microseconds>(arm->at.time_since_epoch()).count();
+        arm_heartbeat(pr, std::max<TimeUs>(now_, static_cast<TimeUs>(us)));
+      } else if (const auto* close = std::get_if<peer::cmd::CloseMaster>(&command)) {
+        const StatusCode code = close->status.code();
+        const bool allowed = code == LOCKSTEP_STATUS_KICKED || code == LOCKSTEP_STATUS_MASTER_CONNECTION_LOST ||
+                             (code == LOCKSTEP_STATUS_REJECTED && !pr.accepted);
+        if (!allowed) fail(name(pr) + "'s link ended with " + close->status.to_string() + ", which a peer following "
+                           "the documented loop never sees");
+        return finish(pr, code, close->status.message());
       }
-      return finish(pr, LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "no message from the master for too long");
+      // AbortOp, CancelEstablishment: the process ends with the link here (finish);
+      // LearnPairKeys: no secret in this run.
     }
-    pr.suspect = false;
-    // a heartbeat every quarter of the timeout; the wake-up also when the silence would
-    // pass the timeout (peer::Session::next_wake)
-    if (now_ >= pr.next_heartbeat_us) {
-      send(pr, p::Heartbeat{});
-      pr.next_heartbeat_us = now_ + timeout / 4;
+    while (pr.stage != Stage::kDead) {
+      auto waiting = pr.session.take([](const p::Message&) { return true; });
+      if (!waiting) break;
+      on_message(pr, *waiting);
     }
-    arm_heartbeat(pr, std::min(pr.next_heartbeat_us, pr.last_rx_us + timeout + kMs));
   }
 
   void deliver_to_peer(Proc& pr, const Frame& f) {
@@ -908,9 +934,14 @@ class Sim {
       return finish(pr, LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master closed the connection");
     }
     if (trace_) note(name(pr) + " <- master: " + describe(f.message));
-    pr.last_rx_us = now_;
-    pr.suspect = false;
-    on_message(pr, f.message);
+    // The wire's own check: a committed attempt's outcome is a success, whoever reads it
+    // (the session drops it unread at the peer that committed).
+    if (const auto* r = std::get_if<p::CollectiveResult>(&f.message); r != nullptr && committed_.count(r->attempt) != 0) {
+      require(r->status == LOCKSTEP_OK, "attempt " + std::to_string(r->attempt) + " was committed and then ended with " +
+                                            describe(f.message));
+    }
+    if (pr.stage == Stage::kConnecting) return on_message(pr, f.message);  // before Welcome: no session yet
+    execute(pr, pr.session.on_message(at_us(now_), f.message));
   }
 
   [[noreturn]] void unexpected(const Proc& pr, const p::Message& m) {
@@ -923,10 +954,8 @@ class Sim {
       if (pr.stage != Stage::kConnecting) unexpected(pr, m);
       pr.id = w->id;
       pr.stage = Stage::kJoining;
-      // peer::Session::attach: heartbeats start a quarter of the timeout from now
-      pr.next_heartbeat_us = now_ + static_cast<TimeUs>(c_.config().heartbeat_timeout_ms) * kMs / 4;
-      arm_heartbeat(pr, pr.next_heartbeat_us);
-      return;
+      pr.session.set_identity(w->id);
+      return execute(pr, pr.session.attach(at_us(now_), w->heartbeat_timeout_ms));
     }
     if (const auto* bye = std::get_if<p::Goodbye>(&m)) {
       const bool allowed = bye->status == LOCKSTEP_STATUS_KICKED ||
@@ -1264,10 +1293,10 @@ class Sim {
   void start_collectives(Proc& pr) {
     pr.stage = Stage::kCollectives;
     pr.tags.clear();
-    pr.slots.clear();
     for (std::uint32_t k = 0; k < reduces_; ++k) {
-      const std::uint64_t tag = pr.revision * reduces_ + k;
+      const std::uint64_t tag = k;  // the same tags every step, as a training loop calls them
       pr.tags[tag] = TagState{};
+      execute(pr, pr.session.register_op(tag));
       send(pr, p::CollectiveInit{tag, kDescriptor});
     }
   }
@@ -1297,17 +1326,18 @@ class Sim {
     t.attempt = go.attempt;
     t.slot = go.slot;
     t.ring = ring;
-    pr.slots[go.slot].push_back(go.attempt);
     next_on_slot(pr, go.slot);
   }
 
-  // Each pool slot carries one attempt at a time, in the order of the Go messages.
+  // Each pool slot carries one attempt at a time, in the order of the Go messages (the
+  // session's turns).
   void next_on_slot(Proc& pr, std::uint32_t slot) {
-    auto& queue = pr.slots[slot];
-    if (queue.empty()) return;
-    const std::uint64_t attempt = queue.front();
     for (auto& [tag, t] : pr.tags) {
-      if (t.attempt != attempt || t.st != TagState::St::kQueued) continue;
+      if (t.st != TagState::St::kQueued || t.slot != slot ||
+          pr.session.slot_turn(slot, t.attempt) != peer::Session::Turn::kMine) {
+        continue;
+      }
+      const std::uint64_t attempt = t.attempt;
       check_major_op(pr, Major::kCollective);
       t.st = TagState::St::kRunning;
       ring_attempts_.at(attempt).state[pr.id] = 1;
@@ -1373,8 +1403,10 @@ class Sim {
               (n == 1 || !p2p_cut(q->index, proc_of(ring[(k + 1) % n])->index));
     }
     if (!round || !rng_.chance(50)) return timer(pr, rng_.between(1 * kMs, 10 * kMs), TimerKind::kCommitPoll, attempt);
-    send(pr, p::CollectiveDone{tag_key(pr, attempt), attempt, true, {}, 0, 0, true});
-    pr.committed.insert(attempt);
+    const std::uint64_t tag = tag_key(pr, attempt);
+    pr.session.settled_early(tag, attempt);
+    send(pr, p::CollectiveDone{tag, attempt, true, {}, 0, 0, true});
+    committed_.insert(attempt);
     ++stats_.n[kCommits];
     end_tag(pr, *t, attempt, LOCKSTEP_OK);
   }
@@ -1389,7 +1421,6 @@ class Sim {
   // The master lost a participant: an attempt that has not reported here stops (its ring
   // closes) and reports; one already reported waits for the outcome.
   void on_collective_abort(Proc& pr, const p::CollectiveAbort& a, const p::Message& m) {
-    if (pr.committed.count(a.attempt) != 0) return;  // crossed its commit on the wire
     auto it = pr.tags.find(a.tag);
     if (pr.stage != Stage::kCollectives || it == pr.tags.end() || it->second.attempt != a.attempt) unexpected(pr, m);
     TagState& t = it->second;
@@ -1401,14 +1432,6 @@ class Sim {
   }
 
   void on_collective_result(Proc& pr, const p::CollectiveResult& r, const p::Message& m) {
-    if (pr.committed.erase(r.attempt) != 0) {
-      require(r.status == LOCKSTEP_OK, name(pr) + " committed attempt " + std::to_string(r.attempt) + " and then got " +
-                                           describe(m));
-      auto [o, fresh] = collective_outcomes_.try_emplace(r.attempt, r);
-      require(fresh || o->second == r, "attempt " + std::to_string(r.attempt) + " has two outcomes: " +
-                                           describe(o->second) + " and " + describe(r));
-      return;
-    }
     auto it = pr.tags.find(r.tag);
     if (pr.stage != Stage::kCollectives || it == pr.tags.end() || it->second.st == TagState::St::kEnded) {
       unexpected(pr, m);
@@ -1424,6 +1447,7 @@ class Sim {
                   std::to_string(self == nullptr ? 0 : c_.ring(self->group).size()) + " members");
       it->second.st = TagState::St::kEnded;
       it->second.outcome = r.status;
+      pr.session.unregister_op(r.tag);
       return end_of_collectives(pr);
     }
     if (r.attempt == 0 || r.attempt != it->second.attempt) unexpected(pr, m);
@@ -1447,10 +1471,9 @@ class Sim {
     t.st = TagState::St::kEnded;
     t.outcome = status;
     ++(status == LOCKSTEP_OK ? stats_.n[kCollectivesOk] : stats_.n[kCollectivesFailed]);
-    auto& queue = pr.slots[t.slot];
-    const bool front = !queue.empty() && queue.front() == attempt;
-    queue.erase(std::remove(queue.begin(), queue.end(), attempt), queue.end());
-    if (front) next_on_slot(pr, t.slot);
+    pr.session.unregister_op(tag_key(pr, attempt));
+    pr.session.release_slot(t.slot, attempt);
+    next_on_slot(pr, t.slot);
     end_of_collectives(pr);
   }
 
@@ -1466,6 +1489,7 @@ class Sim {
       if (s.outcome == LOCKSTEP_OK || alone) continue;
       s = TagState{};
       retried = true;
+      execute(pr, pr.session.register_op(tag));
       send(pr, p::CollectiveInit{tag, kDescriptor});
     }
     if (retried) return;
@@ -1739,6 +1763,7 @@ class Sim {
 
   std::map<std::uint64_t, RingAttempt> ring_attempts_;
   std::map<std::uint64_t, p::CollectiveResult> collective_outcomes_;
+  std::set<std::uint64_t> committed_;  // attempts a peer returned from on its commit
   std::map<std::uint64_t, p::SyncResult> sync_outcomes_;
   std::map<std::uint64_t, std::pair<std::uint64_t, std::vector<std::uint64_t>>> elected_;
   std::map<std::pair<std::uint64_t, std::uint32_t>, p::TopologyResult> views_;
