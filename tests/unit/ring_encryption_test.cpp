@@ -104,8 +104,12 @@ struct Outcome {
 
 // Runs one attempt over `world` peers on the given connections (pairs[i]: i -> i+1). With
 // channels, encrypted. In place: each peer's buffer is its input.
+// With `commit`, each peer then runs the commit exchange (peer 0 with its outcome already
+// in when `settled0`), and its end goes to `ends`.
 Outcome run_ring(const Config& c, std::vector<SocketPair>& pairs, std::vector<Channel>* channels,
-                 std::vector<RingScratch>& scratch, std::uint64_t attempt, std::vector<Bytes> buffers) {
+                 std::vector<RingScratch>& scratch, std::uint64_t attempt, std::vector<Bytes> buffers,
+                 std::vector<lockstep::Result<lockstep::coll::CommitEnd>>* ends = nullptr,
+                 const std::atomic<bool>* settled0 = nullptr) {
   Outcome out;
   out.buffers = std::move(buffers);
   out.status.resize(c.world);
@@ -133,6 +137,10 @@ Outcome run_ring(const Config& c, std::vector<SocketPair>& pairs, std::vector<Ch
         io.open = (*channels)[(r + c.world - 1) % c.world].open.get();
       }
       out.status[r] = lockstep::coll::run_ring_all_reduce(plan, io, scratch[r], &out.stats[r]);
+      if (out.status[r].is_ok() && ends != nullptr) {
+        if (r == 0) io.settled_flag = settled0;
+        (*ends)[r] = lockstep::coll::run_ring_commit(plan, io, nullptr);
+      }
       if (!out.status[r].is_ok()) {  // the neighbours fail at once instead of at the stall timeout
         ::shutdown(io.tx_fd, SHUT_RDWR);
         ::shutdown(io.rx_fd, SHUT_RDWR);
@@ -214,6 +222,33 @@ TEST(RingEncryption, ReusedConnectionsKeepCountersInStepAndAResetCounterFails) {
   EXPECT_EQ(got.status[1].code(), LOCKSTEP_STATUS_PROTOCOL_ERROR) << got.status[1].to_string();
   EXPECT_NE(got.status[1].message().find("does not verify"), std::string::npos) << got.status[1].message();
   EXPECT_EQ(got.buffers[1], inputs[1]) << "the failed peer's buffer must be restored";
+}
+
+// Sealed commit tokens: they keep each connection's counters in step, also where a peer
+// whose outcome came first left its previous peer's tokens unread and the next attempt
+// skipped them (opening each, so the counter moves on): the next attempts verify.
+TEST(RingEncryption, SealedCommitTokensKeepCountersInStepWhenSkipped) {
+  Config c{3, LOCKSTEP_F32, LOCKSTEP_SUM, LOCKSTEP_QUANT_NONE, 20'000, 4096};
+  std::vector<SocketPair> pairs(c.world);
+  std::vector<Channel> channels(c.world);
+  std::vector<RingScratch> scratch(c.world);
+  std::vector<Bytes> inputs;
+  for (std::size_t r = 0; r < c.world; ++r) inputs.push_back(input(c, r));
+  const Outcome expected = run_fresh(c, false);
+  const std::atomic<bool> settled{true};
+  for (std::uint64_t attempt = 1; attempt <= 3; ++attempt) {
+    SCOPED_TRACE("attempt " + std::to_string(attempt));
+    std::vector<lockstep::Result<lockstep::coll::CommitEnd>> ends(
+        c.world, lockstep::Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "not run"));
+    const Outcome got = run_ring(c, pairs, &channels, scratch, attempt, inputs, &ends, attempt == 1 ? &settled : nullptr);
+    for (std::size_t r = 0; r < c.world; ++r) {
+      ASSERT_TRUE(got.status[r].is_ok()) << r << ": " << got.status[r].to_string();
+      ASSERT_TRUE(ends[r].is_ok()) << r << ": " << ends[r].status().to_string();
+      EXPECT_EQ(ends[r].value(), attempt == 1 && r == 0 ? lockstep::coll::CommitEnd::kSettled
+                                                         : lockstep::coll::CommitEnd::kCommitted);
+      EXPECT_EQ(got.buffers[r], expected.buffers[r]);
+    }
+  }
 }
 
 // Copies a_to_b's stream from `from` to `to`, flipping the byte at stream offset `flip`.
