@@ -1043,9 +1043,15 @@ Result<CommitEnd> run_ring_commit(const RingPlan& plan, const RingIo& io, RingSt
       out.clear();
       out_off = 0;
     }
-    // A token half read is finished even once settled: the next attempt reads whole frames.
-    const bool reading = received < need && (!settled || in_len > 0);
-    if (!reading && out.empty()) return received == need ? CommitEnd::kCommitted : CommitEnd::kSettled;
+    if (settled) {
+      // The outcome is known: nothing more is waited for. Tokens that cannot leave at once
+      // (a send buffer still full of data a cut link has not acknowledged), or one half
+      // read, leave the connections out of step: the caller replaces them.
+      if (out.empty() && in_len == 0) return CommitEnd::kSettled;
+      return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the outcome came while commit tokens were on their way");
+    }
+    const bool reading = received < need;
+    if (!reading && out.empty()) return CommitEnd::kCommitted;
     if (reading) {
       const ssize_t got = ::read(io.rx_fd, in + in_len, frame - in_len);
       if (got == 0) return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the previous ring peer closed the connection");
@@ -1093,8 +1099,8 @@ Result<CommitEnd> run_ring_commit(const RingPlan& plan, const RingIo& io, RingSt
     nfds_t nfds = 0;
     if (!out.empty()) fds[nfds++] = pollfd{io.tx_fd, POLLOUT, 0};
     if (reading) fds[nfds++] = pollfd{io.rx_fd, POLLIN, 0};
-    // Readable once the outcome (settled) or an abort came: watched until then.
-    const bool watch_abort = io.abort_fd >= 0 && !settled;
+    // Readable once the outcome (settled) or an abort came.
+    const bool watch_abort = io.abort_fd >= 0;
     if (watch_abort) fds[nfds++] = pollfd{io.abort_fd, POLLIN, 0};
     if (::poll(fds, nfds, timeout_ms) < 0 && errno != EINTR) return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "poll");
     if (watch_abort && fds[nfds - 1].revents != 0 && !(io.settled_flag != nullptr && io.settled_flag->load()) &&

@@ -266,11 +266,13 @@ inline Status run_ring_all_reduce(const RingPlan& plan, const RingIo& io, RingSc
 //   kCommitted: every token came (all of this peer's are sent): the attempt can only
 //     succeed, and the caller may return without the master's outcome.
 //   kSettled: io.settled_flag rose first (the master's successful outcome came): this
-//     peer's remaining tokens are sent, and the previous peer's that are still due are
-//     skipped by the next attempt on the connection (run_ring skips a token of an older
-//     attempt where the first frame of a connection is due).
-// Any other end (abort, a lost or stalled connection, a frame that is not this
-// attempt's token) is an error: the connections are then out of step and must go.
+//     peer's remaining tokens went out at once, and the previous peer's that are still
+//     due are skipped by the next attempt on the connection (run_ring skips a token of
+//     an older attempt where the first frame of a connection is due).
+// Any other end is an error, and the connections are then out of step and must go: an
+// abort, a lost or stalled connection, a frame that is not this attempt's token, or an
+// outcome that came while this peer's tokens could not leave at once or one was half
+// read (once settled, nothing is waited for).
 // The destination is never touched.
 enum class CommitEnd { kCommitted, kSettled };
 inline constexpr std::uint32_t kRingTokenSeq = 0xffffffffu;

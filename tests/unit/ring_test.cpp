@@ -787,3 +787,37 @@ TEST(RingCommit, AnythingButTheAttemptsTokensEndsTheExchange) {
     EXPECT_EQ(unread(a_to_b.fds[1]), c == 3 ? 0 : 16);
   }
 }
+
+// Once the outcome came, nothing is waited for: a peer whose tokens cannot leave at once
+// (its send buffer still full of data a cut link has not acknowledged) ends at once,
+// out of step, rather than at the stall timeout.
+TEST(RingCommit, ASettledPeerNeverWaitsForItsTokensToLeave) {
+  std::vector<float> a(1000, 1.0f);
+  RingPlan plan = Ring::base_plan(0, a, a);
+  plan.world = 3;
+  SocketPair a_to_b, c_to_a;
+  std::vector<std::uint8_t> fill(65536, 0);
+  while (::send(a_to_b.fds[0], fill.data(), fill.size(), MSG_DONTWAIT) > 0) {
+  }
+  std::atomic<bool> settled{false};
+  AbortSignal signal;
+  RingIo io;
+  io.tx_fd = a_to_b.fds[0];
+  io.rx_fd = c_to_a.fds[1];
+  io.stall_timeout_ms = 30'000;
+  io.abort_fd = signal.fd;
+  io.settled_flag = &settled;
+  std::thread outcome([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    settled.store(true);
+    const std::uint64_t one = 1;
+    EXPECT_EQ(::write(signal.fd, &one, sizeof one), static_cast<ssize_t>(sizeof one));
+  });
+  const auto started = std::chrono::steady_clock::now();
+  const auto end = lockstep::coll::run_ring_commit(plan, io, nullptr);
+  const auto waited = std::chrono::steady_clock::now() - started;
+  outcome.join();
+  ASSERT_FALSE(end.is_ok());
+  EXPECT_EQ(end.status().code(), LOCKSTEP_STATUS_PEER_CONNECTION_LOST) << end.status().to_string();
+  EXPECT_LT(waited, std::chrono::seconds(10)) << "it waited for the stall timeout";
+}
