@@ -2075,6 +2075,13 @@ TEST(CoordinatorCollectiveKinds, DescriptorsThatDifferInKindRootOrCountsFailForA
   }
 }
 
+// Every peer votes for `tag`; the attempt's CollectiveGo as peers[0] got it.
+std::optional<p::CollectiveGo> start_on_all(Harness& h, const std::vector<FakePeer>& peers, std::uint64_t tag) {
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::CollectiveInit{tag, kSum});
+  return one_of<p::CollectiveGo>(out, peers[0].conn);
+}
+
 // A participant lost mid-attempt: nobody can commit any more, so the master tells the
 // participants that have not reported to stop (CollectiveAbort); their reports decide
 // (one that failed its part fails the attempt for all survivors).
@@ -2082,8 +2089,7 @@ TEST(CoordinatorCollective, ParticipantLostAbortsTheAttemptAndTheReportsDecide) 
   Harness h;
   const auto peers = h.run_of(3);
   Outbox out;
-  for (const auto& f : peers) out = h.send(f, p::CollectiveInit{2, kSum});
-  const auto go = one_of<p::CollectiveGo>(out, peers[0].conn);
+  const auto go = start_on_all(h, peers, 2);
   ASSERT_TRUE(go.has_value());
   h.send(peers[0], p::CollectiveDone{2, go->attempt, true, {}});
   out = h.disconnect(peers[2]);
@@ -2117,8 +2123,7 @@ TEST(CoordinatorCollective, ParticipantLostAfterEveryoneHeldTheResultSucceeds) {
   Harness h;
   const auto peers = h.run_of(3);
   Outbox out;
-  for (const auto& f : peers) out = h.send(f, p::CollectiveInit{2, kSum});
-  const auto go = one_of<p::CollectiveGo>(out, peers[0].conn);
+  const auto go = start_on_all(h, peers, 2);
   ASSERT_TRUE(go.has_value());
   out = h.disconnect(peers[2]);
   EXPECT_TRUE(one_of<p::CollectiveAbort>(out, peers[0].conn).has_value()) << describe(out);
@@ -2139,8 +2144,7 @@ TEST(CoordinatorCollective, ACommitEndsTheAttemptAtOnceWithSuccess) {
   Harness h;
   const auto peers = h.run_of(3);
   Outbox out;
-  for (const auto& f : peers) out = h.send(f, p::CollectiveInit{3, kSum});
-  const auto go = one_of<p::CollectiveGo>(out, peers[0].conn);
+  const auto go = start_on_all(h, peers, 3);
   ASSERT_TRUE(go.has_value());
   EXPECT_EQ(send_count(h.send(peers[1], p::CollectiveDone{3, go->attempt, true, {}, 10, 10})), 0u);
   // Any other second report is refused and changes nothing.
