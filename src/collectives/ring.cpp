@@ -1067,9 +1067,16 @@ Result<CommitEnd> run_ring_commit(const RingPlan& plan, const RingIo& io, RingSt
       if (in_len == frame) {
         auto h = parse_ring_header(in);
         if (!h.is_ok()) return h.status();
-        if (h.value().seq != kRingTokenSeq || h.value().stream != 0 || h.value().attempt != plan.attempt) {
-          return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "a ring frame where a commit token of attempt " +
-                                                            std::to_string(plan.attempt) + " was due");
+        const bool token = h.value().seq == kRingTokenSeq && h.value().stream == 0;
+        // An earlier attempt's token that nothing has read yet (it settled by the master's
+        // outcome, and this attempt's data phase read nothing from the previous peer: a
+        // broadcast's root, say): opened (keeping the cipher in step) and dropped.
+        const bool stale = token && h.value().attempt < plan.attempt;
+        if (!token || (!stale && h.value().attempt != plan.attempt)) {
+          return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR,
+                        "a ring frame (attempt " + std::to_string(h.value().attempt) + ", stream " +
+                            std::to_string(h.value().stream) + ", sequence " + std::to_string(h.value().seq) +
+                            ") where a commit token of attempt " + std::to_string(plan.attempt) + " was due");
         }
         std::uint8_t none[1];
         if (sealed && !io.open->open(std::span<const std::uint8_t>(in + kRingHeaderBytes, security::kTagBytes),
@@ -1077,8 +1084,10 @@ Result<CommitEnd> run_ring_commit(const RingPlan& plan, const RingIo& io, RingSt
           return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "a commit token from the previous ring peer does not verify");
         }
         in_len = 0;
-        ++received;
-        make(std::min(need, received + 1));
+        if (!stale) {
+          ++received;
+          make(std::min(need, received + 1));
+        }
       }
     }
     const auto now = std::chrono::steady_clock::now();

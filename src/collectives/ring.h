@@ -268,7 +268,8 @@ inline Status run_ring_all_reduce(const RingPlan& plan, const RingIo& io, RingSc
 //   kSettled: io.settled_flag rose first (the master's successful outcome came): this
 //     peer's remaining tokens went out at once, and the previous peer's that are still
 //     due are skipped by the next attempt on the connection (run_ring skips a token of
-//     an older attempt where the first frame of a connection is due).
+//     an older attempt where the first frame of a connection is due, run_ring_commit
+//     where a token is due: a broadcast's root reads nothing before its exchange).
 // Any other end is an error, and the connections are then out of step and must go: an
 // abort, a lost or stalled connection, a frame that is not this attempt's token, or an
 // outcome that came while this peer's tokens could not leave at once or one was half

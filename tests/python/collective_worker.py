@@ -10,6 +10,7 @@ Usage: collective_worker.py FD MASTER_ADDRESS NAME (FD: the inherited socket).
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -20,7 +21,8 @@ import lockstep
 def main() -> None:
     conn = Connection(int(sys.argv[1]))
     master, name = sys.argv[2], sys.argv[3]
-    lockstep.set_log_level("error")
+    if "LOCKSTEP_LOG_LEVEL" not in os.environ:  # set it to see the peers' logs
+        lockstep.set_log_level("error")
     comm = lockstep.Communicator(master, base_port=0)
     try:
         conn.send(("ready", name))

@@ -713,27 +713,36 @@ TEST(RingCommit, TokensGoRoundAndWhatASettledPeerLeftIsSkippedByTheNextAttempt) 
   std::vector<SocketPair> links(kPeers);
   std::vector<RingScratch> scratch(kPeers);
   std::atomic<bool> settled{true};
-  for (const bool settle_first : {false, true, false}) {
-    SCOPED_TRACE(settle_first ? "peer 0 settled" : "all commit");
+  // Peer 0 settles by the outcome in the second attempt, leaving its previous peer's
+  // tokens unread; the third is a broadcast from peer 0, whose data phase reads nothing,
+  // so its commit exchange meets them first; the fourth is an all-reduce again.
+  struct Round {
+    bool settle_first;
+    bool broadcast;
+  };
+  std::uint64_t attempt = 0;
+  for (const Round round : {Round{false, false}, Round{true, false}, Round{false, true}, Round{false, false}}) {
+    ++attempt;
+    SCOPED_TRACE("attempt " + std::to_string(attempt));
     std::vector<std::vector<float>> data(kPeers);
     std::vector<RingPlan> plans(kPeers);
-    static std::uint64_t attempt = 0;
-    ++attempt;
     for (std::size_t i = 0; i < kPeers; ++i) {
       data[i].assign(kCount, static_cast<float>(i + attempt));
       plans[i] = Ring::base_plan(static_cast<std::uint32_t>(i), data[i], data[i]);
       plans[i].world = kPeers;
       plans[i].attempt = attempt;
+      if (round.broadcast) plans[i].kind = lockstep::coll::RingKind::kBroadcast;  // root 0
     }
     std::vector<std::atomic<bool>*> flags(kPeers, nullptr);
-    if (settle_first) flags[0] = &settled;
+    if (round.settle_first) flags[0] = &settled;
     const CommitRun run = run_with_commit(plans, links, scratch, flags);
-    const float sum = static_cast<float>(0 + 1 + 2 + 3 + kPeers * attempt);
+    const float want = round.broadcast ? static_cast<float>(attempt)
+                                       : static_cast<float>(0 + 1 + 2 + 3 + kPeers * attempt);
     for (std::size_t i = 0; i < kPeers; ++i) {
       ASSERT_TRUE(run.status[i].is_ok()) << i << ": " << run.status[i].to_string();
       ASSERT_TRUE(run.end[i].is_ok()) << i << ": " << run.end[i].status().to_string();
-      EXPECT_EQ(run.end[i].value(), settle_first && i == 0 ? CommitEnd::kSettled : CommitEnd::kCommitted) << i;
-      EXPECT_EQ(data[i], std::vector<float>(kCount, sum)) << i;
+      EXPECT_EQ(run.end[i].value(), round.settle_first && i == 0 ? CommitEnd::kSettled : CommitEnd::kCommitted) << i;
+      EXPECT_EQ(data[i], std::vector<float>(kCount, want)) << i;
       // What a peer counts as received is what its previous peer counts as sent: the
       // tokens it skipped are not counted, as their sender does not count them.
       EXPECT_EQ(run.stats[i].bytes_received, run.stats[(i + kPeers - 1) % kPeers].bytes_sent) << i;
@@ -741,7 +750,7 @@ TEST(RingCommit, TokensGoRoundAndWhatASettledPeerLeftIsSkippedByTheNextAttempt) 
     // Only the settled peer's connection from its previous peer holds unread tokens
     // (world - 1 of them, 16 bytes each).
     for (std::size_t i = 0; i < kPeers; ++i) {
-      EXPECT_EQ(unread(links[i].fds[1]), settle_first && i == kPeers - 1 ? int{16 * (kPeers - 1)} : 0) << i;
+      EXPECT_EQ(unread(links[i].fds[1]), round.settle_first && i == kPeers - 1 ? int{16 * (kPeers - 1)} : 0) << i;
     }
   }
 }
@@ -770,7 +779,7 @@ TEST(RingCommit, AnythingButTheAttemptsTokensEndsTheExchange) {
     abort.attach(io);
     std::vector<std::uint8_t> frame(lockstep::coll::kRingHeaderBytes);
     if (c == 0) lockstep::coll::put_ring_header(frame.data(), {0, 1, 0, 5});  // a data frame's header
-    if (c == 1) lockstep::coll::put_ring_header(frame.data(), {0, 1, lockstep::coll::kRingTokenSeq, 4});  // older token
+    if (c == 1) lockstep::coll::put_ring_header(frame.data(), {0, 1, lockstep::coll::kRingTokenSeq, 6});  // a later token
     if (c <= 1) {
       ASSERT_EQ(::write(b_to_a.fds[0], frame.data(), frame.size()), static_cast<ssize_t>(frame.size()));
     }
