@@ -713,15 +713,16 @@ TEST(RingCommit, TokensGoRoundAndWhatASettledPeerLeftIsSkippedByTheNextAttempt) 
   std::vector<SocketPair> links(kPeers);
   std::vector<RingScratch> scratch(kPeers);
   std::atomic<bool> settled{true};
-  // Peer 0 settles by the outcome in the second attempt, leaving its previous peer's
-  // tokens unread; the third is a broadcast from peer 0, whose data phase reads nothing,
-  // so its commit exchange meets them first; the fourth is an all-reduce again.
+  // Peer 0 settles by the outcome in the second and fourth attempts, leaving its previous
+  // peer's tokens unread: the third, an all-reduce, meets them in its data phase; the
+  // fifth, a broadcast from peer 0 whose data phase reads nothing, in its exchange.
   struct Round {
     bool settle_first;
     bool broadcast;
   };
   std::uint64_t attempt = 0;
-  for (const Round round : {Round{false, false}, Round{true, false}, Round{false, true}, Round{false, false}}) {
+  for (const Round round : {Round{false, false}, Round{true, false}, Round{false, false}, Round{true, false}, Round{false, true},
+                           Round{false, false}}) {
     ++attempt;
     SCOPED_TRACE("attempt " + std::to_string(attempt));
     std::vector<std::vector<float>> data(kPeers);
