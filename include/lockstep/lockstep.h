@@ -377,6 +377,16 @@ typedef struct lockstep_comm_config {
    * slow link and compressible data; docs/architecture.md); 1: raw bytes. Above 1:
    * INVALID_ARGUMENT. Either way every tensor is verified by its hash. */
   uint32_t state_compression;
+  /** Since 0.10. Nonzero: this peer accepts no inbound connection (it sits behind a NAT
+   * or a firewall that lets nothing in). It opens no listening socket; the ring
+   * neighbours that do accept connections are dialled by it (connection reversal), it
+   * dials its shared-state sources and bandwidth-test partners, and it serves as a
+   * shared-state source only where no other peer can. A ring edge between two such peers
+   * cannot be made: the master places them apart where the run allows
+   * (docs/deployment.md). 0 (default): it listens on its three ports. */
+  int no_inbound;
+  /** Since 0.10: always 0 (it keeps the struct's size a multiple of 8). */
+  uint32_t reserved_0_10;
 } lockstep_comm_config_t;
 
 /** Fills the struct_size bytes of a config with the defaults (master_host "127.0.0.1")

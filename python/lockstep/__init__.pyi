@@ -364,8 +364,10 @@ class Communicator:
                  inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
                  encrypt_data: bool = False, p2p_streams: int = 0,
                  tcp_congestion: Optional[str] = None, check_finite: bool = False,
-                 state_compression: str = "auto") -> None:
-        """check_finite: check this peer's contribution to each float collective for NaN
+                 state_compression: str = "auto", inbound: bool = True) -> None:
+        """inbound: False for a peer that accepts no inbound connection (behind a NAT): it
+        listens on no port and dials its neighbours (connection reversal).
+        check_finite: check this peer's contribution to each float collective for NaN
         and infinity first (NonFiniteContributionError on every peer, naming it).
         state_compression: "auto" (zstd blocks where the sender finds it pays) or "off".
         master: "host:port" (port 48148 if omitted). group: the peer group. pool_size: p2p

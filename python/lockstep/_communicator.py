@@ -253,6 +253,11 @@ class Communicator:
         state_compression: ``"auto"`` (default): this peer's shared-state transfers
             travel in blocks that the sending peer compresses (zstd) where it measures
             that it pays; ``"off"``: raw bytes.
+        inbound: False for a peer that accepts no inbound connection (behind a NAT or
+            a firewall): it opens no listening socket, dials the ring neighbours that
+            accept connections (connection reversal) and serves shared state only
+            where no other peer can. Two such peers cannot be ring neighbours: the
+            master places them apart where the run allows (docs/deployment.md).
     """
 
     def __init__(self, master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}", group: int = 0, pool_size: int = 1,
@@ -262,7 +267,7 @@ class Communicator:
                  inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
                  encrypt_data: bool = False, p2p_streams: int = 0,
                  tcp_congestion: Optional[str] = None, check_finite: bool = False,
-                 state_compression: str = "auto") -> None:
+                 state_compression: str = "auto", inbound: bool = True) -> None:
         host, port = _split_address(master, DEFAULT_MASTER_PORT, "master")
         if state_compression not in ("auto", "off"):
             raise InvalidArgumentError(f"state_compression must be 'auto' or 'off', not {state_compression!r}")
@@ -286,7 +291,7 @@ class Communicator:
             _check_uint("inbound_handshakes_max", inbound_handshakes_max, 32),
             _check_uint("p2p_stall_timeout_ms", p2p_stall_timeout_ms, 32), bool(encrypt_data),
             _check_uint("p2p_streams", p2p_streams, 32), tcp_congestion or "", bool(check_finite),
-            0 if state_compression == "auto" else 1)
+            0 if state_compression == "auto" else 1, bool(inbound))
         self.master = _join_address(host, port)
 
     # -- membership ---------------------------------------------------------

@@ -361,7 +361,7 @@ class PyComm {
          const std::string& bind_host, const std::string& secret_file, const py::object& secret,
          std::uint32_t inbound_handshake_timeout_ms, std::uint32_t inbound_handshakes_max,
          std::uint32_t p2p_stall_timeout_ms, bool encrypt_data, std::uint32_t p2p_streams,
-         const std::string& tcp_congestion, bool check_finite, std::uint32_t state_compression)
+         const std::string& tcp_congestion, bool check_finite, std::uint32_t state_compression, bool inbound)
       : state_(std::make_shared<CommState>()) {
     lockstep_comm_config_t config;
     check(lockstep_comm_config_init(&config), nullptr);
@@ -388,6 +388,7 @@ class PyComm {
     config.tcp_congestion = tcp_congestion.c_str();
     config.check_finite = check_finite ? 1 : 0;
     config.state_compression = state_compression;
+    config.no_inbound = inbound ? 0 : 1;
     lockstep_comm_t* comm = nullptr;
     int s = LOCKSTEP_OK;
     {
@@ -873,13 +874,13 @@ PYBIND11_MODULE(_lockstep, m) {
   py::class_<PyComm>(m, "Comm")
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::int32_t, std::uint32_t,
                     const std::string&, const std::string&, const std::string&, const py::object&, std::uint32_t,
-                    std::uint32_t, std::uint32_t, bool, std::uint32_t, const std::string&, bool, std::uint32_t>(),
+                    std::uint32_t, std::uint32_t, bool, std::uint32_t, const std::string&, bool, std::uint32_t, bool>(),
            py::arg("master_host"), py::arg("master_port"), py::arg("group"), py::arg("pool_size"), py::arg("base_port"),
            py::arg("connect_timeout_ms"), py::arg("advertised_host"), py::arg("bind_host"), py::arg("secret_file") = "",
            py::arg("secret") = py::none(), py::arg("inbound_handshake_timeout_ms") = 0,
            py::arg("inbound_handshakes_max") = 0, py::arg("p2p_stall_timeout_ms") = 0,
            py::arg("encrypt_data") = false, py::arg("p2p_streams") = 0, py::arg("tcp_congestion") = "",
-           py::arg("check_finite") = false, py::arg("state_compression") = 0)
+           py::arg("check_finite") = false, py::arg("state_compression") = 0, py::arg("inbound") = true)
       .def("connect", &PyComm::connect)
       .def("update_topology", &PyComm::update_topology)
       .def("optimize_topology", &PyComm::optimize_topology)

@@ -396,11 +396,12 @@ lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* caller_conf
     options.p2p_streams = config->p2p_streams;
     if (config->tcp_congestion != nullptr) options.tcp_congestion = config->tcp_congestion;
     options.check_finite = config->check_finite != 0;
-    if (config->state_compression > 1 || config->reserved_0_7 != 0) {
+    if (config->state_compression > 1 || config->reserved_0_7 != 0 || config->reserved_0_10 != 0) {
       LOG_ERROR("capi", "lockstep_comm_create: INVALID_ARGUMENT: state_compression is 0 (compress where it pays) or 1 "
-                        "(off), and reserved_0_7 is 0");
+                        "(off), and reserved_0_7 and reserved_0_10 are 0");
       return LOCKSTEP_STATUS_INVALID_ARGUMENT;
     }
+    options.accept_inbound = config->no_inbound == 0;
     options.compress_state = config->state_compression == 0;
     auto created = lockstep::peer::Communicator::create(options);
     if (!created.is_ok()) {

@@ -452,7 +452,10 @@ void Coordinator::handle_hello(ConnId conn, const proto::Hello& hello, TimeMs no
     out.push_back(Send{conn, proto::Goodbye{LOCKSTEP_STATUS_REJECTED, why}});
     out.push_back(Close{conn, why});
   };
-  if (hello.p2p_port == 0) return reject("the Hello names no p2p port");
+  const bool no_ports = hello.p2p_port == 0 && hello.shared_state_port == 0 && hello.benchmark_port == 0;
+  if (!no_ports && (hello.p2p_port == 0 || hello.shared_state_port == 0 || hello.benchmark_port == 0)) {
+    return reject("the Hello names some of its ports but not all (a peer that accepts no inbound connection names none)");
+  }
   if (peers_.size() >= config_.peers_max) {
     return reject("the run already has the maximum of " + std::to_string(config_.peers_max) + " peers");
   }
@@ -726,7 +729,7 @@ void Coordinator::start_establish(TimeMs now_ms, Outbox& out,
     if (peer.phase == Phase::kRegistered) {
       if (optimizing_) continue;  // an optimization admits nobody: they wait for the next update
       newcomers_.insert(id);
-      proposed_rings_[peer.group].push_back(id);  // join order: PeerId counters increase
+      place_newcomer(proposed_rings_[peer.group], id);
     }
     edit(peer, [](Peer& p) {
       p.state = PeerState::kEstablishingP2P;
@@ -750,6 +753,24 @@ void Coordinator::start_establish(TimeMs now_ms, Outbox& out,
                       .op = optimizing_ ? Operation::kOptimizeTopology : Operation::kUpdateTopology,
                       .peers = std::move(newcomers),
                       .round_started_ms = topology_round_started_ms_});
+}
+
+// A newcomer joins the ring at its end (join order: PeerId counters increase), except
+// where reachability says otherwise (docs/deployment.md, "NAT"): a ring edge needs one
+// end that accepts inbound connections, so a newcomer that accepts none goes between
+// the first two neighbours that both do, and one that does goes between the first two
+// that both do not; with no such place, at the end.
+void Coordinator::place_newcomer(std::vector<PeerId>& ring, PeerId id) const {
+  const bool inbound = proto::accepts_inbound(peers_.at(id).info);
+  for (std::size_t k = 0; k < ring.size() && ring.size() >= 2; ++k) {
+    const bool here = proto::accepts_inbound(peers_.at(ring[k]).info);
+    const bool next = proto::accepts_inbound(peers_.at(ring[(k + 1) % ring.size()]).info);
+    if (here == !inbound && next == !inbound) {
+      ring.insert(ring.begin() + static_cast<std::ptrdiff_t>(k + 1), id);
+      return;
+    }
+  }
+  ring.push_back(id);
 }
 
 void Coordinator::fail_establish(const std::string& reason, Outbox& out) {

@@ -365,6 +365,7 @@ class Coordinator {
   // rings with the registered peers left waiting (optimize topology).
   void start_establish(TimeMs now_ms, Outbox& out,
                        const std::optional<std::map<std::uint32_t, std::vector<PeerId>>>& optimized = std::nullopt);
+  void place_newcomer(std::vector<PeerId>& ring, PeerId id) const;
   void fail_establish(const std::string& reason, Outbox& out);
   std::vector<proto::MemberInfo> members(const std::vector<PeerId>& ids) const;
   bool in_control_vote(const Peer& peer) const;

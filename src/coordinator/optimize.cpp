@@ -66,6 +66,13 @@ void Coordinator::start_measurement(TimeMs now_ms, Outbox& out) {
         const PeerId a = sorted[i];
         const PeerId b = sorted[j];
         if (bandwidth_.count({a, b}) != 0 && bandwidth_.count({b, a}) != 0) continue;
+        // Neither accepts inbound connections: no test can connect them, and no ring
+        // edge either (the solver sees a bandwidth of 0 and keeps them apart if it can).
+        if (!proto::accepts_inbound(peers_.at(a).info) && !proto::accepts_inbound(peers_.at(b).info)) {
+          bandwidth_[{a, b}] = 0;
+          bandwidth_[{b, a}] = 0;
+          continue;
+        }
         // Circle method: slot k = slots-1 is fixed and meets slot r in round r; two
         // other slots i, j meet in the round r with 2r = i + j (mod k), and since k is
         // odd, 2 has the inverse slots/2.
@@ -114,8 +121,11 @@ void Coordinator::start_round(TimeMs now_ms, Outbox& out) {
     const Peer& pb = peers_.at(b);
     const std::uint32_t streams =
         std::min<std::uint32_t>({pa.pool_size, pb.pool_size, std::max<std::uint32_t>(1, config_.bandwidth_streams_max)});
-    send(pa, proto::BandwidthTest{m.test, pb.info, true, config_.bandwidth_test_ms, streams}, out);
-    send(pb, proto::BandwidthTest{m.test, pa.info, false, config_.bandwidth_test_ms, streams}, out);
+    // The initiator connects to its partner: the one that accepts inbound connections
+    // is the partner (both directions are measured either way).
+    const bool a_dials = proto::accepts_inbound(pb.info);
+    send(pa, proto::BandwidthTest{m.test, pb.info, a_dials, config_.bandwidth_test_ms, streams}, out);
+    send(pb, proto::BandwidthTest{m.test, pa.info, !a_dials, config_.bandwidth_test_ms, streams}, out);
   }
 }
 

@@ -183,7 +183,8 @@ void Coordinator::decide_sync(std::uint32_t group, Outbox& out) {
 // Every participant gets its plan. A tensor is received by a peer whose digest differs
 // from the representative's, unless the tensor allows content inequality and the peer
 // is up to date. Distributors of a tensor are the candidates at the elected revision
-// holding the representative's digest of it; large tensors are split into pieces over
+// holding the representative's digest of it (those that accept inbound connections,
+// where there are any); large tensors are split into pieces over
 // several distributors, always the least loaded ones, so that many receivers do not
 // all download from one peer.
 void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_revision, PeerId representative,
@@ -202,6 +203,12 @@ void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_rev
       if (vote.strategy == SyncStrategy::kReceiveOnly || vote.revision != elected_revision) continue;
       const proto::TensorEntry* t = find_tensor(indexes.at(id), e.key);
       if (t != nullptr && t->hash == e.hash) list.push_back(id);
+    }
+    // Receivers dial their sources: one that accepts no inbound connection serves only
+    // where no other can (and then its receivers cannot reach it: the sync fails).
+    const auto reachable = [&](PeerId id) { return proto::accepts_inbound(peers_.at(id).info); };
+    if (std::any_of(list.begin(), list.end(), reachable)) {
+      list.erase(std::remove_if(list.begin(), list.end(), [&](PeerId id) { return !reachable(id); }), list.end());
     }
   }
   std::map<PeerId, std::uint64_t> load;

@@ -122,7 +122,7 @@ Result<std::unique_ptr<Communicator>> Communicator::create(const Options& option
   }
   std::unique_ptr<Communicator> comm(new Communicator(chosen));
   comm->link_ = std::make_unique<Link>(chosen);
-  Status s = comm->link_->open_listeners();
+  Status s = comm->link_->start(/*listen=*/chosen.accept_inbound);
   if (!s.is_ok()) return s;
   return comm;
 }
@@ -335,7 +335,7 @@ std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan, con
   const auto deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
   std::vector<PeerId> unreachable;
   for (std::uint32_t k = 0; k < options_.p2p_pool_size; ++k) {
-    auto tx = tx_connection(next, k, cancel.event_fd());
+    auto tx = tx_connection(next, k, cancel);
     if (!tx.is_ok()) {
       LOG_WARN(kLog, "cannot connect to ring neighbour " << next.id.to_string() << " at " << next.host << ":"
                                                           << next.p2p_port << ": " << tx.status().message());
@@ -345,7 +345,7 @@ std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan, con
     }
   }
   for (std::uint32_t k = 0; k < options_.p2p_pool_size; ++k) {
-    auto rx = rx_connection(prev.id, k, deadline, cancel.abort_flag());
+    auto rx = rx_connection(prev, k, deadline, cancel);
     if (!rx.is_ok()) {
       LOG_WARN(kLog, "ring neighbour " << prev.id.to_string() << " did not connect within "
                                        << options_.p2p_connect_timeout_ms << " ms");
@@ -371,46 +371,102 @@ bool closed_by_other_end(int fd) {
 }
 }  // namespace
 
-Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32_t slot, int cancel_fd,
-                                        security::Aead** seal) {
-  {
-    std::lock_guard<std::mutex> lock(connections_mutex_);
-    if (auto it = tx_.find(SlotKey{to.id, slot}); it != tx_.end()) {
-      if (!closed_by_other_end(it->second.fd.get())) {
-        if (seal != nullptr) *seal = it->second.seal.get();
-        return it->second.fd.get();
-      }
-      LOG_DEBUG(kLog, "ring connection to " << to.id.to_string() << " (slot " << slot
-                                            << ") was closed at the other end; connecting anew");
-      tx_.erase(it);
-    }
-  }
-  auto fd = transport::connect_tcp(to.host, to.p2p_port, options_.p2p_connect_timeout_ms, cancel_fd);
+proto::MemberInfo Communicator::self_info() const {
+  proto::MemberInfo self;
+  self.id = id_;
+  self.p2p_port = link_->port(proto::Channel::kRing);
+  return self;
+}
+
+Result<std::pair<transport::Fd, security::SessionKeys>> Communicator::dial_ring(const proto::MemberInfo& to,
+                                                                                std::uint32_t slot, bool reversed,
+                                                                                const OpChannel& channel) {
+  auto fd = transport::connect_tcp(to.host, to.p2p_port, options_.p2p_connect_timeout_ms, channel.event_fd());
   if (!fd.is_ok()) return fd.status();
   if (!options_.tcp_congestion.empty()) (void)transport::set_congestion_control(fd.value().get(), options_.tcp_congestion);
   proto::P2PHello hello;
   hello.channel = proto::Channel::kRing;
   hello.from = id_;
   hello.to = to.id;
-  hello.epoch = next_generation_.fetch_add(1);  // the receiver keeps the newest
+  hello.epoch = next_generation_.fetch_add(1);  // the acceptor keeps the newest
   hello.pool_index = slot;
-  if (options_.encrypt_data) hello.flags = proto::kP2PFlagEncryptData;
+  if (options_.encrypt_data) hello.flags |= proto::kP2PFlagEncryptData;
+  if (reversed) hello.flags |= proto::kP2PFlagReversed;
   security::SessionKeys keys;
   Status s = p2p_handshake(fd.value().get(), hello, options_.secret.has_value(), to.key, options_.p2p_connect_timeout_ms,
-                           &keys, cancel_fd);
+                           &keys, channel.event_fd());
   if (!s.is_ok()) return s;
   transport::set_nonblocking(fd.value().get());
-  std::lock_guard<std::mutex> lock(connections_mutex_);
-  const int raw = fd.value().get();
-  auto& entry = tx_[SlotKey{to.id, slot}];
-  entry.fd = std::move(fd.value());
-  entry.seal = options_.encrypt_data ? std::make_unique<security::Aead>(keys.to_server) : nullptr;
-  if (seal != nullptr) *seal = entry.seal.get();
-  return raw;
+  return std::make_pair(std::move(fd.value()), keys);
 }
 
-Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::time_point deadline,
-                                        const std::atomic<bool>* abort, security::Aead** open, bool give_up_cached) {
+Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32_t slot, const OpChannel& channel,
+                                        security::Aead** seal) {
+  const bool reversed = proto::reversed_edge(self_info(), to);
+  std::uint64_t have = 0;  // a cached reversed connection's generation (0: none)
+  bool cached = false;
+  {
+    std::lock_guard<std::mutex> lock(connections_mutex_);
+    if (auto it = tx_.find(SlotKey{to.id, slot}); it != tx_.end()) {
+      if (!closed_by_other_end(it->second.fd.get())) {
+        cached = true;
+        have = it->second.generation;
+        if (!reversed) {
+          if (seal != nullptr) *seal = it->second.seal.get();
+          return it->second.fd.get();
+        }
+      } else {
+        LOG_DEBUG(kLog, "ring connection to " << to.id.to_string() << " (slot " << slot
+                                              << ") was closed at the other end; " << (reversed ? "waiting for" : "making")
+                                              << " a new one");
+        tx_.erase(it);
+      }
+    }
+  }
+  if (!reversed) {
+    auto dialled = dial_ring(to, slot, /*reversed=*/false, channel);
+    if (!dialled.is_ok()) return dialled.status();
+    std::lock_guard<std::mutex> lock(connections_mutex_);
+    auto& entry = tx_[SlotKey{to.id, slot}];
+    entry.fd = std::move(dialled.value().first);
+    entry.seal = options_.encrypt_data ? std::make_unique<security::Aead>(dialled.value().second.to_server) : nullptr;
+    if (seal != nullptr) *seal = entry.seal.get();
+    return entry.fd.get();
+  }
+  // Reversed: `to` accepts no inbound connection and dials this peer to receive. A newer
+  // connection of its replaces the cached one (it dropped the old one and dialled anew).
+  const auto deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
+  auto fresh = link_->take_inbound(to.id, slot, have, cached ? Clock::now() : deadline, channel.abort_flag(),
+                                   /*reversed=*/true);
+  while (fresh && closed_by_other_end(fresh->fd.get())) {
+    fresh = link_->take_inbound(to.id, slot, fresh->epoch, cached ? Clock::now() : deadline, channel.abort_flag(), true);
+  }
+  std::lock_guard<std::mutex> lock(connections_mutex_);
+  if (fresh) {
+    if (options_.encrypt_data && !fresh->keys) {
+      return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "a ring connection from " + to.id.to_string() + " has no session keys");
+    }
+    transport::set_nonblocking(fresh->fd.get());
+    auto& entry = tx_[SlotKey{to.id, slot}];
+    entry.fd = std::move(fresh->fd);
+    entry.generation = fresh->epoch;
+    entry.seal = options_.encrypt_data ? std::make_unique<security::Aead>(fresh->keys->to_client) : nullptr;
+    if (seal != nullptr) *seal = entry.seal.get();
+    return entry.fd.get();
+  }
+  if (auto it = tx_.find(SlotKey{to.id, slot}); it != tx_.end()) {
+    if (seal != nullptr) *seal = it->second.seal.get();
+    return it->second.fd.get();
+  }
+  return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED,
+                "peer " + to.id.to_string() + " (it accepts no inbound connection) did not connect to this one in time");
+}
+
+Result<int> Communicator::rx_connection(const proto::MemberInfo& from_info, std::uint32_t slot,
+                                        Clock::time_point deadline, const OpChannel& channel, security::Aead** open,
+                                        bool give_up_cached) {
+  const PeerId from = from_info.id;
+  const bool reversed = proto::reversed_edge(from_info, self_info());
   std::uint64_t have = 0;  // the generation of the cached connection (0: none)
   bool cached = false;
   {
@@ -419,25 +475,39 @@ Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::
       have = it->second.generation;
       cached = true;
       if (give_up_cached || closed_by_other_end(it->second.fd.get())) {
-        // Wait below for the sender's new connection (newer than the closed one).
+        // Wait below for the sender's new connection (newer than the closed one), or
+        // dial one where this peer accepts none.
         LOG_DEBUG(kLog, "ring connection from " << from.to_string() << " (slot " << slot << ") "
                                                 << (give_up_cached ? "carries frames of an ended attempt"
                                                                    : "was closed at the other end")
-                                                << "; waiting for a new one");
+                                                << (reversed ? "; dialling a new one" : "; waiting for a new one"));
         rx_.erase(it);
         cached = false;
+      } else if (reversed) {
+        if (open != nullptr) *open = it->second.open.get();
+        return it->second.fd.get();
       }
     }
   }
+  if (reversed) {
+    auto dialled = dial_ring(from_info, slot, /*reversed=*/true, channel);
+    if (!dialled.is_ok()) return dialled.status();
+    std::lock_guard<std::mutex> lock(connections_mutex_);
+    auto& entry = rx_[SlotKey{from, slot}];
+    entry.fd = std::move(dialled.value().first);
+    entry.open = options_.encrypt_data ? std::make_unique<security::Aead>(dialled.value().second.to_client) : nullptr;
+    if (open != nullptr) *open = entry.open.get();
+    return entry.fd.get();
+  }
   // A newer connection from the same sender replaces the cached one (it reconnected).
-  auto fresh = link_->take_inbound(from, slot, have, cached ? Clock::now() : deadline, abort);
+  auto fresh = link_->take_inbound(from, slot, have, cached ? Clock::now() : deadline, channel.abort_flag());
   // One its sender has closed already belongs to an attempt that failed (a peer drops
   // its connections then), and its unread frames must not meet this attempt: a newer
   // one follows.
   while (fresh && closed_by_other_end(fresh->fd.get())) {
     LOG_DEBUG(kLog, "ring connection from " << from.to_string() << " (slot " << slot
                                             << ") was closed before it was used; waiting for a newer one");
-    fresh = link_->take_inbound(from, slot, fresh->epoch, cached ? Clock::now() : deadline, abort);
+    fresh = link_->take_inbound(from, slot, fresh->epoch, cached ? Clock::now() : deadline, channel.abort_flag());
   }
   std::lock_guard<std::mutex> lock(connections_mutex_);
   if (fresh) {
@@ -459,13 +529,14 @@ Result<int> Communicator::rx_connection(PeerId from, std::uint32_t slot, Clock::
   return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer " + from.to_string() + " did not connect in time");
 }
 
-std::function<Result<coll::RingStream>(std::size_t)> Communicator::rx_replacer(PeerId from, std::uint32_t slot,
+std::function<Result<coll::RingStream>(std::size_t)> Communicator::rx_replacer(const proto::MemberInfo& from,
+                                                                               std::uint32_t slot,
                                                                                const OpChannel& channel) {
   return [this, from, slot, &channel](std::size_t stream) -> Result<coll::RingStream> {
     coll::RingStream out;
     const auto deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
     const std::uint32_t key = stream == 0 ? slot : stream_key(slot, static_cast<std::uint32_t>(stream));
-    auto fd = rx_connection(from, key, deadline, channel.abort_flag(), &out.aead, /*give_up_cached=*/true);
+    auto fd = rx_connection(from, key, deadline, channel, &out.aead, /*give_up_cached=*/true);
     if (!fd.is_ok()) return fd.status();
     out.fd = fd.value();
     return out;
@@ -498,6 +569,9 @@ void Communicator::open_streams(const proto::MemberInfo& to, std::uint32_t slot,
     wanted = it->second.streams();
   }
   if (options_.p2p_streams == 0 && peers_on_this_host({to.id}) == 1) wanted = 1;
+  // A reversed edge has one: its receiver dials the stripes, and it learns their
+  // count only from the first frame, which would wait for them.
+  if (proto::reversed_edge(self_info(), to)) wanted = 1;
   const std::size_t chunk_elems =
       plan.kind == coll::RingKind::kBroadcast ? plan.count : (plan.count + plan.world - 1) / plan.world;
   const std::size_t chunk_bytes = chunk_elems * coll::dtype_size(plan.dtype);
@@ -505,7 +579,7 @@ void Communicator::open_streams(const proto::MemberInfo& to, std::uint32_t slot,
   wanted = static_cast<std::uint32_t>(std::clamp<std::size_t>(subchunks, 1, wanted));
   for (std::uint32_t s = 1; s < wanted; ++s) {
     coll::RingStream stream;
-    auto fd = tx_connection(to, stream_key(slot, s), channel.event_fd(), &stream.aead);
+    auto fd = tx_connection(to, stream_key(slot, s), channel, &stream.aead);
     if (!fd.is_ok()) {
       LOG_WARN(kLog, "stream " << s << " of slot " << slot << " to " << to.id.to_string()
                                << " cannot be connected (" << fd.status().message() << "); the attempt uses " << s);
@@ -1097,32 +1171,35 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
     io.stall_timeout_ms = options_.p2p_stall_timeout_ms;
     if (n > 1) {
       proto::MemberInfo to;
+      proto::MemberInfo from;
       {
         std::lock_guard<std::mutex> lock(connections_mutex_);
         if (auto it = members_.find(next); it != members_.end()) to = it->second;
+        if (auto it = members_.find(prev); it != members_.end()) from = it->second;
       }
-      if (to.id.is_nil()) {
-        local = Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring peer " + next.to_string() + " is not in the membership view");
+      if (to.id.is_nil() || from.id.is_nil()) {
+        local = Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "ring peer " + (to.id.is_nil() ? next : prev).to_string() +
+                                                           " is not in the membership view");
       } else {
         // A connection that cannot be made fails the attempt at once; making ours and
         // waiting for the previous peer's stop as soon as the master ends the attempt
         // (a neighbour died or was stopped, and the handshake would wait for it).
-        auto tx = tx_connection(to, go.slot, channel.event_fd(), &io.seal);
+        auto tx = tx_connection(to, go.slot, channel, &io.seal);
         const auto rx_deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
-        auto rx = tx.is_ok() ? rx_connection(prev, go.slot, rx_deadline, channel.abort_flag(), &io.open)
+        auto rx = tx.is_ok() ? rx_connection(from, go.slot, rx_deadline, channel, &io.open)
                              : Result<int>(tx.status());
         if (!tx.is_ok()) local = tx.status();
         else if (!rx.is_ok()) local = rx.status();
         else {
           io.tx_fd = tx.value();
           io.rx_fd = rx.value();
-          io.rx_replace = rx_replacer(prev, go.slot, channel);
+          io.rx_replace = rx_replacer(from, go.slot, channel);
           open_streams(to, go.slot, plan, channel, io);
           // The previous peer's stripes, once its first frame says how many.
           io.rx_more = [&, rx_deadline](std::size_t count, std::vector<coll::RingStream>* out) {
             for (std::uint32_t s = 1; s < count; ++s) {
               coll::RingStream stream;
-              auto fd = rx_connection(prev, stream_key(go.slot, s), rx_deadline, channel.abort_flag(), &stream.aead);
+              auto fd = rx_connection(from, stream_key(go.slot, s), rx_deadline, channel, &stream.aead);
               if (!fd.is_ok()) return fd.status();
               stream.fd = fd.value();
               out->push_back(stream);
@@ -1255,14 +1332,14 @@ Status Communicator::run_doubling(const std::vector<PeerId>& ring, std::size_t r
     io.abort_fd = channel.event_fd();
     io.abort_flag = channel.abort_flag();
     io.stall_timeout_ms = options_.p2p_stall_timeout_ms;
-    auto tx = tx_connection(to, slot, channel.event_fd(), &io.seal);
+    auto tx = tx_connection(to, slot, channel, &io.seal);
     if (!tx.is_ok()) return tx.status();
     const auto rx_deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
-    auto rx = rx_connection(partner, slot, rx_deadline, channel.abort_flag(), &io.open);
+    auto rx = rx_connection(to, slot, rx_deadline, channel, &io.open);
     if (!rx.is_ok()) return rx.status();
     io.tx_fd = tx.value();
     io.rx_fd = rx.value();
-    io.rx_replace = rx_replacer(partner, slot, channel);
+    io.rx_replace = rx_replacer(to, slot, channel);
     // A ring of the two, the partner both next and previous.
     coll::RingPlan pair = plan;
     pair.world = 2;

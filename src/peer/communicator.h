@@ -78,6 +78,11 @@ struct Options {
   // choose alike: it travels with the vote, and differing choices fail the collective
   // with OPERATION_MISMATCH.
   proto::Algorithm allreduce_algorithm = proto::Algorithm::kAuto;
+  // false: this peer accepts no inbound connection (behind a NAT or a firewall). It opens
+  // no listening socket and names no port; its neighbours accept the ring connections it
+  // dials (connection reversal), it dials its shared-state sources and bandwidth
+  // partners, and it serves as a source only where no other can (docs/deployment.md).
+  bool accept_inbound = true;
 };
 
 class Link;       // the background thread and everything it owns (communicator.cpp)
@@ -280,18 +285,26 @@ class Communicator {
                       std::unique_ptr<coll::RingScratch> scratch);
   // How many peers of `ring` run on this host.
   std::size_t peers_on_this_host(const std::vector<PeerId>& ring);
-  // Ring connections, made on first use and cached per (peer, pool slot).
-  // cancel_fd: see transport::connect_tcp (an attempt's abort event, or -1).
+  // This peer as the view shows it, as far as reversal goes (whether it names a port).
+  proto::MemberInfo self_info() const;
+  // Ring connections, made on first use and cached per (peer, pool slot). The
+  // receiver accepts them, or dials them where only the sender accepts inbound
+  // connections (proto::reversed_edge). `channel` (an attempt's, or an establishment's)
+  // stops a connect or a wait when it is aborted.
   // With encrypt_data, *seal / *open (if given) receive the connection's cipher state.
-  Result<int> tx_connection(const proto::MemberInfo& to, std::uint32_t slot, int cancel_fd = -1,
+  Result<int> tx_connection(const proto::MemberInfo& to, std::uint32_t slot, const OpChannel& channel,
                             security::Aead** seal = nullptr);
   // give_up_cached: the cached connection carries frames of an attempt that ended here
   // before its turn; it is closed (its sender connects anew) and a newer one awaited.
-  Result<int> rx_connection(PeerId from, std::uint32_t slot, std::chrono::steady_clock::time_point deadline,
-                            const std::atomic<bool>* abort = nullptr, security::Aead** open = nullptr,
-                            bool give_up_cached = false);
+  Result<int> rx_connection(const proto::MemberInfo& from, std::uint32_t slot,
+                            std::chrono::steady_clock::time_point deadline, const OpChannel& channel,
+                            security::Aead** open = nullptr, bool give_up_cached = false);
+  // Dials `to` (kRing): a ring connection this peer sends on, or with `reversed` one it
+  // receives on. Returns the connected socket and its session keys.
+  Result<std::pair<transport::Fd, security::SessionKeys>> dial_ring(const proto::MemberInfo& to, std::uint32_t slot,
+                                                                    bool reversed, const OpChannel& channel);
   // The ring's rx_replace for the connections from `from` on `slot` (stream 0) and its stripes.
-  std::function<Result<coll::RingStream>(std::size_t)> rx_replacer(PeerId from, std::uint32_t slot,
+  std::function<Result<coll::RingStream>(std::size_t)> rx_replacer(const proto::MemberInfo& from, std::uint32_t slot,
                                                                    const OpChannel& channel);
   void open_streams(const proto::MemberInfo& to, std::uint32_t slot, const coll::RingPlan& plan,
                     const OpChannel& channel, coll::RingIo& io);
@@ -325,6 +338,7 @@ class Communicator {
   // new keys and both ends' counters at zero.
   struct TxConnection {
     transport::Fd fd;
+    std::uint64_t generation = 0;  // a reversed one's (its receiver dialled it)
     std::unique_ptr<security::Aead> seal;
   };
   struct RxConnection {

@@ -72,14 +72,15 @@ void InboundListener::end() {
 }
 
 std::optional<Inbound> InboundListener::take_inbound(PeerId from, std::uint32_t slot, std::uint64_t min_generation,
-                                                     Clock::time_point deadline, const std::atomic<bool>* abort) {
+                                                     Clock::time_point deadline, const std::atomic<bool>* abort,
+                                                     bool reversed) {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     std::optional<Inbound> best;
     for (auto it = inbound_.begin(); it != inbound_.end();) {
       if (it->to != id_) {
         it = inbound_.erase(it);  // meant for someone else
-      } else if (it->from == from && it->pool_index == slot) {
+      } else if (it->from == from && it->pool_index == slot && it->reversed == reversed) {
         if (it->epoch > min_generation && (!best || it->epoch > best->epoch)) best = std::move(*it);
         it = inbound_.erase(it);
       } else {
@@ -209,6 +210,10 @@ void InboundListener::handshake(const std::shared_ptr<Handshake>& h, proto::Chan
         // Before the Welcome is processed our identity is still unknown; such a
         // connection is kept and its target checked when it is claimed.
         if (h->hello.channel != channel || (!id_.is_nil() && h->hello.to != id_)) verdict = LOCKSTEP_STATUS_REJECTED;
+        // Only a ring connection runs reversed.
+        if ((h->hello.flags & proto::kP2PFlagReversed) != 0 && channel != proto::Channel::kRing) {
+          verdict = LOCKSTEP_STATUS_REJECTED;
+        }
       }
       if (verdict == LOCKSTEP_OK && !options_.secret && encryption_differs(h)) verdict = proto::kP2PEncryptionMismatch;
       if (verdict != LOCKSTEP_OK || !options_.secret) return finish(h, verdict);
@@ -284,7 +289,8 @@ void InboundListener::finish(const std::shared_ptr<Handshake>& h, StatusCode ver
     if (ec3 || verdict != LOCKSTEP_OK) return close(h);
     asio::error_code e;
     h->socket.non_blocking(false, e);
-    Inbound in{h->hello.from, h->hello.to, h->hello.epoch, h->hello.pool_index, transport::Fd(h->socket.release()), {}};
+    Inbound in{h->hello.from, h->hello.to, h->hello.epoch, h->hello.pool_index, transport::Fd(h->socket.release()), {},
+               (h->hello.flags & proto::kP2PFlagReversed) != 0};
     // Shared-state transfers send their bytes on the connections this peer accepted.
     if (!options_.tcp_congestion.empty()) (void)transport::set_congestion_control(in.fd.get(), options_.tcp_congestion);
     if (options_.secret) in.keys = security::session_keys(h->key, h->client_nonce, h->server_nonce, h->transcript);

@@ -43,8 +43,10 @@ struct Inbound {
   std::uint64_t epoch = 0;
   std::uint32_t pool_index = 0;
   transport::Fd fd;
-  // With a secret: the connection's session keys (the connector sends with to_server).
+  // With a secret: the connection's session keys (the connector sends with to_server;
+  // on a reversed ring connection the acceptor sends, with to_client).
   std::optional<security::SessionKeys> keys;
+  bool reversed = false;  // kP2PFlagReversed: its connector receives, this peer sends
 };
 
 class InboundListener {
@@ -64,9 +66,10 @@ class InboundListener {
   // The newest ring connection from `from` for pool slot `slot` whose generation is
   // above min_generation, waiting until the deadline; older ones from the same
   // sender and slot are closed. Generations grow with every reconnect of the sender.
-  // With `abort`, the wait also ends (empty) soon after it is set.
+  // With `abort`, the wait also ends (empty) soon after it is set. `reversed`: the
+  // reversed connections `from` dialled to receive on (kP2PFlagReversed), not the others.
   std::optional<Inbound> take_inbound(PeerId from, std::uint32_t slot, std::uint64_t min_generation,
-                                      Clock::time_point deadline, const std::atomic<bool>* abort);
+                                      Clock::time_point deadline, const std::atomic<bool>* abort, bool reversed = false);
   // A shared-state or benchmark connection opened for operation `operation` (its
   // P2PHello's epoch: the sync attempt or the bandwidth test), from `from` if given;
   // those of older operations are closed. Waits until one arrives, `stop` is set (see

@@ -16,9 +16,15 @@ Link::Link(const Options& options)
       inbound_(io_, options_),
       session_(/*learns_pair_keys=*/options.secret.has_value()) {}
 
-Status Link::open_listeners() {
-  if (Status s = inbound_.open(); !s.is_ok()) return s;
-  thread_ = std::thread([this] { io_.run(); });
+Status Link::start(bool listen) {
+  if (listen) {
+    if (Status s = inbound_.open(); !s.is_ok()) return s;
+  }
+  thread_ = std::thread([this] {
+    // Runs until stop(), with or without listening sockets to wait on.
+    const auto work = asio::make_work_guard(io_);
+    io_.run();
+  });
   return Status::ok();
 }
 

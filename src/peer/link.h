@@ -42,7 +42,9 @@ class Link {
   explicit Link(const Options& options);
   ~Link() { stop(); }
 
-  Status open_listeners();
+  // Opens the listening sockets (unless `listen` is false: the peer accepts no inbound
+  // connection) and starts the loop thread.
+  Status start(bool listen);
   std::uint16_t port(proto::Channel channel) const { return inbound_.port(channel); }
 
   void set_identity(PeerId id);
@@ -61,8 +63,9 @@ class Link {
 
   // Claims of accepted connections (InboundListener::take_inbound, take_connection).
   std::optional<Inbound> take_inbound(PeerId from, std::uint32_t slot, std::uint64_t min_generation,
-                                      Clock::time_point deadline, const std::atomic<bool>* abort = nullptr) {
-    return inbound_.take_inbound(from, slot, min_generation, deadline, abort);
+                                      Clock::time_point deadline, const std::atomic<bool>* abort = nullptr,
+                                      bool reversed = false) {
+    return inbound_.take_inbound(from, slot, min_generation, deadline, abort, reversed);
   }
   std::optional<Inbound> take_connection(proto::Channel channel, std::uint64_t operation, std::optional<PeerId> from,
                                          const std::atomic<bool>* stop, Clock::time_point deadline) {

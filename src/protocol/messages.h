@@ -30,7 +30,7 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 //    attempt instead of the whole ring; the descriptor names the all-reduce algorithm
 // 10: completion among the peers: CollectiveDone.committed, CollectiveAbort, and the
 //    ring's commit tokens (docs/protocol.md, "Completion")
-inline constexpr std::uint16_t kProtocolVersion = 10;
+inline constexpr std::uint16_t kProtocolVersion = 11;
 
 enum class MsgType : std::uint16_t {
   // peer -> master
@@ -86,6 +86,8 @@ enum class Channel : std::uint8_t { kRing = 1, kSharedState = 2, kBenchmark = 3 
 struct MemberInfo {
   PeerId id;
   std::string host;
+  // 0 with the two other ports: this member accepts no inbound connection (behind a NAT
+  // or a firewall); its ring edges run reversed (kP2PFlagReversed). Since version 11.
   std::uint16_t p2p_port = 0;
   std::uint16_t shared_state_port = 0;
   std::uint16_t benchmark_port = 0;
@@ -95,6 +97,12 @@ struct MemberInfo {
   std::vector<std::uint8_t> key = {};
   bool operator==(const MemberInfo&) const = default;
 };
+inline bool accepts_inbound(const MemberInfo& m) { return m.p2p_port != 0; }
+// Connection reversal: the ring edge from -> to is dialled by `to`, its receiver, when
+// only `from` accepts inbound connections (where neither does, it cannot be made).
+inline bool reversed_edge(const MemberInfo& from, const MemberInfo& to) {
+  return !accepts_inbound(to) && accepts_inbound(from);
+}
 
 struct Attributes {
   std::uint32_t global_world_size = 0;
@@ -111,7 +119,7 @@ struct Hello {
   std::uint16_t version = kProtocolVersion;
   std::uint32_t group = 0;
   std::uint16_t pool_size = 1;  // p2p connections per ring neighbour
-  std::uint16_t p2p_port = 0;
+  std::uint16_t p2p_port = 0;  // all three 0: this peer accepts no inbound connection
   std::uint16_t shared_state_port = 0;
   std::uint16_t benchmark_port = 0;
   std::string advertised_host;      // empty: use the address the master observes
@@ -459,7 +467,10 @@ struct P2PHello {
 // The connector seals its data plane (the communicator option encrypt_data). An acceptor
 // whose own setting differs answers P2PHelloAck{kP2PEncryptionMismatch}.
 inline constexpr std::uint8_t kP2PFlagEncryptData = 1;
-inline constexpr std::uint8_t kP2PFlagsKnown = kP2PFlagEncryptData;
+// A reversed ring connection (since version 11): the connector is the receiver of its
+// data and the acceptor sends, because the receiver accepts no inbound connection.
+inline constexpr std::uint8_t kP2PFlagReversed = 2;
+inline constexpr std::uint8_t kP2PFlagsKnown = kP2PFlagEncryptData | kP2PFlagReversed;
 inline constexpr StatusCode kP2PEncryptionMismatch = LOCKSTEP_STATUS_INVALID_ARGUMENT;
 struct P2PHelloAck {
   static constexpr MsgType kType = MsgType::kP2PHelloAck;

@@ -82,6 +82,11 @@ int main(void) {
   comm_config.encrypt_data = 1; /* needs a run secret, and this run has none */
   CHECK(lockstep_comm_create(&comm_config, &comm) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
   comm_config.encrypt_data = 0;
+  CHECK(comm_config.no_inbound == 0 && comm_config.reserved_0_10 == 0);
+  comm_config.reserved_0_10 = 1;
+  CHECK(lockstep_comm_create(&comm_config, &comm) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
+  comm_config.reserved_0_10 = 0;
+  comm_config.no_inbound = 1; /* a peer behind a NAT: it listens on no port */
   CHECK(lockstep_comm_create(&comm_config, &comm) == LOCKSTEP_OK);
   CHECK(lockstep_comm_agree(comm, 1, &result) == LOCKSTEP_STATUS_NOT_INITIALIZED);
   CHECK(lockstep_comm_connect(comm) == LOCKSTEP_OK);
@@ -92,6 +97,7 @@ int main(void) {
   CHECK(lockstep_comm_get_membership(comm, members, 4, &count) == LOCKSTEP_OK && count == 1);
   CHECK(lockstep_comm_get_rank(comm, &rank) == LOCKSTEP_OK && rank == 0);
   CHECK(members[0].rank == 0 && strcmp(members[0].host, "127.0.0.1") == 0);
+  CHECK(members[0].p2p_port == 0 && members[0].shared_state_port == 0 && members[0].benchmark_port == 0);
   CHECK(lockstep_comm_update_topology(comm) == LOCKSTEP_OK);
 
   /* The master's key-value store: set, get (a buffer too small says the size), wait,

@@ -152,6 +152,7 @@ TEST_F(GarbageTest, EveryMalformedInputClosesItsConnectionAndTheRunContinues) {
     ASSERT_GE(fd, 0);
     proto::Hello h;
     h.p2p_port = 9;  // never contacted: it is removed before any update
+    h.shared_state_port = h.benchmark_port = h.p2p_port;  // a peer names all three ports or none
     send_some(fd, proto::encode_frame(h));
     send_some(fd, header(5, static_cast<std::uint16_t>(proto::MsgType::kHeartbeat)));
     EXPECT_TRUE(closed_by_master(fd, scaled(5s))) << "registered peer sending a bad frame";

@@ -244,6 +244,7 @@ TEST(MasterAuth, PeerThatIgnoresTheMastersProofAndProvesWronglyIsRefusedAndNever
     ASSERT_GE(fd.get(), 0);
     proto::Hello hello;
     hello.p2p_port = 40000;
+    hello.shared_state_port = hello.benchmark_port = hello.p2p_port;  // a peer names all three ports or none
     hello.shared_state_port = 40001;
     hello.benchmark_port = 40002;
     const auto client_nonce = security::random_nonce();
@@ -526,6 +527,7 @@ TEST(Limits, IdleConnectionsAndASlowClientAreDroppedAtTheMaster) {
       // A slow client: a valid Hello, one byte a second.
       proto::Hello hello;
       hello.p2p_port = 1;
+      hello.shared_state_port = hello.benchmark_port = hello.p2p_port;  // a peer names all three ports or none
       hello.auth = security::to_bytes(security::random_nonce());
       const auto frame = proto::encode_frame(hello);
       const auto start = Clock::now();

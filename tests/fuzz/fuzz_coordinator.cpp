@@ -136,8 +136,10 @@ class Driver {
         const std::uint8_t pool = in_.byte();
         hello.pool_size = static_cast<std::uint16_t>(pool == 0 ? 0 : 1 + pool % 4);
         const std::uint8_t port = in_.byte();
+        // 0: a peer that accepts no inbound connection (it names no port)
         hello.p2p_port = static_cast<std::uint16_t>(port == 0 ? 0 : 48000 + port);
-        hello.shared_state_port = static_cast<std::uint16_t>(hello.p2p_port + 1);
+        hello.shared_state_port = static_cast<std::uint16_t>(port == 0 ? 0 : hello.p2p_port + 1);
+        hello.benchmark_port = static_cast<std::uint16_t>(port == 0 ? 0 : hello.p2p_port + 2);
         hello.advertised_host = kAdvertisedHosts[in_.byte() % kAdvertisedHosts.size()];
         return deliver(conn, hello);
       }

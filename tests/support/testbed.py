@@ -35,6 +35,19 @@ from typing import Iterable, Sequence
 import pytest
 
 
+# A Python program for `bed.exec(host, python, "-c", TCP_CONNECT, address, port, timeout)`:
+# prints "connected" when a TCP connection to address:port opens within timeout seconds,
+# else "failed" and why.
+TCP_CONNECT = r"""
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()
+    print("connected")
+except OSError as e:
+    print("failed", e)
+"""
+
+
 class TestbedError(RuntimeError):
     """A lockstep-testbed command failed."""
 

@@ -8,8 +8,10 @@ directory with lockstep-master and lockstep-testpeer.
 from __future__ import annotations
 
 import os
+import subprocess
 
 from lockstep_peers import TestPeer, admit, start_master
+from testbed import TCP_CONNECT
 
 BIN = os.environ.get("LOCKSTEP_BIN_DIR", "")
 
@@ -183,6 +185,80 @@ def test_allreduce_through_loss(testbed_factory):
               f"1->0 {dropped[1]} of {stats[(1, 0)]['received']}")
         # 3 x 16 MiB each way is about 35,000 wire packets per direction: about 35 lost.
         assert dropped[0] >= 5 and dropped[1] >= 5, stats
+    finally:
+        for p in peers:
+            p.close()
+        master.kill()
+        master.wait(timeout=10)
+
+
+
+def test_peers_behind_a_firewall_dial_their_neighbours(testbed_factory):
+    """Hosts 2 and 3 drop every inbound TCP connection, as a NAT without port forwarding
+    does. Their peers (--no-inbound) run with the reachable peers of hosts 0 and 1: every
+    ring edge is dialled by a side that can reach the other (reversed where the receiver
+    is behind the firewall), and all-reduces, an optimize, and a shared-state sync to a
+    newcomer behind the firewall all succeed."""
+    assert BIN, "set LOCKSTEP_BIN_DIR"
+    bed = testbed_factory(4)
+    for h in (2, 3):
+        bed.exec(h, "iptables", "-w", "-A", "INPUT", "-p", "tcp", "--syn", "-j", "DROP")
+    # The firewall holds: host 0 cannot open a connection to host 2 (the master's port
+    # on host 0 stays reachable from everywhere).
+    probe = bed.popen(2, "/usr/bin/python3", "-c",
+                      "import socket,time;s=socket.create_server(('0.0.0.0',40001));print('ready',flush=True);"
+                      "time.sleep(30)", stdout=subprocess.PIPE, text=True)
+    try:
+        assert probe.stdout.readline().strip() == "ready"
+        assert bed.exec(0, "/usr/bin/python3", "-c", TCP_CONNECT, bed.addr(2), 40001, 1.5).stdout.startswith("failed")
+    finally:
+        probe.kill()
+        probe.wait()
+    master = start_master(bed, BIN, 0)
+    peers: list[TestPeer] = []
+    try:
+        address = f"{bed.addr(0)}:7000"
+        peers = [TestPeer(bed, BIN, 0, address, "r0"), TestPeer(bed, BIN, 1, address, "r1"),
+                 TestPeer(bed, BIN, 2, address, "f2", ("--no-inbound", "--pool", "2"))]
+        size = 8 << 20
+        for p in peers:
+            p.call(f"tensor weights {size}")
+            p.call("fill weights 7")
+        members: list[TestPeer] = []
+        admit(members, peers)
+        for tag in (1, 2):
+            allreduce_ms(members, 1 << 20, tag)
+        for p in members:
+            p.send("optimize")
+        optimized = [p.reply(120) for p in members]
+        assert all(r["code"] == 0 for r in optimized), optimized
+        view = optimized[0]["view"]
+        assert sorted(m["port"] == 0 for m in view) == [False, False, True], view
+        allreduce_ms(members, 1 << 20, 3)
+
+        # A newcomer behind the firewall receives the state from the reachable holders.
+        newcomer = TestPeer(bed, BIN, 3, address, "f3", ("--no-inbound",))
+        peers.append(newcomer)
+        newcomer.call(f"tensor weights {size}")
+        admit(members, [newcomer])
+        for p in peers[:3]:
+            p.call("revision 1")
+            p.send("sync popular")
+        newcomer.send("sync receive")
+        got = newcomer.reply(120)
+        served = [p.reply(120) for p in peers[:3]]
+        assert got["code"] == 0 and all(s["code"] == 0 for s in served), (got, served)
+        assert got["hashes"] == served[0]["hashes"] and got["bytes_received"] == size
+        assert served[2]["bytes_sent"] == 0, served  # the hidden holder is never dialled
+        # Four peers, two hidden: each hidden one sits between two reachable ones.
+        allreduce_ms(members, 1 << 20, 4)
+        for p in members:
+            p.send("update")
+        views = [p.reply(60) for p in members]
+        assert all(v["code"] == 0 for v in views), views
+        ring = views[0]["view"]
+        for k in range(len(ring)):
+            assert ring[k]["port"] != 0 or ring[(k + 1) % len(ring)]["port"] != 0, ring
     finally:
         for p in peers:
             p.close()

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from testbed import Testbed, TestbedError, bed_namespaces, require_root, testbed_command
+from testbed import TCP_CONNECT, Testbed, TestbedError, bed_namespaces, require_root, testbed_command
 
 # --- helpers -----------------------------------------------------------------------
 
@@ -51,14 +51,6 @@ for i in range(int(sys.argv[3])):
     time.sleep(0.005)
 """
 
-TCP_CONNECT = r"""
-import socket, sys
-try:
-    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()
-    print("connected")
-except OSError as e:
-    print("failed", e)
-"""
 
 PY = "/usr/bin/python3"
 

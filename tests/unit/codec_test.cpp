@@ -1096,7 +1096,12 @@ TEST(CodecPayload, WrongMagicOrVersion) {
     p[0] ^= 1;
     EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"Hello", "hello.magic", "not a lockstep peer"}));
   }
-  for (std::uint16_t version : {std::uint16_t{0}, std::uint16_t{1}, std::uint16_t{2}, std::uint16_t{3}, std::uint16_t{4}, std::uint16_t{5}, std::uint16_t{6}, std::uint16_t{7}, std::uint16_t{8}, std::uint16_t{9}, std::uint16_t{11}, std::uint16_t{0xffff}}) {
+  // Every earlier version, the next one and the largest.
+  std::vector<std::uint16_t> others;
+  for (std::uint16_t v = 0; v < kProtocolVersion; ++v) others.push_back(v);
+  others.push_back(static_cast<std::uint16_t>(kProtocolVersion + 1));
+  others.push_back(0xffff);
+  for (const std::uint16_t version : others) {
     Hello h = hello_of("");
     h.version = version;
     const Bytes p = payload_copy(h);
@@ -1279,7 +1284,7 @@ TEST(CodecPayload, UnknownChannel) {
   }
 }
 
-// P2PHello.flags: only the known bits (kP2PFlagEncryptData) decode.
+// P2PHello.flags: only the known bits (kP2PFlagEncryptData, kP2PFlagReversed) decode.
 TEST(CodecPayload, UnknownP2PHelloFlags) {
   for (int flags = 0; flags < 256; ++flags) {
     Bytes p = payload_copy(P2PHello{});

@@ -166,6 +166,7 @@ class Harness {
   TimeMs now = 1'000'000;
   ConnId next_conn = 1;
   std::uint16_t pool_size = 1;  // the p2p pool size in the Hellos of join()
+  bool no_ports = false;        // join() as a peer that accepts no inbound connection
 
   void check() {
     const auto broken = c.check_invariants();
@@ -236,6 +237,7 @@ class Harness {
     EXPECT_TRUE(out.empty()) << describe(out);
     p::Hello greeting = hello(group, static_cast<std::uint16_t>(20000 + 3 * peer.conn));
     greeting.pool_size = pool_size;
+    if (no_ports) greeting.p2p_port = greeting.shared_state_port = greeting.benchmark_port = 0;
     out = send(peer.conn, greeting);
     auto welcome = one_of<p::Welcome>(out, peer.conn);
     if (welcome) {
@@ -1419,17 +1421,57 @@ TEST(CoordinatorHandshake, LoopbackAndRemoteAddressesAreNotMixed) {
   }
 }
 
-TEST(CoordinatorHandshake, HelloWithoutP2PPortIsRejected) {
+// A peer names all three of its ports, or none (it accepts no inbound connection).
+TEST(CoordinatorHandshake, HelloNamingSomePortsButNotAllIsRejected) {
+  for (int missing = 0; missing < 3; ++missing) {
+    SCOPED_TRACE(missing);
+    Harness h;
+    h.connect(1, "10.0.0.1");
+    p::Hello hello = Harness::hello(1, 4000);
+    (missing == 0 ? hello.p2p_port : missing == 1 ? hello.shared_state_port : hello.benchmark_port) = 0;
+    Outbox out = h.send(1, hello);
+    auto goodbye = one_of<p::Goodbye>(out, 1);
+    ASSERT_TRUE(goodbye.has_value());
+    EXPECT_EQ(goodbye->status, LOCKSTEP_STATUS_REJECTED);
+    EXPECT_NE(goodbye->reason.find("some of its ports but not all"), std::string::npos) << goodbye->reason;
+    EXPECT_TRUE(closes(out, 1));
+    EXPECT_TRUE(h.c.peers().empty());
+    EXPECT_EQ(h.c.handshaking_count(), 0u);
+  }
   Harness h;
-  h.connect(1, "10.0.0.1");
-  Outbox out = h.send(1, Harness::hello(1, 0));
-  auto goodbye = one_of<p::Goodbye>(out, 1);
-  ASSERT_TRUE(goodbye.has_value());
-  EXPECT_EQ(goodbye->status, LOCKSTEP_STATUS_REJECTED);
-  EXPECT_NE(goodbye->reason.find("p2p port"), std::string::npos) << goodbye->reason;
-  EXPECT_TRUE(closes(out, 1));
-  EXPECT_TRUE(h.c.peers().empty());
-  EXPECT_EQ(h.c.handshaking_count(), 0u);
+  h.no_ports = true;
+  const FakePeer a = h.first(1);
+  EXPECT_EQ(h.phase(a), Phase::kAccepted);
+}
+
+// A ring edge needs one end that accepts inbound connections: newcomers that accept
+// none go between two peers that do, and one that does goes between two that do not.
+TEST(CoordinatorAdmission, NewcomersArePlacedSoThatEveryRingEdgeCanBeMade) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  h.no_ports = true;
+  const FakePeer c = h.join(1);
+  const FakePeer d = h.join(1);  // at the end, c and d would be neighbours
+  h.no_ports = false;
+  const FakePeer b = h.join(1);
+  Outbox out = h.send(a, p::VoteUpdateTopology{});
+  const auto est = one_of<p::EstablishP2P>(out, a.conn);
+  ASSERT_TRUE(est.has_value());
+  EXPECT_EQ(ids_of(est->ring), (std::vector<PeerId>{a.id, c.id, b.id, d.id}));
+  for (const auto& m : est->ring) {
+    const bool none = m.id == c.id || m.id == d.id;
+    EXPECT_EQ(m.p2p_port == 0 && m.shared_state_port == 0 && m.benchmark_port == 0, none);
+  }
+  // Another that accepts none joins where both neighbours accept: there is no such place
+  // any more, so it goes to the end (and its edge to the first cannot be made).
+  h.report_all({a, b, c, d});
+  h.no_ports = true;
+  const FakePeer e = h.join(1);
+  out = h.send(a, p::VoteUpdateTopology{});
+  for (const auto& v : {b, c, d}) out = h.send(v, p::VoteUpdateTopology{});
+  const auto next = one_of<p::EstablishP2P>(out, e.conn);
+  ASSERT_TRUE(next.has_value());
+  EXPECT_EQ(ids_of(next->ring), (std::vector<PeerId>{a.id, c.id, b.id, d.id, e.id}));
 }
 
 TEST(CoordinatorHandshake, FirstMessageOtherThanHelloIsAProtocolError) {
@@ -2871,6 +2913,58 @@ TEST(CoordinatorOptimize, MeasuresEveryPairInRoundsThenRewiresInTheSolversOrder)
   }
   h.report_all(peers);
   EXPECT_EQ(h.c.ring(1), best);
+}
+
+// Peers that accept no inbound connection (docs/deployment.md, "NAT"): each bandwidth
+// test is dialled towards the side that accepts connections, a pair where neither does is
+// not tested (it cannot connect) but given a bandwidth of 0, and the ring keeps them apart.
+TEST(CoordinatorOptimize, UnreachablePeersAreDialledNeverAndNeverNeighbours) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  h.no_ports = true;
+  const FakePeer c = h.join(1);
+  h.no_ports = false;
+  const FakePeer b = h.join(1);
+  h.no_ports = true;
+  const FakePeer d = h.join(1);
+  h.update({a}, {c, b, d});
+  const std::vector<FakePeer> peers = {a, b, c, d};
+  const auto unreachable = [&](PeerId id) { return id == c.id || id == d.id; };
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
+  std::set<std::pair<PeerId, PeerId>> tested;
+  for (int guard = 0; guard < 16; ++guard) {
+    Outbox last;
+    bool any = false;
+    for (const auto& f : peers) {
+      for (const auto& t : all_of<p::BandwidthTest>(out, f.conn)) {
+        any = true;
+        // The initiator dials its partner: the partner accepts connections.
+        if (unreachable(t.partner.id)) {
+          EXPECT_FALSE(t.initiator) << f.id.to_string();
+        }
+        if (unreachable(f.id)) {
+          EXPECT_TRUE(t.initiator) << f.id.to_string();
+        }
+        EXPECT_FALSE(unreachable(f.id) && unreachable(t.partner.id));
+        tested.insert({t.partner.id, f.id});
+        Outbox o = h.send(f, p::BandwidthReport{t.test, t.partner.id, 10'000'000});
+        last.insert(last.end(), o.begin(), o.end());
+      }
+    }
+    if (!any) break;
+    out = last;
+  }
+  EXPECT_EQ(tested.size(), 10u);  // 5 pairs of the 6, both ways
+  EXPECT_EQ(h.c.bandwidth().size(), 12u);
+  EXPECT_EQ(h.c.bandwidth().at({c.id, d.id}), 0u);
+  const auto e = one_of<p::EstablishP2P>(out, a.conn);
+  ASSERT_TRUE(e.has_value()) << describe(out);
+  const std::vector<PeerId> ring = ids_of(e->ring);
+  ASSERT_EQ(ring.size(), 4u);
+  for (std::size_t k = 0; k < ring.size(); ++k) {
+    EXPECT_FALSE(unreachable(ring[k]) && unreachable(ring[(k + 1) % ring.size()])) << k;
+  }
 }
 
 TEST(CoordinatorOptimize, PeerLostDuringMeasurementsFailsForAllAndTheRetryMeasuresWhatIsMissing) {

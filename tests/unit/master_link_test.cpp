@@ -299,6 +299,7 @@ TEST(MasterLink, AClientThatNeverReadsIsDroppedAtTheSendQueueBound) {
   Cluster cluster;
   proto::Hello hello;
   hello.p2p_port = 1;  // never dialled: the clients report no ring connections missing
+  hello.shared_state_port = hello.benchmark_port = hello.p2p_port;  // a peer names all three ports or none
   const auto hello_frame = proto::encode_frame(hello);
   // Answers EstablishP2P with an empty report; true once the topology result came.
   const auto establish = [](int fd) {

@@ -43,6 +43,7 @@ class ScriptedRun {
     coordinator_.on_connect(conn, "127.0.0.1", now_ms, out);
     p::Hello hello;
     hello.p2p_port = static_cast<std::uint16_t>(1000 + conn);
+    hello.shared_state_port = hello.benchmark_port = hello.p2p_port;  // a peer names all three ports or none
     hello.pool_size = pool_size;
     hello.group = group;
     coordinator_.on_message(conn, hello, now_ms, out);

@@ -179,6 +179,7 @@ int main(int argc, char** argv) {
   std::string secret_file;
   bool encrypt = false;
   bool no_state_compression = false;
+  bool no_inbound = false;
   bool loop = false;
   uint32_t loop_interval_ms = 100;
   std::string algorithm;
@@ -194,6 +195,7 @@ int main(int argc, char** argv) {
   app.add_option("--secret-file", secret_file, "file holding the run secret");
   app.add_flag("--encrypt", encrypt, "encrypt the data plane (needs the secret)");
   app.add_flag("--no-state-compression", no_state_compression, "ask for shared-state transfers as raw bytes");
+  app.add_flag("--no-inbound", no_inbound, "accept no inbound connection (listen on no port: behind a NAT)");
   app.add_flag("--loop", loop, "run the membership loop instead of reading commands");
   app.add_option("--algorithm", algorithm, "all-reduce algorithm: auto, ring or doubling (LOCKSTEP_ALLREDUCE_ALGORITHM)");
   app.add_option("--loop-interval-ms", loop_interval_ms, "pause between loop iterations");
@@ -223,6 +225,7 @@ int main(int argc, char** argv) {
   if (!secret_file.empty()) config.secret_file = secret_file.c_str();
   config.encrypt_data = encrypt ? 1 : 0;
   config.state_compression = no_state_compression ? 1 : 0;
+  config.no_inbound = no_inbound ? 1 : 0;
 
   Peer peer;
   peer.name = name;
