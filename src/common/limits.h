@@ -35,6 +35,10 @@ inline constexpr auto kCloseGrace = std::chrono::milliseconds(1000);
 // Connections that have not finished the handshake, and how long they may take
 // (master: lockstep-master --handshake-timeout-ms, --max-pending-handshakes).
 inline constexpr std::uint32_t kHandshakeTimeoutMsDefault = 10'000;
+// How long the master tries to connect to a newcomer's p2p port (at the address the
+// newcomer connected from) before it registers the newcomer as accepting no inbound
+// connection (docs/deployment.md, "NAT"). Below the handshake timeout.
+inline constexpr std::uint32_t kReachabilityProbeMs = 2'000;
 inline constexpr std::uint32_t kPendingHandshakesMax = 256;
 // The same for a peer's p2p, shared-state and benchmark sockets (communicator options
 // inbound_handshake_timeout_ms, inbound_handshakes_max); more are closed at once.

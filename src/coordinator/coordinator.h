@@ -366,6 +366,7 @@ class Coordinator {
   void start_establish(TimeMs now_ms, Outbox& out,
                        const std::optional<std::map<std::uint32_t, std::vector<PeerId>>>& optimized = std::nullopt);
   void place_newcomer(std::vector<PeerId>& ring, PeerId id) const;
+  void keep_unreachable_apart(std::vector<PeerId>& ring) const;
   void fail_establish(const std::string& reason, Outbox& out);
   std::vector<proto::MemberInfo> members(const std::vector<PeerId>& ids) const;
   bool in_control_vote(const Peer& peer) const;

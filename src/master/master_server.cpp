@@ -257,11 +257,61 @@ class MasterServer::Impl {
     auto message = s->crypto ? s->crypto->open(s->header, s->payload) : proto::decode_payload(type, s->payload);
     if (!message.is_ok()) return violation(s, message.status().message());
     if (options_.secret && !s->crypto) return on_auth_frame(s, message.value());
+    if (const auto* hello = std::get_if<proto::Hello>(&message.value())) return probe_then_register(s, *hello);
     observe_report(s->conn, message.value());
+    deliver(s, message.value());
+  }
+
+  // Hands a message to the coordinator and reads the connection's next frame.
+  void deliver(const SessionPtr& s, const proto::Message& message) {
     coord::Outbox out;
-    coordinator_.on_message(s->conn, message.value(), now_ms(), out);
+    coordinator_.on_message(s->conn, message, now_ms(), out);
     apply(out);
     if (!s->closing && !s->closed) read_header(s);
+  }
+
+  // Reachability as a measured fact (docs/deployment.md, "NAT"): before a Hello that
+  // names ports and no advertised host reaches the coordinator, the master connects to
+  // the newcomer's p2p port at the address the newcomer connected from (never another:
+  // the master cannot be made to dial elsewhere), once, for at most
+  // limits::kReachabilityProbeMs, and closes at once. A port it cannot reach is
+  // registered as none: the newcomer then runs as a peer that accepts no inbound
+  // connection, and its neighbours never dial it. Nothing else is read from the
+  // connection meanwhile.
+  void probe_then_register(const SessionPtr& s, proto::Hello hello) {
+    asio::error_code ec;
+    const auto address = asio::ip::make_address(s->host, ec);
+    if (hello.p2p_port == 0 || !hello.advertised_host.empty() || ec) return deliver(s, hello);
+    struct Probe {
+      explicit Probe(asio::io_context& io) : socket(io), timer(io) {}
+      asio::ip::tcp::socket socket;
+      asio::steady_timer timer;
+      bool done = false;
+    };
+    auto probe = std::make_shared<Probe>(io_);
+    const auto finish = [this, s, probe, hello](const std::string& failure) {
+      if (probe->done) return;
+      probe->done = true;
+      asio::error_code ignored;
+      probe->timer.cancel();
+      probe->socket.close(ignored);
+      if (s->closed || s->closing) return;
+      if (!failure.empty()) {
+        LOG_INFO(kLog, "connection " << s->conn << " from " << s->host << ": its p2p port " << hello.p2p_port
+                                     << " cannot be reached from here (" << failure
+                                     << "); it joins as a peer that accepts no inbound connection");
+        proto::Hello unreachable = hello;
+        unreachable.p2p_port = unreachable.shared_state_port = unreachable.benchmark_port = 0;
+        return deliver(s, unreachable);
+      }
+      deliver(s, hello);
+    };
+    probe->timer.expires_after(std::chrono::milliseconds(limits::kReachabilityProbeMs));
+    probe->timer.async_wait([finish](const asio::error_code& e) {
+      if (!e) finish("no answer within " + std::to_string(limits::kReachabilityProbeMs) + " ms");
+    });
+    probe->socket.async_connect(asio::ip::tcp::endpoint(address, hello.p2p_port),
+                                [finish](const asio::error_code& e) { finish(e ? e.message() : ""); });
   }
 
   // The challenge-response: Hello (client nonce) -> AuthChallenge (server nonce, the
@@ -302,10 +352,7 @@ class MasterServer::Impl {
         security::session_keys(*proven, s->client_nonce, s->server_nonce, s->transcript), /*client=*/false);
     s->auth = Auth::kDone;
     LOG_DEBUG(kLog, "connection " << s->conn << " from " << s->host << " proved the run secret");
-    coord::Outbox out;
-    coordinator_.on_message(s->conn, s->hello, now_ms(), out);
-    apply(out);
-    if (!s->closing && !s->closed) read_header(s);
+    probe_then_register(s, s->hello);
   }
 
   void auth_failed(const SessionPtr& s, const std::string& reason) {

@@ -124,6 +124,7 @@ Result<std::unique_ptr<Communicator>> Communicator::create(const Options& option
   comm->link_ = std::make_unique<Link>(chosen);
   Status s = comm->link_->start(/*listen=*/chosen.accept_inbound);
   if (!s.is_ok()) return s;
+  comm->view_p2p_port_.store(comm->link_->port(proto::Channel::kRing));
   return comm;
 }
 
@@ -328,6 +329,15 @@ std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan, con
   const auto& ring = plan.ring;
   const auto self = std::find_if(ring.begin(), ring.end(), [&](const auto& m) { return m.id == id_; });
   if (self == ring.end() || ring.size() < 2) return {};
+  // The view says whether this peer accepts inbound connections: the master names no
+  // port for one that could not be reached from it (docs/deployment.md, "NAT").
+  if (self->p2p_port == 0 && view_p2p_port_.exchange(0) != 0) {
+    LOG_WARN(kLog, "the master could not reach this peer's p2p port " << link_->port(proto::Channel::kRing)
+                                                                        << " at " << self->host
+                                                                        << ": this peer dials its ring neighbours "
+                                                                           "(it runs as one that accepts no inbound "
+                                                                           "connection)");
+  }
   const std::size_t n = ring.size();
   const std::size_t i = static_cast<std::size_t>(self - ring.begin());
   const proto::MemberInfo& next = ring[(i + 1) % n];
@@ -374,7 +384,7 @@ bool closed_by_other_end(int fd) {
 proto::MemberInfo Communicator::self_info() const {
   proto::MemberInfo self;
   self.id = id_;
-  self.p2p_port = link_->port(proto::Channel::kRing);
+  self.p2p_port = view_p2p_port_.load();
   return self;
 }
 

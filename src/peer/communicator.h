@@ -287,6 +287,9 @@ class Communicator {
   std::size_t peers_on_this_host(const std::vector<PeerId>& ring);
   // This peer as the view shows it, as far as reversal goes (whether it names a port).
   proto::MemberInfo self_info() const;
+  // Its p2p port as the view names it: its own, or 0 where it accepts no inbound
+  // connection or the master could not reach it.
+  std::atomic<std::uint16_t> view_p2p_port_{0};
   // Ring connections, made on first use and cached per (peer, pool slot). The
   // receiver accepts them, or dials them where only the sender accepts inbound
   // connections (proto::reversed_edge). `channel` (an attempt's, or an establishment's)

@@ -192,7 +192,9 @@ void InboundListener::handshake(const std::shared_ptr<Handshake>& h, proto::Chan
     h->socket.close(e);
   });
   asio::async_read(h->socket, asio::buffer(h->header), [this, h, channel](const asio::error_code& ec, std::size_t) {
-    if (ec) return;
+    // Closed before a whole header (the master's reachability probe does this): gone at
+    // once, without waiting for the handshake's deadline.
+    if (ec) return close(h);
     auto header = proto::decode_header(h->header);
     if (!header.is_ok() || header.value().type != proto::MsgType::kP2PHello) {
       LOG_DEBUG(kLog, "p2p socket: dropping a connection that did not start with P2PHello");

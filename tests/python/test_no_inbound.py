@@ -151,3 +151,24 @@ def test_reversed_edges_with_a_run_secret(tmp_path, encrypt):
             np.testing.assert_array_equal(total, want)
             for k, got in enumerate(mins):
                 np.testing.assert_array_equal(got, contribution(0) + k)
+
+
+def test_the_master_finds_a_port_it_cannot_reach():
+    """Reachability measured: a peer whose listening sockets are bound where the master
+    cannot reach them (127.0.0.2, while it connects from 127.0.0.1, the address the
+    others would dial) names its ports, but the master's connection to them fails, so it
+    is registered as accepting no inbound connection, and runs as one: nothing dials it."""
+    with Cluster(2) as c:
+        hidden = c.add_peer("bound-elsewhere", bind_host="127.0.0.2")
+        views = c.run(lambda i, comm: comm.membership())
+        assert all(v == views[0] for v in views)
+        ports = {m.id: m.p2p_port for m in views[0]}
+        assert ports[hidden.comm.id] == 0 and sorted(ports.values())[1:] != [0, 0], ports
+        def reduce(i, comm):
+            buf = contribution(comm.rank)
+            comm.all_reduce(buf, tag=1)
+            return buf
+
+        want = sum(contribution(r) for r in range(3))
+        for got in c.run(reduce):
+            np.testing.assert_array_equal(got, want)

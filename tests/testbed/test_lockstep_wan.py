@@ -195,10 +195,11 @@ def test_allreduce_through_loss(testbed_factory):
 
 def test_peers_behind_a_firewall_dial_their_neighbours(testbed_factory):
     """Hosts 2 and 3 drop every inbound TCP connection, as a NAT without port forwarding
-    does. Their peers (--no-inbound) run with the reachable peers of hosts 0 and 1: every
-    ring edge is dialled by a side that can reach the other (reversed where the receiver
-    is behind the firewall), and all-reduces, an optimize, and a shared-state sync to a
-    newcomer behind the firewall all succeed."""
+    does. The peer of host 2 says so (--no-inbound); the master finds it out for the
+    newcomer of host 3 (its connection to the newcomer's port gets no answer). They run
+    with the reachable peers of hosts 0 and 1: every ring edge is dialled by a side that
+    can reach the other (reversed where the receiver is behind the firewall), and
+    all-reduces, an optimize, and a shared-state sync to the newcomer all succeed."""
     assert BIN, "set LOCKSTEP_BIN_DIR"
     bed = testbed_factory(4)
     for h in (2, 3):
@@ -236,8 +237,10 @@ def test_peers_behind_a_firewall_dial_their_neighbours(testbed_factory):
         assert sorted(m["port"] == 0 for m in view) == [False, False, True], view
         allreduce_ms(members, 1 << 20, 3)
 
-        # A newcomer behind the firewall receives the state from the reachable holders.
-        newcomer = TestPeer(bed, BIN, 3, address, "f3", ("--no-inbound",))
+        # A newcomer behind the firewall, which listens as usual: the master's probe of
+        # its port gets no answer, and it runs as one that accepts no connection. It
+        # receives the state from the reachable holders.
+        newcomer = TestPeer(bed, BIN, 3, address, "f3")
         peers.append(newcomer)
         newcomer.call(f"tensor weights {size}")
         admit(members, [newcomer])

@@ -1474,6 +1474,29 @@ TEST(CoordinatorAdmission, NewcomersArePlacedSoThatEveryRingEdgeCanBeMade) {
   EXPECT_EQ(ids_of(next->ring), (std::vector<PeerId>{a.id, c.id, b.id, d.id, e.id}));
 }
 
+// A removal that leaves two peers that accept no inbound connection side by side: the
+// next update spreads them again between those that accept connections.
+TEST(CoordinatorAdmission, UnreachableNeighboursAfterARemovalAreSpreadAgain) {
+  Harness h;
+  const FakePeer a = h.first(1);
+  h.no_ports = true;
+  const FakePeer c = h.join(1);
+  h.no_ports = false;
+  const FakePeer b = h.join(1);
+  h.no_ports = true;
+  const FakePeer d = h.join(1);
+  h.no_ports = false;
+  const FakePeer e = h.join(1);
+  h.update({a}, {c, b, d, e});
+  ASSERT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, c.id, b.id, d.id, e.id}));
+  h.disconnect(b);  // c and d are neighbours now
+  Outbox out;
+  for (const auto& v : {a, c, d, e}) out = h.send(v, p::VoteUpdateTopology{});
+  const auto est = one_of<p::EstablishP2P>(out, a.conn);
+  ASSERT_TRUE(est.has_value()) << describe(out);
+  EXPECT_EQ(ids_of(est->ring), (std::vector<PeerId>{a.id, c.id, e.id, d.id}));
+}
+
 TEST(CoordinatorHandshake, FirstMessageOtherThanHelloIsAProtocolError) {
   const std::vector<p::Message> not_hello = {p::Heartbeat{}, p::VoteUpdateTopology{}, p::VoteAgree{true},
                                              p::P2PReport{1, {}}, p::Welcome{}, p::P2PHello{}, p::Goodbye{}};

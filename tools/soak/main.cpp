@@ -89,6 +89,9 @@ int main(int argc, char** argv) {
                 "worker slots that run lockstep-soak-pccl-worker (PCCL's API over liblockstep-pccl) instead of the "
                 "native worker; restarts keep a slot's kind, and the native workers then run only all-reduces")
       ->capture_default_str();
+  r->add_option("--no-inbound-every", run.no_inbound_every,
+                "every Nth worker spawned accepts no inbound connection, as behind a NAT (0: none)")
+      ->capture_default_str();
   lockstep::soak::add_worker_sizing(r, run.worker);
 
   CLI11_PARSE(app, argc, argv);

@@ -285,6 +285,7 @@ class Soak {
     // group, the native ones leave theirs out.
     if (!pccl && o_.pccl_workers > 0) argv.push_back("--all-reduces-only");
     if (o_.keep_going) argv.push_back("--keep-going");
+    if (!pccl && o_.no_inbound_every != 0 && spawned_ % o_.no_inbound_every == 0) argv.push_back("--no-inbound");
     if (o_.worker.p2p_stall_timeout_ms != 0) {
       argv.insert(argv.end(), {"--p2p-stall-timeout-ms", std::to_string(o_.worker.p2p_stall_timeout_ms)});
     }

@@ -30,6 +30,8 @@ struct WorkerOptions {
   // ("": the address the master sees, and 0.0.0.0). Set on the WAN test bed.
   std::string advertised_host;
   std::string bind_host;
+  // Accept no inbound connection (listen on no port), as a peer behind a NAT.
+  bool no_inbound = false;
   // An all-reduce attempt fails when no byte moves to or from its ring neighbours for
   // this long (0: the library's default, 30000).
   std::uint32_t p2p_stall_timeout_ms = 0;
@@ -75,6 +77,9 @@ struct RunOptions {
   // the lowest free slot, so a slot keeps its kind across restarts); with any, every
   // native worker runs --all-reduces-only.
   std::uint32_t pccl_workers = 0;
+  // Every no_inbound_every-th native worker spawned accepts no inbound connection
+  // (--no-inbound; 0: none): its ring edges run reversed (docs/deployment.md, "NAT").
+  std::uint32_t no_inbound_every = 0;
   // Passed to every worker.
   WorkerOptions worker;
 };

@@ -113,6 +113,7 @@ void add_worker_cli(CLI::App* app, WorkerOptions& w) {
   app->add_option("--advertised-host", w.advertised_host,
                   "address other peers reach this one at (default: as the master sees it)");
   app->add_option("--bind-host", w.bind_host, "IP address the p2p sockets bind to (default: every address of both families)");
+  app->add_flag("--no-inbound", w.no_inbound, "accept no inbound connection (listen on no port), as behind a NAT");
   add_worker_sizing(app, w);
 }
 
