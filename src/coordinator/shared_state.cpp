@@ -183,8 +183,8 @@ void Coordinator::decide_sync(std::uint32_t group, Outbox& out) {
 // Every participant gets its plan. A tensor is received by a peer whose digest differs
 // from the representative's, unless the tensor allows content inequality and the peer
 // is up to date. Distributors of a tensor are the candidates at the elected revision
-// holding the representative's digest of it (those that accept inbound connections,
-// where there are any); large tensors are split into pieces over
+// holding the representative's digest of it that accept inbound connections (a peer
+// that needs a tensor without one leaves); large tensors are split into pieces over
 // several distributors, always the least loaded ones, so that many receivers do not
 // all download from one peer.
 void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_revision, PeerId representative,
@@ -204,13 +204,33 @@ void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_rev
       const proto::TensorEntry* t = find_tensor(indexes.at(id), e.key);
       if (t != nullptr && t->hash == e.hash) list.push_back(id);
     }
-    // Receivers dial their sources: one that accepts no inbound connection serves only
-    // where no other can (and then its receivers cannot reach it: the sync fails).
-    const auto reachable = [&](PeerId id) { return proto::accepts_inbound(peers_.at(id).info); };
-    if (std::any_of(list.begin(), list.end(), reachable)) {
-      list.erase(std::remove_if(list.begin(), list.end(), [&](PeerId id) { return !reachable(id); }), list.end());
+    // Receivers dial their sources: a peer that accepts no inbound connection is none.
+    list.erase(std::remove_if(list.begin(), list.end(),
+                              [&](PeerId id) { return !proto::accepts_inbound(peers_.at(id).info); }),
+               list.end());
+  }
+  // A peer that needs a tensor no source can serve it (its only holders accept no
+  // inbound connection) would fail this sync for everyone, again at every retry: it
+  // leaves, and the sync is decided anew without it (docs/deployment.md, "NAT").
+  std::vector<PeerId> unservable;
+  for (const auto& [id, vote] : sync.votes) {
+    const bool outdated = vote.revision != elected_revision;
+    for (const proto::TensorEntry& t : vote.tensors) {
+      const proto::TensorEntry& e = *find_tensor(reference_index, t.key);
+      if (t.hash == e.hash || (t.allow_content_inequality && !outdated) || tensor_bytes(t) == 0) continue;
+      if (distributors.at(t.key).empty()) {
+        unservable.push_back(id);
+        break;
+      }
     }
   }
+  for (const PeerId& id : unservable) {
+    remove_peer(id, LOCKSTEP_STATUS_KICKED,
+                "no peer that holds the elected shared state accepts inbound connections, so none can send it to "
+                "this peer (a peer that holds it and accepts connections must rejoin)",
+                /*connection_open=*/true, /*straggler=*/false, out);
+  }
+  if (!unservable.empty()) return;  // the vote is complete again without them; advance() decides anew
   std::map<PeerId, std::uint64_t> load;
   std::map<PeerId, proto::SyncPlan> plans;
   std::uint64_t total = 0;

@@ -2547,6 +2547,43 @@ TEST(CoordinatorSync, NewcomerReceivesEverythingSpreadOverTheHolders) {
   for (const auto& source : plans[2].sources) EXPECT_NE(source.shared_state_port, 0);
 }
 
+// Receivers dial their sources (docs/deployment.md, "NAT"): a holder that accepts no
+// inbound connection is never a source, and a peer that needs what only such holders
+// have cannot be served; it leaves, and the others' sync goes on without it.
+TEST(CoordinatorSync, APeerOnlyUnreachableHoldersCouldServeLeaves) {
+  Harness h;
+  h.no_ports = true;
+  const FakePeer hidden = h.first(1);
+  const FakePeer other_hidden = h.join(1);
+  h.no_ports = false;
+  const FakePeer open = h.join(1);
+  const FakePeer newcomer = h.join(1);
+  h.update({hidden}, {other_hidden, open, newcomer});
+  // The reachable peer holds the content too: the newcomer is served by it alone.
+  auto plans = sync_round(h, {hidden, other_hidden, open, newcomer},
+                          {state_vote(1, model(10)), state_vote(1, model(10)), state_vote(1, model(10)),
+                           state_vote(0, model(5), p::SyncStrategy::kReceiveOnly)},
+                          1);
+  ASSERT_EQ(plans.size(), 4u);
+  ASSERT_FALSE(plans[3].sources.empty());
+  for (const auto& source : plans[3].sources) EXPECT_EQ(source.id, open.id);
+  // Next, both reachable peers fall behind (receive-only): only the two that accept no
+  // connection hold the content, and it cannot be sent to either.
+  const auto behind = state_vote(1, model(7), p::SyncStrategy::kReceiveOnly);
+  Outbox out = vote_sync(h, {hidden, other_hidden, open, newcomer},
+                         {state_vote(2, model(10)), state_vote(2, model(10)), behind, behind});
+  for (const auto& f : {open, newcomer}) {
+    expect_goodbye(out, f, LOCKSTEP_STATUS_KICKED);
+    EXPECT_EQ(h.c.find_peer(f.id), nullptr);
+  }
+  for (const auto& f : {hidden, other_hidden}) {
+    const auto plan = one_of<p::SyncPlan>(out, f.conn);
+    ASSERT_TRUE(plan.has_value()) << describe(out);
+    EXPECT_TRUE(plan->fetches.empty());
+    EXPECT_EQ(plan->revision, 2u);
+  }
+}
+
 // The seeds' async-DiLoCo case: more newcomers than old peers, syncing receive-only,
 // end with the old peers' content; with enforce-popular at a first sync the newcomers'
 // majority would win instead.
