@@ -9,7 +9,7 @@ concurrency and stream count with `lockstep-bench allreduce --master` on each ho
 
 One JSON line per case:
   {"bench": "wan_loss", "hosts", "master", "cap_mbit", "rtt_ms", "loss", "cc", "bytes",
-   "concurrency", "streams", "pool", "quant", "p50_ms", "link_use", "mbit_s",
+   "concurrency", "streams", "pool", "quant", "reversed", "p50_ms", "link_use", "mbit_s",
    "effective_mbit_s", "iperf3_p1_mbit", "iperf3_p8_mbit"}
 p50_ms: the slowest peer's median time of one iteration (all `concurrency` all-reduces);
 mbit_s: the payload bits one peer sent per second (its bytes on the wire per iteration
@@ -21,7 +21,7 @@ null figures.
 Usage: scripts/bench-wan-loss.py [--build build] [--hosts 2,4] [--cap 1000]
          [--rtt-ms 50] [--loss 0.001] [--cc reno] [--sizes 16MiB]
          [--concurrency 1,8] [--quant none] [--streams 1] [--pool N] [--iterations 5]
-         [--iperf-seconds 10] [--timeout 600] [--master-apart]
+         [--iperf-seconds 10] [--timeout 600] [--master-apart] [--reversal [--rounds N]]
 Lists are comma-separated. --streams is passed on as `lockstep-bench allreduce
 --streams N` (0: the communicator adapts the count to the path, docs/wan.md; 1 to 16
 fixes it) only where that command offers it; otherwise every line says "streams": 1.
@@ -122,9 +122,11 @@ def iperf3(bed: Testbed, streams: int, seconds: int) -> float | None:
         server.wait()
 
 
-def allreduce(bed: Testbed, bin_dir: str, peers: int, args: list[str], timeout: float) -> list[dict] | str:
+def allreduce(bed: Testbed, bin_dir: str, peers: int, args: list[str], timeout: float,
+              no_inbound_hosts: tuple = ()) -> list[dict] | str:
     """Runs lockstep-bench allreduce on hosts 0..peers-1, the master on host 0 or, with a
-    host more than peers, on the last one; each peer's figures, or an error."""
+    host more than peers, on the last one (the peers of no_inbound_hosts accept no inbound
+    connection); each peer's figures, or an error."""
     master_host = bed.hosts - 1 if bed.hosts > peers else 0
     master = start_master(bed, bin_dir, master_host)
     procs = []
@@ -132,6 +134,7 @@ def allreduce(bed: Testbed, bin_dir: str, peers: int, args: list[str], timeout: 
         for h in range(peers):
             procs.append(bed.popen(h, os.path.join(bin_dir, "lockstep-bench"), "allreduce", "--master",
                                    f"{bed.addr(master_host)}:7000", "--peers", peers, *args,
+                                   *(["--no-inbound"] if h in no_inbound_hosts else []),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         deadline = time.monotonic() + timeout
         rows = []
@@ -176,6 +179,10 @@ def main() -> int:
     parser.add_argument("--master-apart", action="store_true",
                         help="run the master on a host of its own (one more, on the same links) "
                              "rather than beside the peer of host 0")
+    parser.add_argument("--reversal", action="store_true",
+                        help="run each case twice on the same bed, direct and with host 1's peer accepting no "
+                             "inbound connection (its ring edges reversed), alternating --rounds times")
+    parser.add_argument("--rounds", type=int, default=1, help="with --reversal: direct/reversed pairs per case")
     args = parser.parse_args()
 
     if os.geteuid() != 0:
@@ -222,18 +229,22 @@ def main() -> int:
                     p8 = iperf3(bed, 8, args.iperf_seconds)
                     for size in sizes:
                         for conc, quant in [(c, q) for c in concurrencies for q in args.quant.split(",")]:
-                            for streams in streams_list:
+                            for streams, reversed_ in [(s, r) for s in streams_list
+                                                       for _ in range(args.rounds if args.reversal else 1)
+                                                       for r in ((False, True) if args.reversal else (False,))]:
                                 pool = args.pool or conc
                                 cmd = ["--size", str(size), "--iterations", str(args.iterations),
                                        "--warmup", str(args.warmup), "--pool", str(pool),
                                        "--concurrency", str(conc), "--quant", quant]
                                 if has_streams:
                                     cmd += ["--streams", str(streams)]
-                                result = allreduce(bed, bin_dir, hosts, cmd, args.timeout)
+                                result = allreduce(bed, bin_dir, hosts, cmd, args.timeout,
+                                                   (1,) if reversed_ else ())
                                 line = {"bench": "wan_loss", "hosts": hosts,
                                         "master": "apart" if args.master_apart else "host 0", "cap_mbit": args.cap,
                                         "rtt_ms": args.rtt_ms, "loss": loss, "cc": cc, "bytes": size,
-                                        "concurrency": conc, "streams": streams, "pool": pool, "quant": quant}
+                                        "concurrency": conc, "streams": streams, "pool": pool, "quant": quant,
+                                        "reversed": reversed_}
                                 if isinstance(result, str):
                                     line.update(p50_ms=None, link_use=None, mbit_s=None, error=result)
                                 else:

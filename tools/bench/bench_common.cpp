@@ -346,6 +346,7 @@ int worker_collective(const Settings& s) {
   }
   options.encrypt_data = s.encrypt;
   options.check_finite = s.check_finite;
+  options.accept_inbound = !s.no_inbound;
   auto created = peer::Communicator::create(options);
   if (!created.is_ok() || !join(*created.value(), s.peers)) {
     std::fprintf(stderr, "worker %d: could not join: %s\n", s.index,
@@ -550,6 +551,7 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& mode,
   if (!s.secret_file.empty()) argv.insert(argv.end(), {"--secret-file", s.secret_file});
   if (s.encrypt) argv.push_back("--encrypt");
   if (s.check_finite) argv.push_back("--check-finite");
+  if (s.no_inbound) argv.push_back("--no-inbound");
   if (s.compare_torch || s.compare_torch_lockstep) argv.push_back("--paced");
   argv.insert(argv.end(), {"--streams", std::to_string(s.streams)});
   if (!s.congestion.empty()) argv.insert(argv.end(), {"--cc", s.congestion});
@@ -849,6 +851,7 @@ int run_collective(const Settings& settings) {
                 {"algorithm", s.collective == Collective::kAllReduce ? s.algorithm : "ring"},
                 {"encrypt", s.encrypt},
                 {"check_finite", s.check_finite},
+                {"no_inbound", s.no_inbound},
                 {"iterations", s.iterations},
                 {"order", s.in_turns ? "turns" : "blocks"},
                 {"pages", s.pages},

@@ -71,6 +71,7 @@ struct Settings {
   // workers) and encrypt_data on every peer.
   bool encrypt = false;
   bool check_finite = false;
+  bool no_inbound = false;  // the peers accept no inbound connection (their ring edges run reversed)
   // The workers' pages: "huge" (GLIBC_TUNABLES set for them), "small", or "environment"
   // (GLIBC_TUNABLES was set already).
   std::string pages = "small";

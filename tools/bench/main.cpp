@@ -77,6 +77,9 @@ int main(int argc, char** argv) {
                   "encrypt the data plane (encrypt_data) under a run secret generated for this run");
     sub->add_flag("--check-finite", s.check_finite,
                   "every peer checks its contribution for NaN and infinity first (check_finite)");
+    sub->add_flag("--no-inbound", s.no_inbound,
+                  "the peers this process starts accept no inbound connection, as behind a NAT (their ring edges "
+                  "run reversed where the other end accepts them)");
     sub->add_flag("--small-pages", small_pages,
                   "leave every process's malloc in the system's default pages (by default the workers of "
                   "every library run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, unless it is set already)");
@@ -188,6 +191,7 @@ int main(int argc, char** argv) {
   worker->add_option("--secret-file", s.secret_file);
   worker->add_flag("--encrypt", s.encrypt);
   worker->add_flag("--check-finite", s.check_finite);
+  worker->add_flag("--no-inbound", s.no_inbound);
   worker->add_flag("--paced", s.paced);
   CLI11_PARSE(app, argc, argv);
   // The peers this process starts inherit it.
