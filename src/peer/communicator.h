@@ -81,7 +81,7 @@ struct Options {
   // false: this peer accepts no inbound connection (behind a NAT or a firewall). It opens
   // no listening socket and names no port; its neighbours accept the ring connections it
   // dials (connection reversal), it dials its shared-state sources and bandwidth
-  // partners, and it serves as a source only where no other can (docs/deployment.md).
+  // partners, and it is never a shared-state source (docs/deployment.md).
   bool accept_inbound = true;
 };
 
