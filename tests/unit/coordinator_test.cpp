@@ -167,6 +167,14 @@ class Harness {
   ConnId next_conn = 1;
   std::uint16_t pool_size = 1;  // the p2p pool size in the Hellos of join()
   bool no_ports = false;        // join() as a peer that accepts no inbound connection
+  // join() as a peer that accepts inbound connections or not.
+  FakePeer join_as(std::uint32_t group, bool inbound) {
+    const bool before = no_ports;
+    no_ports = !inbound;
+    FakePeer peer = join(group);
+    no_ports = before;
+    return peer;
+  }
 
   void check() {
     const auto broken = c.check_invariants();
@@ -1449,11 +1457,9 @@ TEST(CoordinatorHandshake, HelloNamingSomePortsButNotAllIsRejected) {
 TEST(CoordinatorAdmission, NewcomersArePlacedSoThatEveryRingEdgeCanBeMade) {
   Harness h;
   const FakePeer a = h.first(1);
-  h.no_ports = true;
-  const FakePeer c = h.join(1);
-  const FakePeer d = h.join(1);  // at the end, c and d would be neighbours
-  h.no_ports = false;
-  const FakePeer b = h.join(1);
+  const FakePeer c = h.join_as(1, false);
+  const FakePeer d = h.join_as(1, false);  // at the end, c and d would be neighbours
+  const FakePeer b = h.join_as(1, true);
   Outbox out = h.send(a, p::VoteUpdateTopology{});
   const auto est = one_of<p::EstablishP2P>(out, a.conn);
   ASSERT_TRUE(est.has_value());
@@ -1465,8 +1471,7 @@ TEST(CoordinatorAdmission, NewcomersArePlacedSoThatEveryRingEdgeCanBeMade) {
   // Another that accepts none joins where both neighbours accept: there is no such place
   // any more, so it goes to the end (and its edge to the first cannot be made).
   h.report_all({a, b, c, d});
-  h.no_ports = true;
-  const FakePeer e = h.join(1);
+  const FakePeer e = h.join_as(1, false);
   out = h.send(a, p::VoteUpdateTopology{});
   for (const auto& v : {b, c, d}) out = h.send(v, p::VoteUpdateTopology{});
   const auto next = one_of<p::EstablishP2P>(out, e.conn);
@@ -1479,14 +1484,10 @@ TEST(CoordinatorAdmission, NewcomersArePlacedSoThatEveryRingEdgeCanBeMade) {
 TEST(CoordinatorAdmission, UnreachableNeighboursAfterARemovalAreSpreadAgain) {
   Harness h;
   const FakePeer a = h.first(1);
-  h.no_ports = true;
-  const FakePeer c = h.join(1);
-  h.no_ports = false;
-  const FakePeer b = h.join(1);
-  h.no_ports = true;
-  const FakePeer d = h.join(1);
-  h.no_ports = false;
-  const FakePeer e = h.join(1);
+  const FakePeer c = h.join_as(1, false);
+  const FakePeer b = h.join_as(1, true);
+  const FakePeer d = h.join_as(1, false);
+  const FakePeer e = h.join_as(1, true);
   h.update({a}, {c, b, d, e});
   ASSERT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, c.id, b.id, d.id, e.id}));
   h.disconnect(b);  // c and d are neighbours now
@@ -2554,8 +2555,8 @@ TEST(CoordinatorSync, APeerOnlyUnreachableHoldersCouldServeLeaves) {
   Harness h;
   h.no_ports = true;
   const FakePeer hidden = h.first(1);
-  const FakePeer other_hidden = h.join(1);
   h.no_ports = false;
+  const FakePeer other_hidden = h.join_as(1, false);
   const FakePeer open = h.join(1);
   const FakePeer newcomer = h.join(1);
   h.update({hidden}, {other_hidden, open, newcomer});
@@ -2981,12 +2982,9 @@ TEST(CoordinatorOptimize, MeasuresEveryPairInRoundsThenRewiresInTheSolversOrder)
 TEST(CoordinatorOptimize, UnreachablePeersAreDialledNeverAndNeverNeighbours) {
   Harness h;
   const FakePeer a = h.first(1);
-  h.no_ports = true;
-  const FakePeer c = h.join(1);
-  h.no_ports = false;
-  const FakePeer b = h.join(1);
-  h.no_ports = true;
-  const FakePeer d = h.join(1);
+  const FakePeer c = h.join_as(1, false);
+  const FakePeer b = h.join_as(1, true);
+  const FakePeer d = h.join_as(1, false);
   h.update({a}, {c, b, d});
   const std::vector<FakePeer> peers = {a, b, c, d};
   const auto unreachable = [&](PeerId id) { return id == c.id || id == d.id; };
