@@ -380,10 +380,12 @@ typedef struct lockstep_comm_config {
   /** Since 0.10. Nonzero: this peer accepts no inbound connection (it sits behind a NAT
    * or a firewall that lets nothing in). It opens no listening socket; the ring
    * neighbours that do accept connections are dialled by it (connection reversal), it
-   * dials its shared-state sources and bandwidth-test partners, and it is never a
-   * shared-state source (a peer only it could serve is removed, KICKED). A ring edge between two such peers
-   * cannot be made: the master places them apart where the run allows
-   * (docs/deployment.md). 0 (default): it listens on its three ports. */
+   * dials its shared-state sources and bandwidth-test partners, and it serves shared
+   * state only to peers that accept connections, by dialling them (since 0.11; a peer
+   * that accepts none either and that only such peers could serve is removed, KICKED).
+   * A ring edge between two such peers cannot be made: the master places them apart
+   * where the run allows (docs/deployment.md). 0 (default): it listens on its three
+   * ports. */
   int no_inbound;
   /** Since 0.10: always 0 (it keeps the struct's size a multiple of 8). */
   uint32_t reserved_0_10;

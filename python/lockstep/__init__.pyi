@@ -366,7 +366,8 @@ class Communicator:
                  tcp_congestion: Optional[str] = None, check_finite: bool = False,
                  state_compression: str = "auto", inbound: bool = True) -> None:
         """inbound: False for a peer that accepts no inbound connection (behind a NAT): it
-        listens on no port and dials its neighbours (connection reversal).
+        listens on no port and dials its neighbours and the shared-state receivers it
+        serves (connection reversal).
         check_finite: check this peer's contribution to each float collective for NaN
         and infinity first (NonFiniteContributionError on every peer, naming it).
         state_compression: "auto" (zstd blocks where the sender finds it pays) or "off".

@@ -255,8 +255,9 @@ class Communicator:
             that it pays; ``"off"``: raw bytes.
         inbound: False for a peer that accepts no inbound connection (behind a NAT or
             a firewall): it opens no listening socket, dials the ring neighbours that
-            accept connections (connection reversal) and never serves shared state
-            (a peer only such peers could serve is removed). Two such peers cannot be
+            accept connections (connection reversal), and serves shared state only to
+            peers that accept connections, by dialling them (a peer that accepts none
+            either and that only such peers could serve is removed). Two such peers cannot be
             ring neighbours: the master places them apart where the run allows
             (docs/deployment.md). The master also finds out by itself: it registers a
             peer whose port it cannot reach as one that accepts no connection.

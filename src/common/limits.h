@@ -109,6 +109,13 @@ inline constexpr std::uint64_t kSyncPieceBytesMin = 4u << 20;
 // when set), each carrying at least kStateStripeBytesMin (peer/shared_state.cpp).
 inline constexpr std::uint32_t kStateStreamsDefault = 4;
 inline constexpr std::uint64_t kStateStripeBytesMin = 16u << 20;
+// The connections that carry `bytes` from one source: one per kStateStripeBytesMin, at
+// least 1, at most `streams`.
+constexpr std::uint32_t state_connections(std::uint64_t bytes, std::uint32_t streams) {
+  const std::uint64_t most = streams == 0 ? 1 : streams;
+  const std::uint64_t n = bytes / kStateStripeBytesMin;
+  return static_cast<std::uint32_t>(n < 1 ? 1 : n > most ? most : n);
+}
 // A shared-state transfer that makes no progress for this long fails.
 inline constexpr std::uint32_t kStateTransferStallMsDefault = 60'000;
 // Segments (1 MiB leaves of the content hash) one StateRequest may cover: 4 GiB of a

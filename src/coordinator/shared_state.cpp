@@ -183,10 +183,12 @@ void Coordinator::decide_sync(std::uint32_t group, Outbox& out) {
 // Every participant gets its plan. A tensor is received by a peer whose digest differs
 // from the representative's, unless the tensor allows content inequality and the peer
 // is up to date. Distributors of a tensor are the candidates at the elected revision
-// holding the representative's digest of it that accept inbound connections (a peer
-// that needs a tensor without one leaves); large tensors are split into pieces over
+// holding the representative's digest of it; large tensors are split into pieces over
 // several distributors, always the least loaded ones, so that many receivers do not
-// all download from one peer.
+// all download from one peer. Of two peers, the one that accepts inbound connections
+// is dialled: a distributor that accepts none serves only receivers that do (it dials
+// them: SyncPlan.dials), and a peer that needs a tensor no distributor can serve it
+// leaves (docs/deployment.md, "NAT").
 void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_revision, PeerId representative,
                                   Outbox& out) {
   SharedStateSync& sync = syncs_.at(group);
@@ -204,21 +206,26 @@ void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_rev
       const proto::TensorEntry* t = find_tensor(indexes.at(id), e.key);
       if (t != nullptr && t->hash == e.hash) list.push_back(id);
     }
-    // Receivers dial their sources: a peer that accepts no inbound connection is none.
-    list.erase(std::remove_if(list.begin(), list.end(),
-                              [&](PeerId id) { return !proto::accepts_inbound(peers_.at(id).info); }),
-               list.end());
   }
-  // A peer that needs a tensor no source can serve it (its only holders accept no
-  // inbound connection) would fail this sync for everyone, again at every retry: it
-  // leaves, and the sync is decided anew without it (docs/deployment.md, "NAT").
+  const auto reachable = [&](PeerId id) { return proto::accepts_inbound(peers_.at(id).info); };
+  // The distributors of a tensor that can serve `receiver`: one of the two must accept
+  // inbound connections.
+  const auto sources_for = [&](PeerId receiver, const std::string& key) {
+    std::vector<PeerId> from = distributors.at(key);
+    if (!reachable(receiver)) {
+      from.erase(std::remove_if(from.begin(), from.end(), [&](PeerId id) { return !reachable(id); }), from.end());
+    }
+    return from;
+  };
+  // A peer that needs a tensor no source can serve it would fail this sync for
+  // everyone, again at every retry: it leaves, and the sync is decided anew without it.
   std::vector<PeerId> unservable;
   for (const auto& [id, vote] : sync.votes) {
     const bool outdated = vote.revision != elected_revision;
     for (const proto::TensorEntry& t : vote.tensors) {
       const proto::TensorEntry& e = *find_tensor(reference_index, t.key);
       if (t.hash == e.hash || (t.allow_content_inequality && !outdated) || tensor_bytes(t) == 0) continue;
-      if (distributors.at(t.key).empty()) {
+      if (sources_for(id, t.key).empty()) {
         unservable.push_back(id);
         break;
       }
@@ -226,8 +233,8 @@ void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_rev
   }
   for (const PeerId& id : unservable) {
     remove_peer(id, LOCKSTEP_STATUS_KICKED,
-                "no peer that holds the elected shared state accepts inbound connections, so none can send it to "
-                "this peer (a peer that holds it and accepts connections must rejoin)",
+                "this peer accepts no inbound connection and no peer that holds the elected shared state accepts "
+                "one, so none can send it to this peer (a peer that holds it and accepts connections must rejoin)",
                 /*connection_open=*/true, /*straggler=*/false, out);
   }
   if (!unservable.empty()) return;  // the vote is complete again without them; advance() decides anew
@@ -248,11 +255,12 @@ void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_rev
     // Splitting is bounded so that the plan's list of pieces stays within its limit.
     const std::uint64_t pieces_max = needed.empty() ? 1 : std::max<std::uint64_t>(1, limits::kSyncFetchesMax / needed.size());
     std::map<PeerId, std::uint32_t> source_index;
+    std::map<PeerId, std::uint64_t> from_source;  // bytes this receiver fetches from each source
     for (const auto i : needed) {
       const proto::TensorEntry& t = vote.tensors[i];
       const std::uint64_t bytes = tensor_bytes(t);
       if (bytes == 0) continue;
-      std::vector<PeerId> from = distributors.at(t.key);
+      std::vector<PeerId> from = sources_for(id, t.key);
       std::stable_sort(from.begin(), from.end(), [&](PeerId a, PeerId b) { return load[a] < load[b]; });
       const std::uint64_t pieces = std::min<std::uint64_t>(
           {from.size(), std::max<std::uint64_t>(1, bytes / limits::kSyncPieceBytesMin), pieces_max});
@@ -266,8 +274,16 @@ void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_rev
         if (fresh) plan.sources.push_back(peers_.at(source).info);
         plan.fetches.push_back(proto::SyncFetch{i, offset, length, slot->second});
         load[source] += length;
+        from_source[source] += length;
         total += length;
       }
+    }
+    // A source that accepts no inbound connection dials this receiver, as many
+    // connections as the receiver fetches over from a source (peer/transfer_queue.h).
+    for (const auto& [source, bytes] : from_source) {
+      if (reachable(source)) continue;
+      plans[source].dials.push_back(
+          proto::SyncDial{peers_.at(id).info, limits::state_connections(bytes, limits::kStateStreamsDefault)});
     }
   }
   sync.phase = SharedStateSync::Phase::kTransferring;

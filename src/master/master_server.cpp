@@ -386,6 +386,9 @@ class MasterServer::Impl {
     if (const auto* m = std::get_if<proto::SyncPlan>(&message)) {
       auto copy = *m;
       fill(copy.sources);
+      for (auto& dial : copy.dials) {
+        dial.receiver.key = security::to_bytes(security::pair_key(run_key_, *self, dial.receiver.id));
+      }
       return copy;
     }
     if (const auto* m = std::get_if<proto::BandwidthTest>(&message)) {

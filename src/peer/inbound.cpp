@@ -96,12 +96,12 @@ std::optional<Inbound> InboundListener::take_inbound(PeerId from, std::uint32_t 
 
 std::optional<Inbound> InboundListener::take_connection(proto::Channel channel, std::uint64_t operation,
                                                         std::optional<PeerId> from, const std::atomic<bool>* stop,
-                                                        Clock::time_point deadline) {
+                                                        Clock::time_point deadline, bool reversed) {
   std::unique_lock<std::mutex> lock(mutex_);
   auto& queue = channel == proto::Channel::kSharedState ? state_inbound_ : bench_inbound_;
   for (;;) {
     for (auto it = queue.begin(); it != queue.end();) {
-      if (it->epoch == operation && it->to == id_ && (!from || it->from == *from)) {
+      if (it->epoch == operation && it->to == id_ && (!from || it->from == *from) && it->reversed == reversed) {
         Inbound out = std::move(*it);
         queue.erase(it);
         return out;
@@ -212,8 +212,8 @@ void InboundListener::handshake(const std::shared_ptr<Handshake>& h, proto::Chan
         // Before the Welcome is processed our identity is still unknown; such a
         // connection is kept and its target checked when it is claimed.
         if (h->hello.channel != channel || (!id_.is_nil() && h->hello.to != id_)) verdict = LOCKSTEP_STATUS_REJECTED;
-        // Only a ring connection runs reversed.
-        if ((h->hello.flags & proto::kP2PFlagReversed) != 0 && channel != proto::Channel::kRing) {
+        // Ring and shared-state connections run reversed, benchmark ones never.
+        if ((h->hello.flags & proto::kP2PFlagReversed) != 0 && channel == proto::Channel::kBenchmark) {
           verdict = LOCKSTEP_STATUS_REJECTED;
         }
       }

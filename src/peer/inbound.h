@@ -44,9 +44,10 @@ struct Inbound {
   std::uint32_t pool_index = 0;
   transport::Fd fd;
   // With a secret: the connection's session keys (the connector sends with to_server;
-  // on a reversed ring connection the acceptor sends, with to_client).
+  // on a reversed ring connection the acceptor sends, with to_client; on a shared-state
+  // connection the requester sends with to_server, whoever connected).
   std::optional<security::SessionKeys> keys;
-  bool reversed = false;  // kP2PFlagReversed: its connector receives, this peer sends
+  bool reversed = false;  // kP2PFlagReversed: its connector receives (ring) or serves (shared state)
 };
 
 class InboundListener {
@@ -73,9 +74,11 @@ class InboundListener {
   // A shared-state or benchmark connection opened for operation `operation` (its
   // P2PHello's epoch: the sync attempt or the bandwidth test), from `from` if given;
   // those of older operations are closed. Waits until one arrives, `stop` is set (see
-  // wake()), the deadline passes or the link ends.
+  // wake()), the deadline passes or the link ends. `reversed`: the reversed shared-state
+  // connections `from` dialled to answer this peer's requests, not the others.
   std::optional<Inbound> take_connection(proto::Channel channel, std::uint64_t operation, std::optional<PeerId> from,
-                                         const std::atomic<bool>* stop, Clock::time_point deadline);
+                                         const std::atomic<bool>* stop, Clock::time_point deadline,
+                                         bool reversed = false);
   // Wakes every claim so that it re-checks its stop condition.
   void wake();
   // Forgets buffered connections from peers that are not members any more.

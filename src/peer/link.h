@@ -68,8 +68,9 @@ class Link {
     return inbound_.take_inbound(from, slot, min_generation, deadline, abort, reversed);
   }
   std::optional<Inbound> take_connection(proto::Channel channel, std::uint64_t operation, std::optional<PeerId> from,
-                                         const std::atomic<bool>* stop, Clock::time_point deadline) {
-    return inbound_.take_connection(channel, operation, from, stop, deadline);
+                                         const std::atomic<bool>* stop, Clock::time_point deadline,
+                                         bool reversed = false) {
+    return inbound_.take_connection(channel, operation, from, stop, deadline, reversed);
   }
   // Wakes every wait of this link so that it re-checks its stop condition.
   void wake();

@@ -9,6 +9,11 @@
 //    first ones sent with the handshake), receives the pieces straight into the
 //    tensors, digesting each 1 MiB leaf of the content hash as soon as it is whole,
 //    checks every received tensor's digest and reports to the master.
+// A source that accepts no inbound connection is dialled by nobody: the plan names the
+// receivers it dials instead (SyncPlan.dials), and its server answers on those
+// connections as on accepted ones; such a receiver's fetch thread takes the connection
+// its source dialled (P2PHello flag reversed) instead of dialling. Roles do not follow
+// the TCP connection: the requester seals with to_server, the server with to_client.
 // The outcome (one for the whole group) stops both; on failure open transfers are cut
 // by shutting their sockets down. Memory stays bounded: bytes move from the sender's
 // tensor into the receiver's tensor, and a receiver never accepts more bytes than its
@@ -30,6 +35,7 @@
 #include "peer/communicator.h"
 #include "peer/handshake.h"
 #include "peer/link.h"
+#include "peer/mailbox.h"
 #include "peer/transfer_queue.h"
 #include "state/blocks.h"
 #include "state/hash.h"
@@ -280,12 +286,20 @@ Status recv_blocks(int fd, std::uint8_t* dst, std::uint64_t bytes, SealedStream*
   return Status::ok();
 }
 
-// Answers the requests of one sync attempt until stopped.
+// Answers the requests of one sync attempt until stopped: on the connections it accepts,
+// and on those it dials to the receivers of its plan's dials.
 class StateServer {
  public:
-  StateServer(Link& link, std::uint64_t attempt, const std::map<std::string, LocalTensor>& tensors, bool encrypt)
-      : link_(link), attempt_(attempt), tensors_(tensors), encrypt_(encrypt) {
+  StateServer(Link& link, std::uint64_t attempt, const std::map<std::string, LocalTensor>& tensors,
+              const Options& options, PeerId self, const std::vector<proto::SyncDial>& dials)
+      : link_(link), attempt_(attempt), tensors_(tensors), options_(options), self_(self),
+        encrypt_(options.encrypt_data) {
     acceptor_ = std::thread([this] { accept_loop(); });
+    for (const auto& dial : dials) {
+      for (std::uint32_t c = 0; c < dial.connections && dialers_.size() < kServeConnectionsPerAttempt; ++c) {
+        dialers_.emplace_back([this, &dial] { dial_and_serve(dial.receiver); });
+      }
+    }
   }
   ~StateServer() { stop(); }
   StateServer(const StateServer&) = delete;
@@ -295,10 +309,13 @@ class StateServer {
     if (!acceptor_.joinable()) return;
     stop_ = true;
     link_.wake();
+    cancel_.cancel();  // ends the dials and handshakes in progress
     acceptor_.join();
     sockets_.shutdown_all();
     for (auto& t : handlers_) t.join();
     handlers_.clear();
+    for (auto& t : dialers_) t.join();
+    dialers_.clear();
   }
   std::uint64_t bytes_sent() const { return bytes_sent_.load(); }
   std::uint64_t wire_bytes_sent() const { return wire_sent_.load(); }
@@ -322,6 +339,38 @@ class StateServer {
         sockets_.remove(fd->get());
       });
     }
+  }
+
+  // A receiver this peer must dial (it accepts inbound connections, this peer does not).
+  void dial_and_serve(const proto::MemberInfo& to) {
+    const std::string where = "shared-state receiver " + to.id.to_string() + " at " + to.host + ":" +
+                              std::to_string(to.shared_state_port);
+    auto fd = transport::connect_tcp(to.host, to.shared_state_port, options_.p2p_connect_timeout_ms, cancel_.event_fd());
+    if (!fd.is_ok()) {
+      if (!stop_.load()) LOG_WARN(kLog, "shared-state server: cannot dial " << where << ": " << fd.status().message());
+      return;
+    }
+    const int raw = fd.value().get();
+    if (!options_.tcp_congestion.empty()) (void)transport::set_congestion_control(raw, options_.tcp_congestion);
+    proto::P2PHello hello;
+    hello.channel = proto::Channel::kSharedState;
+    hello.from = self_;
+    hello.to = to.id;
+    hello.epoch = attempt_;
+    hello.flags = proto::kP2PFlagReversed;
+    if (encrypt_) hello.flags |= proto::kP2PFlagEncryptData;
+    security::SessionKeys keys;
+    Status s = p2p_handshake(raw, hello, options_.secret.has_value(), to.key, options_.p2p_connect_timeout_ms, &keys,
+                             cancel_.event_fd());
+    if (!s.is_ok()) {
+      if (!stop_.load()) LOG_WARN(kLog, "shared-state server: handshake with " << where << ": " << s.message());
+      return;
+    }
+    if (!sockets_.add(raw)) return;
+    std::unique_ptr<SealedStream> sealed;
+    if (encrypt_) sealed = std::make_unique<SealedStream>(keys, /*client=*/false);
+    serve(raw, sealed.get());
+    sockets_.remove(raw);
   }
 
   void serve(int fd, SealedStream* sealed) {
@@ -391,10 +440,14 @@ class StateServer {
   Link& link_;
   const std::uint64_t attempt_;
   const std::map<std::string, LocalTensor>& tensors_;
+  const Options& options_;
+  const PeerId self_;
   const bool encrypt_;
   std::atomic<bool> stop_{false};
+  OpChannel cancel_;  // its event fd wakes blocked dials and handshakes on stop()
   std::thread acceptor_;
   std::list<std::thread> handlers_;  // acceptor thread only, then stop()
+  std::vector<std::thread> dialers_;  // made by the constructor, joined by stop()
   SocketSet sockets_;
   std::atomic<std::uint64_t> bytes_sent_{0};
   std::atomic<std::uint64_t> wire_sent_{0};  // tensor data as sent: raw, or blocks and their headers
@@ -404,11 +457,11 @@ class StateServer {
 // `streams` connections (peer/transfer_queue.h), one thread each.
 class Fetcher {
  public:
-  Fetcher(PeerId self, std::uint32_t connect_timeout_ms, bool secret, bool encrypt, bool compress,
+  Fetcher(Link& link, PeerId self, std::uint32_t connect_timeout_ms, bool secret, bool encrypt, bool compress,
           std::uint32_t streams, const proto::SyncPlan& plan, const std::vector<SharedTensor>& tensors,
           const std::vector<LocalTensor>& local)
-      : self_(self), connect_timeout_ms_(connect_timeout_ms), secret_(secret), encrypt_(encrypt), compress_(compress),
-        streams_(streams), plan_(plan), tensors_(tensors), local_(local) {
+      : link_(link), self_(self), connect_timeout_ms_(connect_timeout_ms), secret_(secret), encrypt_(encrypt),
+        compress_(compress), streams_(streams), plan_(plan), tensors_(tensors), local_(local) {
     for (const auto& e : plan_.expect) {
       if (e.tensor >= local_.size()) continue;  // check_plan refuses the plan
       expected_[e.tensor] = e.hash;
@@ -424,7 +477,10 @@ class Fetcher {
     for (const auto& f : plan_.fetches) by_source[f.source].push_back(f);
     std::vector<std::size_t> work;  // a source index per connection
     for (std::size_t i = 0; i < by_source.size(); ++i) {
-      queues_.push_back(std::make_unique<SharedQueue>(by_source[i], streams_));
+      // A source that dials this peer opens as many connections as its plan says, which
+      // the master counted with the default streams.
+      const bool dials_us = !proto::accepts_inbound(plan_.sources[i]);
+      queues_.push_back(std::make_unique<SharedQueue>(by_source[i], dials_us ? limits::kStateStreamsDefault : streams_));
       if (queues_.back()->queue.bytes_left() == 0) continue;
       for (std::uint32_t c = 0; c < queues_.back()->queue.connections(); ++c) work.push_back(i);
     }
@@ -455,7 +511,11 @@ class Fetcher {
     }
     return Status::ok();
   }
-  void abort() { sockets_.shutdown_all(); }
+  void abort() {
+    aborted_ = true;
+    sockets_.shutdown_all();
+    link_.wake();
+  }
   std::uint64_t bytes_received() const { return bytes_received_.load(); }
   std::uint64_t wire_bytes_received() const { return wire_received_.load(); }
   std::uint32_t connections() const { return connections_; }  // after run()
@@ -473,6 +533,7 @@ class Fetcher {
   };
 
   Status fetch_from(const proto::MemberInfo& source, SharedQueue& work) {
+    if (!proto::accepts_inbound(source)) return fetch_reversed(source, work);
     const std::string where = "shared-state source " + source.id.to_string() + " at " + source.host + ":" +
                               std::to_string(source.shared_state_port);
     auto fd = transport::connect_tcp(source.host, source.shared_state_port, connect_timeout_ms_);
@@ -485,8 +546,41 @@ class Fetcher {
     return s;
   }
 
-  // The handshake, with the first requests in its last flight; then units from `work`,
-  // a few requests in flight, until it has none left.
+  // A source that accepts no inbound connection dials this peer: one of the connections
+  // its plan made it dial, whose requests this peer sends.
+  Status fetch_reversed(const proto::MemberInfo& source, SharedQueue& work) {
+    const std::string where = "shared-state source " + source.id.to_string() + " (it dials this peer)";
+    // The source learns of the transfer when its own plan arrives, then dials.
+    const std::uint32_t wait_ms = 2 * connect_timeout_ms_;
+    auto connection = link_.take_connection(proto::Channel::kSharedState, plan_.attempt, source.id, &aborted_,
+                                            Clock::now() + std::chrono::milliseconds(wait_ms), /*reversed=*/true);
+    if (!connection) {
+      if (aborted_.load()) return Status(LOCKSTEP_STATUS_INTERRUPTED, "the sync ended");
+      return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
+                    where + ": no connection from it within " + std::to_string(wait_ms) + " ms");
+    }
+    if (encrypt_ && !connection->keys) {
+      return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, where + ": its connection has no session keys");
+    }
+    const int raw = connection->fd.get();
+    if (!sockets_.add(raw)) return Status(LOCKSTEP_STATUS_INTERRUPTED, "the sync ended");
+    transport::set_nodelay(raw);
+    std::unique_ptr<SealedStream> sealed;
+    if (encrypt_) sealed = std::make_unique<SealedStream>(*connection->keys, /*client=*/true);
+    Asked asked;
+    Status s = drain(raw, sealed.get(), work, asked);
+    sockets_.remove(raw);
+    if (!s.is_ok()) return Status(s.code(), where + ": " + s.message());
+    return s;
+  }
+
+  // The requests in flight on one connection, oldest first.
+  struct Asked {
+    std::deque<proto::SyncFetch> units;
+    std::uint64_t bytes = 0;
+  };
+
+  // The handshake, with the first requests in its last flight; then the rest.
   Status exchange(int fd, const proto::MemberInfo& source, SharedQueue& work) {
     proto::P2PHello hello;
     hello.channel = proto::Channel::kSharedState;
@@ -495,40 +589,46 @@ class Fetcher {
     hello.epoch = plan_.attempt;
     if (encrypt_) hello.flags = proto::kP2PFlagEncryptData;
     std::unique_ptr<SealedStream> sealed;
-    std::deque<proto::SyncFetch> asked;  // requests in flight, oldest first
-    std::uint64_t asked_bytes = 0;
-    const auto ask = [&]() -> Status {
-      while (TransferQueue::wants_more(asked.size(), asked_bytes)) {
-        const auto unit = work.take();
-        if (!unit) break;
-        Status r = transport::send_message(
-            fd,
-            proto::StateRequest{plan_.attempt, tensors_[unit->tensor].key, unit->offset, unit->bytes,
-                                expected_digest(unit->tensor),
-                                compress_ ? proto::kStateEncodingBlocks : proto::kStateEncodingRaw,
-                                segment_digests(local_[unit->tensor], unit->offset, unit->bytes)},
-            limits::kStateTransferStallMsDefault, sealed ? &sealed->crypto : nullptr);
-        if (!r.is_ok()) return r;
-        asked.push_back(*unit);
-        asked_bytes += unit->bytes;
-      }
-      return Status::ok();
-    };
+    Asked asked;
     Status s = p2p_handshake(fd, hello, secret_, source.key, connect_timeout_ms_, nullptr, -1,
                              [&](const security::SessionKeys& keys) {
                                if (encrypt_) sealed = std::make_unique<SealedStream>(keys, /*client=*/true);
-                               return ask();
+                               return ask(fd, sealed.get(), work, asked);
                              });
     if (!s.is_ok()) return lost(Status(s.code(), "shared-state handshake: " + s.message()));
+    return drain(fd, sealed.get(), work, asked);
+  }
+
+  // Units from `work`, a few requests in flight, until it has none left.
+  Status drain(int fd, SealedStream* sealed, SharedQueue& work, Asked& asked) {
     BlockReceiver blocks;
     for (;;) {
-      if (Status r = ask(); !r.is_ok()) return lost(r);
-      if (asked.empty()) return Status::ok();
-      const proto::SyncFetch f = asked.front();
-      asked.pop_front();
-      asked_bytes -= f.bytes;
-      if (Status r = receive_answer(fd, f, sealed.get(), blocks); !r.is_ok()) return lost(r);
+      if (Status r = ask(fd, sealed, work, asked); !r.is_ok()) return lost(r);
+      if (asked.units.empty()) return Status::ok();
+      const proto::SyncFetch f = asked.units.front();
+      asked.units.pop_front();
+      asked.bytes -= f.bytes;
+      if (Status r = receive_answer(fd, f, sealed, blocks); !r.is_ok()) return lost(r);
     }
+  }
+
+  // Sends requests for the next units while the connection has room for them.
+  Status ask(int fd, SealedStream* sealed, SharedQueue& work, Asked& asked) {
+    while (TransferQueue::wants_more(asked.units.size(), asked.bytes)) {
+      const auto unit = work.take();
+      if (!unit) break;
+      Status r = transport::send_message(
+          fd,
+          proto::StateRequest{plan_.attempt, tensors_[unit->tensor].key, unit->offset, unit->bytes,
+                              expected_digest(unit->tensor),
+                              compress_ ? proto::kStateEncodingBlocks : proto::kStateEncodingRaw,
+                              segment_digests(local_[unit->tensor], unit->offset, unit->bytes)},
+          limits::kStateTransferStallMsDefault, sealed ? &sealed->crypto : nullptr);
+      if (!r.is_ok()) return r;
+      asked.units.push_back(*unit);
+      asked.bytes += unit->bytes;
+    }
+    return Status::ok();
   }
 
   state::Digest expected_digest(std::uint32_t tensor) const {
@@ -596,6 +696,7 @@ class Fetcher {
     return s.code() == LOCKSTEP_STATUS_PROTOCOL_ERROR ? s : Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, s.message());
   }
 
+  Link& link_;
   const PeerId self_;
   const std::uint32_t connect_timeout_ms_;
   const bool secret_;
@@ -618,6 +719,7 @@ class Fetcher {
   std::map<std::uint32_t, Received> received_;  // by tensor index, for each expected tensor
   std::vector<std::unique_ptr<SharedQueue>> queues_;  // by source index
   SocketSet sockets_;
+  std::atomic<bool> aborted_{false};
   std::atomic<std::uint64_t> bytes_received_{0};
   std::atomic<std::uint64_t> wire_received_{0};
   std::uint32_t connections_ = 0;
@@ -710,9 +812,9 @@ Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>
   LOG_DEBUG(kLog, "sync attempt " << plan.attempt << ": revision " << plan.revision << ", " << plan.expect.size()
                                   << " tensor(s) to receive in " << plan.fetches.size() << " piece(s)");
 
-  StateServer server(*link_, plan.attempt, by_key, options_.encrypt_data);
+  StateServer server(*link_, plan.attempt, by_key, options_, id_, plan.dials);
   const std::uint32_t streams = options_.p2p_streams != 0 ? options_.p2p_streams : limits::kStateStreamsDefault;
-  Fetcher fetcher(id_, options_.p2p_connect_timeout_ms, options_.secret.has_value(), options_.encrypt_data,
+  Fetcher fetcher(*link_, id_, options_.p2p_connect_timeout_ms, options_.secret.has_value(), options_.encrypt_data,
                   options_.compress_state, streams, plan, tensors, local);
   std::thread transfers([&] {
     Status s = check_plan(plan, local);

@@ -13,8 +13,7 @@ TransferQueue::TransferQueue(const std::vector<proto::SyncFetch>& pieces, std::u
     left_.push_back(p);
     bytes_left_ += p.bytes;
   }
-  connections_ = static_cast<std::uint32_t>(std::clamp<std::uint64_t>(
-      bytes_left_ / limits::kStateStripeBytesMin, 1, std::max<std::uint32_t>(streams, 1)));
+  connections_ = limits::state_connections(bytes_left_, streams);
 }
 
 std::optional<proto::SyncFetch> TransferQueue::take() {

@@ -481,7 +481,16 @@ bool fields(Io& io, Of<Io, SyncPlan>& m) {
                           io.check(fetch.source < m.sources.size(), "sync_plan.fetch.source: no such source");
                  }) &&
          io.list(m.expect, limits::kSharedStateTensorsMax, kSyncExpectBytes, "sync_plan.expect",
-                 [&](auto& expect) { return fields(io, expect); });
+                 [&](auto& expect) { return fields(io, expect); }) &&
+         io.list(m.dials, limits::kMembersPerMessageMax, kMemberBytesMin + 4, "sync_plan.dials", [&](auto& dial) {
+           return fields(io, dial.receiver) && io.u(dial.connections, "sync_plan.dial.connections") &&
+                  io.check(dial.connections >= 1 && dial.connections <= limits::kStateStreamsDefault,
+                           [] {
+                             return "sync_plan.dial.connections: not 1.." +
+                                    std::to_string(limits::kStateStreamsDefault);
+                           }) &&
+                  io.check(proto::accepts_inbound(dial.receiver), "sync_plan.dial.receiver: names no port");
+         });
 }
 
 template <typename Io>

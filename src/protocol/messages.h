@@ -30,7 +30,9 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 //    attempt instead of the whole ring; the descriptor names the all-reduce algorithm
 // 10: completion among the peers: CollectiveDone.committed, CollectiveAbort, and the
 //    ring's commit tokens (docs/protocol.md, "Completion")
-inline constexpr std::uint16_t kProtocolVersion = 11;
+// 11: peers that accept no inbound connection (Hello ports 0), reversed ring edges
+// 12: reversed shared-state transfers (SyncPlan.dials)
+inline constexpr std::uint16_t kProtocolVersion = 12;
 
 enum class MsgType : std::uint16_t {
   // peer -> master
@@ -414,8 +416,18 @@ struct SyncExpect {
   state::Digest hash;
   bool operator==(const SyncExpect&) const = default;
 };
+// A receiver that a source accepting no inbound connection dials (since version 12):
+// it opens `connections` shared-state connections to the receiver (P2PHello flag
+// reversed) and answers the requests that arrive on them. The receiver expects exactly
+// limits::state_connections(bytes it fetches from that source, kStateStreamsDefault).
+struct SyncDial {
+  MemberInfo receiver;
+  std::uint32_t connections = 1;
+  bool operator==(const SyncDial&) const = default;
+};
 // The election's outcome for one peer: what it must fetch from whom. Every
 // participant gets one (most fetch nothing) and serves requests until the result.
+// A source that accepts no inbound connection is dialled by nobody: it dials `dials`.
 struct SyncPlan {
   static constexpr MsgType kType = MsgType::kSyncPlan;
   std::uint64_t attempt = 0;
@@ -423,6 +435,7 @@ struct SyncPlan {
   std::vector<MemberInfo> sources;
   std::vector<SyncFetch> fetches;
   std::vector<SyncExpect> expect;
+  std::vector<SyncDial> dials = {};
   bool operator==(const SyncPlan&) const = default;
 };
 // The outcome of a sync, the same for every participant. attempt 0: it ended before
@@ -467,8 +480,10 @@ struct P2PHello {
 // The connector seals its data plane (the communicator option encrypt_data). An acceptor
 // whose own setting differs answers P2PHelloAck{kP2PEncryptionMismatch}.
 inline constexpr std::uint8_t kP2PFlagEncryptData = 1;
-// A reversed ring connection (since version 11): the connector is the receiver of its
-// data and the acceptor sends, because the receiver accepts no inbound connection.
+// A reversed connection (ring since version 11, shared state since 12): the connector
+// is the receiver of its data and the acceptor sends (ring), or the connector answers
+// the acceptor's requests (shared state), because that side accepts no inbound
+// connection.
 inline constexpr std::uint8_t kP2PFlagReversed = 2;
 inline constexpr std::uint8_t kP2PFlagsKnown = kP2PFlagEncryptData | kP2PFlagReversed;
 inline constexpr StatusCode kP2PEncryptionMismatch = LOCKSTEP_STATUS_INVALID_ARGUMENT;

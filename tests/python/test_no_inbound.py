@@ -117,20 +117,23 @@ def test_shared_state_reaches_an_unreachable_newcomer_and_optimize_keeps_the_edg
         sums = c.run(lambda i, comm: comm.all_reduce(np.full(COUNT, float(i), dtype=np.float32), tag=7) and None)
         assert sums == [None, None, None]
 
-        # A reachable newcomer fetches from the two reachable sources only: the
-        # unreachable peer, up to date as they are, sends nothing.
+        # A reachable newcomer fetches from all three sources: the unreachable one dials
+        # it (a reversed shared-state transfer) and sends its share like the others.
         states.append(fresh)
         late = c.add_peer("late")
         empty = lockstep.SharedState({"w": np.zeros_like(weights)})
         infos = sync_to_newcomer(c.peers[:3], states, late, empty)
         np.testing.assert_array_equal(empty["w"], weights)
-        assert infos[2].bytes_sent == 0 and infos[0].bytes_sent > 0 and infos[1].bytes_sent > 0, infos
+        assert all(info.bytes_sent > 0 for info in infos[:3]), infos
+        assert sum(info.bytes_sent for info in infos[:3]) == weights.nbytes, infos
 
 
 @pytest.mark.parametrize("encrypt", [False, True])
 def test_reversed_edges_with_a_run_secret(tmp_path, encrypt):
     """With a run secret the reversed connections are authenticated like the others, and
-    with encrypt_data their data is sealed by the acceptor, which sends on them."""
+    with encrypt_data their data is sealed by the side that sends it: the acceptor on a
+    ring edge, the serving side of a shared-state transfer (here the only holder, which
+    accepts no connection and dials both receivers)."""
     secret_file = tmp_path / "secret"
     secret_file.write_bytes(b"0123456789abcdef0123456789abcdef")
     secret_file.chmod(0o600)
@@ -151,6 +154,21 @@ def test_reversed_edges_with_a_run_secret(tmp_path, encrypt):
             np.testing.assert_array_equal(total, want)
             for k, got in enumerate(mins):
                 np.testing.assert_array_equal(got, contribution(0) + k)
+
+        weights = np.random.default_rng(9).standard_normal(8 << 20).astype(np.float32)  # 32 MiB: 2 connections
+        states = [lockstep.SharedState({"w": np.zeros_like(weights)}) for _ in range(n)]
+        states[1] = lockstep.SharedState({"w": weights.copy()}, revision=1)  # the unreachable peer's
+
+        def sync(i, comm):
+            strategy = lockstep.SyncStrategy.RECEIVE_ONLY if i != 1 else lockstep.SyncStrategy.SEND_ONLY
+            return comm.sync_shared_state(states[i], strategy)
+
+        infos = c.run(sync)
+        for st in states:
+            np.testing.assert_array_equal(st["w"], weights)
+            assert st.revision == 1
+        assert infos[1].bytes_sent == 2 * weights.nbytes, infos
+        assert [info.streams for info in infos] == [2, 0, 2], infos
 
 
 def test_the_master_finds_a_port_it_cannot_reach():

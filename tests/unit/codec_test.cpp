@@ -150,6 +150,7 @@ std::vector<Message> samples() {
   all.push_back(SyncPlan{9, 43, {member(1, "10.0.0.1"), member(2, "10.0.0.2")},
                          {SyncFetch{0, 0, 4096, 1}, SyncFetch{0, 4096, 100, 0}}, {SyncExpect{0, state::Digest{5, 6}}}});
   all.push_back(SyncPlan{});
+  all.push_back(SyncPlan{10, 44, {}, {}, {}, {SyncDial{member(3, "10.0.0.3"), 4}, SyncDial{member(4, "10.0.0.4"), 1}}});
   all.push_back(SyncResult{9, LOCKSTEP_OK, 43, ""});
   all.push_back(SyncResult{0, LOCKSTEP_STATUS_NO_SHARED_STATE_AVAILABLE, 0, "every holder is gone"});
   all.push_back(StateRequest{9, "layer.0.weight", 1ull << 30, 1ull << 20, state::Digest{3, 4}, kStateEncodingRaw,
@@ -701,9 +702,11 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
       {SyncDone{1, LOCKSTEP_OK, "r", 2, 3},
        {"sync_done.attempt", "sync_done.status", "sync_done.reason", "sync_done.bytes_sent",
         "sync_done.bytes_received"}},
-      {SyncPlan{1, 2, {member(1, std::string(40, 'h'))}, {SyncFetch{0, 1, 2, 0}}, {SyncExpect{0, state::Digest{1, 2}}}},
+      {SyncPlan{1, 2, {member(1, std::string(40, 'h'))}, {SyncFetch{0, 1, 2, 0}}, {SyncExpect{0, state::Digest{1, 2}}},
+                {SyncDial{member(3, "r"), 2}}},
        {"sync_plan.attempt", "sync_plan.revision", "members", "member.host", "member.p2p_port",
-        "member.shared_state_port", "member.benchmark_port", "member.key", "sync_plan.fetches", "sync_plan.expect"}},
+        "member.shared_state_port", "member.benchmark_port", "member.key", "sync_plan.fetches", "sync_plan.expect",
+        "sync_plan.dials", "sync_plan.dial.connections"}},
       {SyncResult{1, LOCKSTEP_OK, 2, "r"},
        {"sync_result.attempt", "sync_result.status", "sync_result.revision", "sync_result.reason"}},
       {StateRequest{1, "k", 2, 3, state::Digest{4, 5}, kStateEncodingRaw, {state::Digest{6, 7}}},
@@ -872,6 +875,16 @@ TEST(CodecPayload, SharedStateMessagesAreBounded) {
   {
     const SyncPlan plan{1, 2, {member(1, "h")}, {SyncFetch{0, 0, 10, 1}}, {}};
     EXPECT_TRUE(payload_rejected(MsgType::kSyncPlan, payload_copy(plan), {"SyncPlan", "sync_plan.fetch.source", "no such source"}));
+  }
+  for (const std::uint32_t connections : {0u, limits::kStateStreamsDefault + 1}) {
+    const SyncPlan plan{1, 2, {}, {}, {}, {SyncDial{member(1, "h"), connections}}};
+    EXPECT_TRUE(payload_rejected(MsgType::kSyncPlan, payload_copy(plan), {"SyncPlan", "sync_plan.dial.connections: not 1..4"}));
+  }
+  {
+    MemberInfo unreachable = member(1, "h");
+    unreachable.p2p_port = unreachable.shared_state_port = unreachable.benchmark_port = 0;
+    const SyncPlan plan{1, 2, {}, {}, {}, {SyncDial{unreachable, 1}}};
+    EXPECT_TRUE(payload_rejected(MsgType::kSyncPlan, payload_copy(plan), {"SyncPlan", "sync_plan.dial.receiver: names no port"}));
   }
   {
     StateRequest request{1, "", 0, 1, {}, kStateEncodingRaw, {state::Digest{}}};

@@ -2551,7 +2551,34 @@ TEST(CoordinatorSync, NewcomerReceivesEverythingSpreadOverTheHolders) {
 // Receivers dial their sources (docs/deployment.md, "NAT"): a holder that accepts no
 // inbound connection is never a source, and a peer that needs what only such holders
 // have cannot be served; it leaves, and the others' sync goes on without it.
-TEST(CoordinatorSync, APeerOnlyUnreachableHoldersCouldServeLeaves) {
+// Checks the dials of the plans of `peers` against their fetches: a source that accepts
+// no inbound connection dials each receiver that fetches from it, once, with as many
+// connections as the receiver fetches over (limits::state_connections), and only such
+// sources dial. Returns the number of dials.
+std::size_t check_dials(Harness& h, const std::vector<FakePeer>& peers, const std::vector<p::SyncPlan>& plans) {
+  std::map<std::pair<PeerId, PeerId>, std::uint32_t> wanted;  // (source, receiver) -> connections
+  for (std::size_t r = 0; r < peers.size(); ++r) {
+    std::map<std::uint32_t, std::uint64_t> bytes;
+    for (const auto& f : plans[r].fetches) bytes[f.source] += f.bytes;
+    for (const auto& [index, total] : bytes) {
+      const p::MemberInfo& source = plans[r].sources.at(index);
+      if (!p::accepts_inbound(source)) {
+        EXPECT_TRUE(p::accepts_inbound(h.c.find_peer(peers[r].id)->info)) << "two unreachable peers paired";
+        wanted[{source.id, peers[r].id}] = limits::state_connections(total, limits::kStateStreamsDefault);
+      }
+    }
+  }
+  std::map<std::pair<PeerId, PeerId>, std::uint32_t> got;
+  for (std::size_t s = 0; s < peers.size(); ++s) {
+    for (const auto& dial : plans[s].dials) {
+      EXPECT_TRUE(got.emplace(std::make_pair(peers[s].id, dial.receiver.id), dial.connections).second) << "dialled twice";
+    }
+  }
+  EXPECT_EQ(got, wanted);
+  return got.size();
+}
+
+TEST(CoordinatorSync, HoldersThatAcceptNoConnectionDialTheirReceivers) {
   Harness h;
   h.no_ports = true;
   const FakePeer hidden = h.first(1);
@@ -2560,29 +2587,59 @@ TEST(CoordinatorSync, APeerOnlyUnreachableHoldersCouldServeLeaves) {
   const FakePeer open = h.join(1);
   const FakePeer newcomer = h.join(1);
   h.update({hidden}, {other_hidden, open, newcomer});
-  // The reachable peer holds the content too: the newcomer is served by it alone.
-  auto plans = sync_round(h, {hidden, other_hidden, open, newcomer},
+  const std::vector<FakePeer> peers = {hidden, other_hidden, open, newcomer};
+  // Every peer holds the content but the newcomer: the load spreads over all three
+  // holders, and the two that accept no connection dial it.
+  auto plans = sync_round(h, peers,
                           {state_vote(1, model(10)), state_vote(1, model(10)), state_vote(1, model(10)),
                            state_vote(0, model(5), p::SyncStrategy::kReceiveOnly)},
                           1);
   ASSERT_EQ(plans.size(), 4u);
-  ASSERT_FALSE(plans[3].sources.empty());
-  for (const auto& source : plans[3].sources) EXPECT_EQ(source.id, open.id);
-  // Next, both reachable peers fall behind (receive-only): only the two that accept no
-  // connection hold the content, and it cannot be sent to either.
+  EXPECT_EQ(plans[3].sources.size(), 3u);
+  EXPECT_EQ(check_dials(h, peers, plans), 2u);
+  // Next, both reachable peers fall behind: only the two that accept no connection hold
+  // the content, and they send it to both.
   const auto behind = state_vote(1, model(7), p::SyncStrategy::kReceiveOnly);
-  Outbox out = vote_sync(h, {hidden, other_hidden, open, newcomer},
-                         {state_vote(2, model(10)), state_vote(2, model(10)), behind, behind});
-  for (const auto& f : {open, newcomer}) {
-    expect_goodbye(out, f, LOCKSTEP_STATUS_KICKED);
-    EXPECT_EQ(h.c.find_peer(f.id), nullptr);
+  plans = sync_round(h, peers, {state_vote(2, model(10)), state_vote(2, model(10)), behind, behind}, 2);
+  ASSERT_EQ(plans.size(), 4u);
+  for (const std::size_t r : {2u, 3u}) {
+    ASSERT_FALSE(plans[r].sources.empty());
+    for (const auto& source : plans[r].sources) EXPECT_FALSE(p::accepts_inbound(source));
   }
-  for (const auto& f : {hidden, other_hidden}) {
-    const auto plan = one_of<p::SyncPlan>(out, f.conn);
-    ASSERT_TRUE(plan.has_value()) << describe(out);
-    EXPECT_TRUE(plan->fetches.empty());
-    EXPECT_EQ(plan->revision, 2u);
-  }
+  EXPECT_EQ(check_dials(h, peers, plans), 4u);
+}
+
+TEST(CoordinatorSync, APeerNoHolderCanReachLeaves) {
+  Harness h;
+  h.no_ports = true;
+  const FakePeer hidden = h.first(1);
+  h.no_ports = false;
+  const FakePeer open = h.join(1);
+  const FakePeer hidden_newcomer = h.join_as(1, false);
+  h.update({hidden}, {open, hidden_newcomer});
+  // The reachable holder serves the unreachable newcomer alone.
+  auto plans = sync_round(h, {hidden, open, hidden_newcomer},
+                          {state_vote(1, model(10)), state_vote(1, model(10)),
+                           state_vote(0, model(5), p::SyncStrategy::kReceiveOnly)},
+                          1);
+  ASSERT_EQ(plans.size(), 3u);
+  ASSERT_FALSE(plans[2].sources.empty());
+  for (const auto& source : plans[2].sources) EXPECT_EQ(source.id, open.id);
+  EXPECT_EQ(check_dials(h, {hidden, open, hidden_newcomer}, plans), 0u);
+  // Next, only the peer that accepts no connection holds it: the reachable one is
+  // served (dialled), the unreachable one cannot be and leaves.
+  const auto behind = state_vote(1, model(7), p::SyncStrategy::kReceiveOnly);
+  Outbox out = vote_sync(h, {hidden, open, hidden_newcomer}, {state_vote(2, model(10)), behind, behind});
+  expect_goodbye(out, hidden_newcomer, LOCKSTEP_STATUS_KICKED);
+  EXPECT_EQ(h.c.find_peer(hidden_newcomer.id), nullptr);
+  const auto plan = one_of<p::SyncPlan>(out, hidden.conn);
+  ASSERT_TRUE(plan.has_value()) << describe(out);
+  ASSERT_EQ(plan->dials.size(), 1u);
+  EXPECT_EQ(plan->dials[0].receiver.id, open.id);
+  const auto served = one_of<p::SyncPlan>(out, open.conn);
+  ASSERT_TRUE(served.has_value());
+  ASSERT_EQ(served->sources.size(), 1u);
+  EXPECT_EQ(served->sources[0].id, hidden.id);
 }
 
 // The seeds' async-DiLoCo case: more newcomers than old peers, syncing receive-only,
