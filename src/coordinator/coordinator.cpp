@@ -653,6 +653,31 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
   if (topology_phase_ == TopologyPhase::kMeasuring && peer.state == PeerState::kMeasuringBandwidth) {
     fail_optimize("peer " + id.to_string() + " was lost during the bandwidth measurements (" + reason + ")", out);
   }
+  if (peer.phase == Phase::kAccepted) remove_unreachable_neighbours(peer.group, id, out);
+}
+
+// After a removal two peers that both accept no inbound connection may be ring
+// neighbours: their edge cannot be made, and every collective of the group would fail
+// on it until an update topology re-formed the ring. The one that joined later leaves
+// (KICKED); it may join again, and is then placed where its edges can be made
+// (docs/deployment.md, "NAT"). Each removal checks again, so no such pair is left.
+void Coordinator::remove_unreachable_neighbours(std::uint32_t group, PeerId lost, Outbox& out) {
+  const auto it = rings_.find(group);
+  if (it == rings_.end()) return;
+  const std::vector<PeerId>& ring = it->second;
+  const auto refuses = [&](PeerId id) { return !proto::accepts_inbound(peers_.at(id).info); };
+  for (std::size_t k = 0; k < ring.size() && ring.size() >= 2; ++k) {
+    const PeerId a = ring[k];
+    const PeerId b = ring[(k + 1) % ring.size()];
+    if (!refuses(a) || !refuses(b)) continue;
+    const PeerId later = std::max(a, b);  // PeerIds grow in join order
+    const PeerId other = later == a ? b : a;
+    return remove_peer(later, LOCKSTEP_STATUS_KICKED,
+                       "since peer " + lost.to_string() + " left, this peer's ring neighbour " + other.to_string() +
+                           " is one that accepts no inbound connection, as this peer is, so their ring edge cannot "
+                           "be made (docs/deployment.md, \"NAT\"); join again to be placed where it can",
+                       /*connection_open=*/true, /*straggler=*/false, out);
+  }
 }
 
 // ---------------------------------------------------------------- decisions
@@ -725,9 +750,11 @@ void Coordinator::start_establish(TimeMs now_ms, Outbox& out,
   optimizing_ = optimized.has_value();
   newcomers_.clear();
   proposed_rings_ = optimized ? *optimized : rings_;
+  const std::map<PeerId, std::string> no_room = optimizing_ ? std::map<PeerId, std::string>{} : without_room();
   for (auto& [id, peer] : peers_) {
     if (peer.phase == Phase::kRegistered) {
       if (optimizing_) continue;  // an optimization admits nobody: they wait for the next update
+      if (no_room.count(id) != 0) continue;
       newcomers_.insert(id);
       place_newcomer(proposed_rings_[peer.group], id);
     }
@@ -738,6 +765,9 @@ void Coordinator::start_establish(TimeMs now_ms, Outbox& out,
     peer.unreachable.clear();
   }
   for (auto& [group, ring] : proposed_rings_) keep_unreachable_apart(ring);
+  for (const auto& [id, why] : no_room) {
+    remove_peer(id, LOCKSTEP_STATUS_REJECTED, why, /*connection_open=*/true, /*straggler=*/false, out);
+  }
   std::map<std::uint32_t, std::vector<PeerId>> participants;
   for (const auto& [id, peer] : peers_) {
     if (peer.state == PeerState::kEstablishingP2P) participants[peer.group].push_back(id);
@@ -754,6 +784,41 @@ void Coordinator::start_establish(TimeMs now_ms, Outbox& out,
                       .op = optimizing_ ? Operation::kOptimizeTopology : Operation::kUpdateTopology,
                       .peers = std::move(newcomers),
                       .round_started_ms = topology_round_started_ms_});
+}
+
+// A ring edge needs one end that accepts inbound connections, so peers that accept none
+// must each sit between two that do: a group (of two or more) holds at most as many of
+// them as of the others. The registered peers that accept no inbound connection beyond
+// that (the last to register), with why: they are rejected now rather than placed where
+// their ring edges cannot be made (docs/deployment.md, "NAT").
+std::map<PeerId, std::string> Coordinator::without_room() const {
+  std::map<std::uint32_t, std::pair<std::size_t, std::size_t>> counts;  // group: (accept, refuse)
+  const auto add = [&](const Peer& p) {
+    auto& [open, closed] = counts[p.group];
+    ++(proto::accepts_inbound(p.info) ? open : closed);
+  };
+  for (const auto& [group, ring] : proposed_rings_) {
+    for (const PeerId& id : ring) add(peers_.at(id));
+  }
+  for (const auto& [id, peer] : peers_) {
+    if (peer.phase == Phase::kRegistered && proto::accepts_inbound(peer.info)) add(peer);
+  }
+  std::map<PeerId, std::string> out;
+  for (const auto& [id, peer] : peers_) {
+    if (peer.phase != Phase::kRegistered || proto::accepts_inbound(peer.info)) continue;
+    auto& [open, closed] = counts[peer.group];
+    if (open + closed == 0 || closed < open) {
+      ++closed;
+      continue;
+    }
+    out.emplace(id, "no place in the ring of group " + std::to_string(peer.group) +
+                        " for another peer that accepts no inbound connection: each must sit between two peers "
+                        "that accept connections, and " + std::to_string(open) + " of its " +
+                        std::to_string(open + closed) +
+                        " peers do (docs/deployment.md, \"NAT\"); join again once more such peers have joined, or "
+                        "make this peer reachable");
+  }
+  return out;
 }
 
 // A newcomer joins the ring at its end (join order: PeerId counters increase), except

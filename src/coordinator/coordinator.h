@@ -365,6 +365,8 @@ class Coordinator {
   // rings with the registered peers left waiting (optimize topology).
   void start_establish(TimeMs now_ms, Outbox& out,
                        const std::optional<std::map<std::uint32_t, std::vector<PeerId>>>& optimized = std::nullopt);
+  std::map<PeerId, std::string> without_room() const;
+  void remove_unreachable_neighbours(std::uint32_t group, PeerId lost, Outbox& out);
   void place_newcomer(std::vector<PeerId>& ring, PeerId id) const;
   void keep_unreachable_apart(std::vector<PeerId>& ring) const;
   void fail_establish(const std::string& reason, Outbox& out);

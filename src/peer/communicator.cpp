@@ -379,6 +379,15 @@ bool closed_by_other_end(int fd) {
   pollfd p{fd, POLLRDHUP, 0};
   return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
+
+// An edge between two peers that both accept no inbound connection cannot be made:
+// reported at once, not after the connect timeout (docs/deployment.md, "NAT").
+Status edge_possible(const proto::MemberInfo& from, const proto::MemberInfo& to) {
+  if (proto::accepts_inbound(from) || proto::accepts_inbound(to)) return Status::ok();
+  return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED,
+                "peers " + from.id.to_string() + " and " + to.id.to_string() +
+                    " both accept no inbound connection: their ring edge cannot be made");
+}
 }  // namespace
 
 proto::MemberInfo Communicator::self_info() const {
@@ -412,6 +421,7 @@ Result<std::pair<transport::Fd, security::SessionKeys>> Communicator::dial_ring(
 
 Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32_t slot, const OpChannel& channel,
                                         security::Aead** seal) {
+  if (Status s = edge_possible(self_info(), to); !s.is_ok()) return s;
   const bool reversed = proto::reversed_edge(self_info(), to);
   std::uint64_t have = 0;  // a cached reversed connection's generation (0: none)
   bool cached = false;
@@ -476,6 +486,7 @@ Result<int> Communicator::rx_connection(const proto::MemberInfo& from_info, std:
                                         Clock::time_point deadline, const OpChannel& channel, security::Aead** open,
                                         bool give_up_cached) {
   const PeerId from = from_info.id;
+  if (Status s = edge_possible(from_info, self_info()); !s.is_ok()) return s;
   const bool reversed = proto::reversed_edge(from_info, self_info());
   std::uint64_t have = 0;  // the generation of the cached connection (0: none)
   bool cached = false;

@@ -5,13 +5,15 @@ exactly as a run of reachable peers does."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 
 import numpy as np
 import pytest
 
 import lockstep
-from conftest import Cluster
+from conftest import Cluster, Peer
 
 COUNT = 300_000  # float32: large enough to run over the ring, not with the votes
 
@@ -190,3 +192,46 @@ def test_the_master_finds_a_port_it_cannot_reach():
         want = sum(contribution(r) for r in range(3))
         for got in c.run(reduce):
             np.testing.assert_array_equal(got, want)
+
+
+def test_each_unreachable_peer_keeps_reachable_neighbours():
+    """Each peer that accepts no inbound connection must sit between two that do. A
+    newcomer beyond that is rejected, saying why, at the update that would admit it; and
+    where a removal leaves two such peers side by side, the one that joined later is
+    removed at once (KICKED, saying why), so that the others' collectives go on."""
+    with Cluster(2, master_kwargs={"http": "127.0.0.1:0"}) as c:
+        c.add_peer("u1", inbound=False)
+        c.add_peer("u2", inbound=False)  # two of four accept connections: room for no more
+        extra = Peer(c.address, "u3", inbound=False)
+        try:
+            joining = extra.submit(lambda comm: comm.connect())
+            deadline = time.monotonic() + 10
+            while not all(c.run(lambda i, comm: comm.are_peers_pending())):
+                assert time.monotonic() < deadline, "the newcomer never registered"
+                time.sleep(0.02)
+            c.run(lambda i, comm: comm.update_topology())
+            with pytest.raises(lockstep.RejectedError, match="no place in the ring of group"):
+                joining.result(10)
+        finally:
+            extra.close()
+        assert c.run(lambda i, comm: comm.group_world_size) == [4] * 4
+
+        # The ring is peer0 u1 peer1 u2; without peer1, u1 and u2 would be neighbours.
+        ring = [m.id for m in c.peers[0].call(lambda comm: comm.membership())]
+        ids = [p.call(lambda comm: comm.id) for p in c.peers]
+        assert ring == [ids[0], ids[2], ids[1], ids[3]], (ring, ids)
+        c.peers[1].close()
+        deadline = time.monotonic() + 10
+        while len(master_state(c.master)["peers"]) != 2:  # peer1 left, u2 was removed
+            assert time.monotonic() < deadline, master_state(c.master)["peers"]
+            time.sleep(0.02)
+        with pytest.raises(lockstep.KickedError, match="their ring edge cannot be made"):
+            c.peers[3].call(lambda comm: comm.all_reduce(contribution(3), tag=99))
+        survivors = [c.peers[0], c.peers[2]]
+        sums = c.run(lambda i, comm: comm.all_reduce(contribution(i), tag=99) and None, peers=survivors)
+        assert sums == [None, None]
+
+
+def master_state(master: lockstep.Master) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{master.http_port}/api/state", timeout=5) as r:
+        return json.load(r)

@@ -1468,20 +1468,30 @@ TEST(CoordinatorAdmission, NewcomersArePlacedSoThatEveryRingEdgeCanBeMade) {
     const bool none = m.id == c.id || m.id == d.id;
     EXPECT_EQ(m.p2p_port == 0 && m.shared_state_port == 0 && m.benchmark_port == 0, none);
   }
-  // Another that accepts none joins where both neighbours accept: there is no such place
-  // any more, so it goes to the end (and its edge to the first cannot be made).
+  // Another that accepts none has no place left (two of four accept connections): it is
+  // rejected, saying why, instead of being placed where its edges cannot be made.
   h.report_all({a, b, c, d});
   const FakePeer e = h.join_as(1, false);
   out = h.send(a, p::VoteUpdateTopology{});
   for (const auto& v : {b, c, d}) out = h.send(v, p::VoteUpdateTopology{});
-  const auto next = one_of<p::EstablishP2P>(out, e.conn);
-  ASSERT_TRUE(next.has_value());
-  EXPECT_EQ(ids_of(next->ring), (std::vector<PeerId>{a.id, c.id, b.id, d.id, e.id}));
+  expect_goodbye(out, e, LOCKSTEP_STATUS_REJECTED);
+  EXPECT_NE(describe(out).find("no place in the ring of group 1"), std::string::npos) << describe(out);
+  EXPECT_EQ(h.c.find_peer(e.id), nullptr);
+  h.report_all({a, b, c, d});
+  // With one more that accepts connections in the same update, there is room again.
+  const FakePeer f = h.join_as(1, false);
+  const FakePeer g = h.join_as(1, true);
+  out = h.send(a, p::VoteUpdateTopology{});
+  for (const auto& v : {b, c, d}) out = h.send(v, p::VoteUpdateTopology{});
+  const auto next = one_of<p::EstablishP2P>(out, f.conn);
+  ASSERT_TRUE(next.has_value()) << describe(out);
+  EXPECT_EQ(ids_of(next->ring), (std::vector<PeerId>{a.id, c.id, b.id, d.id, g.id, f.id}));
 }
 
-// A removal that leaves two peers that accept no inbound connection side by side: the
-// next update spreads them again between those that accept connections.
-TEST(CoordinatorAdmission, UnreachableNeighboursAfterARemovalAreSpreadAgain) {
+// A removal that leaves two peers that accept no inbound connection side by side: their
+// edge cannot be made, so the one that joined later leaves at once (every collective of
+// the group would fail on that edge until an update topology) and may join again.
+TEST(CoordinatorAdmission, UnreachableNeighboursAfterARemovalLoseTheLaterOne) {
   Harness h;
   const FakePeer a = h.first(1);
   const FakePeer c = h.join_as(1, false);
@@ -1490,12 +1500,17 @@ TEST(CoordinatorAdmission, UnreachableNeighboursAfterARemovalAreSpreadAgain) {
   const FakePeer e = h.join_as(1, true);
   h.update({a}, {c, b, d, e});
   ASSERT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, c.id, b.id, d.id, e.id}));
-  h.disconnect(b);  // c and d are neighbours now
-  Outbox out;
-  for (const auto& v : {a, c, d, e}) out = h.send(v, p::VoteUpdateTopology{});
-  const auto est = one_of<p::EstablishP2P>(out, a.conn);
+  Outbox out = h.disconnect(b);  // c and d are neighbours now
+  expect_goodbye(out, d, LOCKSTEP_STATUS_KICKED);
+  EXPECT_NE(describe(out).find("their ring edge cannot be made"), std::string::npos) << describe(out);
+  EXPECT_EQ(h.c.find_peer(d.id), nullptr);
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, c.id, e.id}));
+  // It joins again, and is placed between two that accept connections.
+  const FakePeer d2 = h.join_as(1, false);
+  for (const auto& v : {a, c, e}) out = h.send(v, p::VoteUpdateTopology{});
+  const auto est = one_of<p::EstablishP2P>(out, d2.conn);
   ASSERT_TRUE(est.has_value()) << describe(out);
-  EXPECT_EQ(ids_of(est->ring), (std::vector<PeerId>{a.id, c.id, e.id, d.id}));
+  EXPECT_EQ(ids_of(est->ring), (std::vector<PeerId>{a.id, c.id, e.id, d2.id}));
 }
 
 TEST(CoordinatorHandshake, FirstMessageOtherThanHelloIsAProtocolError) {
@@ -2616,30 +2631,35 @@ TEST(CoordinatorSync, APeerNoHolderCanReachLeaves) {
   h.no_ports = false;
   const FakePeer open = h.join(1);
   const FakePeer hidden_newcomer = h.join_as(1, false);
-  h.update({hidden}, {open, hidden_newcomer});
-  // The reachable holder serves the unreachable newcomer alone.
-  auto plans = sync_round(h, {hidden, open, hidden_newcomer},
+  const FakePeer other_open = h.join(1);
+  h.update({hidden}, {open, hidden_newcomer, other_open});
+  const std::vector<FakePeer> peers = {hidden, open, hidden_newcomer, other_open};
+  // The reachable holders serve the unreachable newcomer alone.
+  auto plans = sync_round(h, peers,
                           {state_vote(1, model(10)), state_vote(1, model(10)),
-                           state_vote(0, model(5), p::SyncStrategy::kReceiveOnly)},
+                           state_vote(0, model(5), p::SyncStrategy::kReceiveOnly), state_vote(1, model(10))},
                           1);
-  ASSERT_EQ(plans.size(), 3u);
+  ASSERT_EQ(plans.size(), 4u);
   ASSERT_FALSE(plans[2].sources.empty());
-  for (const auto& source : plans[2].sources) EXPECT_EQ(source.id, open.id);
-  EXPECT_EQ(check_dials(h, {hidden, open, hidden_newcomer}, plans), 0u);
-  // Next, only the peer that accepts no connection holds it: the reachable one is
+  for (const auto& source : plans[2].sources) EXPECT_TRUE(source.id == open.id || source.id == other_open.id);
+  EXPECT_EQ(check_dials(h, peers, plans), 0u);
+  // Next, only the peer that accepts no connection holds it: the reachable ones are
   // served (dialled), the unreachable one cannot be and leaves.
   const auto behind = state_vote(1, model(7), p::SyncStrategy::kReceiveOnly);
-  Outbox out = vote_sync(h, {hidden, open, hidden_newcomer}, {state_vote(2, model(10)), behind, behind});
+  Outbox out = vote_sync(h, peers, {state_vote(2, model(10)), behind, behind, behind});
   expect_goodbye(out, hidden_newcomer, LOCKSTEP_STATUS_KICKED);
   EXPECT_EQ(h.c.find_peer(hidden_newcomer.id), nullptr);
   const auto plan = one_of<p::SyncPlan>(out, hidden.conn);
   ASSERT_TRUE(plan.has_value()) << describe(out);
-  ASSERT_EQ(plan->dials.size(), 1u);
+  ASSERT_EQ(plan->dials.size(), 2u);
   EXPECT_EQ(plan->dials[0].receiver.id, open.id);
-  const auto served = one_of<p::SyncPlan>(out, open.conn);
-  ASSERT_TRUE(served.has_value());
-  ASSERT_EQ(served->sources.size(), 1u);
-  EXPECT_EQ(served->sources[0].id, hidden.id);
+  EXPECT_EQ(plan->dials[1].receiver.id, other_open.id);
+  for (const auto& f : {open, other_open}) {
+    const auto served = one_of<p::SyncPlan>(out, f.conn);
+    ASSERT_TRUE(served.has_value());
+    ASSERT_EQ(served->sources.size(), 1u);
+    EXPECT_EQ(served->sources[0].id, hidden.id);
+  }
 }
 
 // The seeds' async-DiLoCo case: more newcomers than old peers, syncing receive-only,
