@@ -764,7 +764,6 @@ void Coordinator::start_establish(TimeMs now_ms, Outbox& out,
     });
     peer.unreachable.clear();
   }
-  for (auto& [group, ring] : proposed_rings_) keep_unreachable_apart(ring);
   for (const auto& [id, why] : no_room) {
     remove_peer(id, LOCKSTEP_STATUS_REJECTED, why, /*connection_open=*/true, /*straggler=*/false, out);
   }
@@ -837,30 +836,6 @@ void Coordinator::place_newcomer(std::vector<PeerId>& ring, PeerId id) const {
     }
   }
   ring.push_back(id);
-}
-
-// Peers that accept no inbound connection that have become neighbours (the peer between
-// them was removed) are spread again between those that accept connections, each list
-// keeping its ring order. A ring without such neighbours is left as it is, and so is
-// one with more of them than of the others: no order can help it.
-void Coordinator::keep_unreachable_apart(std::vector<PeerId>& ring) const {
-  const auto reachable = [&](PeerId id) {
-    const auto it = peers_.find(id);
-    return it == peers_.end() || proto::accepts_inbound(it->second.info);
-  };
-  const std::size_t n = ring.size();
-  bool apart = true;
-  for (std::size_t k = 0; k < n && n >= 2; ++k) apart = apart && (reachable(ring[k]) || reachable(ring[(k + 1) % n]));
-  if (apart) return;
-  std::vector<PeerId> open;
-  std::vector<PeerId> closed;
-  for (const PeerId& id : ring) (reachable(id) ? open : closed).push_back(id);
-  if (closed.size() > open.size()) return;
-  ring.clear();
-  for (std::size_t k = 0; k < open.size(); ++k) {
-    ring.push_back(open[k]);
-    if (k < closed.size()) ring.push_back(closed[k]);
-  }
 }
 
 void Coordinator::fail_establish(const std::string& reason, Outbox& out) {

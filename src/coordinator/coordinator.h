@@ -366,9 +366,9 @@ class Coordinator {
   void start_establish(TimeMs now_ms, Outbox& out,
                        const std::optional<std::map<std::uint32_t, std::vector<PeerId>>>& optimized = std::nullopt);
   std::map<PeerId, std::string> without_room() const;
+  std::optional<std::string> unreachable_neighbours(const std::vector<PeerId>& ring) const;
   void remove_unreachable_neighbours(std::uint32_t group, PeerId lost, Outbox& out);
   void place_newcomer(std::vector<PeerId>& ring, PeerId id) const;
-  void keep_unreachable_apart(std::vector<PeerId>& ring) const;
   void fail_establish(const std::string& reason, Outbox& out);
   std::vector<proto::MemberInfo> members(const std::vector<PeerId>& ids) const;
   bool in_control_vote(const Peer& peer) const;

@@ -140,8 +140,27 @@ std::string Coordinator::digest() const {
   return s.str();
 }
 
+// Two neighbours of `ring` that both accept no inbound connection (their edge cannot be
+// made), named; nothing if there are none.
+std::optional<std::string> Coordinator::unreachable_neighbours(const std::vector<PeerId>& ring) const {
+  const auto refuses = [this](PeerId id) {
+    const Peer* p = find_peer(id);
+    return p != nullptr && !proto::accepts_inbound(p->info);
+  };
+  for (std::size_t k = 0; k < ring.size() && ring.size() >= 2; ++k) {
+    const PeerId next = ring[(k + 1) % ring.size()];
+    if (refuses(ring[k]) && refuses(next)) {
+      return "neighbours " + ring[k].to_string() + " and " + next.to_string() + " both accept no inbound connection";
+    }
+  }
+  return std::nullopt;
+}
+
 std::optional<std::string> Coordinator::check_invariants() const {
   if (auto kv = kv_.check_invariants([this](PeerId id) { return peers_.count(id) != 0; })) return kv;
+  for (const auto& [group, ids] : proposed_rings_) {
+    if (auto edge = unreachable_neighbours(ids)) return "proposed ring of group " + std::to_string(group) + ": " + *edge;
+  }
   // The ring of each group lists exactly its accepted peers, each once.
   std::size_t in_rings = 0;
   for (const auto& [group, ids] : rings_) {
@@ -154,6 +173,7 @@ std::optional<std::string> Coordinator::check_invariants() const {
       if (!seen.insert(id).second) return "ring lists " + id.to_string() + " twice";
     }
     in_rings += ids.size();
+    if (auto edge = unreachable_neighbours(ids)) return "ring of group " + std::to_string(group) + ": " + *edge;
     // The ring is its view less the peers removed since, in the view's order.
     const auto view = views_.find(group);
     if (view == views_.end()) return "group " + std::to_string(group) + " has a ring but no view";

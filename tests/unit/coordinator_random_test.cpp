@@ -144,6 +144,7 @@ struct SimPeer {
   std::string observed_host;
   std::string member_host;  // what the others are told
   std::uint16_t port = 0;
+  bool no_inbound = false;  // it named no port (docs/deployment.md, "NAT")
   std::uint16_t pool_size = 1;
   std::uint32_t group = 0;
   bool will_hello = true;
@@ -400,9 +401,13 @@ class Sim {
     } else {
       p::Hello hello;
       hello.group = sp.group;
-      hello.p2p_port = kind < 12 ? 0 : sp.port;
-      hello.shared_state_port = static_cast<std::uint16_t>(sp.port + 1);
-      hello.benchmark_port = static_cast<std::uint16_t>(sp.port + 2);
+      // 8..11: a Hello naming some ports but not all (rejected); 12..21: a peer that
+      // accepts no inbound connection (all three 0, docs/deployment.md "NAT").
+      const bool no_inbound = kind >= 12 && kind < 22;
+      sp.no_inbound = no_inbound;
+      hello.p2p_port = kind < 22 ? 0 : sp.port;
+      hello.shared_state_port = no_inbound ? 0 : static_cast<std::uint16_t>(sp.port + 1);
+      hello.benchmark_port = no_inbound ? 0 : static_cast<std::uint16_t>(sp.port + 2);
       sp.pool_size = static_cast<std::uint16_t>(1 + rng_() % 4);
       hello.pool_size = sp.pool_size;
       if (chance(10)) {
@@ -410,7 +415,7 @@ class Sim {
         sp.member_host = hello.advertised_host;
       }
       // what the coordinator must answer
-      bool reject = hello.p2p_port == 0 || c_.peers().size() >= c_.config().peers_max;
+      bool reject = (hello.p2p_port == 0 && !no_inbound) || c_.peers().size() >= c_.config().peers_max;
       for (const auto& [id, other] : c_.peers()) {
         if (is_loopback(other.info.host) != is_loopback(sp.member_host)) reject = true;
       }
@@ -1393,7 +1398,9 @@ class Sim {
       }
     }
     // A new establishment includes every peer of the run, with rings made of the
-    // group's accepted ring followed by its newcomers in join order.
+    // group's accepted ring followed by its newcomers in join order; where peers that
+    // accept no inbound connection take part, newcomers are placed between others
+    // instead (and some may be rejected), the accepted peers keeping their order.
     if (establish_epoch) {
       std::set<PeerId> everyone;
       for (const auto& [id, peer] : c_.peers()) everyone.insert(id);
@@ -1405,16 +1412,30 @@ class Sim {
           if (peer.group == group && peer.phase == Phase::kRegistered) newcomers.push_back(id);
         }
         std::sort(newcomers.begin(), newcomers.end());
+        const std::vector<PeerId> accepted = want;
         want.insert(want.end(), newcomers.begin(), newcomers.end());
-        require(ids(est.ring) == want, "the proposed ring of group " + std::to_string(group) +
-                                           " is not the accepted ring followed by the newcomers in join order");
+        const bool placed = std::any_of(want.begin(), want.end(), [&](PeerId id) { return by_id(id)->no_inbound; });
+        if (!placed) {
+          require(ids(est.ring) == want, "the proposed ring of group " + std::to_string(group) +
+                                             " is not the accepted ring followed by the newcomers in join order");
+        } else {
+          std::vector<PeerId> kept;
+          for (const auto& mi : est.ring) {
+            if (std::find(accepted.begin(), accepted.end(), mi.id) != accepted.end()) kept.push_back(mi.id);
+            require(std::find(want.begin(), want.end(), mi.id) != want.end(),
+                    "the proposed ring names a peer that is neither accepted nor registered");
+          }
+          require(kept == accepted, "the proposed ring of group " + std::to_string(group) +
+                                        " does not keep the accepted peers in their order");
+          for (const PeerId& id : want) {
+            const bool in = std::any_of(est.ring.begin(), est.ring.end(), [&](const auto& mi) { return mi.id == id; });
+            require(in || by_id(id)->no_inbound, "a newcomer that accepts connections was left out of the ring");
+          }
+        }
         for (const auto& mi : est.ring) {
           const SimPeer* owner = by_id(mi.id);
           require(owner != nullptr, "the ring names an unknown peer");
-          require(mi.host == owner->member_host && mi.p2p_port == owner->port &&
-                      mi.shared_state_port == static_cast<std::uint16_t>(owner->port + 1) &&
-                      mi.benchmark_port == static_cast<std::uint16_t>(owner->port + 2),
-                  "the ring carries a wrong address for " + mi.id.to_string());
+          require(mi == member_info(*owner), "the ring carries a wrong address for " + mi.id.to_string());
         }
       }
     }
@@ -1605,6 +1626,7 @@ class Sim {
   }
 
   p::MemberInfo member_info(const SimPeer& sp) const {
+    if (sp.no_inbound) return p::MemberInfo{sp.id, sp.member_host, 0, 0, 0};
     return p::MemberInfo{sp.id, sp.member_host, sp.port, static_cast<std::uint16_t>(sp.port + 1),
                          static_cast<std::uint16_t>(sp.port + 2)};
   }
@@ -1803,6 +1825,8 @@ class Sim {
                   ", which is not a participant holding its target at the elected revision (or is receive-only)");
       const SimPeer* owner = by_id(source.id);
       require(owner != nullptr && source == member_info(*owner), who + " carries a wrong address for " + source.id.to_string());
+      require(!owner->no_inbound || !sp.no_inbound, who + " fetches from " + source.id.to_string() +
+                                                        " while neither accepts inbound connections");
       pieces[f.tensor].emplace_back(f.offset, f.bytes);
       sources_of[f.tensor].insert(source.id);
     }

@@ -300,6 +300,7 @@ TEST(MasterLink, AClientThatNeverReadsIsDroppedAtTheSendQueueBound) {
   proto::Hello hello;
   hello.p2p_port = 1;  // never dialled: the clients report no ring connections missing
   hello.shared_state_port = hello.benchmark_port = hello.p2p_port;  // a peer names all three ports or none
+  hello.advertised_host = "127.0.0.1";  // taken at its word: the master does not probe the port
   const auto hello_frame = proto::encode_frame(hello);
   // Answers EstablishP2P with an empty report; true once the topology result came.
   const auto establish = [](int fd) {
