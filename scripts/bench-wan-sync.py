@@ -7,13 +7,17 @@ so a newcomer fed by one holder at a time could never use more than CAP/K; --del
 adds a one-way delay each way, --loss random loss each way (wire packets). --content: random bytes (incompressible) or
 "compressible" (f32 values of 16 kinds); --compression: the newcomer's
 state_compression, auto or off; --streams: the newcomer's p2p_streams (0: its default,
-each source's part over up to 4 connections). Prints one JSON line per case: the sync time, the rate
+each source's part over up to 4 connections); --holders-inbound off: the holders accept
+no inbound connection (as behind a NAT) and dial the newcomer, a reversed transfer
+(docs/deployment.md, "NAT"; with more than one such holder the master has no room for
+them all, so use --holders 1). Prints one JSON line per case: the sync time, the rate
 of tensor bytes, the rate over CAP, the bytes on the wire, and the time less one round
 trip over what the wire bytes need at CAP ("wire_bound_use": at most 1.1 is the goal).
 
 Usage: scripts/bench-wan-sync.py [--build build] [--cap-mbit 400] [--sizes 256MiB,1GiB]
                                  [--holders 1,3] [--delay-ms 0] [--content random,compressible]
                                  [--compression auto,off] [--streams 0,1] [--loss 0.001]
+                                 [--holders-inbound on,off]
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def parse_size(text: str) -> int:
 
 
 def measure(bin_dir: str, holders: int, size: int, cap_mbit: float, delay_ms: float, content: str,
-            compression: str, streams: int, loss: float) -> dict:
+            compression: str, streams: int, loss: float, holders_inbound: bool = True) -> dict:
     with Testbed(holders + 1, command=os.path.join(bin_dir, "lockstep-testbed")) as bed:
         for h in range(1, holders + 1):
             bed.cap(h, 0, f"{int(cap_mbit * 1e6 / holders)}")
@@ -49,7 +53,8 @@ def measure(bin_dir: str, holders: int, size: int, cap_mbit: float, delay_ms: fl
                 bed.loss(h, 0, loss, both=True)
         master = start_master(bed, bin_dir, 0)
         address = f"{bed.addr(0)}:7000"
-        sources = [TestPeer(bed, bin_dir, h, address, f"h{h}") for h in range(1, holders + 1)]
+        sources = [TestPeer(bed, bin_dir, h, address, f"h{h}", () if holders_inbound else ("--no-inbound",))
+                   for h in range(1, holders + 1)]
         newcomer = TestPeer(bed, bin_dir, 0, address, "n",
                             (("--no-state-compression",) if compression == "off" else ())
                             + (("--streams", str(streams)) if streams else ()))
@@ -72,7 +77,7 @@ def measure(bin_dir: str, holders: int, size: int, cap_mbit: float, delay_ms: fl
             wire_ms = wire * 8 / (cap_mbit * 1e6) * 1e3
             return {"bench": "wan_sync", "holders": holders, "bytes": size, "cap_mbit": cap_mbit,
                     "delay_ms": delay_ms, "content": content, "compression": compression,
-                    "streams": got["streams"], "loss": loss,
+                    "streams": got["streams"], "loss": loss, "holders_inbound": holders_inbound,
                     "sync_ms": round(got["ms"], 1), "mbit_s": round(mbit, 1),
                     "cap_use": round(mbit / cap_mbit, 3), "wire_bytes": wire,
                     "wire_ratio": round(wire / size, 4),
@@ -97,6 +102,8 @@ def main() -> int:
     parser.add_argument("--loss", type=float, default=0.0, help="random loss of each holder link, each way")
     parser.add_argument("--streams", default="0",
                         help="the newcomer's p2p_streams (0: the default, up to 4 a source), comma-separated")
+    parser.add_argument("--holders-inbound", default="on",
+                        help="on: the holders accept inbound connections; off: they dial the newcomer; comma-separated")
     args = parser.parse_args()
     bin_dir = os.path.join(os.path.abspath(args.build), "bin")
     for holders in (int(h) for h in args.holders.split(",")):
@@ -104,8 +111,10 @@ def main() -> int:
             for content in args.content.split(","):
                 for compression in args.compression.split(","):
                     for streams in args.streams.split(","):
-                        print(json.dumps(measure(bin_dir, holders, size, args.cap_mbit, args.delay_ms, content,
-                                                 compression, int(streams), args.loss)), flush=True)
+                        for inbound in args.holders_inbound.split(","):
+                            print(json.dumps(measure(bin_dir, holders, size, args.cap_mbit, args.delay_ms, content,
+                                                     compression, int(streams), args.loss, inbound == "on")),
+                                  flush=True)
     return 0
 
 
