@@ -203,6 +203,35 @@ TEST(SharedState, ATransferFromOneSourceIsStripedOverSeveralConnections) {
   }
 }
 
+// A holder that accepts no inbound connection (as behind a NAT) is dialled by nobody: it
+// dials both receivers (SyncPlan.dials), as many connections as each fetches over, the
+// default stripes whatever a receiver's own --streams says, and serves them.
+TEST(SharedState, AHolderThatAcceptsNoConnectionDialsItsReceivers) {
+  constexpr std::uint64_t kTensor = 40u << 20;
+  Master master;
+  Peer holder(master, "holder", 0, {"--no-inbound"});
+  Peer striped(master, "striped");
+  Peer single(master, "single", 0, {"--streams", "1"});
+  std::vector<Peer*> members;
+  admit(members, {&holder, &striped, &single});
+  for (Peer* p : members) ASSERT_EQ(code(p->call("tensor weights " + std::to_string(kTensor))), 0);
+  ASSERT_EQ(code(holder.call("fill weights 41")), 0);
+  set_revision(holder, 1);
+  std::vector<std::string> strategies;
+  for (Peer* p : members) strategies.push_back(p == &holder ? "popular" : "receive");
+  const auto replies = sync_all(members, strategies);
+  for (const auto& r : replies) ASSERT_EQ(code(r), 0) << r.dump();
+  expect_identical(replies);
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    if (members[i] == &holder) {
+      EXPECT_EQ(replies[i]["bytes_sent"], 2 * kTensor) << replies[i].dump();
+    } else {
+      EXPECT_EQ(replies[i]["streams"], 2) << replies[i].dump();
+      EXPECT_EQ(replies[i]["bytes_received"], kTensor) << replies[i].dump();
+    }
+  }
+}
+
 // A peer one revision behind, whose 100 MiB tensor (20 MiB under the sanitizers)
 // differs from the group's in one whole segment and one byte of three more, spread over
 // both holders' pieces, receives those four 1 MiB segments only: 4 % of the tensor.

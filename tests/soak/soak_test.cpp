@@ -3,7 +3,10 @@
 // LOCKSTEP_TEST_TIME_SCALE above 1), and its JSON summary must say "ok": true.
 // Two of its worker slots run the PCCL worker (lockstep-soak-pccl-worker, PCCL's API over
 // liblockstep-pccl) in the same group as the native ones, and they must have synced and
-// all-reduced. LOCKSTEP_SOAK_PCCL_WORKERS=N changes how many (0: none).
+// all-reduced. LOCKSTEP_SOAK_PCCL_WORKERS=N changes how many (0: none). Every third
+// native worker spawned accepts no inbound connection, as behind a NAT (its ring edges
+// and shared-state transfers run reversed); LOCKSTEP_SOAK_NO_INBOUND_EVERY=N changes
+// that (0: none).
 // LOCKSTEP_SOAK_SEED=S replays a seed; LOCKSTEP_SOAK_SECONDS=N changes the length.
 // LOCKSTEP_SOAK_TESTBED=N runs the WAN mode on a test bed of N hosts, with partitions
 // (CTest testbed.soak_wan, registered with the test bed's tests: it needs root).
@@ -29,6 +32,7 @@ TEST(Soak, ChaosKeepsParityOneOutcomeAndProgress) {
   const std::string seconds = env("LOCKSTEP_SOAK_SECONDS", sanitized ? "45" : "120");
   const std::string seed = env("LOCKSTEP_SOAK_SEED", "0");  // 0: a random seed, printed
   const std::string pccl_workers = env("LOCKSTEP_SOAK_PCCL_WORKERS", "2");
+  const std::string no_inbound_every = env("LOCKSTEP_SOAK_NO_INBOUND_EVERY", "3");
   const std::string log_dir = std::string(LOCKSTEP_SOAK_LOG_ROOT) + "/run-" + std::to_string(::getpid());
   std::vector<std::string> argv = {bin("lockstep-soak"),
                                    "run",
@@ -49,7 +53,9 @@ TEST(Soak, ChaosKeepsParityOneOutcomeAndProgress) {
                                    "--progress-window-ms",
                                    std::to_string(20'000 * kTimeScale),
                                    "--pccl-workers",
-                                   pccl_workers};
+                                   pccl_workers,
+                                   "--no-inbound-every",
+                                   no_inbound_every};
   if (!testbed.empty()) {
     // The master in host 0, workers in the others; links capped and delayed (the
     // defaults of --testbed-rate and --testbed-delay-ms); the bed's prefix is derived
