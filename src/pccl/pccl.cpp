@@ -9,7 +9,9 @@
 // stale or made-up pointer is refused instead of dereferenced. No exception leaves a call.
 #include "pccl/status_map.h"
 
+#include <arpa/inet.h>
 #include <lockstep/lockstep.h>
+#include <netinet/in.h>
 #include <pccl.h>
 
 #include <atomic>
@@ -221,20 +223,31 @@ void fill_info(pcclReduceInfo_t* out, const lockstep_reduce_info_t& info) {
   out->rx_bytes = info.bytes_received;
 }
 
-// "a.b.c.d" of an IPv4 socket address; nothing (and why) for IPv6 or a protocol value
-// PCCL does not define.
-std::optional<std::string> ipv4_host(const ccoip_socket_address_t& address, std::string* why) {
+// The text form of a socket address's host ("a.b.c.d", or an IPv6 literal such as
+// "::1"); nothing (and why) for a protocol value PCCL does not define or an IPv4-mapped
+// IPv6 address (give the IPv4 address instead).
+std::optional<std::string> inet_host(const ccoip_socket_address_t& address, std::string* why) {
   const std::int32_t protocol = raw(address.inet.protocol);
-  if (protocol == inetIPv6) {
-    *why = "IPv6 addresses are not supported yet; use an IPv4 address";
-    return std::nullopt;
+  if (protocol == inetIPv4) {
+    const std::uint8_t* a = address.inet.ipv4.data;
+    return std::to_string(a[0]) + "." + std::to_string(a[1]) + "." + std::to_string(a[2]) + "." + std::to_string(a[3]);
   }
-  if (protocol != inetIPv4) {
+  if (protocol != inetIPv6) {
     *why = "inet.protocol " + std::to_string(protocol) + " is not a ccoip_inet_protocol_t";
     return std::nullopt;
   }
-  const std::uint8_t* a = address.inet.ipv4.data;
-  return std::to_string(a[0]) + "." + std::to_string(a[1]) + "." + std::to_string(a[2]) + "." + std::to_string(a[3]);
+  in6_addr a;
+  std::memcpy(&a, address.inet.ipv6.data, sizeof a);
+  if (IN6_IS_ADDR_V4MAPPED(&a)) {
+    *why = "an IPv4-mapped IPv6 address; give the IPv4 address (inet.protocol inetIPv4) instead";
+    return std::nullopt;
+  }
+  char text[INET6_ADDRSTRLEN];
+  if (::inet_ntop(AF_INET6, &a, text, sizeof text) == nullptr) {
+    *why = "an IPv6 address that cannot be written out";
+    return std::nullopt;
+  }
+  return std::string(text);
 }
 
 // ---- options PCCL has no call for, from the environment (docs/pccl.md)
@@ -321,7 +334,7 @@ pcclResult_t pcclCreateCommunicator(const pcclCommCreateParams_t* params, pcclCo
   if (params == nullptr || comm_out == nullptr) return pcclInvalidArgument;
   return guarded("pcclCreateCommunicator", [&] {
     std::string why;
-    auto host = ipv4_host(params->master_address, &why);
+    auto host = inet_host(params->master_address, &why);
     if (!host) {
       complain("pcclCreateCommunicator", "master_address: " + why);
       return pcclInvalidArgument;
@@ -577,7 +590,7 @@ pcclResult_t pcclCreateMaster(ccoip_socket_address_t listen_address, pcclMasterI
   if (master_out == nullptr) return pcclInvalidArgument;
   return guarded("pcclCreateMaster", [&] {
     std::string why;
-    auto host = ipv4_host(listen_address, &why);
+    auto host = inet_host(listen_address, &why);
     if (!host) {
       complain("pcclCreateMaster", "listen_address: " + why);
       return pcclInvalidArgument;

@@ -47,6 +47,7 @@ static int g_failures = 0;
 static int g_index = 0;
 static int g_peers = 1;
 static int g_port = CCOIP_PROTOCOL_PORT_MASTER;
+static int g_ipv6 = 0; /* --ipv6 1: the master is at ::1 */
 
 static void check(int ok, const char* name, const char* fmt, ...) {
   if (ok) {
@@ -101,9 +102,14 @@ static void digest(const char* name, const void* data, size_t bytes) {
 static ccoip_socket_address_t loopback(int port) {
   ccoip_socket_address_t a;
   memset(&a, 0, sizeof a);
-  a.inet.protocol = inetIPv4;
-  a.inet.ipv4.data[0] = 127;
-  a.inet.ipv4.data[3] = 1;
+  if (g_ipv6) {
+    a.inet.protocol = inetIPv6;
+    a.inet.ipv6.data[15] = 1; /* ::1 */
+  } else {
+    a.inet.protocol = inetIPv4;
+    a.inet.ipv4.data[0] = 127;
+    a.inet.ipv4.data[3] = 1;
+  }
   a.port = (uint16_t)port;
   return a;
 }
@@ -595,8 +601,11 @@ static void scenario_errors(void) {
   check(pcclGetBuildInfo(NULL) == pcclInvalidArgument, "build_info_null", "");
   check(pcclCreateCommunicator(NULL, &comm) == pcclInvalidArgument, "create_null_params", "");
   check(pcclCreateCommunicator(&params, NULL) == pcclInvalidArgument, "create_null_out", "");
-  params.master_address.inet.protocol = inetIPv6;
-  check(pcclCreateCommunicator(&params, &comm) == pcclInvalidArgument, "create_ipv6", "");
+  params.master_address.inet.protocol = inetIPv6; /* ::ffff:127.0.0.1 */
+  params.master_address.inet.ipv6.data[10] = params.master_address.inet.ipv6.data[11] = 0xff;
+  params.master_address.inet.ipv6.data[12] = 127;
+  params.master_address.inet.ipv6.data[15] = 1;
+  check(pcclCreateCommunicator(&params, &comm) == pcclInvalidArgument, "create_ipv4_mapped", "");
   params.master_address.inet.protocol = (ccoip_inet_protocol_t)7;
   check(pcclCreateCommunicator(&params, &comm) == pcclInvalidArgument, "create_unknown_protocol", "");
   params.master_address = loopback(g_port);
@@ -756,6 +765,7 @@ int main(int argc, char** argv) {
     int v = atoi(argv[i + 1]);
     if (strcmp(argv[i], "--port") == 0) g_port = v;
     else if (strcmp(argv[i], "--index") == 0) g_index = v;
+    else if (strcmp(argv[i], "--ipv6") == 0) g_ipv6 = v;
     else if (strcmp(argv[i], "--peers") == 0) g_peers = v;
     else if (strcmp(argv[i], "--victim") == 0) victim = v;
     else if (strcmp(argv[i], "--iterations") == 0) iterations = v;

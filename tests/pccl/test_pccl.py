@@ -153,6 +153,28 @@ def test_every_dtype_and_op(master, peers):
     assert assert_bit_identical(outputs) == 62
 
 
+def test_ipv6_master_and_peers():
+    """A PCCL socket address of protocol inetIPv6 (::1) reaches a master listening on
+    [::1]: two PCCL peers join and run their all-reduces over IPv6."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError as e:
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    proc = Process([os.path.join(BIN_DIR, "lockstep-master"), "--listen", "[::1]:0",
+                    "--heartbeat-timeout-ms", str(int(2000 * TIME_SCALE))])
+    try:
+        port = int(proc.wait_line(r"lockstep-master listening on \S+:(\d+)$", 30)[1])
+        outputs = finish_all(start_peers("multiple", port, 2, extra=["--ipv6", "1"]))
+        assert assert_bit_identical(outputs) > 0
+    finally:
+        proc.proc.send_signal(signal.SIGTERM)
+        try:
+            proc.finish(30)
+        except AssertionError:
+            proc.kill()
+
+
 def test_async_in_flight_awaited_out_of_order(master):
     outputs = finish_all(start_peers("async", master, 2))
     assert "async_tag_in_flight" in checks(outputs[0])
