@@ -159,6 +159,11 @@ class Testbed:
         kwargs.setdefault("stdin", subprocess.DEVNULL)
         return subprocess.Popen(argv, **kwargs)
 
+    def nat(self, host: int) -> None:
+        """Puts the host behind a NAT (docs/testbed.md): its processes (started after this)
+        reach the others with the host's address, and nothing reaches them from outside."""
+        self.run("nat", host)
+
     # -- links --------------------------------------------------------------------
     def cap(self, src: int, dst: int, rate: str, *, both: bool = False,
             queue: int | None = None) -> None:

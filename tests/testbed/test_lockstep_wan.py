@@ -267,3 +267,79 @@ def test_peers_behind_a_firewall_dial_their_neighbours(testbed_factory):
             p.close()
         master.kill()
         master.wait(timeout=10)
+
+
+def test_peers_behind_two_nats(testbed_factory):
+    """Hosts 2 and 3 sit behind NATs of their own (MASQUERADE, no port forwarding): their
+    peers listen as usual and name their ports, the master's probe of those ports at the
+    NATs' addresses gets no answer, and they run as peers that accept no connection. With
+    the peers of the open hosts 0 and 1: all-reduces, an optimize, a shared-state sync in
+    which the peer behind a NAT serves a receiver through its NAT (it dials out), and a
+    newcomer behind the other NAT that receives the state; the two never become ring
+    neighbours (their edge would need a relay)."""
+    assert BIN, "set LOCKSTEP_BIN_DIR"
+    bed = testbed_factory(4)
+    for h in (2, 3):
+        bed.nat(h)
+    master = start_master(bed, BIN, 0)
+    peers: list[TestPeer] = []
+    try:
+        address = f"{bed.addr(0)}:7000"
+        peers = [TestPeer(bed, BIN, 0, address, "r0"), TestPeer(bed, BIN, 2, address, "n2", ("--pool", "2")),
+                 TestPeer(bed, BIN, 1, address, "r1")]
+        size = 32 << 20  # two connections from a source
+        for p in peers:
+            p.call(f"tensor weights {size}")
+        for p in peers[:2]:
+            p.call("fill weights 7")
+        members: list[TestPeer] = []
+        admit(members, peers)
+        for tag in (1, 2):
+            allreduce_ms(members, 1 << 20, tag)
+        for p in members:
+            p.send("optimize")
+        optimized = [p.reply(120) for p in members]
+        assert all(r["code"] == 0 for r in optimized), optimized
+        view = optimized[0]["view"]
+        assert sorted(m["port"] == 0 for m in view) == [False, False, True], view
+        allreduce_ms(members, 1 << 20, 3)
+
+        # r0 and n2 hold the state, r1 receives it from both: n2 dials r1 through its NAT.
+        for p in peers[:2]:
+            p.call("revision 1")
+            p.send("sync popular")
+        peers[2].send("sync receive")
+        served = [p.reply(120) for p in peers[:2]]
+        got = peers[2].reply(120)
+        assert got["code"] == 0 and all(s["code"] == 0 for s in served), (got, served)
+        assert got["hashes"] == served[0]["hashes"] and got["bytes_received"] == size
+        assert served[1]["bytes_sent"] > 0 and served[0]["bytes_sent"] > 0, served
+
+        # A newcomer behind the other NAT receives the state from the open holders.
+        newcomer = TestPeer(bed, BIN, 3, address, "n3")
+        peers.append(newcomer)
+        newcomer.call(f"tensor weights {size}")
+        admit(members, [newcomer])
+        for p in peers[:3]:
+            p.call("revision 2")
+            p.send("sync popular")
+        newcomer.send("sync receive")
+        got = newcomer.reply(120)
+        served = [p.reply(120) for p in peers[:3]]
+        assert got["code"] == 0 and all(s["code"] == 0 for s in served), (got, served)
+        assert got["hashes"] == served[0]["hashes"] and got["bytes_received"] == size
+        assert served[1]["bytes_sent"] == 0, served  # n2 and n3 cannot reach each other
+        allreduce_ms(members, 1 << 20, 4)
+        for p in members:
+            p.send("update")
+        views = [p.reply(60) for p in members]
+        assert all(v["code"] == 0 for v in views), views
+        ring = views[0]["view"]
+        assert sum(m["port"] == 0 for m in ring) == 2, ring
+        for k in range(len(ring)):
+            assert ring[k]["port"] != 0 or ring[(k + 1) % len(ring)]["port"] != 0, ring
+    finally:
+        for p in peers:
+            p.close()
+        master.kill()
+        master.wait(timeout=10)

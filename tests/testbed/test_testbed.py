@@ -444,6 +444,43 @@ def test_delay_program_killed_fails_closed(testbed_factory):
     assert replies == 5 and abs(rtt - 50) <= 5, rtt
 
 
+def test_nat_hides_a_host(testbed_factory):
+    """A host behind a NAT reaches the others, which see its connections come from its
+    address; nothing reaches it, neither from an open host nor from another NAT's host;
+    caps still apply to its traffic."""
+    bed = testbed_factory(3)
+    bed.nat(1)
+    bed.nat(2)
+    assert json.loads(bed.run("status", "--json").stdout)["nats"] == [1, 2]
+    srv = bed.popen(0, PY, "-c",
+                    "import socket;s=socket.create_server(('0.0.0.0',40001));print('ready',flush=True);"
+                    "c,a=s.accept();print(a[0],flush=True)", stdout=subprocess.PIPE, text=True)
+    try:
+        assert srv.stdout.readline().strip() == "ready"
+        assert bed.exec(1, PY, "-c", TCP_CONNECT, bed.addr(0), 40001, 1.5).stdout.startswith("connected")
+        assert srv.stdout.readline().strip() == bed.addr(1)  # the NAT's address, not 192.168.0.2
+    finally:
+        srv.kill()
+        srv.wait()
+    assert bed.exec(1, "ip", "-4", "-brief", "addr").stdout.count("192.168.0.2/30") == 1
+    assert not tcp_connects(bed, 0, 1)
+    assert not tcp_connects(bed, 1, 2)
+    assert tcp_connects(bed, 2, 0)
+    # The machine behind the NAT sends at host 1's cap (measured from inside it).
+    bed.cap(1, 0, "20mbit")
+    srv = bed.popen(0, "iperf3", "-s", "-1", "-p", 40010, stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(0.3)
+        out = bed.exec(1, "iperf3", "-c", bed.addr(0), "-p", 40010, "-t", 2, "-J").stdout
+        rate = json.loads(out)["end"]["sum_received"]["bits_per_second"]
+        assert 0.85 * 20e6 * 0.956 <= rate <= 1.05 * 20e6, rate
+    finally:
+        srv.kill()
+        srv.wait()
+    with pytest.raises(TestbedError, match="already"):
+        bed.nat(1)
+
+
 def test_partition_and_heal(testbed_factory):
     bed = testbed_factory(3)
     assert udp_delivered(bed, 0, 1) == 20 and udp_delivered(bed, 1, 0) == 20
