@@ -54,6 +54,8 @@ BACKEND = "lockstep"
 # Communicator options a lockstep:// URL's query may set (docs/torch.md).
 _URL_INT_OPTIONS = ("group", "pool_size", "base_port", "connect_timeout_ms", "p2p_stall_timeout_ms", "p2p_streams")
 _URL_STR_OPTIONS = ("secret_file", "advertised_host", "bind_host", "tcp_congestion")
+_URL_BOOL_OPTIONS = ("inbound",)
+_URL_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
 class _Run:
@@ -249,7 +251,12 @@ def _rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(minut
     for name in _URL_STR_OPTIONS:
         if name in query:
             options[name] = query[name]
-    unknown = set(query) - set(_URL_INT_OPTIONS) - set(_URL_STR_OPTIONS) - {"rank", "world_size"}
+    for name in _URL_BOOL_OPTIONS:
+        if name in query:
+            if query[name].lower() not in _URL_BOOLS:
+                raise InvalidArgumentError(f"{url!r}: {name} must be 1, 0, true or false")
+            options[name] = _URL_BOOLS[query[name].lower()]
+    unknown = set(query) - set(_URL_INT_OPTIONS) - set(_URL_STR_OPTIONS) - set(_URL_BOOL_OPTIONS) - {"rank", "world_size"}
     if unknown:
         raise InvalidArgumentError(f"{url!r}: unknown option(s) {', '.join(sorted(unknown))}")
     if _run.comm is not None:

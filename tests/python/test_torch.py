@@ -322,6 +322,32 @@ def assert_params_match(finals: List[Dict[str, Any]], reference: List[Any]) -> N
     assert all(f["params"] == finals[0]["params"] for f in finals)  # bit for bit
 
 
+def test_elastic_url_inbound_0_joins_as_a_peer_behind_a_nat(workers):
+    """?inbound=0 makes the process a peer that accepts no inbound connection (it listens
+    on no port; the master's view shows its ports as 0); the group's collectives run."""
+    with lockstep.Master("127.0.0.1:0", http="127.0.0.1:0") as master:
+        url = f"lockstep://127.0.0.1:{master.port}"
+        first = Worker("elastic", url)
+        workers.append(first)
+        ready = first.read()
+        assert ready["ready"] and ready["world"] == 1
+        wait_for(lambda: peers_in_phase(master, "ACCEPTED") == 1, "the first peer was not accepted")
+        hidden = Worker("elastic", url + "?inbound=0")
+        workers.append(hidden)
+        wait_for(lambda: peers_in_phase(master, "REGISTERED") == 1, "the second did not register")
+        assert ask_all([first], cmd="admit") == [{"world": 2}]
+        ask_all([first], cmd="reconfigure")
+        ready = hidden.read()
+        assert ready["ready"] and ready["world"] == 2
+        with urllib.request.urlopen(f"http://{master.http_address}/api/state", timeout=10) as r:
+            ports = sorted(p["p2p_port"] == 0 for p in json.load(r)["peers"])
+        assert ports == [False, True], ports
+        answers = ask_all([first, hidden], cmd="sum")
+        assert {a["value"] for a in answers} == {3.0} and {a["world"] for a in answers} == {2}
+    with pytest.raises(lockstep.InvalidArgumentError, match="inbound must be"):
+        next(lockstep.torch._rendezvous("lockstep://127.0.0.1:1?inbound=maybe"))
+
+
 def test_fault_tolerant_ddp_matches_one_process_on_the_same_global_batches(workers):
     steps, world = 50, 3
     finals = [lines[-1] for lines in run_fixed_ddp(workers, world, steps)]
