@@ -208,7 +208,12 @@ static int on_packet(struct nfq_q_handle *qh, struct nfgenmsg *msg, struct nfq_d
   uint32_t len = 1500;
   unsigned char *payload = NULL;
   int plen = nfq_get_payload(nfa, &payload);
-  if (plen >= 4 && payload != NULL) {
+  if (plen >= 6 && payload != NULL && (payload[0] >> 4) == 6) {
+    uint16_t payload_len; /* IPv6: the payload's length, after the 40-byte header */
+    memcpy(&payload_len, payload + 4, sizeof payload_len);
+    payload_len = ntohs(payload_len);
+    len = payload_len != 0 ? 40u + payload_len : 65536u; /* 0: a jumbogram */
+  } else if (plen >= 4 && payload != NULL) {
     uint16_t tot;
     memcpy(&tot, payload + 2, sizeof tot);
     tot = ntohs(tot);

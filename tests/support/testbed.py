@@ -89,8 +89,9 @@ class Testbed:
 
     def __init__(self, hosts: int, *, prefix: str | None = None, cc: str | None = None,
                  tcp_mem_max: int | None = None, subnet: str | None = None,
-                 command: str | None = None):
+                 command: str | None = None, ipv6: bool = False):
         self.hosts = hosts
+        self.ipv6 = ipv6
         self.prefix = prefix or unique_prefix()
         self.cc = cc
         self.tcp_mem_max = tcp_mem_max
@@ -121,6 +122,8 @@ class Testbed:
             args += ["--tcp-mem-max", self.tcp_mem_max]
         if self.subnet:
             args += ["--subnet", self.subnet]
+        if self.ipv6:
+            args.append("--ipv6")
         self.run(*args)
         self.is_up = True
         self._addrs = self.status()["addresses"]
@@ -139,6 +142,10 @@ class Testbed:
     # -- hosts --------------------------------------------------------------------
     def addr(self, host: int) -> str:
         return self._addrs[host]
+
+    def addr6(self, host: int) -> str:
+        """The host's IPv6 address (a bed made with ipv6=True)."""
+        return self.run("addr", host, "--6").stdout.strip()
 
     def namespace(self, host: int) -> str:
         return f"{self.prefix}h{host}"

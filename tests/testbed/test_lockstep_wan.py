@@ -343,3 +343,49 @@ def test_peers_behind_two_nats(testbed_factory):
             p.close()
         master.kill()
         master.wait(timeout=10)
+
+
+def test_ipv6_only_run_then_a_mixed_run(testbed_factory):
+    """On a bed with IPv6: a master on host 0's IPv6 address and peers that reach it over
+    IPv6 only (the view names IPv6 addresses, every ring edge is IPv6) run all-reduces
+    over delayed links and a shared-state sync; then a master on [::] (both families)
+    and peers of both, one run whose ring edges join IPv4 and IPv6 peers."""
+    assert BIN, "set LOCKSTEP_BIN_DIR"
+    bed = testbed_factory(4, ipv6=True)
+    for h in (1, 2, 3):
+        bed.delay(0, h, 2, both=True)
+    for listen, families in ((f"[{bed.addr6(0)}]:7000", ("6", "6", "6")), ("[::]:7001", ("4", "6", "4"))):
+        master = bed.popen(0, os.path.join(BIN, "lockstep-master"), "--listen", listen,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert "listening" in master.stdout.readline()
+        port = listen.rsplit(":", 1)[1]
+        peers: list[TestPeer] = []
+        try:
+            for h, family in zip((1, 2, 3), families):
+                address = f"[{bed.addr6(0)}]:{port}" if family == "6" else f"{bed.addr(0)}:{port}"
+                peers.append(TestPeer(bed, BIN, h, address, f"p{h}"))
+            size = 4 << 20
+            for p in peers:
+                p.call(f"tensor weights {size}")
+            peers[0].call("fill weights 5")
+            members: list[TestPeer] = []
+            admit(members, peers)
+            view = peers[0].call("view")["view"]
+            hosts = {m["host"]: m for m in view}
+            want = {bed.addr6(h) if f == "6" else bed.addr(h) for h, f in zip((1, 2, 3), families)}
+            assert set(hosts) == want, view
+            for tag in (1, 2):
+                allreduce_ms(members, 1 << 18, tag)
+            peers[0].call("revision 1")
+            peers[0].send("sync popular")
+            for p in peers[1:]:
+                p.send("sync receive")
+            replies = [p.reply(120) for p in peers]
+            assert all(r["code"] == 0 for r in replies), replies
+            assert all(r["hashes"] == replies[0]["hashes"] for r in replies), replies
+            assert sum(r["bytes_received"] for r in replies) == 2 * size, replies
+        finally:
+            for p in peers:
+                p.close()
+            master.kill()
+            master.wait(timeout=10)

@@ -481,6 +481,37 @@ def test_nat_hides_a_host(testbed_factory):
         bed.nat(1)
 
 
+def test_ipv6_caps_delays_and_cuts(testbed_factory):
+    """A bed made with ipv6=True: every host also has an IPv6 address, and caps, delays
+    and cuts apply to IPv6 as to IPv4 (one delay program per pair serves both)."""
+    bed = testbed_factory(3, ipv6=True)
+    a1 = bed.addr6(1)
+    assert a1.startswith("fd00:") and a1.endswith("::2"), a1
+    assert json.loads(bed.run("status", "--json").stdout)["ipv6"]
+    bed.delay(0, 1, 15, both=True)
+    out = bed.exec(0, "ping", "-6", "-n", "-q", "-c", 5, "-i", "0.05", "-W", 2, a1).stdout
+    rtt = float(re.search(r"= [\d.]+/([\d.]+)/", out).group(1))
+    assert 29 <= rtt <= 36, out
+    bed.cap(2, 0, "30mbit")
+    srv = bed.popen(0, "iperf3", "-s", "-1", "-p", 40011, stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(0.3)
+        out = bed.exec(2, "iperf3", "-6", "-c", bed.addr6(0), "-p", 40011, "-t", 2, "-J").stdout
+        rate = json.loads(out)["end"]["sum_received"]["bits_per_second"]
+        assert 0.85 * 30e6 * 0.95 <= rate <= 1.05 * 30e6, rate
+    finally:
+        srv.kill()
+        srv.wait()
+    bed.cut(0, 2, both=True)
+    out = bed.exec(0, "ping", "-6", "-n", "-q", "-c", 2, "-W", 1, bed.addr6(2), check=False).stdout
+    assert " 0 received" in out, out
+    bed.heal()
+    out = bed.exec(0, "ping", "-6", "-n", "-q", "-c", 2, "-W", 1, bed.addr6(2), check=False).stdout
+    assert " 2 received" in out, out
+    with pytest.raises(TestbedError, match="no IPv6"):
+        testbed_factory(1).addr6(0)
+
+
 def test_partition_and_heal(testbed_factory):
     bed = testbed_factory(3)
     assert udp_delivered(bed, 0, 1) == 20 and udp_delivered(bed, 1, 0) == 20
