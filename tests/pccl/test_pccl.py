@@ -84,11 +84,15 @@ class Process:
 @pytest.fixture
 def master():
     """lockstep-master on an ephemeral loopback port; yields the port."""
-    proc = Process([os.path.join(BIN_DIR, "lockstep-master"), "--listen", "127.0.0.1:0",
+    yield from lockstep_master("127.0.0.1:0")
+
+
+def lockstep_master(listen: str):
+    """Runs lockstep-master on `listen` (port 0: ephemeral); yields its port."""
+    proc = Process([os.path.join(BIN_DIR, "lockstep-master"), "--listen", listen,
                     "--heartbeat-timeout-ms", str(int(2000 * TIME_SCALE))])
     try:
-        port = int(proc.wait_line(r"lockstep-master listening on \S+:(\d+)$", 30)[1])
-        yield port
+        yield int(proc.wait_line(r"lockstep-master listening on \S+:(\d+)$", 30)[1])
     finally:
         proc.proc.send_signal(signal.SIGTERM)
         try:
@@ -161,18 +165,9 @@ def test_ipv6_master_and_peers():
             s.bind(("::1", 0))
     except OSError as e:
         pytest.skip(f"no IPv6 loopback here: {e}")
-    proc = Process([os.path.join(BIN_DIR, "lockstep-master"), "--listen", "[::1]:0",
-                    "--heartbeat-timeout-ms", str(int(2000 * TIME_SCALE))])
-    try:
-        port = int(proc.wait_line(r"lockstep-master listening on \S+:(\d+)$", 30)[1])
+    for port in lockstep_master("[::1]:0"):
         outputs = finish_all(start_peers("multiple", port, 2, extra=["--ipv6", "1"]))
         assert assert_bit_identical(outputs) > 0
-    finally:
-        proc.proc.send_signal(signal.SIGTERM)
-        try:
-            proc.finish(30)
-        except AssertionError:
-            proc.kill()
 
 
 def test_async_in_flight_awaited_out_of_order(master):

@@ -193,6 +193,53 @@ def test_allreduce_through_loss(testbed_factory):
 
 
 
+def reduce_and_optimize(members: list[TestPeer]) -> None:
+    """All-reduces, an optimize that measures every pair it can (the third peer accepts
+    no connection: its view entry names no port), and an all-reduce on the new ring."""
+    for tag in (1, 2):
+        allreduce_ms(members, 1 << 20, tag)
+    for p in members:
+        p.send("optimize")
+    optimized = [p.reply(120) for p in members]
+    assert all(r["code"] == 0 for r in optimized), optimized
+    view = optimized[0]["view"]
+    assert sorted(m["port"] == 0 for m in view) == [False, False, True], view
+    allreduce_ms(members, 1 << 20, 3)
+
+
+def sync_to_hidden_newcomer(members: list[TestPeer], peers: list[TestPeer], size: int, revision: int) -> list[dict]:
+    """The last of `peers`, a newcomer that accepts no connection, is admitted and
+    receives the state of the three others at `revision`; then an all-reduce and an
+    update: of the four, the two that accept no connection are never neighbours. Returns
+    what the three holders reported."""
+    newcomer = peers[-1]
+    newcomer.call(f"tensor weights {size}")
+    admit(members, [newcomer])
+    for p in peers[:3]:
+        p.call(f"revision {revision}")
+        p.send("sync popular")
+    newcomer.send("sync receive")
+    got = newcomer.reply(120)
+    served = [p.reply(120) for p in peers[:3]]
+    assert got["code"] == 0 and all(s["code"] == 0 for s in served), (got, served)
+    assert got["hashes"] == served[0]["hashes"] and got["bytes_received"] == size
+    allreduce_ms(members, 1 << 20, 4)
+    ring = update_view(members)
+    assert sum(m["port"] == 0 for m in ring) == 2, ring
+    for k in range(len(ring)):
+        assert ring[k]["port"] != 0 or ring[(k + 1) % len(ring)]["port"] != 0, ring
+    return served
+
+
+def update_view(members: list[TestPeer]) -> list[dict]:
+    """An update topology on every member; the membership view it ends with."""
+    for p in members:
+        p.send("update")
+    views = [p.reply(60) for p in members]
+    assert all(v["code"] == 0 for v in views), views
+    return views[0]["view"]
+
+
 def test_peers_behind_a_firewall_dial_their_neighbours(testbed_factory):
     """Hosts 2 and 3 drop every inbound TCP connection, as a NAT without port forwarding
     does. The peer of host 2 says so (--no-inbound); the master finds it out for the
@@ -227,41 +274,15 @@ def test_peers_behind_a_firewall_dial_their_neighbours(testbed_factory):
             p.call("fill weights 7")
         members: list[TestPeer] = []
         admit(members, peers)
-        for tag in (1, 2):
-            allreduce_ms(members, 1 << 20, tag)
-        for p in members:
-            p.send("optimize")
-        optimized = [p.reply(120) for p in members]
-        assert all(r["code"] == 0 for r in optimized), optimized
-        view = optimized[0]["view"]
-        assert sorted(m["port"] == 0 for m in view) == [False, False, True], view
-        allreduce_ms(members, 1 << 20, 3)
+        reduce_and_optimize(members)
 
         # A newcomer behind the firewall, which listens as usual: the master's probe of
         # its port gets no answer, and it runs as one that accepts no connection. It
         # receives the state from the reachable holders.
         newcomer = TestPeer(bed, BIN, 3, address, "f3")
         peers.append(newcomer)
-        newcomer.call(f"tensor weights {size}")
-        admit(members, [newcomer])
-        for p in peers[:3]:
-            p.call("revision 1")
-            p.send("sync popular")
-        newcomer.send("sync receive")
-        got = newcomer.reply(120)
-        served = [p.reply(120) for p in peers[:3]]
-        assert got["code"] == 0 and all(s["code"] == 0 for s in served), (got, served)
-        assert got["hashes"] == served[0]["hashes"] and got["bytes_received"] == size
+        served = sync_to_hidden_newcomer(members, peers, size, 1)
         assert served[2]["bytes_sent"] == 0, served  # the hidden holder is never dialled
-        # Four peers, two hidden: each hidden one sits between two reachable ones.
-        allreduce_ms(members, 1 << 20, 4)
-        for p in members:
-            p.send("update")
-        views = [p.reply(60) for p in members]
-        assert all(v["code"] == 0 for v in views), views
-        ring = views[0]["view"]
-        for k in range(len(ring)):
-            assert ring[k]["port"] != 0 or ring[(k + 1) % len(ring)]["port"] != 0, ring
     finally:
         for p in peers:
             p.close()
@@ -294,15 +315,7 @@ def test_peers_behind_two_nats(testbed_factory):
             p.call("fill weights 7")
         members: list[TestPeer] = []
         admit(members, peers)
-        for tag in (1, 2):
-            allreduce_ms(members, 1 << 20, tag)
-        for p in members:
-            p.send("optimize")
-        optimized = [p.reply(120) for p in members]
-        assert all(r["code"] == 0 for r in optimized), optimized
-        view = optimized[0]["view"]
-        assert sorted(m["port"] == 0 for m in view) == [False, False, True], view
-        allreduce_ms(members, 1 << 20, 3)
+        reduce_and_optimize(members)
 
         # r0 and n2 hold the state, r1 receives it from both: n2 dials r1 through its NAT.
         for p in peers[:2]:
@@ -318,26 +331,8 @@ def test_peers_behind_two_nats(testbed_factory):
         # A newcomer behind the other NAT receives the state from the open holders.
         newcomer = TestPeer(bed, BIN, 3, address, "n3")
         peers.append(newcomer)
-        newcomer.call(f"tensor weights {size}")
-        admit(members, [newcomer])
-        for p in peers[:3]:
-            p.call("revision 2")
-            p.send("sync popular")
-        newcomer.send("sync receive")
-        got = newcomer.reply(120)
-        served = [p.reply(120) for p in peers[:3]]
-        assert got["code"] == 0 and all(s["code"] == 0 for s in served), (got, served)
-        assert got["hashes"] == served[0]["hashes"] and got["bytes_received"] == size
+        served = sync_to_hidden_newcomer(members, peers, size, 2)
         assert served[1]["bytes_sent"] == 0, served  # n2 and n3 cannot reach each other
-        allreduce_ms(members, 1 << 20, 4)
-        for p in members:
-            p.send("update")
-        views = [p.reply(60) for p in members]
-        assert all(v["code"] == 0 for v in views), views
-        ring = views[0]["view"]
-        assert sum(m["port"] == 0 for m in ring) == 2, ring
-        for k in range(len(ring)):
-            assert ring[k]["port"] != 0 or ring[(k + 1) % len(ring)]["port"] != 0, ring
     finally:
         for p in peers:
             p.close()
