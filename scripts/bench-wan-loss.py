@@ -21,19 +21,27 @@ null figures.
 Usage: scripts/bench-wan-loss.py [--build build] [--hosts 2,4] [--cap 1000]
          [--rtt-ms 50] [--loss 0.001] [--cc reno] [--sizes 16MiB]
          [--concurrency 1,8] [--quant none] [--streams 1] [--pool N] [--iterations 5]
-         [--iperf-seconds 10] [--timeout 600] [--master-apart] [--reversal [--rounds N]]
+         [--iperf-seconds 10] [--timeout 600] [--master-apart]
+         [--reversal | --relay] [--rounds N]
 Lists are comma-separated. --streams is passed on as `lockstep-bench allreduce
 --streams N` (0: the communicator adapts the count to the path, docs/wan.md; 1 to 16
 fixes it) only where that command offers it; otherwise every line says "streams": 1.
+--reversal runs each case direct, then with host 1's peer accepting no inbound connection;
+--relay runs it direct, then with every peer accepting none and the master (on a host of
+its own: --master-apart is implied) relaying every ring edge; both under a run secret.
+Each line's "edges" says which ran ("direct", "reversed" or "relayed"), checked against
+the ports of the view each peer printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,18 +131,21 @@ def iperf3(bed: Testbed, streams: int, seconds: int) -> float | None:
 
 
 def allreduce(bed: Testbed, bin_dir: str, peers: int, args: list[str], timeout: float,
-              no_inbound_hosts: tuple = ()) -> list[dict] | str:
+              no_inbound_hosts: tuple = (), secret: str = "", relay: bool = False) -> list[dict] | str:
     """Runs lockstep-bench allreduce on hosts 0..peers-1, the master on host 0 or, with a
     host more than peers, on the last one (the peers of no_inbound_hosts accept no inbound
-    connection); each peer's figures, or an error."""
+    connection; `secret`: the run secret's file; `relay`: the master relays); each peer's
+    figures, or an error."""
     master_host = bed.hosts - 1 if bed.hosts > peers else 0
-    master = start_master(bed, bin_dir, master_host)
+    master = start_master(bed, bin_dir, master_host,
+                          *(["--secret-file", secret] if secret else []), *(["--relay-port", "7001"] if relay else []))
     procs = []
     try:
         for h in range(peers):
             procs.append(bed.popen(h, os.path.join(bin_dir, "lockstep-bench"), "allreduce", "--master",
                                    f"{bed.addr(master_host)}:7000", "--peers", peers, *args,
                                    *(["--no-inbound"] if h in no_inbound_hosts else []),
+                                   *(["--secret-file", secret] if secret else []),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         deadline = time.monotonic() + timeout
         rows = []
@@ -157,6 +168,17 @@ def allreduce(bed: Testbed, bin_dir: str, peers: int, args: list[str], timeout: 
                 p.wait()
         master.kill()
         master.wait(timeout=10)
+
+
+def edges(rows: list[dict]) -> str:
+    """What the views say the ring's edges were: relayed where two neighbours name no
+    port, reversed where one does, else direct (the most unusual one present)."""
+    ports = rows[0].get("ports", [])
+    kinds = {"direct"}
+    for k in range(len(ports)):
+        a, b = ports[k], ports[(k + 1) % len(ports)]
+        kinds.add("relayed" if a == 0 and b == 0 else "reversed" if a == 0 or b == 0 else "direct")
+    return "relayed" if "relayed" in kinds else "reversed" if "reversed" in kinds else "direct"
 
 
 def main() -> int:
@@ -182,8 +204,16 @@ def main() -> int:
     parser.add_argument("--reversal", action="store_true",
                         help="run each case twice on the same bed, direct and with host 1's peer accepting no "
                              "inbound connection (its ring edges reversed), alternating --rounds times")
-    parser.add_argument("--rounds", type=int, default=1, help="with --reversal: direct/reversed pairs per case")
+    parser.add_argument("--relay", action="store_true",
+                        help="run each case twice on the same bed, direct and with every peer accepting no inbound "
+                             "connection and the master, on a host of its own, relaying (implies --master-apart)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --reversal or --relay: direct/other pairs per case")
     args = parser.parse_args()
+    if args.reversal and args.relay:
+        fail("--reversal and --relay are exclusive")
+    if args.relay:
+        args.master_apart = True
 
     if os.geteuid() != 0:
         fail("must run as root: the test bed needs network namespaces, tc and iptables")
@@ -212,6 +242,13 @@ def main() -> int:
               file=sys.stderr)
         streams_list = [1]
 
+    secret = ""
+    if args.reversal or args.relay:  # both ways of a pair run under the same run secret
+        fd, secret = tempfile.mkstemp(prefix="lockstep-bench-secret-")
+        os.write(fd, os.urandom(32).hex().encode())
+        os.close(fd)
+        atexit.register(os.unlink, secret)
+
     for hosts in hosts_list:
         for cc in ccs:
             for loss in losses:
@@ -229,22 +266,27 @@ def main() -> int:
                     p8 = iperf3(bed, 8, args.iperf_seconds)
                     for size in sizes:
                         for conc, quant in [(c, q) for c in concurrencies for q in args.quant.split(",")]:
-                            for streams, reversed_ in [(s, r) for s in streams_list
-                                                       for _ in range(args.rounds if args.reversal else 1)
-                                                       for r in ((False, True) if args.reversal else (False,))]:
+                            paired = args.reversal or args.relay
+                            for streams, other in [(s, r) for s in streams_list
+                                                   for _ in range(args.rounds if paired else 1)
+                                                   for r in ((False, True) if paired else (False,))]:
                                 pool = args.pool or conc
                                 cmd = ["--size", str(size), "--iterations", str(args.iterations),
                                        "--warmup", str(args.warmup), "--pool", str(pool),
                                        "--concurrency", str(conc), "--quant", quant]
                                 if has_streams:
                                     cmd += ["--streams", str(streams)]
-                                result = allreduce(bed, bin_dir, hosts, cmd, args.timeout,
-                                                   (1,) if reversed_ else ())
+                                hidden = ((1,) if args.reversal else tuple(range(hosts))) if other else ()
+                                result = allreduce(bed, bin_dir, hosts, cmd, args.timeout, hidden,
+                                                   secret if paired else "", relay=args.relay and other)
+                                want = ("reversed" if args.reversal else "relayed") if other else "direct"
                                 line = {"bench": "wan_loss", "hosts": hosts,
                                         "master": "apart" if args.master_apart else "host 0", "cap_mbit": args.cap,
                                         "rtt_ms": args.rtt_ms, "loss": loss, "cc": cc, "bytes": size,
                                         "concurrency": conc, "streams": streams, "pool": pool, "quant": quant,
-                                        "reversed": reversed_}
+                                        "edges": want}
+                                if not isinstance(result, str) and edges(result) != want:
+                                    result = f"the views show {edges(result)} edges, not {want}: {result[0].get('ports')}"
                                 if isinstance(result, str):
                                     line.update(p50_ms=None, link_use=None, mbit_s=None, error=result)
                                 else:

@@ -257,6 +257,14 @@ typedef struct lockstep_master_config {
    * on without it. 0 means the default (5000 ms); otherwise 100..3600000, else
    * INVALID_ARGUMENT. */
   uint32_t newcomer_timeout_ms;
+  /** Since 0.12. Nonzero: run the relay (docs/deployment.md, "Relays") on relay_port of
+   * listen_host (0: an ephemeral port, see lockstep_master_relay_port): a ring edge
+   * between two peers that both accept no inbound connection runs through it, sealed end
+   * to end with the pair's keys. Needs a run secret: without one, lockstep_master_run
+   * fails with INVALID_ARGUMENT. 0 (the default): no relay. */
+  uint32_t relay;
+  /** Since 0.12. The relay's port (at most 65535, else INVALID_ARGUMENT). */
+  uint32_t relay_port;
 } lockstep_master_config_t;
 
 /** Fills the struct_size bytes of a config with the defaults (port 48148, all interfaces)
@@ -289,6 +297,10 @@ LOCKSTEP_EXPORT lockstep_status_t lockstep_master_port(const lockstep_master_t* 
  * master has no endpoint or is not running. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_http_port(const lockstep_master_t* master,
                                                              uint16_t* out_port);
+/** Since 0.12. The port of the relay (config relay). INVALID_USAGE if the master runs no
+ * relay or is not running. */
+LOCKSTEP_EXPORT lockstep_status_t lockstep_master_relay_port(const lockstep_master_t* master,
+                                                              uint16_t* out_port);
 /** Asks the master to stop; thread-safe and safe to call from a signal-free context
  * at any time. Returns at once. */
 LOCKSTEP_EXPORT lockstep_status_t lockstep_master_interrupt(lockstep_master_t* master);

@@ -87,13 +87,19 @@ class Master:
             long after an update topology began connecting it is rejected, and the
             accepted peers' update fails (UPDATE_TOPOLOGY_FAILED) so that they go on
             without it; 0 means 5000 (range 100..3600000).
+        relay_port: run the relay on this port of the listen address (0: an ephemeral
+            one, see :attr:`relay_port`): a ring edge between two peers that both
+            accept no inbound connection runs through it, sealed end to end. Needs
+            ``secret_file`` (:meth:`run` raises InvalidArgumentError without one).
+            None (the default): no relay (docs/deployment.md, "Relays").
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", heartbeat_timeout_ms: int = 0, vote_timeout_ms: int = 0,
                  peers_max: int = 0, secret_file: Optional[str] = None, handshake_timeout_ms: int = 0,
                  pending_handshakes_max: int = 0, http: Optional[str] = None, http_token_file: Optional[str] = None,
                  http_insecure: bool = False, kv_keys_max: int = 0, kv_key_bytes_max: int = 0,
-                 kv_value_bytes_max: int = 0, newcomer_timeout_ms: int = 0) -> None:
+                 kv_value_bytes_max: int = 0, newcomer_timeout_ms: int = 0,
+                 relay_port: Optional[int] = None) -> None:
         host, port = _split_address(listen, DEFAULT_MASTER_PORT, "listen")
         if secret_file is not None and not isinstance(secret_file, str):
             raise InvalidArgumentError("secret_file must be a str or None")
@@ -115,7 +121,8 @@ class Master:
             bool(http_insecure), _check_uint("kv_keys_max", kv_keys_max, 32),
             _check_uint("kv_key_bytes_max", kv_key_bytes_max, 32),
             _check_uint("kv_value_bytes_max", kv_value_bytes_max, 32),
-            _check_uint("newcomer_timeout_ms", newcomer_timeout_ms, 32))
+            _check_uint("newcomer_timeout_ms", newcomer_timeout_ms, 32),
+            -1 if relay_port is None else _check_uint("relay_port", relay_port, 16))
         self._running = False
 
     def run(self) -> None:
@@ -144,6 +151,11 @@ class Master:
     def http_port(self) -> int:
         """The port of the HTTP endpoint (after :meth:`run`; only with ``http``)."""
         return self._impl.http_port()
+
+    @property
+    def relay_port(self) -> int:
+        """The port of the relay (after :meth:`run`; only with ``relay_port``)."""
+        return self._impl.relay_port()
 
     @property
     def http_address(self) -> str:

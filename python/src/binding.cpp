@@ -161,7 +161,7 @@ class PyMaster {
            std::uint32_t vote_timeout_ms, std::uint32_t peers_max, const std::string& secret_file,
            std::uint32_t handshake_timeout_ms, std::uint32_t pending_handshakes_max, const std::string& http_listen,
            const std::string& http_token_file, bool http_insecure, std::uint32_t kv_keys_max,
-           std::uint32_t kv_key_bytes_max, std::uint32_t kv_value_bytes_max, std::uint32_t newcomer_timeout_ms) {
+           std::uint32_t kv_key_bytes_max, std::uint32_t kv_value_bytes_max, std::uint32_t newcomer_timeout_ms, int relay_port) {
     lockstep_master_config_t config;
     check(lockstep_master_config_init(&config), nullptr);
     config.listen_host = host.c_str();
@@ -179,6 +179,8 @@ class PyMaster {
     config.kv_key_bytes_max = kv_key_bytes_max;
     config.kv_value_bytes_max = kv_value_bytes_max;
     config.newcomer_timeout_ms = newcomer_timeout_ms;
+    config.relay = relay_port >= 0 ? 1 : 0;
+    config.relay_port = relay_port >= 0 ? static_cast<std::uint32_t>(relay_port) : 0;
     lockstep_master_t* master = nullptr;
     const int s = lockstep_master_create(&config, &master);
     if (s != LOCKSTEP_OK) {
@@ -186,7 +188,7 @@ class PyMaster {
                   ? plain_message(s) + " (heartbeat_timeout_ms out of range, a bad listen address, an "
                                        "unreadable or too short secret file, a bad http address, an unreadable or "
                                        "malformed token file, a non-loopback http address without a token, a kv bound above its "
-                                       "maximum, or newcomer_timeout_ms out of range)"
+                                       "maximum, newcomer_timeout_ms out of range, or relay_port above 65535)"
                   : plain_message(s));
     }
     master_ = master;
@@ -207,8 +209,20 @@ class PyMaster {
     }
     if (s != LOCKSTEP_OK) {
       fail(s, s == LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED ? plain_message(s) + " (cannot listen on the address)"
-                                                              : plain_message(s));
+              : s == LOCKSTEP_STATUS_INVALID_ARGUMENT
+                  ? plain_message(s) + " (a relay needs a run secret: give secret_file)"
+                  : plain_message(s));
     }
+  }
+
+  std::uint16_t relay_port() {
+    std::uint16_t port = 0;
+    const int s = lockstep_master_relay_port(live(), &port);
+    if (s == LOCKSTEP_STATUS_INVALID_USAGE) {
+      fail(s, plain_message(s) + " (the master runs no relay, or is not running: call run() first)");
+    }
+    check(s, nullptr);
+    return port;
   }
 
   std::uint16_t port() {
@@ -855,13 +869,14 @@ PYBIND11_MODULE(_lockstep, m) {
   py::class_<PyMaster>(m, "Master")
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::uint32_t, const std::string&,
                     std::uint32_t, std::uint32_t, const std::string&, const std::string&, bool, std::uint32_t,
-                    std::uint32_t, std::uint32_t, std::uint32_t>(),
+                    std::uint32_t, std::uint32_t, std::uint32_t, int>(),
            py::arg("host"), py::arg("port"), py::arg("heartbeat_timeout_ms"), py::arg("vote_timeout_ms"),
            py::arg("peers_max"), py::arg("secret_file") = "", py::arg("handshake_timeout_ms") = 0,
            py::arg("pending_handshakes_max") = 0, py::arg("http_listen") = "", py::arg("http_token_file") = "",
            py::arg("http_insecure") = false, py::arg("kv_keys_max") = 0, py::arg("kv_key_bytes_max") = 0,
-           py::arg("kv_value_bytes_max") = 0, py::arg("newcomer_timeout_ms") = 0)
+           py::arg("kv_value_bytes_max") = 0, py::arg("newcomer_timeout_ms") = 0, py::arg("relay_port") = -1)
       .def("run", &PyMaster::run)
+      .def("relay_port", &PyMaster::relay_port)
       .def("port", &PyMaster::port)
       .def("http_port", &PyMaster::http_port)
       .def("interrupt", &PyMaster::interrupt)

@@ -253,6 +253,12 @@ lockstep_status_t lockstep_master_create(const lockstep_master_config_t* caller_
     if (config->kv_keys_max != 0) options.coordinator.kv.keys_max = config->kv_keys_max;
     if (config->kv_key_bytes_max != 0) options.coordinator.kv.key_bytes_max = config->kv_key_bytes_max;
     if (config->kv_value_bytes_max != 0) options.coordinator.kv.value_bytes_max = config->kv_value_bytes_max;
+    if (config->relay_port > 0xffff) {
+      return refuse("lockstep_master_create", lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                                                               "relay_port is " + std::to_string(config->relay_port) +
+                                                                   ", above 65535"));
+    }
+    if (config->relay != 0) options.relay_port = static_cast<std::uint16_t>(config->relay_port);
     auto secret = load_secret(config->secret_file, nullptr, 0);
     if (!secret.is_ok()) {
       LOG_ERROR("capi", "lockstep_master_create: " << secret.status().to_string());
@@ -326,6 +332,13 @@ lockstep_status_t lockstep_master_http_port(const lockstep_master_t* master, uin
   if (master == nullptr || out_port == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
   if (!master->server->running() || !master->http) return LOCKSTEP_STATUS_INVALID_USAGE;
   *out_port = master->http->port();
+  return LOCKSTEP_OK;
+}
+
+lockstep_status_t lockstep_master_relay_port(const lockstep_master_t* master, uint16_t* out_port) {
+  if (master == nullptr || out_port == nullptr) return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+  if (!master->server->running() || master->server->relay_port() == 0) return LOCKSTEP_STATUS_INVALID_USAGE;
+  *out_port = master->server->relay_port();
   return LOCKSTEP_OK;
 }
 

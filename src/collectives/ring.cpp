@@ -442,7 +442,7 @@ class Runner {
   std::size_t wanted_lowat(const RxStream& r) const {
     if (p_.rx_lowat_bytes == 0 || r.cur.step >= l_.rx_steps()) return 1;
     const std::size_t c = l_.recv_chunk(r.cur.step);
-    const std::size_t due = kRingHeaderBytes + on_wire(l_.wire_bytes(c, r.cur.sub, p_.quantization)) - r.cur.bytes;
+    const std::size_t due = kRingHeaderBytes + on_wire_rx(l_.wire_bytes(c, r.cur.sub, p_.quantization)) - r.cur.bytes;
     return std::max<std::size_t>(1, std::min(p_.rx_lowat_bytes, due));
   }
   static void set_lowat(RxStream& r, std::size_t bytes) {
@@ -471,7 +471,7 @@ class Runner {
       if (s_.encoded_send.size() < ntx_ * staging) s_.encoded_send.resize(ntx_ * staging);
       if (s_.encoded_gather.size() < l_.encoded_total()) s_.encoded_gather.resize(l_.encoded_total());
     }
-    if (encrypted() && s_.sealed_send.size() < ntx_ * (staging + security::kTagBytes)) {
+    if (seals() && s_.sealed_send.size() < ntx_ * (staging + security::kTagBytes)) {
       s_.sealed_send.resize(ntx_ * (staging + security::kTagBytes));
     }
   }
@@ -480,7 +480,7 @@ class Runner {
   void grow_receive_scratch(std::size_t streams) {
     const std::size_t staging = staging_bytes();
     if (s_.staging.size() < streams * staging) s_.staging.resize(streams * staging);
-    if (encrypted() && s_.sealed_recv.size() < streams * (staging + security::kTagBytes)) {
+    if (opens() && s_.sealed_recv.size() < streams * (staging + security::kTagBytes)) {
       s_.sealed_recv.resize(streams * (staging + security::kTagBytes));
     }
   }
@@ -562,9 +562,13 @@ class Runner {
     quantization_error(raw, encoded, elems, p_.dtype, p_.quantization, factor,
                        s_.residual_next.data() + start * l_.esize());
   }
-  bool encrypted() const { return io_.seal != nullptr && io_.open != nullptr; }
-  // Bytes after the header: the payload, and its tag when encrypted.
-  std::size_t on_wire(std::size_t payload) const { return payload + (encrypted() ? security::kTagBytes : 0); }
+  // Each direction is sealed where its connection has a cipher (RingIo::seal, ::open):
+  // with encrypt_data every connection, without it a relayed edge's alone.
+  bool seals() const { return io_.seal != nullptr; }
+  bool opens() const { return io_.open != nullptr; }
+  // Bytes after the header: the payload, and its tag when that direction is sealed.
+  std::size_t on_wire_tx(std::size_t payload) const { return payload + (seals() ? security::kTagBytes : 0); }
+  std::size_t on_wire_rx(std::size_t payload) const { return payload + (opens() ? security::kTagBytes : 0); }
 
   // The bytes of a send item. Quantized: reduce-scatter encodes the partial sum; the
   // first all-gather step encodes this peer's final chunk and replaces its own copy
@@ -653,14 +657,14 @@ class Runner {
       const std::size_t c = l_.send_chunk(t.cur.step);
       const std::size_t start = l_.sub_start(c, t.cur.sub);
       const std::size_t plain = l_.wire_bytes(c, t.cur.sub, p_.quantization);
-      const std::size_t payload = on_wire(plain);
+      const std::size_t payload = on_wire_tx(plain);
       // Step 0 sends this peer's own input; later steps send what was reduced or received.
       if (!t.prepared) {
         t.prepared = true;
         put_ring_header(t.header, RingHeader{static_cast<std::uint8_t>(k), static_cast<std::uint8_t>(ntx_),
                                              static_cast<std::uint32_t>(t.cur.item), p_.attempt});
         t.source = send_data(k, c, start);
-        if (encrypted()) {
+        if (seals()) {
           t.seal->seal(std::span<const std::uint8_t>(t.source, plain),
                        std::span<const std::uint8_t>(t.header, kRingHeaderBytes), sealed_send_of(k));
           t.source = sealed_send_of(k);
@@ -708,7 +712,7 @@ class Runner {
       const std::size_t start = l_.sub_start(c, r.cur.sub);
       const std::size_t elems = l_.sub_len(c, r.cur.sub);
       const std::size_t plain = l_.wire_bytes(c, r.cur.sub, p_.quantization);
-      const std::size_t payload = on_wire(plain);
+      const std::size_t payload = on_wire_rx(plain);
       const bool reducing = l_.reducing(r.cur.step);
       const std::size_t g = l_.sub_index(c, r.cur.sub);
       std::uint8_t* iov_base = nullptr;
@@ -721,7 +725,7 @@ class Runner {
         // All-gather writes straight into the destination: back it up first.
         if (!reducing && r.cur.bytes == kRingHeaderBytes) touch(g, start, elems);
         // Encrypted: the sealed bytes wait in scratch until they verify.
-        std::uint8_t* landing = encrypted() ? sealed_recv_of(k) : target_of(k, c, start, reducing);
+        std::uint8_t* landing = opens() ? sealed_recv_of(k) : target_of(k, c, start, reducing);
         const std::size_t off = r.cur.bytes - kRingHeaderBytes;
         iov_base = landing + off;
         iov_len = payload - off;
@@ -744,7 +748,7 @@ class Runner {
       }
       if (r.cur.bytes == kRingHeaderBytes + payload) {
         std::uint8_t* target = target_of(k, c, start, reducing);
-        if (encrypted() && !r.open->open(std::span<const std::uint8_t>(sealed_recv_of(k), payload),
+        if (opens() && !r.open->open(std::span<const std::uint8_t>(sealed_recv_of(k), payload),
                                          std::span<const std::uint8_t>(r.header, kRingHeaderBytes), target)) {
           return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR,
                         "ring sub-chunk " + std::to_string(r.cur.item) + " of stream " + std::to_string(k) +
@@ -769,7 +773,7 @@ class Runner {
   // Reads the rest of an earlier attempt's commit token (its tag, when sealed: opening
   // it keeps the connection's cipher in step) and makes the stream wait for a header again.
   Status skip_token(RxStream& r, bool* progress) {
-    const std::size_t due = kRingHeaderBytes + on_wire(0);
+    const std::size_t due = kRingHeaderBytes + on_wire_rx(0);
     while (r.cur.bytes < due) {
       const ssize_t got = ::read(r.fd, r.token + (r.cur.bytes - kRingHeaderBytes), due - r.cur.bytes);
       if (got < 0) {
@@ -782,7 +786,7 @@ class Runner {
       r.cur.bytes += static_cast<std::size_t>(got);  // (not counted: as its sender does not)
     }
     std::uint8_t none[1];
-    if (encrypted() && !r.open->open(std::span<const std::uint8_t>(r.token, security::kTagBytes),
+    if (opens() && !r.open->open(std::span<const std::uint8_t>(r.token, security::kTagBytes),
                                      std::span<const std::uint8_t>(r.header, kRingHeaderBytes), none)) {
       return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "a commit token from the previous ring peer does not verify");
     }
@@ -999,8 +1003,11 @@ Status run_ring(const RingPlan& plan, const RingIo& io, RingScratch& scratch, Ri
 Result<CommitEnd> run_ring_commit(const RingPlan& plan, const RingIo& io, RingStats* stats) {
   if (plan.world <= 1) return CommitEnd::kCommitted;
   const std::size_t need = plan.world - 1;
-  const bool sealed = io.seal != nullptr && io.open != nullptr;
-  const std::size_t frame = kRingHeaderBytes + (sealed ? security::kTagBytes : 0);
+  // Each direction sealed where its connection has a cipher (see Runner::seals).
+  const bool seals = io.seal != nullptr;
+  const bool opens = io.open != nullptr;
+  const std::size_t frame = kRingHeaderBytes + (seals ? security::kTagBytes : 0);
+  const std::size_t in_frame = kRingHeaderBytes + (opens ? security::kTagBytes : 0);
   // Tokens made (sealing advances the cipher: each is made once) and not yet sent.
   std::vector<std::uint8_t> out;
   std::size_t out_off = 0;
@@ -1010,7 +1017,7 @@ Result<CommitEnd> run_ring_commit(const RingPlan& plan, const RingIo& io, RingSt
       const std::size_t at = out.size();
       out.resize(at + frame);
       put_ring_header(out.data() + at, RingHeader{0, 1, kRingTokenSeq, plan.attempt});
-      if (sealed) {
+      if (seals) {
         io.seal->seal(std::span<const std::uint8_t>(), std::span<const std::uint8_t>(out.data() + at, kRingHeaderBytes),
                       out.data() + at + kRingHeaderBytes);
       }
@@ -1053,7 +1060,7 @@ Result<CommitEnd> run_ring_commit(const RingPlan& plan, const RingIo& io, RingSt
     const bool reading = received < need;
     if (!reading && out.empty()) return CommitEnd::kCommitted;
     if (reading) {
-      const ssize_t got = ::read(io.rx_fd, in + in_len, frame - in_len);
+      const ssize_t got = ::read(io.rx_fd, in + in_len, in_frame - in_len);
       if (got == 0) return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, "the previous ring peer closed the connection");
       if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
@@ -1064,7 +1071,7 @@ Result<CommitEnd> run_ring_commit(const RingPlan& plan, const RingIo& io, RingSt
         if (stats != nullptr) stats->bytes_received += static_cast<std::uint64_t>(got);
         progress = true;
       }
-      if (in_len == frame) {
+      if (in_len == in_frame) {
         auto h = parse_ring_header(in);
         if (!h.is_ok()) return h.status();
         const bool token = h.value().seq == kRingTokenSeq && h.value().stream == 0;
@@ -1079,7 +1086,7 @@ Result<CommitEnd> run_ring_commit(const RingPlan& plan, const RingIo& io, RingSt
                             ") where a commit token of attempt " + std::to_string(plan.attempt) + " was due");
         }
         std::uint8_t none[1];
-        if (sealed && !io.open->open(std::span<const std::uint8_t>(in + kRingHeaderBytes, security::kTagBytes),
+        if (opens && !io.open->open(std::span<const std::uint8_t>(in + kRingHeaderBytes, security::kTagBytes),
                                      std::span<const std::uint8_t>(in, kRingHeaderBytes), none)) {
           return Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "a commit token from the previous ring peer does not verify");
         }

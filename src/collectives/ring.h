@@ -21,7 +21,9 @@
 // reduce-scatter hops and the one all-gather encoding of each encoding's bound
 // (scale/2 plus rounding, see quantize.h).
 //
-// Encrypted (RingIo's seal and open set): each sub-chunk travels as its 16-byte header
+// Encrypted (each direction on its own: RingIo's seal set for what this peer sends, open
+// for what it receives; with encrypt_data both, without it only a relayed edge's): each
+// sub-chunk travels as its 16-byte header
 // in clear, the ChaCha20-Poly1305 ciphertext of the wire payload (raw or quantized) and
 // a 16-byte tag; the header is the associated data and the nonce a per-direction counter
 // kept by the connection's Aead, so an altered, replayed, reordered or cut frame does

@@ -653,7 +653,7 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
   if (topology_phase_ == TopologyPhase::kMeasuring && peer.state == PeerState::kMeasuringBandwidth) {
     fail_optimize("peer " + id.to_string() + " was lost during the bandwidth measurements (" + reason + ")", out);
   }
-  if (peer.phase == Phase::kAccepted) remove_unreachable_neighbours(peer.group, id, out);
+  if (peer.phase == Phase::kAccepted && !config_.relay) remove_unreachable_neighbours(peer.group, id, out);
 }
 
 // After a removal two peers that both accept no inbound connection may be ring
@@ -750,7 +750,8 @@ void Coordinator::start_establish(TimeMs now_ms, Outbox& out,
   optimizing_ = optimized.has_value();
   newcomers_.clear();
   proposed_rings_ = optimized ? *optimized : rings_;
-  const std::map<PeerId, std::string> no_room = optimizing_ ? std::map<PeerId, std::string>{} : without_room();
+  const std::map<PeerId, std::string> no_room =
+      optimizing_ || config_.relay ? std::map<PeerId, std::string>{} : without_room();
   for (auto& [id, peer] : peers_) {
     if (peer.phase == Phase::kRegistered) {
       if (optimizing_) continue;  // an optimization admits nobody: they wait for the next update

@@ -78,6 +78,10 @@ struct Config {
   std::uint64_t instance_nonce = 0;
   // The key-value store's bounds (lockstep-master --kv-*).
   KvConfig kv{};
+  // The master runs a relay (lockstep-master --relay-port): two peers that both accept no
+  // inbound connection may be ring neighbours, their edge relayed, so neither the room
+  // rule for such peers nor the removal of such neighbours applies (docs/deployment.md).
+  bool relay = false;
 };
 
 enum class Phase { kRegistered, kAccepted };
@@ -296,6 +300,10 @@ class Coordinator {
   std::vector<OpenRound> open_rounds() const;
   // Checks the structural invariants; returns a description of the first violation.
   std::optional<std::string> check_invariants() const;
+  // With a relay (Config::relay): the peers of every ring, accepted or proposed, that
+  // accept no inbound connection, with their group. Two of one group may be connected
+  // through the relay (master::Relay); nobody else. Empty without a relay.
+  std::map<PeerId, std::uint32_t> relay_members() const;
 
  private:
   struct Handshake {

@@ -140,9 +140,10 @@ std::string Coordinator::digest() const {
   return s.str();
 }
 
-// Two neighbours of `ring` that both accept no inbound connection (their edge cannot be
-// made), named; nothing if there are none.
+// Two neighbours of `ring` that both accept no inbound connection (without a relay their
+// edge cannot be made), named; nothing if there are none, or if the master has a relay.
 std::optional<std::string> Coordinator::unreachable_neighbours(const std::vector<PeerId>& ring) const {
+  if (config_.relay) return std::nullopt;
   const auto refuses = [this](PeerId id) {
     const Peer* p = find_peer(id);
     return p != nullptr && !proto::accepts_inbound(p->info);
@@ -154,6 +155,20 @@ std::optional<std::string> Coordinator::unreachable_neighbours(const std::vector
     }
   }
   return std::nullopt;
+}
+
+std::map<PeerId, std::uint32_t> Coordinator::relay_members() const {
+  std::map<PeerId, std::uint32_t> out;
+  if (!config_.relay) return out;
+  for (const auto* rings : {&rings_, &proposed_rings_}) {
+    for (const auto& [group, ids] : *rings) {
+      for (const PeerId& id : ids) {
+        const Peer* p = find_peer(id);
+        if (p != nullptr && !proto::accepts_inbound(p->info)) out[id] = group;
+      }
+    }
+  }
+  return out;
 }
 
 std::optional<std::string> Coordinator::check_invariants() const {

@@ -13,7 +13,9 @@
 
 #include "common/limits.h"
 #include "common/log.h"
+#include "master/listen.h"
 #include "master/observer.h"
+#include "master/relay.h"
 #include "protocol/codec.h"
 #include "security/frames.h"
 #include "transport/socket.h"
@@ -40,6 +42,29 @@ constexpr std::uint64_t kStallCheckTicks = 12;
 
 }  // namespace
 
+Status listen_on(asio::ip::tcp::acceptor& acceptor, const std::string& host, std::uint16_t port) {
+  asio::error_code ec;
+  const auto address = asio::ip::make_address(host, ec);
+  if (ec) return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT, "listen address '" + host + "' is not an IPv4 or IPv6 literal");
+  if (address.is_v6() && address.to_v6().is_v4_mapped()) {
+    return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                  "listen address '" + host + "' is an IPv4-mapped IPv6 address: give the IPv4 address " +
+                      asio::ip::make_address_v4(asio::ip::v4_mapped, address.to_v6()).to_string());
+  }
+  const asio::ip::tcp::endpoint endpoint(address, port);
+  acceptor.open(endpoint.protocol(), ec);
+  // "::" serves IPv4 clients too (as IPv4-mapped addresses, unmapped where they are read).
+  if (!ec && address.is_v6()) acceptor.set_option(asio::ip::v6_only(!address.is_unspecified()), ec);
+  if (!ec) acceptor.set_option(asio::socket_base::reuse_address(true), ec);
+  if (!ec) acceptor.bind(endpoint, ec);
+  if (!ec) acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED,
+                  "cannot listen on " + transport::join_host_port(host, port) + ": " + ec.message());
+  }
+  return Status::ok();
+}
+
 class MasterServer::Impl {
  public:
   explicit Impl(Options options)
@@ -53,31 +78,23 @@ class MasterServer::Impl {
   }
 
   Status bind() {
-    asio::error_code ec;
-    const auto address = asio::ip::make_address(options_.listen_host, ec);
-    if (ec) {
+    if (options_.relay_port && !options_.secret) {
       return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
-                    "listen address '" + options_.listen_host + "' is not an IPv4 or IPv6 literal");
+                    "a relay needs a run secret (--secret-file): the frames of a relayed edge are sealed end to end "
+                    "with the keys of its two peers (docs/deployment.md, \"Relays\")");
     }
-    if (address.is_v6() && address.to_v6().is_v4_mapped()) {
-      return Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
-                    "listen address '" + options_.listen_host + "' is an IPv4-mapped IPv6 address: give the IPv4 address " +
-                        asio::ip::make_address_v4(asio::ip::v4_mapped, address.to_v6()).to_string());
-    }
-    const asio::ip::tcp::endpoint endpoint(address, options_.listen_port);
-    acceptor_.open(endpoint.protocol(), ec);
-    // "::" serves IPv4 clients too (as IPv4-mapped addresses, unmapped in on_accept).
-    if (!ec && address.is_v6()) acceptor_.set_option(asio::ip::v6_only(!address.is_unspecified()), ec);
-    if (!ec) acceptor_.set_option(asio::socket_base::reuse_address(true), ec);
-    if (!ec) acceptor_.bind(endpoint, ec);
-    if (!ec) acceptor_.listen(asio::socket_base::max_listen_connections, ec);
-    if (ec) {
-      return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED,
-                    "cannot listen on " + transport::join_host_port(options_.listen_host, options_.listen_port) +
-                        ": " + ec.message());
-    }
-    return Status::ok();
+    if (Status s = listen_on(acceptor_, options_.listen_host, options_.listen_port); !s.is_ok()) return s;
+    if (!options_.relay_port) return Status::ok();
+    RelayOptions relay;
+    relay.listen_host = options_.listen_host;
+    relay.port = *options_.relay_port;
+    relay.run_key = run_key_;
+    relay.match_timeout_ms = options_.relay_match_timeout_ms;
+    relay_ = std::make_unique<Relay>(relay);
+    return relay_->start();
   }
+
+  std::uint16_t relay_port() const { return relay_ ? relay_->port() : 0; }
 
   std::uint16_t port() const { return acceptor_.local_endpoint().port(); }
 
@@ -94,8 +111,10 @@ class MasterServer::Impl {
   // Called from any thread: the view is rendered by a handler on the loop thread.
   Result<std::string> render(View view, std::uint32_t timeout_ms) {
     return on_loop(timeout_ms, [this, view]() -> Result<std::string> {
-      return view == View::kStateJson ? observer_.state_json(coordinator_, now_ms())
-                                      : observer_.metrics_text(coordinator_, now_ms());
+      if (view == View::kStateJson) return observer_.state_json(coordinator_, now_ms());
+      std::string text = observer_.metrics_text(coordinator_, now_ms());
+      if (relay_) text += relay_metrics(relay_->stats());
+      return text;
     });
   }
 
@@ -366,8 +385,14 @@ class MasterServer::Impl {
   }
 
   // With a secret: a copy of the message with the pair key of the recipient and each
-  // member it names filled in; nothing when the message names no members.
+  // member it names filled in, and a Welcome with the relay's port; nothing when the
+  // message needs neither.
   std::optional<proto::Message> with_pair_keys(coord::ConnId conn, const proto::Message& message) const {
+    if (const auto* m = std::get_if<proto::Welcome>(&message); m != nullptr && relay_) {
+      auto copy = *m;
+      copy.relay_port = relay_->port();
+      return copy;
+    }
     const auto self = coordinator_.peer_of(conn);
     if (!self) return std::nullopt;
     const auto fill = [&](std::vector<proto::MemberInfo>& members) {
@@ -446,6 +471,13 @@ class MasterServer::Impl {
       std::abort();
     }
 #endif
+    if (relay_) {
+      auto members = coordinator_.relay_members();
+      if (members != relay_members_) {
+        relay_members_ = members;
+        relay_->assign(std::move(members));
+      }
+    }
     for (auto& command : out) {
       if (auto* send = std::get_if<coord::Send>(&command)) {
         enqueue(send->conn, send->message);
@@ -605,14 +637,23 @@ class MasterServer::Impl {
   std::map<coord::ConnId, SessionPtr> sessions_;
   coord::ConnId next_conn_ = 1;
   security::Key run_key_{};  // with a secret: the root of every pair key
+  std::unique_ptr<Relay> relay_;  // with --relay-port
+  std::map<PeerId, std::uint32_t> relay_members_;  // what relay_ was last assigned
   // After a rotation: the secret new handshakes may still prove until the window ends.
   std::optional<security::Key> previous_secret_;
   TimeMs previous_secret_until_ms_ = 0;
   bool stopping_ = false;
 };
 
+namespace {
+Options with_relay_config(Options options) {
+  options.coordinator.relay = options.relay_port.has_value();
+  return options;
+}
+}  // namespace
+
 MasterServer::MasterServer(Options options)
-    : secret_(options.secret.has_value()), impl_(std::make_unique<Impl>(std::move(options))) {}
+    : secret_(options.secret.has_value()), impl_(std::make_unique<Impl>(with_relay_config(std::move(options)))) {}
 
 MasterServer::~MasterServer() {
   interrupt();
@@ -624,6 +665,7 @@ Status MasterServer::start() {
   Status s = impl_->bind();
   if (!s.is_ok()) return s;
   port_ = impl_->port();
+  relay_port_ = impl_->relay_port();
   running_ = true;
   thread_ = std::thread([this] {
     impl_->run();

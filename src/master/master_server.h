@@ -31,6 +31,12 @@ struct Options {
   // sealed, and peers get pair keys for their p2p connections (docs/security.md).
   // Without it the master admits anyone who can reach it, and says so at start.
   std::optional<security::Key> secret;
+  // Runs the relay (master/relay.h) on this port (0: an ephemeral one) of listen_host:
+  // ring edges between two peers that both accept no inbound connection run through it.
+  // Needs `secret`. Sets coordinator.relay.
+  std::optional<std::uint16_t> relay_port;
+  // How long a relay connection waits for the other end of its edge.
+  std::uint32_t relay_match_timeout_ms = 30'000;
 };
 
 // What render() produces (docs/observability.md).
@@ -46,6 +52,8 @@ class MasterServer {
   // Binds and listens, then serves on a background thread.
   Status start();
   std::uint16_t port() const { return port_.load(); }
+  // The relay's port once started; 0 without a relay.
+  std::uint16_t relay_port() const { return relay_port_.load(); }
   // Thread-safe; returns at once.
   void interrupt();
   // Blocks until the loop has stopped and the thread is joined.
@@ -72,6 +80,7 @@ class MasterServer {
   std::unique_ptr<Impl> impl_;
   std::thread thread_;
   std::atomic<std::uint16_t> port_{0};
+  std::atomic<std::uint16_t> relay_port_{0};
   std::atomic<bool> running_{false};
 };
 

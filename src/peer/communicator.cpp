@@ -18,6 +18,7 @@
 #include <cmath>
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <map>
 #include <set>
 
@@ -241,6 +242,7 @@ Status Communicator::connect() {
   const auto* welcome = std::get_if<proto::Welcome>(&reply.value());
   if (welcome == nullptr) return remember(Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "master answered Hello with something else"));
   id_ = welcome->id;
+  relay_port_ = welcome->relay_port;
   link_->set_identity(id_);
   link_->attach_master(std::move(fd.value()), welcome->heartbeat_timeout_ms, std::move(crypto));
   connected_ = true;
@@ -343,26 +345,44 @@ std::vector<PeerId> Communicator::establish(const proto::EstablishP2P& plan, con
   const proto::MemberInfo& next = ring[(i + 1) % n];
   const proto::MemberInfo& prev = ring[(i + n - 1) % n];
   const auto deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
+  const auto connect_next = [&] {
+    for (std::uint32_t k = 0; k < options_.p2p_pool_size; ++k) {
+      auto tx = tx_connection(next, k, cancel);
+      if (!tx.is_ok()) {
+        LOG_WARN(kLog, "cannot connect to ring neighbour " << next.id.to_string() << " at " << next.host << ":"
+                                                            << next.p2p_port << ": " << tx.status().message());
+        if (tx.status().code() == LOCKSTEP_STATUS_INVALID_ARGUMENT) p2p_refusal_ = tx.status().message();
+        return false;
+      }
+    }
+    return true;
+  };
+  const auto connect_prev = [&] {
+    for (std::uint32_t k = 0; k < options_.p2p_pool_size; ++k) {
+      auto rx = rx_connection(prev, k, deadline, cancel);
+      if (!rx.is_ok()) {
+        LOG_WARN(kLog, "ring neighbour " << prev.id.to_string() << " did not connect within "
+                                         << options_.p2p_connect_timeout_ms << " ms: " << rx.status().message());
+        return false;
+      }
+    }
+    return true;
+  };
+  // The connections to a relayed next peer are made while those from the previous one
+  // are (see ring_connections).
+  bool next_ok = true;
+  bool prev_ok = true;
+  if (relayed_edge(self_info(), next)) {
+    auto sends = std::async(std::launch::async, connect_next);
+    prev_ok = connect_prev();
+    next_ok = sends.get();
+  } else {
+    next_ok = connect_next();
+    prev_ok = connect_prev();
+  }
   std::vector<PeerId> unreachable;
-  for (std::uint32_t k = 0; k < options_.p2p_pool_size; ++k) {
-    auto tx = tx_connection(next, k, cancel);
-    if (!tx.is_ok()) {
-      LOG_WARN(kLog, "cannot connect to ring neighbour " << next.id.to_string() << " at " << next.host << ":"
-                                                          << next.p2p_port << ": " << tx.status().message());
-      if (tx.status().code() == LOCKSTEP_STATUS_INVALID_ARGUMENT) p2p_refusal_ = tx.status().message();
-      unreachable.push_back(next.id);
-      break;
-    }
-  }
-  for (std::uint32_t k = 0; k < options_.p2p_pool_size; ++k) {
-    auto rx = rx_connection(prev, k, deadline, cancel);
-    if (!rx.is_ok()) {
-      LOG_WARN(kLog, "ring neighbour " << prev.id.to_string() << " did not connect within "
-                                       << options_.p2p_connect_timeout_ms << " ms");
-      if (prev.id != next.id || unreachable.empty()) unreachable.push_back(prev.id);
-      break;
-    }
-  }
+  if (!next_ok) unreachable.push_back(next.id);
+  if (!prev_ok && (prev.id != next.id || unreachable.empty())) unreachable.push_back(prev.id);
   return unreachable;
 }
 
@@ -380,13 +400,14 @@ bool closed_by_other_end(int fd) {
   return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
-// An edge between two peers that both accept no inbound connection cannot be made:
-// reported at once, not after the connect timeout (docs/deployment.md, "NAT").
-Status edge_possible(const proto::MemberInfo& from, const proto::MemberInfo& to) {
-  if (proto::accepts_inbound(from) || proto::accepts_inbound(to)) return Status::ok();
+// An edge between two peers that both accept no inbound connection cannot be made
+// without the master's relay: reported at once, not after the connect timeout
+// (docs/deployment.md, "NAT").
+Status edge_possible(const proto::MemberInfo& from, const proto::MemberInfo& to, bool relay) {
+  if (proto::accepts_inbound(from) || proto::accepts_inbound(to) || relay) return Status::ok();
   return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED,
                 "peers " + from.id.to_string() + " and " + to.id.to_string() +
-                    " both accept no inbound connection: their ring edge cannot be made");
+                    " both accept no inbound connection and the master runs no relay: their ring edge cannot be made");
 }
 }  // namespace
 
@@ -397,10 +418,35 @@ proto::MemberInfo Communicator::self_info() const {
   return self;
 }
 
+Result<transport::Fd> Communicator::dial_relay(const proto::MemberInfo& other, std::uint32_t slot, bool receiver,
+                                               const OpChannel& channel) {
+  if (!options_.secret) {
+    return Status(LOCKSTEP_STATUS_INVALID_USAGE, "a relayed ring edge needs the run secret, and this peer has none");
+  }
+  auto fd = transport::connect_tcp(options_.master_host, relay_port_.load(), options_.p2p_connect_timeout_ms,
+                                   channel.event_fd());
+  if (!fd.is_ok()) return fd.status();
+  proto::P2PHello hello;
+  hello.channel = proto::Channel::kRelay;
+  hello.from = id_;
+  hello.to = other.id;
+  hello.pool_index = slot;
+  if (receiver) hello.flags |= proto::kP2PFlagReversed;
+  // The relay answers once `other` has connected too, within the connect timeout.
+  Status s = p2p_handshake(fd.value().get(), hello, true, other.key, options_.p2p_connect_timeout_ms, nullptr,
+                           channel.event_fd());
+  if (!s.is_ok()) {
+    return Status(s.code(), "the master's relay did not join this peer to " + other.id.to_string() + ": " + s.message());
+  }
+  return std::move(fd.value());
+}
+
 Result<std::pair<transport::Fd, security::SessionKeys>> Communicator::dial_ring(const proto::MemberInfo& to,
                                                                                 std::uint32_t slot, bool reversed,
+                                                                                bool relayed,
                                                                                 const OpChannel& channel) {
-  auto fd = transport::connect_tcp(to.host, to.p2p_port, options_.p2p_connect_timeout_ms, channel.event_fd());
+  auto fd = relayed ? dial_relay(to, slot, /*receiver=*/reversed, channel)
+                    : transport::connect_tcp(to.host, to.p2p_port, options_.p2p_connect_timeout_ms, channel.event_fd());
   if (!fd.is_ok()) return fd.status();
   if (!options_.tcp_congestion.empty()) (void)transport::set_congestion_control(fd.value().get(), options_.tcp_congestion);
   proto::P2PHello hello;
@@ -409,7 +455,7 @@ Result<std::pair<transport::Fd, security::SessionKeys>> Communicator::dial_ring(
   hello.to = to.id;
   hello.epoch = next_generation_.fetch_add(1);  // the acceptor keeps the newest
   hello.pool_index = slot;
-  if (options_.encrypt_data) hello.flags |= proto::kP2PFlagEncryptData;
+  if (sealed_edge(relayed)) hello.flags |= proto::kP2PFlagEncryptData;
   if (reversed) hello.flags |= proto::kP2PFlagReversed;
   security::SessionKeys keys;
   Status s = p2p_handshake(fd.value().get(), hello, options_.secret.has_value(), to.key, options_.p2p_connect_timeout_ms,
@@ -421,8 +467,10 @@ Result<std::pair<transport::Fd, security::SessionKeys>> Communicator::dial_ring(
 
 Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32_t slot, const OpChannel& channel,
                                         security::Aead** seal) {
-  if (Status s = edge_possible(self_info(), to); !s.is_ok()) return s;
-  const bool reversed = proto::reversed_edge(self_info(), to);
+  if (Status s = edge_possible(self_info(), to, relay_port_.load() != 0); !s.is_ok()) return s;
+  const bool relayed = relayed_edge(self_info(), to);
+  const bool reversed = proto::reversed_edge(self_info(), to) || relayed;
+  const bool sealed = sealed_edge(relayed);
   std::uint64_t have = 0;  // a cached reversed connection's generation (0: none)
   bool cached = false;
   {
@@ -444,18 +492,24 @@ Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32
     }
   }
   if (!reversed) {
-    auto dialled = dial_ring(to, slot, /*reversed=*/false, channel);
+    auto dialled = dial_ring(to, slot, /*reversed=*/false, /*relayed=*/false, channel);
     if (!dialled.is_ok()) return dialled.status();
     std::lock_guard<std::mutex> lock(connections_mutex_);
     auto& entry = tx_[SlotKey{to.id, slot}];
     entry.fd = std::move(dialled.value().first);
-    entry.seal = options_.encrypt_data ? std::make_unique<security::Aead>(dialled.value().second.to_server) : nullptr;
+    entry.seal = sealed ? std::make_unique<security::Aead>(dialled.value().second.to_server) : nullptr;
     if (seal != nullptr) *seal = entry.seal.get();
     return entry.fd.get();
   }
   // Reversed: `to` accepts no inbound connection and dials this peer to receive. A newer
   // connection of its replaces the cached one (it dropped the old one and dialled anew).
+  // Relayed: this peer joins it at the relay first; the cached one is kept while it is open.
   const auto deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
+  if (relayed && !cached) {
+    auto joined = dial_relay(to, slot, /*receiver=*/false, channel);
+    if (!joined.is_ok()) return joined.status();
+    link_->adopt_relayed(std::move(joined.value()));
+  }
   auto fresh = link_->take_inbound(to.id, slot, have, cached ? Clock::now() : deadline, channel.abort_flag(),
                                    /*reversed=*/true);
   while (fresh && closed_by_other_end(fresh->fd.get())) {
@@ -463,14 +517,14 @@ Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32
   }
   std::lock_guard<std::mutex> lock(connections_mutex_);
   if (fresh) {
-    if (options_.encrypt_data && !fresh->keys) {
+    if (sealed && !fresh->keys) {
       return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "a ring connection from " + to.id.to_string() + " has no session keys");
     }
     transport::set_nonblocking(fresh->fd.get());
     auto& entry = tx_[SlotKey{to.id, slot}];
     entry.fd = std::move(fresh->fd);
     entry.generation = fresh->epoch;
-    entry.seal = options_.encrypt_data ? std::make_unique<security::Aead>(fresh->keys->to_client) : nullptr;
+    entry.seal = sealed ? std::make_unique<security::Aead>(fresh->keys->to_client) : nullptr;
     if (seal != nullptr) *seal = entry.seal.get();
     return entry.fd.get();
   }
@@ -479,15 +533,18 @@ Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32
     return it->second.fd.get();
   }
   return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED,
-                "peer " + to.id.to_string() + " (it accepts no inbound connection) did not connect to this one in time");
+                "peer " + to.id.to_string() + " (it accepts no inbound connection) did not connect to this one" +
+                    (relayed ? " through the relay" : "") + " in time");
 }
 
 Result<int> Communicator::rx_connection(const proto::MemberInfo& from_info, std::uint32_t slot,
                                         Clock::time_point deadline, const OpChannel& channel, security::Aead** open,
                                         bool give_up_cached) {
   const PeerId from = from_info.id;
-  if (Status s = edge_possible(from_info, self_info()); !s.is_ok()) return s;
-  const bool reversed = proto::reversed_edge(from_info, self_info());
+  if (Status s = edge_possible(from_info, self_info(), relay_port_.load() != 0); !s.is_ok()) return s;
+  const bool relayed = relayed_edge(from_info, self_info());
+  const bool reversed = proto::reversed_edge(from_info, self_info()) || relayed;
+  const bool sealed = sealed_edge(relayed);
   std::uint64_t have = 0;  // the generation of the cached connection (0: none)
   bool cached = false;
   {
@@ -511,12 +568,12 @@ Result<int> Communicator::rx_connection(const proto::MemberInfo& from_info, std:
     }
   }
   if (reversed) {
-    auto dialled = dial_ring(from_info, slot, /*reversed=*/true, channel);
+    auto dialled = dial_ring(from_info, slot, /*reversed=*/true, relayed, channel);
     if (!dialled.is_ok()) return dialled.status();
     std::lock_guard<std::mutex> lock(connections_mutex_);
     auto& entry = rx_[SlotKey{from, slot}];
     entry.fd = std::move(dialled.value().first);
-    entry.open = options_.encrypt_data ? std::make_unique<security::Aead>(dialled.value().second.to_client) : nullptr;
+    entry.open = sealed ? std::make_unique<security::Aead>(dialled.value().second.to_client) : nullptr;
     if (open != nullptr) *open = entry.open.get();
     return entry.fd.get();
   }
@@ -532,14 +589,14 @@ Result<int> Communicator::rx_connection(const proto::MemberInfo& from_info, std:
   }
   std::lock_guard<std::mutex> lock(connections_mutex_);
   if (fresh) {
-    if (options_.encrypt_data && !fresh->keys) {
+    if (sealed && !fresh->keys) {
       return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, "a ring connection from " + from.to_string() + " has no session keys");
     }
     transport::set_nonblocking(fresh->fd.get());
     auto& slot_entry = rx_[SlotKey{from, slot}];
     slot_entry.fd = std::move(fresh->fd);
     slot_entry.generation = fresh->epoch;
-    slot_entry.open = options_.encrypt_data ? std::make_unique<security::Aead>(fresh->keys->to_server) : nullptr;
+    slot_entry.open = sealed ? std::make_unique<security::Aead>(fresh->keys->to_server) : nullptr;
     if (open != nullptr) *open = slot_entry.open.get();
     return slot_entry.fd.get();
   }
@@ -548,6 +605,20 @@ Result<int> Communicator::rx_connection(const proto::MemberInfo& from_info, std:
     return it->second.fd.get();
   }
   return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "peer " + from.to_string() + " did not connect in time");
+}
+
+std::pair<Result<int>, Result<int>> Communicator::ring_connections(const proto::MemberInfo& to,
+                                                                   const proto::MemberInfo& from, std::uint32_t slot,
+                                                                   Clock::time_point deadline, const OpChannel& channel,
+                                                                   security::Aead** seal, security::Aead** open) {
+  if (!relayed_edge(self_info(), to)) {
+    auto tx = tx_connection(to, slot, channel, seal);
+    auto rx = tx.is_ok() ? rx_connection(from, slot, deadline, channel, open) : Result<int>(tx.status());
+    return {std::move(tx), std::move(rx)};
+  }
+  auto tx = std::async(std::launch::async, [&] { return tx_connection(to, slot, channel, seal); });
+  auto rx = rx_connection(from, slot, deadline, channel, open);
+  return {tx.get(), std::move(rx)};
 }
 
 std::function<Result<coll::RingStream>(std::size_t)> Communicator::rx_replacer(const proto::MemberInfo& from,
@@ -592,7 +663,7 @@ void Communicator::open_streams(const proto::MemberInfo& to, std::uint32_t slot,
   if (options_.p2p_streams == 0 && peers_on_this_host({to.id}) == 1) wanted = 1;
   // A reversed edge has one: its receiver dials the stripes, and it learns their
   // count only from the first frame, which would wait for them.
-  if (proto::reversed_edge(self_info(), to)) wanted = 1;
+  if (proto::reversed_edge(self_info(), to) || relayed_edge(self_info(), to)) wanted = 1;
   const std::size_t chunk_elems =
       plan.kind == coll::RingKind::kBroadcast ? plan.count : (plan.count + plan.world - 1) / plan.world;
   const std::size_t chunk_bytes = chunk_elems * coll::dtype_size(plan.dtype);
@@ -1205,10 +1276,8 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
         // A connection that cannot be made fails the attempt at once; making ours and
         // waiting for the previous peer's stop as soon as the master ends the attempt
         // (a neighbour died or was stopped, and the handshake would wait for it).
-        auto tx = tx_connection(to, go.slot, channel, &io.seal);
         const auto rx_deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
-        auto rx = tx.is_ok() ? rx_connection(from, go.slot, rx_deadline, channel, &io.open)
-                             : Result<int>(tx.status());
+        auto [tx, rx] = ring_connections(to, from, go.slot, rx_deadline, channel, &io.seal, &io.open);
         if (!tx.is_ok()) local = tx.status();
         else if (!rx.is_ok()) local = rx.status();
         else {
@@ -1353,10 +1422,9 @@ Status Communicator::run_doubling(const std::vector<PeerId>& ring, std::size_t r
     io.abort_fd = channel.event_fd();
     io.abort_flag = channel.abort_flag();
     io.stall_timeout_ms = options_.p2p_stall_timeout_ms;
-    auto tx = tx_connection(to, slot, channel, &io.seal);
-    if (!tx.is_ok()) return tx.status();
     const auto rx_deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
-    auto rx = rx_connection(to, slot, rx_deadline, channel, &io.open);
+    auto [tx, rx] = ring_connections(to, to, slot, rx_deadline, channel, &io.seal, &io.open);
+    if (!tx.is_ok()) return tx.status();
     if (!rx.is_ok()) return rx.status();
     io.tx_fd = tx.value();
     io.rx_fd = rx.value();

@@ -303,9 +303,32 @@ class Communicator {
                             std::chrono::steady_clock::time_point deadline, const OpChannel& channel,
                             security::Aead** open = nullptr, bool give_up_cached = false);
   // Dials `to` (kRing): a ring connection this peer sends on, or with `reversed` one it
-  // receives on. Returns the connected socket and its session keys.
+  // receives on (`relayed`: through the master's relay, sealed). Returns the connected
+  // socket and its session keys.
   Result<std::pair<transport::Fd, security::SessionKeys>> dial_ring(const proto::MemberInfo& to, std::uint32_t slot,
-                                                                    bool reversed, const OpChannel& channel);
+                                                                    bool reversed, bool relayed,
+                                                                    const OpChannel& channel);
+  // The master's relay (Welcome.relay_port; 0: none). A ring edge between two peers that
+  // both accept no inbound connection runs through it (docs/deployment.md, "Relays").
+  std::atomic<std::uint16_t> relay_port_{0};
+  bool relayed_edge(const proto::MemberInfo& from, const proto::MemberInfo& to) const {
+    return !proto::accepts_inbound(from) && !proto::accepts_inbound(to) && relay_port_.load() != 0;
+  }
+  // Whether a ring connection's frames are sealed: with encrypt_data, and on a relayed
+  // edge always.
+  bool sealed_edge(bool relayed) const { return options_.encrypt_data || relayed; }
+  // Connects to the relay for the edge with `other` on `slot` (`receiver`: this peer
+  // receives on it) and waits until the relay has joined it to `other`'s connection.
+  Result<transport::Fd> dial_relay(const proto::MemberInfo& other, std::uint32_t slot, bool receiver,
+                                   const OpChannel& channel);
+  // The connections to `to` and from `from` on `slot` (as tx_connection and
+  // rx_connection). Where the edge to `to` is relayed the two are made at once: its
+  // receiver answers only once it makes its own connections, and with every edge of a
+  // ring relayed each peer would otherwise wait for the next one in a circle.
+  std::pair<Result<int>, Result<int>> ring_connections(const proto::MemberInfo& to, const proto::MemberInfo& from,
+                                                       std::uint32_t slot, std::chrono::steady_clock::time_point deadline,
+                                                       const OpChannel& channel, security::Aead** seal,
+                                                       security::Aead** open);
   // The ring's rx_replace for the connections from `from` on `slot` (stream 0) and its stripes.
   std::function<Result<coll::RingStream>(std::size_t)> rx_replacer(const proto::MemberInfo& from, std::uint32_t slot,
                                                                    const OpChannel& channel);

@@ -32,6 +32,7 @@ struct InboundListener::Handshake {
   security::Nonce client_nonce{};
   security::Nonce server_nonce{};
   bool parked = false;  // waiting for the master to name the sender (its pair key)
+  bool relayed = false;  // came through the master's relay: sealed whatever encrypt_data says
 };
 
 Status InboundListener::open() {
@@ -137,6 +138,23 @@ void InboundListener::accept_on(std::size_t index) {
       handshake(h, static_cast<proto::Channel>(index + 1));
     }
     accept_on(index);
+  });
+}
+
+void InboundListener::adopt_relayed(transport::Fd fd) {
+  asio::post(io_, [this, raw = fd.release()] {
+    transport::Fd owned(raw);
+    asio::ip::tcp::socket socket(io_);
+    asio::error_code ec;
+    socket.assign(transport::socket_family(raw) == AF_INET6 ? asio::ip::tcp::v6() : asio::ip::tcp::v4(), raw, ec);
+    if (ec) return;
+    (void)owned.release();  // the socket owns it now
+    auto h = std::make_shared<Handshake>(std::move(socket));
+    h->address = "relay";
+    h->relayed = true;
+    make_room_for_handshake();
+    unfinished_.push_back(h);
+    handshake(h, proto::Channel::kRing);
   });
 }
 
@@ -275,7 +293,7 @@ void InboundListener::challenge(const std::shared_ptr<Handshake>& h) {
 // Whether the sender's encrypt_data differs from ours (then both sides refuse; logged).
 bool InboundListener::encryption_differs(const std::shared_ptr<Handshake>& h) const {
   const bool theirs = (h->hello.flags & proto::kP2PFlagEncryptData) != 0;
-  if (theirs == options_.encrypt_data) return false;
+  if (theirs == (options_.encrypt_data || h->relayed)) return false;
   LOG_WARN(kLog, "p2p connection from " << h->remote << " refused: peer " << h->hello.from.to_string()
                                         << (theirs ? " encrypts the data plane and this peer does not"
                                                    : " does not encrypt the data plane and this peer does")

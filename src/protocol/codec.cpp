@@ -396,7 +396,7 @@ bool fields(Io& io, Of<Io, CollectiveResult>& m) {
 template <typename Io>
 bool fields(Io& io, Of<Io, Welcome>& m) {
   return fields(io, m.id, "welcome.id") && io.str(m.observed_host, limits::kHostBytesMax, "welcome.observed_host") &&
-         io.u(m.heartbeat_timeout_ms, "welcome.heartbeat_timeout_ms");
+         io.u(m.heartbeat_timeout_ms, "welcome.heartbeat_timeout_ms") && io.u(m.relay_port, "welcome.relay_port");
 }
 
 template <typename Io>
@@ -443,7 +443,7 @@ bool fields(Io& io, Of<Io, P2PHello>& m) {
          io.u(m.version, "p2p_hello.version") &&
          io.check(m.version == kProtocolVersion, "p2p_hello.version: unsupported protocol version") &&
          io.enumeration(m.channel, "p2p_hello.channel") &&
-         io.check(m.channel >= Channel::kRing && m.channel <= Channel::kBenchmark, "p2p_hello.channel: unknown channel") &&
+         io.check(m.channel >= Channel::kRing && m.channel <= Channel::kRelay, "p2p_hello.channel: unknown channel") &&
          fields(io, m.from, "p2p_hello.from") && fields(io, m.to, "p2p_hello.to") && io.u(m.epoch, "p2p_hello.epoch") &&
          io.u(m.pool_index, "p2p_hello.pool_index") && io.bytes(m.auth, limits::kAuthBytesMax, "p2p_hello.auth") &&
          io.u(m.flags, "p2p_hello.flags") && io.check((m.flags & ~kP2PFlagsKnown) == 0, "p2p_hello.flags: unknown flag");

@@ -32,7 +32,8 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 //    ring's commit tokens (docs/protocol.md, "Completion")
 // 11: peers that accept no inbound connection (Hello ports 0), reversed ring edges
 // 12: reversed shared-state transfers (SyncPlan.dials)
-inline constexpr std::uint16_t kProtocolVersion = 12;
+// 13: relays: Welcome.relay_port, P2PHello channel 4 (to the master's relay)
+inline constexpr std::uint16_t kProtocolVersion = 13;
 
 enum class MsgType : std::uint16_t {
   // peer -> master
@@ -82,8 +83,11 @@ enum class MsgType : std::uint16_t {
 
 const char* msg_type_name(MsgType type);
 
-// The kind of socket a P2PHello opens.
-enum class Channel : std::uint8_t { kRing = 1, kSharedState = 2, kBenchmark = 3 };
+// The kind of socket a P2PHello opens. kRelay: a connection to the master's relay for a
+// ring edge between two peers that both accept no inbound connection (since version 13;
+// docs/protocol.md, "Relays"): `to` is the other end, pool_index the slot, flag reversed
+// says the connector receives on it.
+enum class Channel : std::uint8_t { kRing = 1, kSharedState = 2, kBenchmark = 3, kRelay = 4 };
 
 struct MemberInfo {
   PeerId id;
@@ -287,6 +291,9 @@ struct Welcome {
   PeerId id;
   std::string observed_host;
   std::uint32_t heartbeat_timeout_ms = 0;
+  // The master's relay (its port on the master's address; 0: none): ring edges between
+  // two peers that both accept no inbound connection run through it. Since version 13.
+  std::uint16_t relay_port = 0;
   bool operator==(const Welcome&) const = default;
 };
 struct HeartbeatAck {

@@ -9,7 +9,8 @@
 //    one byte of the first ring sub-chunk a peer sends) fails the all-reduce on every
 //    peer with the destination unchanged, and the retry succeeds; without encryption the
 //    same shim silently corrupts the result (so the shim does tamper);
-//  - a byte altered in a shared-state chunk fails the sync, and the retry succeeds.
+//  - a byte altered in a shared-state chunk fails the sync, and the retry succeeds;
+//  - ring edges through the master's relay are sealed without encrypt_data.
 #include "e2e.h"
 
 #include <lockstep/lockstep.h>
@@ -57,13 +58,21 @@ struct Run {
 };
 
 // `n` peers with the secret, all with or all without encryption; peer `tampered` (if
-// below n) runs with the tamper shim.
-Run start(const SecretFile& secret, std::size_t n, bool encrypt, std::size_t tampered = SIZE_MAX) {
+// below n) runs with the tamper shim. `relayed`: the master runs a relay and no peer
+// accepts inbound connections (every ring edge runs through the relay).
+Run start(const SecretFile& secret, std::size_t n, bool encrypt, std::size_t tampered = SIZE_MAX,
+          bool relayed = false) {
   Run run;
-  run.master = std::make_unique<Master>(std::vector<std::string>{"--secret-file", secret.path()});
+  std::vector<std::string> master_flags = {"--secret-file", secret.path()};
+  std::vector<std::string> flags = peer_flags(secret, encrypt);
+  if (relayed) {
+    master_flags.insert(master_flags.end(), {"--relay-port", "0"});
+    flags.push_back("--no-inbound");
+  }
+  run.master = std::make_unique<Master>(master_flags);
   std::vector<Peer*> newcomers;
   for (std::size_t i = 0; i < n; ++i) {
-    run.peers.push_back(std::make_unique<Peer>(*run.master, numbered("p", i), 0, peer_flags(secret, encrypt),
+    run.peers.push_back(std::make_unique<Peer>(*run.master, numbered("p", i), 0, flags,
                                                i == tampered ? tamper_launcher() : std::vector<std::string>{}));
     newcomers.push_back(run.peers.back().get());
   }
@@ -250,6 +259,47 @@ TEST(EncryptionE2E, WithoutEncryptionTheShimCorruptsTheResultUnnoticed) {
     corrupted = corrupted || r["digest"].get<std::string>() != clean_digest;
   }
   EXPECT_TRUE(corrupted) << "the shim did not alter the stream";
+}
+
+// Relays (docs/deployment.md, "Relays"): peers that accept no inbound connection, every
+// ring edge through the master's relay, without encrypt_data. Their all-reduces give the
+// bits of a direct run, with a 16-byte tag more per frame (relayed frames are sealed),
+// and a byte the shim alters on its way through the relay fails the attempt on every
+// peer instead of corrupting the sum; the retry succeeds.
+TEST(EncryptionE2E, RelayedEdgesAreSealedWithoutEncryptData) {
+  SecretFile secret;
+  std::vector<json> direct;
+  {
+    auto run = start(secret, 3, false);
+    ASSERT_EQ(run.members.size(), 3u);
+    direct = reduce_all(run, 1, "none");
+    for (const auto& r : direct) ASSERT_EQ(code(r), 0) << r.dump();
+  }
+  {
+    auto run = start(secret, 3, false, SIZE_MAX, /*relayed=*/true);
+    ASSERT_EQ(run.members.size(), 3u);
+    const auto relayed = reduce_all(run, 1, "none");
+    for (std::size_t i = 0; i < relayed.size(); ++i) {
+      ASSERT_EQ(code(relayed[i]), 0) << relayed[i].dump();
+      EXPECT_EQ(relayed[i]["digest"], direct[i]["digest"]);
+      const auto extra =
+          relayed[i]["bytes_sent"].get<std::uint64_t>() - direct[i]["bytes_sent"].get<std::uint64_t>();
+      EXPECT_GT(extra, 0u);
+      EXPECT_EQ(extra % 16, 0u);
+    }
+  }
+  auto run = start(secret, 3, false, /*tampered=*/1, /*relayed=*/true);
+  ASSERT_EQ(run.members.size(), 3u);
+  const auto failed = reduce_all(run, 1, "none");
+  for (const auto& r : failed) {
+    EXPECT_EQ(code(r), LOCKSTEP_STATUS_PEER_CONNECTION_LOST) << r.dump();
+    EXPECT_NE(r.value("error", "").find("does not verify"), std::string::npos) << r.dump();
+  }
+  const auto retried = reduce_all(run, 1, "none");
+  for (std::size_t i = 0; i < retried.size(); ++i) {
+    ASSERT_EQ(code(retried[i]), 0) << retried[i].dump();
+    EXPECT_EQ(retried[i]["digest"], direct[i]["digest"]);
+  }
 }
 
 }  // namespace

@@ -72,12 +72,18 @@ class Cluster:
     """A master and `size` connected peers of one group."""
 
     def __init__(self, size: int, master_kwargs: Optional[dict] = None, listen: str = "127.0.0.1:0",
+                 master: Optional[lockstep.Master] = None, address: Optional[str] = None,
                  **peer_kwargs: Any) -> None:
-        self.master = lockstep.Master(listen, **(master_kwargs or {}))
-        self.master.run()
+        """`master`: a running master to use (closed with the cluster) instead of a new
+        one; `address`: where the peers reach the master (default: its address)."""
+        if master is None:
+            master = lockstep.Master(listen, **(master_kwargs or {}))
+            master.run()
+        self.master = master
+        self._address = address or master.address
         self.peers: List[Peer] = []
         try:
-            self.peers = [Peer(self.master.address, f"peer{i}", **peer_kwargs) for i in range(size)]
+            self.peers = [Peer(self.address, f"peer{i}", **peer_kwargs) for i in range(size)]
             # The first peer is admitted alone; the others register while it votes.
             self.peers[0].call(lambda c: c.connect())
             futures = [p.submit(lambda c: join_group(c, size)) for p in self.peers[1:]]
@@ -90,7 +96,7 @@ class Cluster:
 
     @property
     def address(self) -> str:
-        return self.master.address
+        return self._address
 
     def run(self, fn: Callable[[int, lockstep.Communicator], Any], peers: Optional[List[Peer]] = None,
             timeout: float = CALL_TIMEOUT_S) -> List[Any]:
@@ -148,5 +154,5 @@ def shared_cluster3():
 
 @pytest.fixture(autouse=True)
 def _quiet_logs():
-    lockstep.set_log_level("warn")
+    lockstep.set_log_level(os.environ.get("LOCKSTEP_TEST_LOG_LEVEL", "warn"))
     yield

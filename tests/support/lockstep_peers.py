@@ -46,8 +46,8 @@ class TestPeer:
         self.proc.wait(timeout=10)
 
 
-def start_master(bed, bin_dir: str, host: int) -> subprocess.Popen:
-    master = bed.popen(host, os.path.join(bin_dir, "lockstep-master"), "--listen", f"{bed.addr(host)}:7000",
+def start_master(bed, bin_dir: str, host: int, *extra: str) -> subprocess.Popen:
+    master = bed.popen(host, os.path.join(bin_dir, "lockstep-master"), "--listen", f"{bed.addr(host)}:7000", *extra,
                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     ready, _, _ = select.select([master.stdout], [], [], 10)
     assert ready and "listening" in master.stdout.readline()

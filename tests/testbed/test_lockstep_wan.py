@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 from lockstep_peers import TestPeer, admit, start_master
 from testbed import TCP_CONNECT
@@ -333,6 +334,77 @@ def test_peers_behind_two_nats(testbed_factory):
         peers.append(newcomer)
         served = sync_to_hidden_newcomer(members, peers, size, 2)
         assert served[1]["bytes_sent"] == 0, served  # n2 and n3 cannot reach each other
+    finally:
+        for p in peers:
+            p.close()
+        master.kill()
+        master.wait(timeout=10)
+
+
+def test_peers_behind_two_nats_meet_through_the_relay(testbed_factory, tmp_path):
+    """Hosts 1 and 2 sit behind NATs of their own; the master on host 0 runs a relay
+    (--relay-port, under a run secret). With the peer of the open host 3 there is no ring
+    in which the two NAT peers are apart: their edge runs through the relay. All-reduces,
+    an optimize, a third NAT peer (which a run without a relay would reject for want of
+    room), and a relayed peer killed mid-all-reduce: one outcome for the survivors, then
+    the ring re-forms (its two NAT neighbours meet through the relay) and goes on."""
+    assert BIN, "set LOCKSTEP_BIN_DIR"
+    bed = testbed_factory(4)
+    for h in (1, 2):
+        bed.nat(h)
+    secret = tmp_path / "secret"
+    secret.write_text("a run secret of the relayed bed test\n")
+    secret.chmod(0o600)
+    master = start_master(bed, BIN, 0, "--secret-file", str(secret), "--relay-port", "7001")
+    peers: list[TestPeer] = []
+    try:
+        address = f"{bed.addr(0)}:7000"
+        keyed = ("--secret-file", str(secret))
+        peers = [TestPeer(bed, BIN, 3, address, "r3", keyed), TestPeer(bed, BIN, 1, address, "n1", keyed),
+                 TestPeer(bed, BIN, 2, address, "n2", keyed)]
+        members: list[TestPeer] = []
+        admit(members, peers)
+        view = update_view(members)
+        assert [m["port"] == 0 for m in view] == [False, True, True], view
+        for tag in (1, 2):
+            allreduce_ms(members, 1 << 20, tag)
+        for p in members:
+            p.send("optimize")
+        optimized = [p.reply(120) for p in members]
+        assert all(r["code"] == 0 for r in optimized), optimized
+        allreduce_ms(members, 1 << 20, 3)
+
+        late = TestPeer(bed, BIN, 1, address, "n1b", keyed)  # behind the first NAT too
+        peers.append(late)
+        admit(members, [late])
+        view = update_view(members)
+        assert sum(m["port"] == 0 for m in view) == 3, view
+        allreduce_ms(members, 1 << 20, 4)
+
+        # n2 dies while an all-reduce runs: the survivors all get the same outcome.
+        victim = next(p for p in members if p.name == "n2")
+        survivors = [p for p in members if p is not victim]
+        count = 16 << 20  # 64 MiB: it is still running when the kill lands
+        for i, p in enumerate(members):
+            p.send(f"allreduce {count} 5 {i + 1} inplace")
+        time.sleep(0.3)
+        victim.proc.kill()
+        victim.proc.wait()
+        outcomes = [p.reply(120) for p in survivors]
+        assert len({o["code"] for o in outcomes}) == 1, outcomes
+        # Then the ring re-forms without it and the all-reduces go on.
+        for tag in range(6, 16):
+            for i, p in enumerate(survivors):
+                p.send(f"allreduce {1 << 20} {tag} {i + 1} inplace")
+            replies = [p.reply(120) for p in survivors]
+            if all(r["code"] == 0 for r in replies):
+                assert all(r["value"] == 6 for r in replies), replies
+                break
+        else:
+            raise AssertionError(f"the survivors never completed an all-reduce: {replies}")
+        view = update_view(survivors)
+        assert [m["port"] == 0 for m in view] == [False, True, True], view
+        allreduce_ms(survivors, 1 << 20, 20)
     finally:
         for p in peers:
             p.close()

@@ -114,7 +114,7 @@ std::vector<Message> samples() {
   all.push_back(CollectiveDone{5, 11, true, "", 1, 2, true});
   all.push_back(CollectiveAbort{5, 11});
   all.push_back(CollectiveAbort{});
-  all.push_back(Welcome{PeerId{0x1234, 99}, "192.168.0.17", 5000});
+  all.push_back(Welcome{PeerId{0x1234, 99}, "192.168.0.17", 5000, 48150});
   all.push_back(HeartbeatAck{});
   all.push_back(EstablishP2P{9, {member(1, "10.0.0.1"), member(2, "10.0.0.2"), member(3, "")}});
   all.push_back(EstablishP2P{});
@@ -315,9 +315,10 @@ TEST(CodecRoundTrip, EmptyPayloadTypesEncodeToHeaderOnly) {
 }
 
 TEST(CodecRoundTrip, FieldsAreLittleEndianAtDocumentedOffsets) {
-  const Bytes frame = encode_frame(Welcome{PeerId{0x0102030405060708ull, 0x1112131415161718ull}, "h", 0xa0b0c0d0u});
-  // header: length 16 + 2 + 1 + 4 = 23, type 64
-  EXPECT_EQ(frame[0], 23);
+  const Bytes frame =
+      encode_frame(Welcome{PeerId{0x0102030405060708ull, 0x1112131415161718ull}, "h", 0xa0b0c0d0u, 0x1234});
+  // header: length 16 + 2 + 1 + 4 + 2 = 25, type 64
+  EXPECT_EQ(frame[0], 25);
   EXPECT_EQ(frame[1], 0);
   EXPECT_EQ(frame[4], 64);
   EXPECT_EQ(frame[5], 0);
@@ -328,6 +329,8 @@ TEST(CodecRoundTrip, FieldsAreLittleEndianAtDocumentedOffsets) {
   EXPECT_EQ(frame[26], 'h');
   EXPECT_EQ(frame[27], 0xd0);
   EXPECT_EQ(frame[30], 0xa0);
+  EXPECT_EQ(frame[31], 0x34);  // relay_port
+  EXPECT_EQ(frame[32], 0x12);
 }
 
 TEST(CodecRoundTrip, SeveralFramesAppendToOneBuffer) {
@@ -359,7 +362,7 @@ TEST(CodecRoundTrip, StringsAndBytesAtTheirBounds) {
   std::vector<Message> edge = {
       Hello{kMagic, kProtocolVersion, 0xffffffffu, static_cast<std::uint16_t>(limits::kP2PPoolSizeMax), 65535, 65535,
             65535, host255, auth512},
-      Welcome{PeerId{~0ull, ~0ull}, host255, 0xffffffffu},
+      Welcome{PeerId{~0ull, ~0ull}, host255, 0xffffffffu, 0xffff},
       Goodbye{LOCKSTEP_STATUS_REJECTED, reason1024},
       Refused{MsgType::kP2PHelloAck, ~0ull, LOCKSTEP_STATUS_INTERRUPTED, reason1024},
       CollectiveDone{~0ull, ~0ull, false, reason1024, ~0ull, ~0ull, true},
@@ -673,7 +676,7 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
        {"done.tag", "done.attempt", "done.ok", "done.reason", "done.bytes_sent", "done.bytes_received",
         "done.committed"}},
       {CollectiveAbort{1, 2}, {"abort.tag", "abort.attempt"}},
-      {Welcome{PeerId{1, 2}, "abc", 7}, {"welcome.id", "welcome.observed_host", "welcome.heartbeat_timeout_ms"}},
+      {Welcome{PeerId{1, 2}, "abc", 7, 9}, {"welcome.id", "welcome.observed_host", "welcome.heartbeat_timeout_ms", "welcome.relay_port"}},
       {EstablishP2P{1, {}}, {"establish.epoch", "members"}},
       // the member count is checked against the bytes left first (26 per member at
       // least), so a cut inside the id is reported as the count exceeding the payload
@@ -1287,7 +1290,7 @@ TEST(CodecPayload, UnknownChannel) {
     Bytes p = payload_copy(P2PHello{});
     p[at] = static_cast<std::uint8_t>(channel);
     auto r = decode_payload(MsgType::kP2PHello, p);
-    if (channel >= 1 && channel <= 3) {
+    if (channel >= 1 && channel <= 4) {
       ASSERT_TRUE(r.is_ok()) << channel << ": " << r.status().to_string();
       EXPECT_EQ(static_cast<int>(std::get<P2PHello>(r.value()).channel), channel);
     } else {

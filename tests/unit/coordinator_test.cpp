@@ -1513,6 +1513,34 @@ TEST(CoordinatorAdmission, UnreachableNeighboursAfterARemovalLoseTheLaterOne) {
   EXPECT_EQ(ids_of(est->ring), (std::vector<PeerId>{a.id, c.id, e.id, d2.id}));
 }
 
+// With a relay (lockstep-master --relay-port) two peers that accept no inbound connection
+// may be neighbours: their edge runs through it. Nobody is rejected for want of room or
+// removed for such a neighbour, and the relay may connect exactly those peers, per group.
+TEST(CoordinatorAdmission, WithARelayUnreachableNeighboursAreKeptAndAssignedToIt) {
+  Config config = test_config();
+  config.relay = true;
+  Harness h(config);
+  const FakePeer a = h.first(1);
+  const FakePeer c = h.join_as(1, false);
+  const FakePeer d = h.join_as(1, false);
+  const FakePeer e = h.join_as(1, false);  // without a relay: no room for it
+  const FakePeer b = h.join_as(1, true);
+  h.update({a}, {c, d, e, b});
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, c.id, b.id, d.id, e.id}));
+  h.check();
+  const FakePeer x = h.join_as(2, false);  // another group's: never relayed to group 1's
+  EXPECT_EQ(h.c.relay_members(), (std::map<PeerId, std::uint32_t>{{c.id, 1}, {d.id, 1}, {e.id, 1}}));
+  Outbox out = h.disconnect(b);  // c and d are neighbours now, as d and e were
+  EXPECT_EQ(describe(out).find("Goodbye"), std::string::npos) << describe(out);
+  EXPECT_EQ(h.phase(d), Phase::kAccepted);
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, c.id, d.id, e.id}));
+  h.check();
+  EXPECT_EQ(h.c.relay_members(), (std::map<PeerId, std::uint32_t>{{c.id, 1}, {d.id, 1}, {e.id, 1}}));
+  out = h.disconnect(d);
+  EXPECT_EQ(h.c.relay_members(), (std::map<PeerId, std::uint32_t>{{c.id, 1}, {e.id, 1}}));
+  (void)x;
+}
+
 TEST(CoordinatorHandshake, FirstMessageOtherThanHelloIsAProtocolError) {
   const std::vector<p::Message> not_hello = {p::Heartbeat{}, p::VoteUpdateTopology{}, p::VoteAgree{true},
                                              p::P2PReport{1, {}}, p::Welcome{}, p::P2PHello{}, p::Goodbye{}};

@@ -55,6 +55,26 @@ const std::map<std::string, lockstep_dtype_t>& dtypes() {
 
 }  // namespace
 
+Result<peer::Options> communicator_options(const Settings& s) {
+  peer::Options options;
+  options.master_host = s.master_host;
+  options.master_port = s.master_port;
+  options.advertised_host = s.advertised_host;
+  options.base_port = 0;
+  options.p2p_pool_size = static_cast<std::uint32_t>(s.pool);
+  options.p2p_streams = static_cast<std::uint32_t>(s.streams);
+  options.tcp_congestion = s.congestion;
+  if (!s.secret_file.empty()) {
+    auto key = security::load_secret_file(s.secret_file);
+    if (!key.is_ok()) return key.status();
+    options.secret = key.value();
+  }
+  options.encrypt_data = s.encrypt;
+  options.check_finite = s.check_finite;
+  options.accept_inbound = !s.no_inbound;
+  return options;
+}
+
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -330,24 +350,12 @@ std::pair<std::size_t, std::size_t> raw_bytes(const Settings& s, std::size_t byt
 }
 
 int worker_collective(const Settings& s) {
-  peer::Options options;
-  options.master_port = s.master_port;
-  options.base_port = 0;
-  options.p2p_pool_size = static_cast<std::uint32_t>(s.pool);
-  options.p2p_streams = static_cast<std::uint32_t>(s.streams);
-  options.tcp_congestion = s.congestion;
-  if (!s.secret_file.empty()) {
-    auto key = security::load_secret_file(s.secret_file);
-    if (!key.is_ok()) {
-      std::fprintf(stderr, "worker %d: %s\n", s.index, key.status().to_string().c_str());
-      return 1;
-    }
-    options.secret = key.value();
+  auto options = communicator_options(s);
+  if (!options.is_ok()) {
+    std::fprintf(stderr, "worker %d: %s\n", s.index, options.status().to_string().c_str());
+    return 1;
   }
-  options.encrypt_data = s.encrypt;
-  options.check_finite = s.check_finite;
-  options.accept_inbound = !s.no_inbound;
-  auto created = peer::Communicator::create(options);
+  auto created = peer::Communicator::create(options.value());
   if (!created.is_ok() || !join(*created.value(), s.peers)) {
     std::fprintf(stderr, "worker %d: could not join: %s\n", s.index,
                  created.is_ok() ? created.value()->last_error().c_str() : created.status().to_string().c_str());

@@ -2,6 +2,8 @@
 // worker. See main.cpp for the command line.
 #pragma once
 
+#include "common/status.h"
+
 #include <lockstep/lockstep.h>
 
 #include <nlohmann/json.hpp>
@@ -18,6 +20,7 @@ class MasterServer;
 }
 namespace lockstep::peer {
 class Communicator;
+struct Options;
 }
 namespace lockstep::tools {
 class Subprocess;
@@ -135,6 +138,9 @@ std::unique_ptr<master::MasterServer> start_master(std::uint32_t heartbeat_timeo
 std::optional<nlohmann::json> read_json(tools::Subprocess& p, std::chrono::seconds timeout);
 // Joins the run and waits until the group has `world` members.
 bool join(peer::Communicator& comm, int world);
+// The communicator options of a peer of the bench (its master, pool, streams, congestion
+// control, secret, encryption, check_finite, inbound); the secret file's error if any.
+Result<peer::Options> communicator_options(const Settings& s);
 // Per iteration, the time of the slowest worker: replies[w][key] is worker w's list.
 std::vector<double> slowest(const std::vector<nlohmann::json>& replies, const char* key);
 

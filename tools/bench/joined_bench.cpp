@@ -28,6 +28,15 @@ std::vector<std::string> ring_ids(peer::Communicator& comm) {
   return out;
 }
 
+// The p2p port of every peer as the view names it (0: it accepts no inbound connection).
+std::vector<std::uint16_t> ring_ports(peer::Communicator& comm) {
+  std::vector<std::uint16_t> out;
+  if (auto view = comm.membership(); view.is_ok()) {
+    for (const auto& m : view.value()) out.push_back(m.p2p_port);
+  }
+  return out;
+}
+
 // Median microseconds per iteration for each size; false on an error.
 bool measure(peer::Communicator& comm, const Settings& s, const char* order) {
   const std::size_t esize = coll::dtype_size(s.dtype);
@@ -71,7 +80,8 @@ bool measure(peer::Communicator& comm, const Settings& s, const char* order) {
                 {"p50_us", p50},
                 {"gbytes_s", static_cast<double>(bytes) * s.concurrency / (p50 * 1e3)},
                 {"wire_bytes", wire},
-                {"ring", ring_ids(comm)}};
+                {"ring", ring_ids(comm)},
+                {"ports", ring_ports(comm)}};
     std::printf("%s\n", out.dump().c_str());
     std::fflush(stdout);
   }
@@ -82,13 +92,12 @@ bool measure(peer::Communicator& comm, const Settings& s, const char* order) {
 
 int run_joined(const Settings& s) {
   log::set_level(log::Level::kWarn);
-  peer::Options options;
-  options.master_host = s.master_host;
-  options.master_port = s.master_port;
-  options.base_port = 0;
-  options.p2p_pool_size = static_cast<std::uint32_t>(s.pool);
-  options.advertised_host = s.advertised_host;
-  auto created = peer::Communicator::create(options);
+  auto options = communicator_options(s);
+  if (!options.is_ok()) {
+    std::fprintf(stderr, "lockstep-bench: %s\n", options.status().to_string().c_str());
+    return 1;
+  }
+  auto created = peer::Communicator::create(options.value());
   if (!created.is_ok() || !join(*created.value(), s.peers)) {
     std::fprintf(stderr, "lockstep-bench: could not join %s:%u: %s\n", s.master_host.c_str(), s.master_port,
                  created.is_ok() ? created.value()->last_error().c_str() : created.status().to_string().c_str());

@@ -103,6 +103,8 @@ int main(int argc, char** argv) {
                         "HOST:PORT of a running master: be ONE peer of a run started on several hosts (each host "
                         "runs this command; --peers is the group size to wait for) and print this peer's figures");
   allreduce->add_option("--advertised-host", s.advertised_host, "with --master: the address other peers use");
+  allreduce->add_option("--secret-file", s.secret_file,
+                        "with --master: the run secret's file (the master's; a master with a relay has one)");
   allreduce->add_option("--algorithm", s.algorithm,
                         "how lockstep's all-reduce moves its data: auto (by size and world), ring or doubling "
                         "(LOCKSTEP_ALLREDUCE_ALGORITHM of every peer; docs/collectives.md)")

@@ -47,6 +47,7 @@ struct Settings {
   bool http_insecure = false;
   std::uint32_t stall_report_ms = 10'000;
   std::string secret_file;
+  std::string relay_port;  // empty: no relay
   std::uint32_t secret_rotation_window_s = 600;
   std::uint32_t handshake_timeout_ms = limits::kHandshakeTimeoutMsDefault;
   std::uint32_t pending_handshakes_max = limits::kPendingHandshakesMax;
@@ -108,6 +109,11 @@ void add_options(CLI::App& app, Settings& s, Kinds* kinds) {
        "file holding the run secret (at least 16 bytes; trailing line breaks are ignored); peers must present the "
        "same secret. Without it the master admits anyone who can reach it. SIGHUP re-reads it (a rotation)")
       ->envname("LOCKSTEP_SECRET_FILE");
+  text("--relay-port", s.relay_port,
+       "run a relay on this port of the --listen address (0: ephemeral, printed at start): ring edges between two peers "
+       "that both accept no inbound connection run through it, sealed end to end. Needs --secret-file "
+       "(docs/deployment.md, \"Relays\")")
+      ->check(CLI::Range(0, 65535));
   integer("--secret-rotation-window-s", s.secret_rotation_window_s,
           "after SIGHUP rotates the secret, new handshakes may still prove the previous one for this long")
       ->check(CLI::Range(1u, 86'400u));
@@ -349,6 +355,13 @@ int main(int argc, char** argv) {
     if (!key.is_ok()) return fail(origin("secret-file") + ": " + key.status().message());
     options.secret = key.value();
   }
+  if (!settings.relay_port.empty()) {
+    if (settings.secret_file.empty()) {
+      return fail(origin("relay-port") + ": a relay needs --secret-file (the frames of a relayed edge are sealed end "
+                                         "to end with the keys of its two peers)");
+    }
+    options.relay_port = static_cast<std::uint16_t>(std::stoul(settings.relay_port));
+  }
   std::random_device random;
   options.coordinator.instance_nonce = (static_cast<std::uint64_t>(random()) << 32) | random();
 
@@ -367,6 +380,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::printf("lockstep-master listening on %s\n", lockstep::transport::join_host_port(options.listen_host, server.port()).c_str());
+  if (server.relay_port() != 0) {
+    std::printf("lockstep-master relay listening on %s\n",
+                lockstep::transport::join_host_port(options.listen_host, server.relay_port()).c_str());
+  }
   std::fflush(stdout);
   // Declared after the master: destroyed (stopped) first, as it must be.
   std::optional<lockstep::master::HttpServer> http_server;

@@ -1,0 +1,334 @@
+// The master's relay (relay.h): one Asio loop on its own thread.
+#include "master/relay.h"
+
+#include "common/log.h"
+#include "master/listen.h"
+#include "protocol/codec.h"
+#include "protocol/messages.h"
+#include "transport/socket.h"
+
+#include <asio.hpp>
+
+#include <array>
+#include <compare>
+#include <functional>
+#include <set>
+#include <utility>
+#include <vector>
+
+namespace lockstep::master {
+namespace {
+
+constexpr const char* kLog = "relay";
+
+// One direction of one relayed ring edge: the sending peer, the receiving one, the slot
+// (the pool_index of the P2PHellos).
+struct Edge {
+  PeerId sender;
+  PeerId receiver;
+  std::uint32_t slot = 0;
+  auto operator<=>(const Edge&) const = default;
+};
+
+}  // namespace
+
+class Relay::Impl : public std::enable_shared_from_this<Impl> {
+ public:
+  explicit Impl(RelayOptions options) : options_(std::move(options)), acceptor_(io_) {}
+
+  Status bind() { return listen_on(acceptor_, options_.listen_host, options_.port); }
+  std::uint16_t port() const { return acceptor_.local_endpoint().port(); }
+
+  void run() {
+    accept();
+    io_.run();
+  }
+
+  void stop() {
+    asio::post(io_, [self = shared_from_this()] {
+      asio::error_code ignored;
+      self->acceptor_.close(ignored);
+      for (const auto& c : std::set<std::shared_ptr<Conn>>(self->conns_)) self->drop(c);
+      self->io_.stop();
+    });
+  }
+
+  void assign(std::map<PeerId, std::uint32_t> members) {
+    asio::post(io_, [self = shared_from_this(), members = std::move(members)]() mutable {
+      self->members_ = std::move(members);
+      for (const auto& c : std::set<std::shared_ptr<Conn>>(self->conns_)) {
+        if (c->edge && !self->allowed(c->edge->sender, c->edge->receiver)) {
+          LOG_INFO(kLog, "closing the relayed edge " << c->edge->sender.to_string() << " -> "
+                                                     << c->edge->receiver.to_string() << ": the master no longer "
+                                                        "assigns it to the relay");
+          self->drop(c);
+        }
+      }
+    });
+  }
+
+  RelayStats stats() const {
+    RelayStats s;
+    s.bytes = bytes_.load();
+    s.pairs = pairs_.load();
+    s.refused = refused_.load();
+    s.active = active_.load();
+    s.waiting = waiting_count_.load();
+    return s;
+  }
+
+ private:
+  struct Conn {
+    explicit Conn(asio::ip::tcp::socket s) : socket(std::move(s)), timer(socket.get_executor()) {}
+    asio::ip::tcp::socket socket;
+    // The handshake's deadline, then the wait for the other end's; once joined, the
+    // deadline of the write of this side's bytes to the other end.
+    asio::steady_timer timer;
+    std::string remote;
+    std::array<std::uint8_t, proto::kFrameHeaderBytes> header{};
+    std::vector<std::uint8_t> payload;
+    std::vector<std::uint8_t> reply;
+    proto::P2PHello hello;
+    std::vector<std::uint8_t> transcript;
+    security::Key key{};
+    security::Nonce client{};
+    security::Nonce server{};
+    std::optional<Edge> edge;          // set once the handshake has proven it
+    std::weak_ptr<Conn> partner;       // set once joined
+    std::vector<std::uint8_t> buffer;  // this side's bytes on their way to the partner
+  };
+  using ConnPtr = std::shared_ptr<Conn>;
+
+  bool allowed(PeerId a, PeerId b) const {
+    const auto x = members_.find(a);
+    const auto y = members_.find(b);
+    return a != b && x != members_.end() && y != members_.end() && x->second == y->second;
+  }
+
+  void accept() {
+    acceptor_.async_accept([self = shared_from_this()](const asio::error_code& ec, asio::ip::tcp::socket socket) {
+      if (ec == asio::error::operation_aborted || !self->acceptor_.is_open()) return;
+      if (!ec) self->start(std::move(socket));
+      self->accept();
+    });
+  }
+
+  void start(asio::ip::tcp::socket socket) {
+    auto c = std::make_shared<Conn>(std::move(socket));
+    asio::error_code ignored;
+    const auto remote = c->socket.remote_endpoint(ignored);
+    c->remote = transport::join_host_port(transport::unmapped(remote.address().to_string()), remote.port());
+    if (conns_.size() >= options_.connections_max) {
+      if (refused_++ % 100 == 0) {
+        LOG_WARN(kLog, "refusing a connection from " << c->remote << ": " << conns_.size()
+                                                     << " connections open (the cap)");
+      }
+      c->socket.close(ignored);
+      return;
+    }
+    c->socket.set_option(asio::ip::tcp::no_delay(true), ignored);
+    conns_.insert(c);
+    arm(c, options_.handshake_timeout_ms, "its handshake did not finish in time");
+    read_frame(c, proto::MsgType::kP2PHello, [this, c] { on_hello(c); });
+  }
+
+  // Drops `c` unless the timer is re-armed or cancelled before it fires.
+  void arm(const ConnPtr& c, std::uint32_t ms, const char* why) {
+    c->timer.expires_after(std::chrono::milliseconds(ms));
+    c->timer.async_wait([self = shared_from_this(), c, why](const asio::error_code& ec) {
+      if (ec) return;
+      LOG_INFO(kLog, "dropping the relay connection from " << c->remote << ": " << why);
+      self->refuse(c);
+    });
+  }
+
+  // Reads one whole frame of `type` (within the codec's bound for it) into c->payload.
+  void read_frame(const ConnPtr& c, proto::MsgType type, std::function<void()> then) {
+    asio::async_read(c->socket, asio::buffer(c->header),
+                     [this, c, type, then = std::move(then)](const asio::error_code& ec, std::size_t) mutable {
+                       if (ec) return refuse(c);
+                       auto header = proto::decode_header(c->header);
+                       if (!header.is_ok() || header.value().type != type) return refuse(c);
+                       c->payload.resize(header.value().payload_bytes);
+                       asio::async_read(c->socket, asio::buffer(c->payload),
+                                        [this, c, then = std::move(then)](const asio::error_code& ec2, std::size_t) {
+                                          if (ec2) return refuse(c);
+                                          then();
+                                        });
+                     });
+  }
+
+  void on_hello(const ConnPtr& c) {
+    auto message = proto::decode_payload(proto::MsgType::kP2PHello, c->payload);
+    if (!message.is_ok()) return refuse(c);
+    c->hello = std::get<proto::P2PHello>(message.value());
+    const proto::P2PHello& h = c->hello;
+    if (h.channel != proto::Channel::kRelay || !security::to_nonce(h.auth, &c->client)) return refuse(c);
+    if (!allowed(h.from, h.to)) {
+      LOG_INFO(kLog, "refusing " << c->remote << ": the master assigns no relayed edge between "
+                                 << h.from.to_string() << " and " << h.to.to_string());
+      return answer_and_drop(c, LOCKSTEP_STATUS_REJECTED);
+    }
+    c->transcript = c->payload;
+    c->key = security::pair_key(options_.run_key, h.from, h.to);
+    c->server = security::random_nonce();
+    const auto proof = security::proof(c->key, security::kAcceptorRole, c->client, c->server, c->transcript);
+    c->reply = proto::encode_frame(proto::AuthChallenge{security::to_bytes(c->server), security::to_bytes(proof)});
+    asio::async_write(c->socket, asio::buffer(c->reply), [this, c](const asio::error_code& ec, std::size_t) {
+      if (ec) return refuse(c);
+      read_frame(c, proto::MsgType::kAuthProof, [this, c] { on_proof(c); });
+    });
+  }
+
+  void on_proof(const ConnPtr& c) {
+    auto message = proto::decode_payload(proto::MsgType::kAuthProof, c->payload);
+    if (!message.is_ok() || !security::verify(c->key, security::kConnectorRole, c->client, c->server, c->transcript,
+                                              std::get<proto::AuthProof>(message.value()).proof)) {
+      LOG_WARN(kLog, "dropping " << c->remote << " claiming to be " << c->hello.from.to_string()
+                                 << ": wrong proof of the pair key");
+      return refuse(c);
+    }
+    // Assignments may have changed while the proof was on its way.
+    if (!allowed(c->hello.from, c->hello.to)) return answer_and_drop(c, LOCKSTEP_STATUS_REJECTED);
+    const bool receiver = (c->hello.flags & proto::kP2PFlagReversed) != 0;
+    const Edge edge = receiver ? Edge{c->hello.to, c->hello.from, c->hello.pool_index}
+                               : Edge{c->hello.from, c->hello.to, c->hello.pool_index};
+    c->edge = edge;
+    // A newer connection of the same end replaces its older one (it gave up and came back).
+    if (const auto w = waiting_.find(edge); w != waiting_.end()) {
+      if (const auto older = (receiver ? w->second.second : w->second.first).lock()) drop(older);
+    }
+    auto& [sender_side, receiver_side] = waiting_[edge];
+    if (const auto other = (receiver ? sender_side : receiver_side).lock()) {
+      waiting_.erase(edge);
+      return join(receiver ? other : c, receiver ? c : other);
+    }
+    auto& mine = receiver ? receiver_side : sender_side;
+    mine = c;
+    waiting_count_ = static_cast<std::uint32_t>(waiting_.size());
+    arm(c, options_.match_timeout_ms, "the other end of its edge did not come");
+  }
+
+  // Both ends are here: each is told, then bytes flow.
+  void join(const ConnPtr& sender, const ConnPtr& receiver) {
+    sender->partner = receiver;
+    receiver->partner = sender;
+    waiting_count_ = static_cast<std::uint32_t>(waiting_.size());
+    ++pairs_;
+    active_ = active_ + 1;
+    auto acked = std::make_shared<int>(0);
+    for (const auto& c : {sender, receiver}) {
+      c->timer.cancel();
+      c->buffer.resize(options_.buffer_bytes);
+      c->reply = proto::encode_frame(proto::P2PHelloAck{LOCKSTEP_OK});
+      asio::async_write(c->socket, asio::buffer(c->reply),
+                        [this, sender, receiver, acked](const asio::error_code& ec, std::size_t) {
+                          if (ec) return drop(sender);
+                          if (++*acked < 2) return;
+                          pump(sender, receiver);
+                          pump(receiver, sender);
+                        });
+    }
+  }
+
+  // Copies from `from` to `to` through from->buffer, one buffer at a time.
+  void pump(const ConnPtr& from, const ConnPtr& to) {
+    from->socket.async_read_some(asio::buffer(from->buffer), [this, from, to](const asio::error_code& ec, std::size_t n) {
+      if (ec) return drop(from);
+      bytes_ += n;
+      arm(from, options_.stall_timeout_ms, "its other end did not read what it sent in time");
+      asio::async_write(to->socket, asio::buffer(from->buffer.data(), n),
+                        [this, from, to](const asio::error_code& ec2, std::size_t) {
+                          if (ec2) return drop(from);
+                          from->timer.cancel();
+                          pump(from, to);
+                        });
+    });
+  }
+
+  void answer_and_drop(const ConnPtr& c, StatusCode status) {
+    ++refused_;
+    c->reply = proto::encode_frame(proto::P2PHelloAck{status});
+    asio::async_write(c->socket, asio::buffer(c->reply), [this, c](const asio::error_code&, std::size_t) { drop(c); });
+  }
+
+  void refuse(const ConnPtr& c) {
+    if (c->partner.expired()) ++refused_;
+    drop(c);
+  }
+
+  // Closes `c` and, once joined, its other end.
+  void drop(const ConnPtr& c) {
+    if (conns_.erase(c) == 0) return;
+    asio::error_code ignored;
+    c->timer.cancel();
+    c->socket.close(ignored);
+    if (c->edge) {
+      if (auto w = waiting_.find(*c->edge); w != waiting_.end()) {
+        auto& [s, r] = w->second;
+        if (s.lock() == c) s.reset();
+        if (r.lock() == c) r.reset();
+        if (s.expired() && r.expired()) waiting_.erase(w);
+      }
+    }
+    waiting_count_ = static_cast<std::uint32_t>(waiting_.size());
+    if (const auto partner = c->partner.lock()) {
+      active_ = active_ - 1;
+      c->partner.reset();
+      partner->partner.reset();
+      drop(partner);
+    }
+  }
+
+  const RelayOptions options_;
+  asio::io_context io_;
+  asio::ip::tcp::acceptor acceptor_;
+  std::set<ConnPtr> conns_;
+  std::map<Edge, std::pair<std::weak_ptr<Conn>, std::weak_ptr<Conn>>> waiting_;  // (sender, receiver)
+  std::map<PeerId, std::uint32_t> members_;
+  std::atomic<std::uint64_t> bytes_{0};
+  std::atomic<std::uint64_t> pairs_{0};
+  std::atomic<std::uint64_t> refused_{0};
+  std::atomic<std::uint32_t> active_{0};
+  std::atomic<std::uint32_t> waiting_count_{0};
+};
+
+std::string relay_metrics(const RelayStats& stats) {
+  std::string out;
+  const auto metric = [&](const char* name, const char* type, const char* help, std::uint64_t value) {
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n" + name + " " +
+           std::to_string(value) + "\n";
+  };
+  metric("lockstep_relay_bytes_total", "counter", "Bytes the relay forwarded, both directions.", stats.bytes);
+  metric("lockstep_relay_pairs_total", "counter", "Relayed connections joined (one per edge and slot).", stats.pairs);
+  metric("lockstep_relay_refused_total", "counter",
+         "Relay connections refused or dropped before their other end came.", stats.refused);
+  metric("lockstep_relay_active", "gauge", "Relayed connections carrying bytes now.", stats.active);
+  metric("lockstep_relay_waiting", "gauge", "Relayed edges whose one end waits for the other now.", stats.waiting);
+  return out;
+}
+
+Relay::Relay(RelayOptions options) : impl_(std::make_shared<Impl>(std::move(options))) {}
+
+Relay::~Relay() { stop(); }
+
+Status Relay::start() {
+  if (thread_.joinable()) return Status(LOCKSTEP_STATUS_INVALID_USAGE, "relay already started");
+  if (Status s = impl_->bind(); !s.is_ok()) return s;
+  port_ = impl_->port();
+  thread_ = std::thread([impl = impl_] { impl->run(); });
+  LOG_INFO(kLog, "relaying on port " << port_);
+  return Status::ok();
+}
+
+void Relay::stop() {
+  if (!thread_.joinable()) return;
+  impl_->stop();
+  thread_.join();
+}
+
+void Relay::assign(std::map<PeerId, std::uint32_t> members) { impl_->assign(std::move(members)); }
+
+RelayStats Relay::stats() const { return impl_->stats(); }
+
+}  // namespace lockstep::master
