@@ -255,6 +255,8 @@ class Sim {
     config.peers_max = rng() % 4 == 0 ? 5 : limits::kPeersMaxDefault;
     config.pending_handshakes_max = rng() % 4 == 0 ? 2 : limits::kPendingHandshakesMax;
     config.instance_nonce = rng();
+    // A master with a relay: peers that accept no inbound connection may be neighbours.
+    config.relay = rng() % 3 == 0;
     return config;
   }
 
