@@ -260,9 +260,6 @@ class Relay::Impl : public std::enable_shared_from_this<Impl> {
   // Closes `c` and, once joined, its other end.
   void drop(const ConnPtr& c) {
     if (conns_.erase(c) == 0) return;
-    asio::error_code ignored;
-    c->timer.cancel();
-    c->socket.close(ignored);
     if (c->edge) {
       if (auto w = waiting_.find(*c->edge); w != waiting_.end()) {
         auto& [s, r] = w->second;
@@ -272,12 +269,17 @@ class Relay::Impl : public std::enable_shared_from_this<Impl> {
       }
     }
     waiting_count_ = static_cast<std::uint32_t>(waiting_.size());
-    if (const auto partner = c->partner.lock()) {
+    const auto partner = c->partner.lock();
+    if (partner) {
       active_ = active_ - 1;
       c->partner.reset();
       partner->partner.reset();
-      drop(partner);
     }
+    // Closed once the counts are right: whoever sees the close sees them too.
+    asio::error_code ignored;
+    c->timer.cancel();
+    c->socket.close(ignored);
+    if (partner) drop(partner);
   }
 
   const RelayOptions options_;

@@ -92,6 +92,9 @@ int main(int argc, char** argv) {
   r->add_option("--no-inbound-every", run.no_inbound_every,
                 "every Nth worker spawned accepts no inbound connection, as behind a NAT (0: none)")
       ->capture_default_str();
+  r->add_flag("--relay", run.relay,
+              "the master relays the ring edges between workers that accept no inbound connection (a run secret "
+              "in the log directory, given to every process through LOCKSTEP_SECRET_FILE)");
   lockstep::soak::add_worker_sizing(r, run.worker);
 
   CLI11_PARSE(app, argc, argv);

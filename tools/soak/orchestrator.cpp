@@ -153,6 +153,15 @@ class Soak {
     const std::string master_host = wan() ? addrs_[0] : "127.0.0.1";
     std::vector<std::string> master_argv = {dir + "lockstep-master", "--listen", master_host + ":0",
                                             "--heartbeat-timeout-ms", std::to_string(o_.heartbeat_timeout_ms)};
+    if (o_.relay) {
+      // The master and every worker read the secret from the environment they inherit.
+      const std::string secret = o_.log_dir + "/run.secret";
+      std::ofstream(secret) << "soak run secret " << o_.seed << " " << ::getpid() << "\n";
+      std::filesystem::permissions(secret, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write,
+                                   ec);
+      ::setenv("LOCKSTEP_SECRET_FILE", secret.c_str(), 1);
+      master_argv.insert(master_argv.end(), {"--relay-port", "0"});
+    }
     if (wan()) master_argv = bed_->in_host(0, master_argv);
     auto master = Subprocess::spawn(master_argv, o_.log_dir + "/master.log");
     if (!master) {

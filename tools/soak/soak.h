@@ -80,6 +80,10 @@ struct RunOptions {
   // Every no_inbound_every-th native worker spawned accepts no inbound connection
   // (--no-inbound; 0: none): its ring edges run reversed (docs/deployment.md, "NAT").
   std::uint32_t no_inbound_every = 0;
+  // The master relays (--relay-port 0) under a run secret that every process reads from
+  // LOCKSTEP_SECRET_FILE (a file in the log directory): two workers that accept no
+  // inbound connection may be ring neighbours (docs/deployment.md, "Relays").
+  bool relay = false;
   // Passed to every worker.
   WorkerOptions worker;
 };
