@@ -273,7 +273,7 @@ class Master:
                  pending_handshakes_max: int = 0, http: Optional[str] = None,
                  http_token_file: Optional[str] = None, http_insecure: bool = False, kv_keys_max: int = 0,
                  kv_key_bytes_max: int = 0, kv_value_bytes_max: int = 0,
-                 newcomer_timeout_ms: int = 0) -> None:
+                 newcomer_timeout_ms: int = 0, relay_port: Optional[int] = None) -> None:
         """listen: "host:port" (port 0: ephemeral; empty host: all interfaces).
         heartbeat_timeout_ms: 0 means 5000 (range 100..3600000). vote_timeout_ms: 0 means
         off. peers_max: 0 means 1024. secret_file: the run secret (None: $LOCKSTEP_SECRET_FILE
@@ -284,7 +284,9 @@ class Master:
         allow a non-loopback http host without a token. kv_keys_max, kv_key_bytes_max,
         kv_value_bytes_max: the key-value store's bounds (0: 4096, 256, 65536).
         newcomer_timeout_ms: how long a newcomer may hold an update topology before it is
-        rejected (0: 5000; range 100..3600000)."""
+        rejected (0: 5000; range 100..3600000).
+        relay_port: run the relay on this port of the listen host (0: ephemeral; None: no
+        relay); needs secret_file (run() raises InvalidArgumentError without one)."""
     def run(self) -> None:
         """Starts listening and serving on background threads; MasterConnectionFailedError
         if it cannot bind."""
@@ -299,6 +301,9 @@ class Master:
     @property
     def http_port(self) -> int:
         """The HTTP endpoint's port (InvalidUsageError without http, or before run())."""
+    @property
+    def relay_port(self) -> int:
+        """The relay's port (InvalidUsageError without relay_port, or before run())."""
     @property
     def http_address(self) -> str:
         """"host:port" of the HTTP endpoint (127.0.0.1 when listening on all interfaces)."""
