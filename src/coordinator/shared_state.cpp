@@ -209,11 +209,15 @@ void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_rev
   }
   const auto reachable = [&](PeerId id) { return proto::accepts_inbound(peers_.at(id).info); };
   // The distributors of a tensor that can serve `receiver`: one of the two must accept
-  // inbound connections.
+  // inbound connections, or, with a relay, the transfer runs through it where no
+  // distributor that accepts them holds the tensor (direct ones are preferred).
   const auto sources_for = [&](PeerId receiver, const std::string& key) {
     std::vector<PeerId> from = distributors.at(key);
     if (!reachable(receiver)) {
-      from.erase(std::remove_if(from.begin(), from.end(), [&](PeerId id) { return !reachable(id); }), from.end());
+      std::vector<PeerId> direct = from;
+      direct.erase(std::remove_if(direct.begin(), direct.end(), [&](PeerId id) { return !reachable(id); }),
+                   direct.end());
+      if (!direct.empty() || !config_.relay) return direct;
     }
     return from;
   };
@@ -278,8 +282,9 @@ void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_rev
         total += length;
       }
     }
-    // A source that accepts no inbound connection dials this receiver, as many
-    // connections as the receiver fetches over from a source (peer/transfer_queue.h).
+    // A source that accepts no inbound connection dials this receiver (through the relay
+    // where the receiver accepts none either), as many connections as the receiver
+    // fetches over from a source (peer/transfer_queue.h).
     for (const auto& [source, bytes] : from_source) {
       if (reachable(source)) continue;
       plans[source].dials.push_back(

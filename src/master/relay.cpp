@@ -21,12 +21,14 @@ namespace {
 
 constexpr const char* kLog = "relay";
 
-// One direction of one relayed ring edge: the sending peer, the receiving one, the slot
-// (the pool_index of the P2PHellos).
+// One relayed connection: the sending peer (ring) or the serving one (shared state),
+// the receiving or asking one, the slot (the pool_index of the P2PHellos) and the
+// connection's own channel (their epoch).
 struct Edge {
   PeerId sender;
   PeerId receiver;
   std::uint32_t slot = 0;
+  std::uint64_t channel = 0;
   auto operator<=>(const Edge&) const = default;
 };
 
@@ -163,7 +165,9 @@ class Relay::Impl : public std::enable_shared_from_this<Impl> {
     if (!message.is_ok()) return refuse(c);
     c->hello = std::get<proto::P2PHello>(message.value());
     const proto::P2PHello& h = c->hello;
-    if (h.channel != proto::Channel::kRelay || !security::to_nonce(h.auth, &c->client)) return refuse(c);
+    const bool relayable = h.epoch == static_cast<std::uint64_t>(proto::Channel::kRing) ||
+                           h.epoch == static_cast<std::uint64_t>(proto::Channel::kSharedState);
+    if (h.channel != proto::Channel::kRelay || !relayable || !security::to_nonce(h.auth, &c->client)) return refuse(c);
     if (!allowed(h.from, h.to)) {
       LOG_INFO(kLog, "refusing " << c->remote << ": the master assigns no relayed edge between "
                                  << h.from.to_string() << " and " << h.to.to_string());
@@ -191,8 +195,8 @@ class Relay::Impl : public std::enable_shared_from_this<Impl> {
     // Assignments may have changed while the proof was on its way.
     if (!allowed(c->hello.from, c->hello.to)) return answer_and_drop(c, LOCKSTEP_STATUS_REJECTED);
     const bool receiver = (c->hello.flags & proto::kP2PFlagReversed) != 0;
-    const Edge edge = receiver ? Edge{c->hello.to, c->hello.from, c->hello.pool_index}
-                               : Edge{c->hello.from, c->hello.to, c->hello.pool_index};
+    const Edge edge = receiver ? Edge{c->hello.to, c->hello.from, c->hello.pool_index, c->hello.epoch}
+                               : Edge{c->hello.from, c->hello.to, c->hello.pool_index, c->hello.epoch};
     c->edge = edge;
     // A newer connection of the same end replaces its older one (it gave up and came back).
     if (const auto w = waiting_.find(edge); w != waiting_.end()) {

@@ -423,22 +423,8 @@ Result<transport::Fd> Communicator::dial_relay(const proto::MemberInfo& other, s
   if (!options_.secret) {
     return Status(LOCKSTEP_STATUS_INVALID_USAGE, "a relayed ring edge needs the run secret, and this peer has none");
   }
-  auto fd = transport::connect_tcp(options_.master_host, relay_port_.load(), options_.p2p_connect_timeout_ms,
-                                   channel.event_fd());
-  if (!fd.is_ok()) return fd.status();
-  proto::P2PHello hello;
-  hello.channel = proto::Channel::kRelay;
-  hello.from = id_;
-  hello.to = other.id;
-  hello.pool_index = slot;
-  if (receiver) hello.flags |= proto::kP2PFlagReversed;
-  // The relay answers once `other` has connected too, within the connect timeout.
-  Status s = p2p_handshake(fd.value().get(), hello, true, other.key, options_.p2p_connect_timeout_ms, nullptr,
-                           channel.event_fd());
-  if (!s.is_ok()) {
-    return Status(s.code(), "the master's relay did not join this peer to " + other.id.to_string() + ": " + s.message());
-  }
-  return std::move(fd.value());
+  return peer::dial_relay(RelayAddress{options_.master_host, relay_port_.load()}, id_, other, proto::Channel::kRing,
+                          slot, receiver, options_.p2p_connect_timeout_ms, channel.event_fd());
 }
 
 Result<std::pair<transport::Fd, security::SessionKeys>> Communicator::dial_ring(const proto::MemberInfo& to,
@@ -508,7 +494,7 @@ Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32
   if (relayed && !cached) {
     auto joined = dial_relay(to, slot, /*receiver=*/false, channel);
     if (!joined.is_ok()) return joined.status();
-    link_->adopt_relayed(std::move(joined.value()));
+    link_->adopt_relayed(std::move(joined.value()), proto::Channel::kRing);
   }
   auto fresh = link_->take_inbound(to.id, slot, have, cached ? Clock::now() : deadline, channel.abort_flag(),
                                    /*reversed=*/true);

@@ -77,4 +77,23 @@ Status p2p_handshake(int fd, proto::P2PHello hello, bool secret, const std::vect
   return Status::ok();
 }
 
+Result<transport::Fd> dial_relay(const RelayAddress& relay, PeerId self, const proto::MemberInfo& other,
+                                 proto::Channel channel, std::uint32_t slot, bool receiver, std::uint32_t timeout_ms,
+                                 int cancel_fd) {
+  auto fd = transport::connect_tcp(relay.host, relay.port, timeout_ms, cancel_fd);
+  if (!fd.is_ok()) return fd.status();
+  proto::P2PHello hello;
+  hello.channel = proto::Channel::kRelay;
+  hello.from = self;
+  hello.to = other.id;
+  hello.epoch = static_cast<std::uint64_t>(channel);  // the relayed connection's own channel
+  hello.pool_index = slot;
+  if (receiver) hello.flags |= proto::kP2PFlagReversed;
+  Status s = p2p_handshake(fd.value().get(), hello, true, other.key, timeout_ms, nullptr, cancel_fd);
+  if (!s.is_ok()) {
+    return Status(s.code(), "the master's relay did not join this peer to " + other.id.to_string() + ": " + s.message());
+  }
+  return std::move(fd.value());
+}
+
 }  // namespace lockstep::peer

@@ -6,12 +6,15 @@
 // Internal to the peer layer.
 #pragma once
 
+#include "common/status.h"
 #include "protocol/messages.h"
 #include "security/crypto.h"
+#include "transport/socket.h"
 
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace lockstep::peer {
@@ -31,5 +34,21 @@ namespace lockstep::peer {
 Status p2p_handshake(int fd, proto::P2PHello hello, bool secret, const std::vector<std::uint8_t>& pair_key,
                      std::uint32_t timeout_ms, security::SessionKeys* keys = nullptr, int cancel_fd = -1,
                      const std::function<Status(const security::SessionKeys&)>& pipelined = {});
+
+// The master's relay as a peer reaches it (Welcome.relay_port at the master's address).
+struct RelayAddress {
+  std::string host;
+  std::uint16_t port = 0;  // 0: the master runs no relay
+};
+
+// Connects to the relay for connection `slot` of `channel` (ring or shared state) between
+// this peer (`self`) and `other`, proving their pair key (other.key), and waits until the
+// relay has joined it to `other`'s (docs/protocol.md, "Relays"). `receiver`: this end
+// receives the data (ring) or asks for it (shared state). Through the returned socket
+// the two then run their own p2p handshake. PEER_CONNECTION_FAILED when the relay refuses,
+// the transport's status when it or `other` does not answer within timeout_ms.
+Result<transport::Fd> dial_relay(const RelayAddress& relay, PeerId self, const proto::MemberInfo& other,
+                                 proto::Channel channel, std::uint32_t slot, bool receiver, std::uint32_t timeout_ms,
+                                 int cancel_fd = -1);
 
 }  // namespace lockstep::peer

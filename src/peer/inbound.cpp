@@ -141,8 +141,8 @@ void InboundListener::accept_on(std::size_t index) {
   });
 }
 
-void InboundListener::adopt_relayed(transport::Fd fd) {
-  asio::post(io_, [this, raw = fd.release()] {
+void InboundListener::adopt_relayed(transport::Fd fd, proto::Channel channel) {
+  asio::post(io_, [this, raw = fd.release(), channel] {
     transport::Fd owned(raw);
     asio::ip::tcp::socket socket(io_);
     asio::error_code ec;
@@ -154,7 +154,7 @@ void InboundListener::adopt_relayed(transport::Fd fd) {
     h->relayed = true;
     make_room_for_handshake();
     unfinished_.push_back(h);
-    handshake(h, proto::Channel::kRing);
+    handshake(h, channel);
   });
 }
 

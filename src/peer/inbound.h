@@ -79,12 +79,13 @@ class InboundListener {
   std::optional<Inbound> take_connection(proto::Channel channel, std::uint64_t operation, std::optional<PeerId> from,
                                          const std::atomic<bool>* stop, Clock::time_point deadline,
                                          bool reversed = false);
-  // Takes a connection this peer opened to the master's relay for a relayed ring edge on
-  // which it sends, once the relay has joined it to the receiver: the receiver's
-  // P2PHello (reversed) comes through it and is handshaken as an accepted connection's,
-  // except that its data plane must be sealed whatever encrypt_data says. It is then
-  // claimed with take_inbound(..., reversed=true). Any thread.
-  void adopt_relayed(transport::Fd fd);
+  // Takes a connection this peer opened to the master's relay, once the relay has joined
+  // it to the other end: a ring edge on which this peer sends, or a shared-state
+  // connection on which it asks. The other end's P2PHello (reversed) comes through it
+  // and is handshaken as an accepted connection's on `channel`, except that its data
+  // must be sealed whatever encrypt_data says. It is then claimed with
+  // take_inbound(..., reversed=true) or take_connection(..., reversed=true). Any thread.
+  void adopt_relayed(transport::Fd fd, proto::Channel channel);
   // Wakes every claim so that it re-checks its stop condition.
   void wake();
   // Forgets buffered connections from peers that are not members any more.

@@ -72,7 +72,7 @@ class Link {
                                          bool reversed = false) {
     return inbound_.take_connection(channel, operation, from, stop, deadline, reversed);
   }
-  void adopt_relayed(transport::Fd fd) { inbound_.adopt_relayed(std::move(fd)); }
+  void adopt_relayed(transport::Fd fd, proto::Channel channel) { inbound_.adopt_relayed(std::move(fd), channel); }
   // Wakes every wait of this link so that it re-checks its stop condition.
   void wake();
   // Forgets buffered connections from peers that are not members any more.

@@ -291,13 +291,13 @@ Status recv_blocks(int fd, std::uint8_t* dst, std::uint64_t bytes, SealedStream*
 class StateServer {
  public:
   StateServer(Link& link, std::uint64_t attempt, const std::map<std::string, LocalTensor>& tensors,
-              const Options& options, PeerId self, const std::vector<proto::SyncDial>& dials)
+              const Options& options, PeerId self, const std::vector<proto::SyncDial>& dials, RelayAddress relay)
       : link_(link), attempt_(attempt), tensors_(tensors), options_(options), self_(self),
-        encrypt_(options.encrypt_data) {
+        encrypt_(options.encrypt_data), relay_(std::move(relay)) {
     acceptor_ = std::thread([this] { accept_loop(); });
     for (const auto& dial : dials) {
       for (std::uint32_t c = 0; c < dial.connections && dialers_.size() < kServeConnectionsPerAttempt; ++c) {
-        dialers_.emplace_back([this, &dial] { dial_and_serve(dial.receiver); });
+        dialers_.emplace_back([this, &dial, c] { dial_and_serve(dial.receiver, c); });
       }
     }
   }
@@ -341,11 +341,17 @@ class StateServer {
     }
   }
 
-  // A receiver this peer must dial (it accepts inbound connections, this peer does not).
-  void dial_and_serve(const proto::MemberInfo& to) {
-    const std::string where = "shared-state receiver " + to.id.to_string() + " at " + to.host + ":" +
-                              std::to_string(to.shared_state_port);
-    auto fd = transport::connect_tcp(to.host, to.shared_state_port, options_.p2p_connect_timeout_ms, cancel_.event_fd());
+  // A receiver this peer must dial (this peer accepts no inbound connection): at its
+  // address, or through the relay where it accepts none either (its connection `index`
+  // of those the plan asks for; sealed whatever encrypt_data says).
+  void dial_and_serve(const proto::MemberInfo& to, std::uint32_t index) {
+    const bool relayed = !proto::accepts_inbound(to);
+    const std::string where = "shared-state receiver " + to.id.to_string() +
+                              (relayed ? " through the relay" : " at " + to.host + ":" + std::to_string(to.shared_state_port));
+    auto fd = relayed ? dial_relay(relay_, self_, to, proto::Channel::kSharedState, index, /*receiver=*/false,
+                                   options_.p2p_connect_timeout_ms, cancel_.event_fd())
+                      : transport::connect_tcp(to.host, to.shared_state_port, options_.p2p_connect_timeout_ms,
+                                               cancel_.event_fd());
     if (!fd.is_ok()) {
       if (!stop_.load()) LOG_WARN(kLog, "shared-state server: cannot dial " << where << ": " << fd.status().message());
       return;
@@ -358,7 +364,7 @@ class StateServer {
     hello.to = to.id;
     hello.epoch = attempt_;
     hello.flags = proto::kP2PFlagReversed;
-    if (encrypt_) hello.flags |= proto::kP2PFlagEncryptData;
+    if (encrypt_ || relayed) hello.flags |= proto::kP2PFlagEncryptData;
     security::SessionKeys keys;
     Status s = p2p_handshake(raw, hello, options_.secret.has_value(), to.key, options_.p2p_connect_timeout_ms, &keys,
                              cancel_.event_fd());
@@ -368,7 +374,7 @@ class StateServer {
     }
     if (!sockets_.add(raw)) return;
     std::unique_ptr<SealedStream> sealed;
-    if (encrypt_) sealed = std::make_unique<SealedStream>(keys, /*client=*/false);
+    if (encrypt_ || relayed) sealed = std::make_unique<SealedStream>(keys, /*client=*/false);
     serve(raw, sealed.get());
     sockets_.remove(raw);
   }
@@ -443,6 +449,7 @@ class StateServer {
   const Options& options_;
   const PeerId self_;
   const bool encrypt_;
+  const RelayAddress relay_;
   std::atomic<bool> stop_{false};
   OpChannel cancel_;  // its event fd wakes blocked dials and handshakes on stop()
   std::thread acceptor_;
@@ -459,9 +466,10 @@ class Fetcher {
  public:
   Fetcher(Link& link, PeerId self, std::uint32_t connect_timeout_ms, bool secret, bool encrypt, bool compress,
           std::uint32_t streams, const proto::SyncPlan& plan, const std::vector<SharedTensor>& tensors,
-          const std::vector<LocalTensor>& local)
+          const std::vector<LocalTensor>& local, RelayAddress relay)
       : link_(link), self_(self), connect_timeout_ms_(connect_timeout_ms), secret_(secret), encrypt_(encrypt),
-        compress_(compress), streams_(streams), plan_(plan), tensors_(tensors), local_(local) {
+        compress_(compress), streams_(streams), plan_(plan), tensors_(tensors), local_(local), relay_(std::move(relay)),
+        self_relayed_(relay_.port != 0) {
     for (const auto& e : plan_.expect) {
       if (e.tensor >= local_.size()) continue;  // check_plan refuses the plan
       expected_[e.tensor] = e.hash;
@@ -475,21 +483,22 @@ class Fetcher {
   Status run() {
     std::vector<std::vector<proto::SyncFetch>> by_source(plan_.sources.size());
     for (const auto& f : plan_.fetches) by_source[f.source].push_back(f);
-    std::vector<std::size_t> work;  // a source index per connection
+    std::vector<std::pair<std::size_t, std::uint32_t>> work;  // a source index and its connection per connection
     for (std::size_t i = 0; i < by_source.size(); ++i) {
       // A source that dials this peer opens as many connections as its plan says, which
       // the master counted with the default streams.
       const bool dials_us = !proto::accepts_inbound(plan_.sources[i]);
       queues_.push_back(std::make_unique<SharedQueue>(by_source[i], dials_us ? limits::kStateStreamsDefault : streams_));
       if (queues_.back()->queue.bytes_left() == 0) continue;
-      for (std::uint32_t c = 0; c < queues_.back()->queue.connections(); ++c) work.push_back(i);
+      for (std::uint32_t c = 0; c < queues_.back()->queue.connections(); ++c) work.emplace_back(i, c);
     }
     connections_ = static_cast<std::uint32_t>(work.size());
     std::vector<Status> results(work.size());
     std::vector<std::thread> threads;
     for (std::size_t k = 0; k < work.size(); ++k) {
       threads.emplace_back([this, k, &work, &results] {
-        results[k] = fetch_from(plan_.sources[work[k]], *queues_[work[k]]);
+        const auto [source, index] = work[k];
+        results[k] = fetch_from(plan_.sources[source], *queues_[source], index);
       });
     }
     for (auto& t : threads) t.join();
@@ -532,8 +541,8 @@ class Fetcher {
     TransferQueue queue;
   };
 
-  Status fetch_from(const proto::MemberInfo& source, SharedQueue& work) {
-    if (!proto::accepts_inbound(source)) return fetch_reversed(source, work);
+  Status fetch_from(const proto::MemberInfo& source, SharedQueue& work, std::uint32_t index) {
+    if (!proto::accepts_inbound(source)) return fetch_reversed(source, work, index);
     const std::string where = "shared-state source " + source.id.to_string() + " at " + source.host + ":" +
                               std::to_string(source.shared_state_port);
     auto fd = transport::connect_tcp(source.host, source.shared_state_port, connect_timeout_ms_);
@@ -547,9 +556,18 @@ class Fetcher {
   }
 
   // A source that accepts no inbound connection dials this peer: one of the connections
-  // its plan made it dial, whose requests this peer sends.
-  Status fetch_reversed(const proto::MemberInfo& source, SharedQueue& work) {
-    const std::string where = "shared-state source " + source.id.to_string() + " (it dials this peer)";
+  // its plan made it dial (`index` of them), whose requests this peer sends. Where this
+  // peer accepts none either, both meet at the relay (sealed whatever encrypt_data says).
+  Status fetch_reversed(const proto::MemberInfo& source, SharedQueue& work, std::uint32_t index) {
+    const bool relayed = self_relayed_;
+    const std::string where =
+        "shared-state source " + source.id.to_string() + (relayed ? " (through the relay)" : " (it dials this peer)");
+    if (relayed) {
+      auto joined = dial_relay(relay_, self_, source, proto::Channel::kSharedState, index, /*receiver=*/true,
+                               2 * connect_timeout_ms_);
+      if (!joined.is_ok()) return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST, where + ": " + joined.status().message());
+      link_.adopt_relayed(std::move(joined.value()), proto::Channel::kSharedState);
+    }
     // The source learns of the transfer when its own plan arrives, then dials.
     const std::uint32_t wait_ms = 2 * connect_timeout_ms_;
     auto connection = link_.take_connection(proto::Channel::kSharedState, plan_.attempt, source.id, &aborted_,
@@ -559,14 +577,14 @@ class Fetcher {
       return Status(LOCKSTEP_STATUS_PEER_CONNECTION_LOST,
                     where + ": no connection from it within " + std::to_string(wait_ms) + " ms");
     }
-    if (encrypt_ && !connection->keys) {
+    if ((encrypt_ || relayed) && !connection->keys) {
       return Status(LOCKSTEP_STATUS_INTERNAL_ERROR, where + ": its connection has no session keys");
     }
     const int raw = connection->fd.get();
     if (!sockets_.add(raw)) return Status(LOCKSTEP_STATUS_INTERRUPTED, "the sync ended");
     transport::set_nodelay(raw);
     std::unique_ptr<SealedStream> sealed;
-    if (encrypt_) sealed = std::make_unique<SealedStream>(*connection->keys, /*client=*/true);
+    if (encrypt_ || relayed) sealed = std::make_unique<SealedStream>(*connection->keys, /*client=*/true);
     Asked asked;
     Status s = drain(raw, sealed.get(), work, asked);
     sockets_.remove(raw);
@@ -706,6 +724,10 @@ class Fetcher {
   const proto::SyncPlan& plan_;
   const std::vector<SharedTensor>& tensors_;
   const std::vector<LocalTensor>& local_;
+  // The relay, given only where this peer accepts no inbound connection: its transfers
+  // from sources that accept none either run through it.
+  const RelayAddress relay_;
+  const bool self_relayed_;
   std::map<std::uint32_t, state::Digest> expected_;  // by tensor index
   // What run() checks a received tensor's digest from: its leaf digests, this peer's own
   // from the vote until a piece brings new bytes. Each fetch thread writes only the
@@ -812,10 +834,12 @@ Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>
   LOG_DEBUG(kLog, "sync attempt " << plan.attempt << ": revision " << plan.revision << ", " << plan.expect.size()
                                   << " tensor(s) to receive in " << plan.fetches.size() << " piece(s)");
 
-  StateServer server(*link_, plan.attempt, by_key, options_, id_, plan.dials);
+  const RelayAddress relay{options_.master_host, relay_port_.load()};
+  StateServer server(*link_, plan.attempt, by_key, options_, id_, plan.dials, relay);
   const std::uint32_t streams = options_.p2p_streams != 0 ? options_.p2p_streams : limits::kStateStreamsDefault;
   Fetcher fetcher(*link_, id_, options_.p2p_connect_timeout_ms, options_.secret.has_value(), options_.encrypt_data,
-                  options_.compress_state, streams, plan, tensors, local);
+                  options_.compress_state, streams, plan, tensors, local,
+                  view_p2p_port_.load() == 0 ? relay : RelayAddress{});
   std::thread transfers([&] {
     Status s = check_plan(plan, local);
     if (s.is_ok() && !plan.expect.empty()) s = fetcher.run();

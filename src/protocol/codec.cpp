@@ -488,8 +488,7 @@ bool fields(Io& io, Of<Io, SyncPlan>& m) {
                            [] {
                              return "sync_plan.dial.connections: not 1.." +
                                     std::to_string(limits::kStateStreamsDefault);
-                           }) &&
-                  io.check(proto::accepts_inbound(dial.receiver), "sync_plan.dial.receiver: names no port");
+                           });
          });
 }
 

@@ -146,10 +146,11 @@ def test_two_peers_behind_nats_all_reduce_through_the_relay_sealed(tmp_path):
 def relayed(tmp_path):
     """Two reachable peers, then three that accept no inbound connection: one of the
     three has no reachable neighbour, so the ring has direct, reversed and relayed
-    edges; two pool slots and four stripes where an edge can have them. The peers reach
+    edges; two pool slots and four stripes where an edge can have them; shared state sent
+    uncompressed (so that its bytes are what the test reads on the wire). The peers reach
     the master and its relay through a Tap (the cluster's `tap`)."""
     secret = write_secret(tmp_path)
-    kwargs = {"secret_file": secret, "pool_size": 2, "p2p_streams": 4}
+    kwargs = {"secret_file": secret, "pool_size": 2, "p2p_streams": 4, "state_compression": "off"}
     master = lockstep.Master("127.0.0.1:0", secret_file=secret, relay_port=0, http="127.0.0.1:0")
     master.run()
     tap = Tap(master.port, master.relay_port)
@@ -211,6 +212,34 @@ def test_a_ring_of_direct_reversed_and_relayed_edges_does_every_collective(relay
     assert metric(relayed.master, "lockstep_relay_bytes_total") > COUNT * 4
 
 
+def test_shared_state_between_peers_that_accept_no_connection_goes_through_the_relay(relayed):
+    """Only two peers that accept no inbound connection hold the state: the reachable
+    receivers are dialled by them (reversed), the third unreachable one is served through
+    the relay (without it that peer would be removed), sealed though encrypt_data is off."""
+    weights = np.tile(marked(), 4)  # 4 MiB
+    before = metric(relayed.master, "lockstep_relay_bytes_total")
+    with relayed.tap._lock:
+        relayed.tap.relay_bytes.clear()
+    holders = relayed.peers[3:]  # peer3 and peer4: no inbound connection
+    receivers = relayed.peers[:3]  # peer0, peer1 (reachable) and peer2 (no inbound connection)
+    states = [lockstep.SharedState({"w": weights.copy()}, revision=1) for _ in holders]
+    fresh = [lockstep.SharedState({"w": np.zeros_like(weights)}) for _ in receivers]
+    futures = [p.submit(lambda comm, st=st: comm.sync_shared_state(st, "enforce_popular"))
+               for p, st in zip(holders, states)]
+    futures += [p.submit(lambda comm, st=st: comm.sync_shared_state(st, lockstep.SyncStrategy.RECEIVE_ONLY))
+                for p, st in zip(receivers, fresh)]
+    infos = [f.result(60) for f in futures]
+    for st in fresh:
+        np.testing.assert_array_equal(st["w"], weights)
+        assert st.revision == 1
+    assert infos[4].bytes_received == weights.nbytes, infos[4]
+    assert relayed.run(lambda i, comm: comm.group_world_size) == [5] * 5  # nobody was removed
+    assert metric(relayed.master, "lockstep_relay_bytes_total") - before >= weights.nbytes
+    with relayed.tap._lock:
+        seen = bytes(relayed.tap.relay_bytes)
+    assert MARKER not in seen, "shared state crossed the relay unsealed"
+
+
 def test_a_peer_between_two_unreachable_ones_leaves_and_their_edge_is_relayed(relayed):
     """The ring is peer0 peer2 peer1 peer3 peer4 (peer3-peer4 relayed). peer1 leaves: peer2
     and peer3, both unreachable, become neighbours and stay (without a relay the later
@@ -254,10 +283,10 @@ def wire_id(hex_id: str) -> bytes:
 
 
 def hello_frame(channel: int, sender: bytes, receiver: bytes) -> bytes:
-    """A P2PHello (docs/protocol.md): magic, version, channel, from, to, epoch, pool
-    index, auth (a nonce), flags."""
+    """A P2PHello (docs/protocol.md): magic, version, channel, from, to, epoch (to the
+    relay: the relayed connection's channel, 1: ring), pool index, auth (a nonce), flags."""
     payload = struct.pack("<IHB", 0x4C4B5354, PROTOCOL_VERSION, channel) + sender + receiver
-    payload += struct.pack("<QI", 0, 0) + struct.pack("<H", 32) + bytes(32) + b"\0"
+    payload += struct.pack("<QI", 1, 0) + struct.pack("<H", 32) + bytes(32) + b"\0"
     return struct.pack("<IHH", len(payload), 128, 0) + payload
 
 

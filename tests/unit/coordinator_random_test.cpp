@@ -1827,8 +1827,15 @@ class Sim {
                   ", which is not a participant holding its target at the elected revision (or is receive-only)");
       const SimPeer* owner = by_id(source.id);
       require(owner != nullptr && source == member_info(*owner), who + " carries a wrong address for " + source.id.to_string());
-      require(!owner->no_inbound || !sp.no_inbound, who + " fetches from " + source.id.to_string() +
-                                                        " while neither accepts inbound connections");
+      // Two peers that accept no inbound connection are paired only through a relay, and
+      // only where no holder that accepts connections holds the tensor.
+      const bool relayed = c_.config().relay && std::none_of(d->second.begin(), d->second.end(), [&](PeerId id) {
+                             const SimPeer* holder = by_id(id);
+                             return holder != nullptr && !holder->no_inbound;
+                           });
+      require(!owner->no_inbound || !sp.no_inbound || relayed,
+              who + " fetches from " + source.id.to_string() + " while neither accepts inbound connections" +
+                  (c_.config().relay ? " and a holder that accepts them holds the tensor" : " (no relay)"));
       pieces[f.tensor].emplace_back(f.offset, f.bytes);
       sources_of[f.tensor].insert(source.id);
     }

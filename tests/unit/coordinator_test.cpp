@@ -2598,7 +2598,8 @@ TEST(CoordinatorSync, NewcomerReceivesEverythingSpreadOverTheHolders) {
 // no inbound connection dials each receiver that fetches from it, once, with as many
 // connections as the receiver fetches over (limits::state_connections), and only such
 // sources dial. Returns the number of dials.
-std::size_t check_dials(Harness& h, const std::vector<FakePeer>& peers, const std::vector<p::SyncPlan>& plans) {
+std::size_t check_dials(Harness& h, const std::vector<FakePeer>& peers, const std::vector<p::SyncPlan>& plans,
+                        bool relay = false) {
   std::map<std::pair<PeerId, PeerId>, std::uint32_t> wanted;  // (source, receiver) -> connections
   for (std::size_t r = 0; r < peers.size(); ++r) {
     std::map<std::uint32_t, std::uint64_t> bytes;
@@ -2606,7 +2607,9 @@ std::size_t check_dials(Harness& h, const std::vector<FakePeer>& peers, const st
     for (const auto& [index, total] : bytes) {
       const p::MemberInfo& source = plans[r].sources.at(index);
       if (!p::accepts_inbound(source)) {
-        EXPECT_TRUE(p::accepts_inbound(h.c.find_peer(peers[r].id)->info)) << "two unreachable peers paired";
+        if (!relay) {
+          EXPECT_TRUE(p::accepts_inbound(h.c.find_peer(peers[r].id)->info)) << "two unreachable peers paired";
+        }
         wanted[{source.id, peers[r].id}] = limits::state_connections(total, limits::kStateStreamsDefault);
       }
     }
@@ -2688,6 +2691,41 @@ TEST(CoordinatorSync, APeerNoHolderCanReachLeaves) {
     ASSERT_EQ(served->sources.size(), 1u);
     EXPECT_EQ(served->sources[0].id, hidden.id);
   }
+}
+
+// With a relay, a receiver that accepts no inbound connection is still served directly
+// where a holder that accepts connections exists; where only holders that accept none
+// hold the content, one of them dials it through the relay instead of it leaving.
+TEST(CoordinatorSync, WithARelayHoldersThatAcceptNoConnectionServeOnesThatAcceptNoneEither) {
+  Config config = test_config();
+  config.relay = true;
+  Harness h(config);
+  h.no_ports = true;
+  const FakePeer hidden = h.first(1);
+  h.no_ports = false;
+  const FakePeer open = h.join(1);
+  const FakePeer hidden_newcomer = h.join_as(1, false);
+  const FakePeer other_open = h.join(1);
+  h.update({hidden}, {open, hidden_newcomer, other_open});
+  const std::vector<FakePeer> peers = {hidden, open, hidden_newcomer, other_open};
+  auto plans = sync_round(h, peers,
+                          {state_vote(1, model(10)), state_vote(1, model(10)),
+                           state_vote(0, model(5), p::SyncStrategy::kReceiveOnly), state_vote(1, model(10))},
+                          1);
+  ASSERT_EQ(plans.size(), 4u);
+  ASSERT_FALSE(plans[2].sources.empty());
+  for (const auto& source : plans[2].sources) EXPECT_TRUE(source.id == open.id || source.id == other_open.id);
+  EXPECT_EQ(check_dials(h, peers, plans, /*relay=*/true), 0u);
+  const auto behind = state_vote(1, model(7), p::SyncStrategy::kReceiveOnly);
+  plans = sync_round(h, peers, {state_vote(2, model(10)), behind, behind, behind}, 2);
+  ASSERT_EQ(plans.size(), 4u);
+  EXPECT_NE(h.c.find_peer(hidden_newcomer.id), nullptr);
+  ASSERT_EQ(plans[2].sources.size(), 1u);
+  EXPECT_EQ(plans[2].sources[0].id, hidden.id);
+  EXPECT_EQ(check_dials(h, peers, plans, /*relay=*/true), 3u);
+  bool relayed = false;
+  for (const auto& dial : plans[0].dials) relayed = relayed || (dial.receiver.id == hidden_newcomer.id && !p::accepts_inbound(dial.receiver));
+  EXPECT_TRUE(relayed);
 }
 
 // The seeds' async-DiLoCo case: more newcomers than old peers, syncing receive-only,

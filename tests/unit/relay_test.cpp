@@ -48,6 +48,7 @@ struct Fixture {
     hello.channel = proto::Channel::kRelay;
     hello.from = from;
     hello.to = to;
+    hello.epoch = static_cast<std::uint64_t>(proto::Channel::kRing);  // the relayed connection's channel
     if (receiver) hello.flags |= proto::kP2PFlagReversed;
     Status s = peer::p2p_handshake(fd.value().get(), hello, true, proof_key, timeout_ms);
     if (!s.is_ok()) return s;
