@@ -11,6 +11,7 @@
 
 #include <array>
 #include <compare>
+#include <deque>
 #include <functional>
 #include <set>
 #include <utility>
@@ -34,7 +35,7 @@ struct Edge {
 
 }  // namespace
 
-class Relay::Impl : public std::enable_shared_from_this<Impl> {
+class Relay::Impl {
  public:
   explicit Impl(RelayOptions options) : options_(std::move(options)), acceptor_(io_) {}
 
@@ -47,7 +48,7 @@ class Relay::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   void stop() {
-    asio::post(io_, [self = shared_from_this()] {
+    asio::post(io_, [self = this] {
       asio::error_code ignored;
       self->acceptor_.close(ignored);
       for (const auto& c : std::set<std::shared_ptr<Conn>>(self->conns_)) self->drop(c);
@@ -56,7 +57,7 @@ class Relay::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   void assign(std::map<PeerId, std::uint32_t> members) {
-    asio::post(io_, [self = shared_from_this(), members = std::move(members)]() mutable {
+    asio::post(io_, [self = this, members = std::move(members)]() mutable {
       self->members_ = std::move(members);
       for (const auto& c : std::set<std::shared_ptr<Conn>>(self->conns_)) {
         if (c->edge && !self->allowed(c->edge->sender, c->edge->receiver)) {
@@ -108,7 +109,7 @@ class Relay::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   void accept() {
-    acceptor_.async_accept([self = shared_from_this()](const asio::error_code& ec, asio::ip::tcp::socket socket) {
+    acceptor_.async_accept([self = this](const asio::error_code& ec, asio::ip::tcp::socket socket) {
       if (ec == asio::error::operation_aborted || !self->acceptor_.is_open()) return;
       if (!ec) self->start(std::move(socket));
       self->accept();
@@ -120,24 +121,51 @@ class Relay::Impl : public std::enable_shared_from_this<Impl> {
     asio::error_code ignored;
     const auto remote = c->socket.remote_endpoint(ignored);
     c->remote = transport::join_host_port(transport::unmapped(remote.address().to_string()), remote.port());
-    if (conns_.size() >= options_.connections_max) {
+    if (conns_.size() >= options_.connections_max && !displace_unproven()) {
       if (refused_++ % 100 == 0) {
         LOG_WARN(kLog, "refusing a connection from " << c->remote << ": " << conns_.size()
-                                                     << " connections open (the cap)");
+                                                     << " connections open (the cap), all of them proven");
       }
       c->socket.close(ignored);
       return;
     }
     c->socket.set_option(asio::ip::tcp::no_delay(true), ignored);
     conns_.insert(c);
+    // Entries of connections closed or proven since leave from the front (one unproven
+    // lives at most the handshake timeout, so the list holds only recent accepts).
+    while (!unproven_.empty()) {
+      const auto front = unproven_.front().lock();
+      if (front != nullptr && !front->edge && conns_.count(front) != 0) break;
+      unproven_.pop_front();
+    }
+    unproven_.push_back(c);
     arm(c, options_.handshake_timeout_ms, "its handshake did not finish in time");
     read_frame(c, proto::MsgType::kP2PHello, [this, c] { on_hello(c); });
+  }
+
+  // At the cap: the oldest connection that has not proven a pair key yet makes room, so
+  // that connections held open idle (a flood of strangers) cannot keep the run's peers
+  // out until their handshake timeout. False if every connection has proven one.
+  bool displace_unproven() {
+    while (!unproven_.empty()) {
+      const auto oldest = unproven_.front().lock();
+      unproven_.pop_front();
+      if (oldest == nullptr || oldest->edge || conns_.count(oldest) == 0) continue;
+      if (displaced_++ % 100 == 0) {
+        LOG_WARN(kLog, options_.connections_max << " relay connections open (the cap); closing the oldest that has "
+                                                   "not proven a pair key, from "
+                                                << oldest->remote << " (" << displaced_ << " so far)");
+      }
+      refuse(oldest);
+      return true;
+    }
+    return false;
   }
 
   // Drops `c` unless the timer is re-armed or cancelled before it fires.
   void arm(const ConnPtr& c, std::uint32_t ms, const char* why) {
     c->timer.expires_after(std::chrono::milliseconds(ms));
-    c->timer.async_wait([self = shared_from_this(), c, why](const asio::error_code& ec) {
+    c->timer.async_wait([self = this, c, why](const asio::error_code& ec) {
       if (ec) return;
       LOG_INFO(kLog, "dropping the relay connection from " << c->remote << ": " << why);
       self->refuse(c);
@@ -290,6 +318,8 @@ class Relay::Impl : public std::enable_shared_from_this<Impl> {
   asio::io_context io_;
   asio::ip::tcp::acceptor acceptor_;
   std::set<ConnPtr> conns_;
+  std::deque<std::weak_ptr<Conn>> unproven_;  // in accept order; entries of proven or closed ones are skipped
+  std::uint64_t displaced_ = 0;
   std::map<Edge, std::pair<std::weak_ptr<Conn>, std::weak_ptr<Conn>>> waiting_;  // (sender, receiver)
   std::map<PeerId, std::uint32_t> members_;
   std::atomic<std::uint64_t> bytes_{0};

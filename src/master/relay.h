@@ -11,7 +11,8 @@
 // Bounds: the relay forwards only for the pairs the master assigns (two peers of one
 // group's ring that both accept no inbound connection; assign()), drops a connection
 // whose hello does not arrive within the handshake timeout or whose other end does not
-// arrive within the match timeout, keeps at most connections_max connections, copies
+// arrive within the match timeout, keeps at most connections_max connections (the oldest
+// that has proven no key makes room for a new one), copies
 // through one fixed buffer per direction, and drops a pair whose reader has not taken
 // a buffer within the stall timeout. It runs on its own thread: its bytes never hold
 // up the master's event loop.

@@ -1,8 +1,8 @@
 // The master's relay (master/relay.h) over real loopback sockets, with hand-made ends:
 // it joins the two ends of an assigned edge once each proved the pair key and copies
 // bytes both ways; it refuses pairs it was not assigned and wrong proofs, drops an end
-// whose other end never comes, drops a pair whose reader stops reading, and closes an
-// edge the master stops assigning.
+// whose other end never comes, drops a pair whose reader stops reading, closes an edge
+// the master stops assigning, and makes room for the run's peers at its connection cap.
 #include "master/relay.h"
 
 #include "peer/handshake.h"
@@ -179,6 +179,30 @@ TEST(Relay, AnEdgeTheMasterNoLongerAssignsIsClosed) {
   f.relay->assign({{kA, 1}});  // B left the run
   EXPECT_TRUE(closed_within(a.get(), 5000ms));
   EXPECT_TRUE(closed_within(b.get(), 5000ms));
+}
+
+// At the connection cap, idle connections that never prove a key make room for the
+// run's peers (the oldest of them is closed), instead of keeping them out until the
+// handshake timeout.
+TEST(Relay, IdleStrangersAtTheCapMakeRoomForTheRunsPeers) {
+  RelayOptions options;
+  options.connections_max = 8;
+  Fixture f(options);
+  f.relay->assign({{kA, 1}, {kB, 1}});
+  std::vector<transport::Fd> idle;
+  for (int i = 0; i < 8; ++i) {
+    auto fd = transport::connect_tcp("127.0.0.1", f.relay->port(), 2000);
+    ASSERT_TRUE(fd.is_ok());
+    idle.push_back(std::move(fd.value()));
+  }
+  std::this_thread::sleep_for(100ms);  // all eight accepted
+  auto [a, b] = f.joined();
+  ASSERT_TRUE(a.valid() && b.valid());
+  EXPECT_EQ(f.relay->stats().pairs, 1u);
+  // Two of the idle ones were closed for them, the oldest first.
+  EXPECT_TRUE(closed_within(idle[0].get(), 2000ms));
+  EXPECT_TRUE(closed_within(idle[1].get(), 2000ms));
+  EXPECT_FALSE(closed_within(idle[7].get(), 200ms));
 }
 
 }  // namespace
