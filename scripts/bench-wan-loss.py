@@ -22,13 +22,15 @@ Usage: scripts/bench-wan-loss.py [--build build] [--hosts 2,4] [--cap 1000]
          [--rtt-ms 50] [--loss 0.001] [--cc reno] [--sizes 16MiB]
          [--concurrency 1,8] [--quant none] [--streams 1] [--pool N] [--iterations 5]
          [--iperf-seconds 10] [--timeout 600] [--master-apart]
-         [--reversal | --relay] [--rounds N]
+         [--reversal | --relay | --relay-process] [--rounds N]
 Lists are comma-separated. --streams is passed on as `lockstep-bench allreduce
 --streams N` (0: the communicator adapts the count to the path, docs/wan.md; 1 to 16
 fixes it) only where that command offers it; otherwise every line says "streams": 1.
 --reversal runs each case direct, then with host 1's peer accepting no inbound connection;
 --relay runs it direct, then with every peer accepting none and the master (on a host of
-its own: --master-apart is implied) relaying every ring edge; both under a run secret.
+its own: --master-apart is implied) relaying every ring edge; --relay-process as --relay
+with lockstep-relay on one more host of its own relaying instead of the master; all under
+a run secret.
 Each line's "edges" says which ran ("direct", "reversed" or "relayed"), checked against
 the ports of the view each peer printed.
 """
@@ -39,6 +41,7 @@ import argparse
 import atexit
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -131,15 +134,29 @@ def iperf3(bed: Testbed, streams: int, seconds: int) -> float | None:
 
 
 def allreduce(bed: Testbed, bin_dir: str, peers: int, args: list[str], timeout: float,
-              no_inbound_hosts: tuple = (), secret: str = "", relay: bool = False) -> list[dict] | str:
+              no_inbound_hosts: tuple = (), secret: str = "", relay: str = "") -> list[dict] | str:
     """Runs lockstep-bench allreduce on hosts 0..peers-1, the master on host 0 or, with a
-    host more than peers, on the last one (the peers of no_inbound_hosts accept no inbound
-    connection; `secret`: the run secret's file; `relay`: the master relays); each peer's
-    figures, or an error."""
-    master_host = bed.hosts - 1 if bed.hosts > peers else 0
-    master = start_master(bed, bin_dir, master_host,
-                          *(["--secret-file", secret] if secret else []), *(["--relay-port", "7001"] if relay else []))
+    host more than peers, on host `peers` (the peers of no_inbound_hosts accept no inbound
+    connection; `secret`: the run secret's file; `relay`: "master", the master relays, or
+    "process", lockstep-relay on host peers+1 does); each peer's figures, or an error."""
+    master_host = peers if bed.hosts > peers else 0
+    master = start_master(bed, bin_dir, master_host, *(["--secret-file", secret] if secret else []),
+                          *(["--relay-port", "7001"] if relay == "master" else []))
     procs = []
+    if relay == "process":
+        procs.append(bed.popen(peers + 1, os.path.join(bin_dir, "lockstep-relay"), "--master",
+                               f"{bed.addr(master_host)}:7000", "--secret-file", secret, "--listen",
+                               f"{bed.addr(peers + 1)}:7002", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True))
+        for word in ("listening", "registered"):
+            ready, _, _ = select.select([procs[0].stdout], [], [], 10)
+            if not ready or word not in procs[0].stdout.readline():
+                master.kill()
+                master.wait(timeout=10)
+                procs[0].kill()
+                procs[0].wait()
+                return f"lockstep-relay did not say it is {word}"
+    relays = len(procs)
     try:
         for h in range(peers):
             procs.append(bed.popen(h, os.path.join(bin_dir, "lockstep-bench"), "allreduce", "--master",
@@ -149,7 +166,7 @@ def allreduce(bed: Testbed, bin_dir: str, peers: int, args: list[str], timeout: 
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         deadline = time.monotonic() + timeout
         rows = []
-        for p in procs:
+        for p in procs[relays:]:
             try:
                 out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -207,12 +224,16 @@ def main() -> int:
     parser.add_argument("--relay", action="store_true",
                         help="run each case twice on the same bed, direct and with every peer accepting no inbound "
                              "connection and the master, on a host of its own, relaying (implies --master-apart)")
+    parser.add_argument("--relay-process", action="store_true",
+                        help="as --relay, but lockstep-relay on a host of its own relays (a master that relays "
+                             "nothing on another)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="with --reversal or --relay: direct/other pairs per case")
     args = parser.parse_args()
-    if args.reversal and args.relay:
-        fail("--reversal and --relay are exclusive")
-    if args.relay:
+    if args.reversal + args.relay + args.relay_process > 1:
+        fail("--reversal, --relay and --relay-process are exclusive")
+    relay_mode = "process" if args.relay_process else "master" if args.relay else ""
+    if relay_mode:
         args.master_apart = True
 
     if os.geteuid() != 0:
@@ -243,7 +264,7 @@ def main() -> int:
         streams_list = [1]
 
     secret = ""
-    if args.reversal or args.relay:  # both ways of a pair run under the same run secret
+    if args.reversal or relay_mode:  # both ways of a pair run under the same run secret
         fd, secret = tempfile.mkstemp(prefix="lockstep-bench-secret-")
         os.write(fd, os.urandom(32).hex().encode())
         os.close(fd)
@@ -252,7 +273,7 @@ def main() -> int:
     for hosts in hosts_list:
         for cc in ccs:
             for loss in losses:
-                bed_hosts = hosts + (1 if args.master_apart else 0)
+                bed_hosts = hosts + (1 if args.master_apart else 0) + (1 if relay_mode == "process" else 0)
                 with Testbed(bed_hosts, command=os.path.join(bin_dir, "lockstep-testbed")) as bed:
                     set_cc(bed, cc)
                     for a in range(bed_hosts):
@@ -266,7 +287,7 @@ def main() -> int:
                     p8 = iperf3(bed, 8, args.iperf_seconds)
                     for size in sizes:
                         for conc, quant in [(c, q) for c in concurrencies for q in args.quant.split(",")]:
-                            paired = args.reversal or args.relay
+                            paired = args.reversal or bool(relay_mode)
                             for streams, other in [(s, r) for s in streams_list
                                                    for _ in range(args.rounds if paired else 1)
                                                    for r in ((False, True) if paired else (False,))]:
@@ -278,13 +299,13 @@ def main() -> int:
                                     cmd += ["--streams", str(streams)]
                                 hidden = ((1,) if args.reversal else tuple(range(hosts))) if other else ()
                                 result = allreduce(bed, bin_dir, hosts, cmd, args.timeout, hidden,
-                                                   secret if paired else "", relay=args.relay and other)
+                                                   secret if paired else "", relay=relay_mode if other else "")
                                 want = ("reversed" if args.reversal else "relayed") if other else "direct"
                                 line = {"bench": "wan_loss", "hosts": hosts,
                                         "master": "apart" if args.master_apart else "host 0", "cap_mbit": args.cap,
                                         "rtt_ms": args.rtt_ms, "loss": loss, "cc": cc, "bytes": size,
                                         "concurrency": conc, "streams": streams, "pool": pool, "quant": quant,
-                                        "edges": want}
+                                        "edges": want, "relay": (relay_mode or None) if other else None}
                                 if not isinstance(result, str) and edges(result) != want:
                                     result = f"the views show {edges(result)} edges, not {want}: {result[0].get('ports')}"
                                 if isinstance(result, str):

@@ -21,6 +21,11 @@ inline constexpr std::uint32_t kAuthBytesMax = 512;
 // Nonces, proofs and pair keys are 32 bytes; the decoder allows up to this.
 inline constexpr std::uint32_t kAuthFieldBytesMax = 64;
 inline constexpr std::uint32_t kSmallPayloadBytesMax = 4096;
+// Pairs of peers one RelayAssign names (a lockstep-relay forwards for those only): every
+// pair of one group's peers that accept no inbound connection, up to this many.
+inline constexpr std::uint32_t kRelayPairsMax = 8192;
+// lockstep-relay processes one master keeps registered; more are refused (REJECTED).
+inline constexpr std::size_t kRelayProcessesMax = 16;
 // Peers (registered + accepted) a master serves, unless configured otherwise.
 inline constexpr std::uint32_t kPeersMaxDefault = 1024;
 // Bytes queued for sending to one connection before it is dropped as too slow.

@@ -115,7 +115,7 @@ std::string id_list(const std::vector<PeerId>& ids) {
   return out;
 }
 
-Coordinator::Coordinator(Config config) : config_(config), kv_(config.kv) {}
+Coordinator::Coordinator(Config config) : config_(config), relay_(config.relay), kv_(config.kv) {}
 
 void Coordinator::Tally::count(const Peer& peer, int sign) {
   const auto add = [sign](std::size_t& n, bool counts) {
@@ -485,7 +485,11 @@ void Coordinator::handle_hello(ConnId conn, const proto::Hello& hello, TimeMs no
                       .op = Operation::kConnection,
                       .group = peer.group,
                       .peers = {peer.id}});
-  send(peer, proto::Welcome{peer.id, hs.observed_host, config_.heartbeat_timeout_ms}, out);
+  proto::Welcome welcome;  // the relay's address is the shell's to fill in
+  welcome.id = peer.id;
+  welcome.observed_host = hs.observed_host;
+  welcome.heartbeat_timeout_ms = config_.heartbeat_timeout_ms;
+  send(peer, welcome, out);
   peers_.emplace(peer.id, std::move(peer));
 }
 
@@ -653,7 +657,58 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
   if (topology_phase_ == TopologyPhase::kMeasuring && peer.state == PeerState::kMeasuringBandwidth) {
     fail_optimize("peer " + id.to_string() + " was lost during the bandwidth measurements (" + reason + ")", out);
   }
-  if (peer.phase == Phase::kAccepted && !config_.relay) remove_unreachable_neighbours(peer.group, id, out);
+  if (peer.phase == Phase::kAccepted && !relay_) {
+    remove_unreachable_neighbours(peer.group, "since peer " + id.to_string() + " left", out);
+  }
+}
+
+void Coordinator::on_relay_change(bool available, TimeMs now_ms, Outbox& out) {
+  if (relay_ && available) {
+    // Another relay took over: an establishment whose relayed edges were being made
+    // through the old one fails without blaming anyone (the next vote retries it).
+    if (topology_phase_ != TopologyPhase::kEstablishing) return;
+    const auto relayed = [this](const std::vector<PeerId>& ring) {
+      const auto refuses = [this](PeerId id) {
+        const Peer* p = find_peer(id);
+        return p != nullptr && !proto::accepts_inbound(p->info);
+      };
+      for (std::size_t k = 0; k < ring.size() && ring.size() >= 2; ++k) {
+        if (refuses(ring[k]) && refuses(ring[(k + 1) % ring.size()])) return true;
+      }
+      return false;
+    };
+    for (const auto& [group, ids] : proposed_rings_) {
+      if (relayed(ids)) {
+        fail_establish("the relay in use changed while the ring of group " + std::to_string(group) +
+                           " was being connected through it",
+                       out);
+        break;
+      }
+    }
+    advance(now_ms, out);
+    return;
+  }
+  if (relay_ == available) return;
+  relay_ = available;
+  out.push_back(Event{.text = available ? "the run has a relay: peers that accept no inbound connection may be "
+                                          "ring neighbours"
+                                        : "the run lost its last relay: no two ring neighbours may both accept no "
+                                          "inbound connection any more"});
+  if (available) return;
+  if (topology_phase_ == TopologyPhase::kEstablishing) {
+    for (const auto& [group, ids] : proposed_rings_) {
+      if (const auto edge = unreachable_neighbours(ids)) {
+        fail_establish("the run lost its relay, and in the proposed ring of group " + std::to_string(group) + " " +
+                           *edge,
+                       out);
+        break;
+      }
+    }
+  }
+  std::vector<std::uint32_t> groups;
+  for (const auto& [group, ids] : rings_) groups.push_back(group);
+  for (const std::uint32_t group : groups) remove_unreachable_neighbours(group, "since the run lost its relay", out);
+  advance(now_ms, out);
 }
 
 // After a removal two peers that both accept no inbound connection may be ring
@@ -661,7 +716,7 @@ void Coordinator::remove_peer(PeerId id, StatusCode status, const std::string& r
 // on it until an update topology re-formed the ring. The one that joined later leaves
 // (KICKED); it may join again, and is then placed where its edges can be made
 // (docs/deployment.md, "NAT"). Each removal checks again, so no such pair is left.
-void Coordinator::remove_unreachable_neighbours(std::uint32_t group, PeerId lost, Outbox& out) {
+void Coordinator::remove_unreachable_neighbours(std::uint32_t group, const std::string& why, Outbox& out) {
   const auto it = rings_.find(group);
   if (it == rings_.end()) return;
   const std::vector<PeerId>& ring = it->second;
@@ -673,7 +728,7 @@ void Coordinator::remove_unreachable_neighbours(std::uint32_t group, PeerId lost
     const PeerId later = std::max(a, b);  // PeerIds grow in join order
     const PeerId other = later == a ? b : a;
     return remove_peer(later, LOCKSTEP_STATUS_KICKED,
-                       "since peer " + lost.to_string() + " left, this peer's ring neighbour " + other.to_string() +
+                       why + ", this peer's ring neighbour " + other.to_string() +
                            " is one that accepts no inbound connection, as this peer is, so their ring edge cannot "
                            "be made (docs/deployment.md, \"NAT\"); join again to be placed where it can",
                        /*connection_open=*/true, /*straggler=*/false, out);
@@ -751,7 +806,7 @@ void Coordinator::start_establish(TimeMs now_ms, Outbox& out,
   newcomers_.clear();
   proposed_rings_ = optimized ? *optimized : rings_;
   const std::map<PeerId, std::string> no_room =
-      optimizing_ || config_.relay ? std::map<PeerId, std::string>{} : without_room();
+      optimizing_ || relay_ ? std::map<PeerId, std::string>{} : without_room();
   for (auto& [id, peer] : peers_) {
     if (peer.phase == Phase::kRegistered) {
       if (optimizing_) continue;  // an optimization admits nobody: they wait for the next update

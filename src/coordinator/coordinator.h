@@ -78,9 +78,10 @@ struct Config {
   std::uint64_t instance_nonce = 0;
   // The key-value store's bounds (lockstep-master --kv-*).
   KvConfig kv{};
-  // The master runs a relay (lockstep-master --relay-port): two peers that both accept no
-  // inbound connection may be ring neighbours, their edge relayed, so neither the room
+  // The run starts with a relay (lockstep-master --relay-port): two peers that both accept
+  // no inbound connection may be ring neighbours, their edge relayed, so neither the room
   // rule for such peers nor the removal of such neighbours applies (docs/deployment.md).
+  // on_relay_change() says when that changes (lockstep-relay processes come and go).
   bool relay = false;
 };
 
@@ -265,6 +266,15 @@ class Coordinator {
   // operation it took part in unwinds for the others). False, and nothing changes, if
   // no such peer is registered or accepted.
   bool on_evict(PeerId id, const std::string& reason, TimeMs now_ms, Outbox& out);
+  // The run gained its first relay or lost its last one (a lockstep-relay process
+  // registered or was lost, and the master runs none), or (`available` while it has one)
+  // another relay took over from the one in use. Losing it: every two ring neighbours
+  // that both accept no inbound connection are parted as after a removal (the later one
+  // is KICKED), and an establishment that proposed such neighbours fails. A takeover
+  // fails such an establishment without blaming anyone: its relayed edges were being
+  // made through the relay that is gone.
+  void on_relay_change(bool available, TimeMs now_ms, Outbox& out);
+  bool relay() const { return relay_; }
 
   // ---- read-only views for the shell, tests and invariant checks
   const Config& config() const { return config_; }
@@ -300,7 +310,7 @@ class Coordinator {
   std::vector<OpenRound> open_rounds() const;
   // Checks the structural invariants; returns a description of the first violation.
   std::optional<std::string> check_invariants() const;
-  // With a relay (Config::relay): the peers of every ring, accepted or proposed, that
+  // With a relay (relay()): the peers of every ring, accepted or proposed, that
   // accept no inbound connection, with their group. Two of one group may be connected
   // through the relay (master::Relay); nobody else. Empty without a relay.
   std::map<PeerId, std::uint32_t> relay_members() const;
@@ -375,7 +385,7 @@ class Coordinator {
                        const std::optional<std::map<std::uint32_t, std::vector<PeerId>>>& optimized = std::nullopt);
   std::map<PeerId, std::string> without_room() const;
   std::optional<std::string> unreachable_neighbours(const std::vector<PeerId>& ring) const;
-  void remove_unreachable_neighbours(std::uint32_t group, PeerId lost, Outbox& out);
+  void remove_unreachable_neighbours(std::uint32_t group, const std::string& why, Outbox& out);
   void place_newcomer(std::vector<PeerId>& ring, PeerId id) const;
   void fail_establish(const std::string& reason, Outbox& out);
   std::vector<proto::MemberInfo> members(const std::vector<PeerId>& ids) const;
@@ -417,6 +427,7 @@ class Coordinator {
   std::size_t contribution_bytes_held(const Peer& peer) const;
 
   Config config_;
+  bool relay_ = false;  // Config::relay, then on_relay_change
   Tally tally_;
   std::uint64_t next_peer_counter_ = 1;
   std::map<ConnId, Handshake> handshaking_;

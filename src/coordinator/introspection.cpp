@@ -143,7 +143,7 @@ std::string Coordinator::digest() const {
 // Two neighbours of `ring` that both accept no inbound connection (without a relay their
 // edge cannot be made), named; nothing if there are none, or if the master has a relay.
 std::optional<std::string> Coordinator::unreachable_neighbours(const std::vector<PeerId>& ring) const {
-  if (config_.relay) return std::nullopt;
+  if (relay_) return std::nullopt;
   const auto refuses = [this](PeerId id) {
     const Peer* p = find_peer(id);
     return p != nullptr && !proto::accepts_inbound(p->info);
@@ -159,7 +159,7 @@ std::optional<std::string> Coordinator::unreachable_neighbours(const std::vector
 
 std::map<PeerId, std::uint32_t> Coordinator::relay_members() const {
   std::map<PeerId, std::uint32_t> out;
-  if (!config_.relay) return out;
+  if (!relay_) return out;
   for (const auto* rings : {&rings_, &proposed_rings_}) {
     for (const auto& [group, ids] : *rings) {
       for (const PeerId& id : ids) {

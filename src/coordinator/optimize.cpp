@@ -66,9 +66,10 @@ void Coordinator::start_measurement(TimeMs now_ms, Outbox& out) {
         const PeerId a = sorted[i];
         const PeerId b = sorted[j];
         if (bandwidth_.count({a, b}) != 0 && bandwidth_.count({b, a}) != 0) continue;
-        // Neither accepts inbound connections: no test can connect them, and no ring
-        // edge either (the solver sees a bandwidth of 0 and keeps them apart if it can).
-        if (!proto::accepts_inbound(peers_.at(a).info) && !proto::accepts_inbound(peers_.at(b).info)) {
+        // Neither accepts inbound connections: without a relay no test can connect them,
+        // and no ring edge either (the solver sees a bandwidth of 0 and keeps them apart
+        // if it can); with one, the test runs through it as their edge would.
+        if (!relay_ && !proto::accepts_inbound(peers_.at(a).info) && !proto::accepts_inbound(peers_.at(b).info)) {
           bandwidth_[{a, b}] = 0;
           bandwidth_[{b, a}] = 0;
           continue;
@@ -122,8 +123,9 @@ void Coordinator::start_round(TimeMs now_ms, Outbox& out) {
     const std::uint32_t streams =
         std::min<std::uint32_t>({pa.pool_size, pb.pool_size, std::max<std::uint32_t>(1, config_.bandwidth_streams_max)});
     // The initiator connects to its partner: the one that accepts inbound connections
-    // is the partner (both directions are measured either way).
-    const bool a_dials = proto::accepts_inbound(pb.info);
+    // is the partner (both directions are measured either way); where neither does, a
+    // (the smaller id) initiates through the relay.
+    const bool a_dials = proto::accepts_inbound(pb.info) || !proto::accepts_inbound(pa.info);
     send(pa, proto::BandwidthTest{m.test, pb.info, a_dials, config_.bandwidth_test_ms, streams}, out);
     send(pb, proto::BandwidthTest{m.test, pa.info, !a_dials, config_.bandwidth_test_ms, streams}, out);
   }

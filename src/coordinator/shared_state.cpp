@@ -217,7 +217,7 @@ void Coordinator::start_transfers(std::uint32_t group, std::uint64_t elected_rev
       std::vector<PeerId> direct = from;
       direct.erase(std::remove_if(direct.begin(), direct.end(), [&](PeerId id) { return !reachable(id); }),
                    direct.end());
-      if (!direct.empty() || !config_.relay) return direct;
+      if (!direct.empty() || !relay_) return direct;
     }
     return from;
   };

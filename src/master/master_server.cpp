@@ -88,7 +88,6 @@ class MasterServer::Impl {
     RelayOptions relay;
     relay.listen_host = options_.listen_host;
     relay.port = *options_.relay_port;
-    relay.run_key = run_key_;
     relay.match_timeout_ms = options_.relay_match_timeout_ms;
     relay_ = std::make_unique<Relay>(relay);
     return relay_->start();
@@ -114,6 +113,11 @@ class MasterServer::Impl {
       if (view == View::kStateJson) return observer_.state_json(coordinator_, now_ms());
       std::string text = observer_.metrics_text(coordinator_, now_ms());
       if (relay_) text += relay_metrics(relay_->stats());
+      if (options_.secret) {
+        text += "# HELP lockstep_relay_processes lockstep-relay processes registered now (the first carries the relayed "
+                "edges).\n# TYPE lockstep_relay_processes gauge\nlockstep_relay_processes " +
+                std::to_string(relay_processes_.size()) + "\n";
+      }
       return text;
     });
   }
@@ -166,6 +170,7 @@ class MasterServer::Impl {
     security::Nonce server_nonce{};
     std::vector<std::uint8_t> transcript;  // the Hello's payload
     proto::Hello hello;
+    std::optional<proto::RelayHello> relay_hello;  // a lockstep-relay process, not a peer
     std::unique_ptr<security::FrameCrypto> crypto;  // set once the secret is proven
     std::array<std::uint8_t, proto::kFrameHeaderBytes> header{};
     std::vector<std::uint8_t> payload;
@@ -255,10 +260,12 @@ class MasterServer::Impl {
         const proto::MsgType expected = s->crypto                         ? proto::MsgType::kSealed
                                         : s->auth == Auth::kAwaitProof ? proto::MsgType::kAuthProof
                                                                        : proto::MsgType::kHello;
-        if (type != expected) {
+        const bool relay_hello = expected == proto::MsgType::kHello && type == proto::MsgType::kRelayHello;
+        if (type != expected && !relay_hello) {
           return violation(s, std::string("expected ") + proto::msg_type_name(expected) + ", got " + proto::msg_type_name(type));
         }
-      } else if (type != proto::MsgType::kHello && !coordinator_.peer_of(s->conn)) {
+      } else if (type != proto::MsgType::kHello && type != proto::MsgType::kRelayHello &&
+                 !coordinator_.peer_of(s->conn)) {
         return violation(s, std::string("expected Hello, got ") + proto::msg_type_name(type));
       }
       if (s->payload.capacity() > limits::kKeptPayloadBytesMax) std::vector<std::uint8_t>().swap(s->payload);
@@ -275,7 +282,13 @@ class MasterServer::Impl {
   void on_frame(const SessionPtr& s, proto::MsgType type) {
     auto message = s->crypto ? s->crypto->open(s->header, s->payload) : proto::decode_payload(type, s->payload);
     if (!message.is_ok()) return violation(s, message.status().message());
+    if (s->relay_hello && s->crypto) return on_relay_frame(s, message.value());
     if (options_.secret && !s->crypto) return on_auth_frame(s, message.value());
+    if (std::holds_alternative<proto::RelayHello>(message.value())) {
+      return refuse_relay(s, LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                          "this master runs without a run secret, and a relay needs one (--secret-file on both): the "
+                          "frames of a relayed edge are sealed with keys derived from it");
+    }
     if (const auto* hello = std::get_if<proto::Hello>(&message.value())) return probe_then_register(s, *hello);
     observe_report(s->conn, message.value());
     deliver(s, message.value());
@@ -340,11 +353,14 @@ class MasterServer::Impl {
   // first; the peer checks each 32-byte proof) and accepts a peer's proof of either.
   void on_auth_frame(const SessionPtr& s, const proto::Message& message) {
     const std::vector<security::Key> secrets = accepted_secrets();
-    if (const auto* hello = std::get_if<proto::Hello>(&message)) {
-      if (!security::to_nonce(hello->auth, &s->client_nonce)) {
+    const auto* hello = std::get_if<proto::Hello>(&message);
+    const auto* relay_hello = std::get_if<proto::RelayHello>(&message);
+    if (hello != nullptr || relay_hello != nullptr) {
+      if (!security::to_nonce(hello != nullptr ? hello->auth : relay_hello->auth, &s->client_nonce)) {
         return auth_failed(s, "its Hello carries no proof of the run secret (a peer started without the secret)");
       }
-      s->hello = *hello;
+      if (hello != nullptr) s->hello = *hello;
+      if (relay_hello != nullptr) s->relay_hello = *relay_hello;
       s->transcript = s->payload;
       s->server_nonce = security::random_nonce();
       std::vector<std::uint8_t> proofs;
@@ -371,7 +387,104 @@ class MasterServer::Impl {
         security::session_keys(*proven, s->client_nonce, s->server_nonce, s->transcript), /*client=*/false);
     s->auth = Auth::kDone;
     LOG_DEBUG(kLog, "connection " << s->conn << " from " << s->host << " proved the run secret");
+    if (s->relay_hello) return register_relay(s);
     probe_then_register(s, s->hello);
+  }
+
+  // ---- lockstep-relay processes (docs/deployment.md, "Relays")
+
+  // A relay process proved the secret: it is no peer (the coordinator forgets its
+  // handshake); it gets a Welcome with no id (its heartbeat timeout), then the pairs it
+  // may join while it is the relay in use (refresh_relays).
+  void register_relay(const SessionPtr& s) {
+    if (relay_processes_.size() >= limits::kRelayProcessesMax) {
+      return refuse_relay(s, LOCKSTEP_STATUS_REJECTED,
+                          std::to_string(limits::kRelayProcessesMax) + " relay processes are registered already");
+    }
+    coord::Outbox out;
+    coordinator_.on_disconnect(s->conn, "a relay process, not a peer", now_ms(), out);
+    const proto::RelayHello& hello = *s->relay_hello;
+    asio::error_code ec;
+    const auto observed = asio::ip::make_address(s->host, ec);
+    // A relay on the master's host that reaches it over loopback is announced as the
+    // master's own address, which every peer can reach.
+    const std::string host = !hello.advertised_host.empty() ? hello.advertised_host
+                             : !ec && observed.is_loopback() ? std::string()
+                                                             : s->host;
+    relay_processes_[s->conn] = RelayProcess{host, hello.port, now_ms()};
+    LOG_INFO(kLog, "relay process registered from " << s->host << ", relaying at "
+                                                     << transport::join_host_port(host.empty() ? "(the master's address)" : host, hello.port)
+                                                     << " (connection " << s->conn << ")");
+    proto::Welcome welcome;
+    welcome.observed_host = s->host;
+    welcome.heartbeat_timeout_ms = options_.coordinator.heartbeat_timeout_ms;
+    enqueue(s->conn, welcome);
+    apply(out);
+    if (!s->closing && !s->closed) read_header(s);
+  }
+
+  void on_relay_frame(const SessionPtr& s, const proto::Message& message) {
+    if (!std::holds_alternative<proto::Heartbeat>(message)) {
+      return violation(s, std::string("a relay process sent ") + proto::msg_type_name(proto::type_of(message)));
+    }
+    if (auto r = relay_processes_.find(s->conn); r != relay_processes_.end()) r->second.last_rx_ms = now_ms();
+    enqueue(s->conn, proto::HeartbeatAck{});
+    read_header(s);
+  }
+
+  void refuse_relay(const SessionPtr& s, StatusCode status, const std::string& reason) {
+    LOG_WARN(kLog, "connection " << s->conn << " from " << s->host << " refused as a relay: " << reason);
+    enqueue(s->conn, proto::Goodbye{status, reason});
+    begin_close(s);
+    coord::Outbox out;
+    coordinator_.on_disconnect(s->conn, "refused as a relay", now_ms(), out);
+    apply(out);
+  }
+
+  // The relay in use: the first relay process still registered, else the master's own
+  // (none without either). When it changes, the coordinator and every peer are told
+  // (RelayAddress), and the pairs go to the new one; they follow the coordinator's
+  // relay members after every event.
+  void refresh_relays(coord::Outbox& out) {
+    std::optional<proto::RelayAddress> current;
+    coord::ConnId holder = 0;  // 0: the master's own relay
+    if (!relay_processes_.empty()) {
+      const auto& [conn, relay] = *relay_processes_.begin();
+      current = proto::RelayAddress{relay.host, relay.port};
+      holder = conn;
+    } else if (relay_) {
+      current = proto::RelayAddress{"", relay_->port()};
+    }
+    if (current != announced_relay_) {
+      LOG_INFO(kLog, (current ? "relayed edges run through " +
+                                    transport::join_host_port(current->host.empty() ? "the master's address" : current->host,
+                                                              current->port)
+                              : std::string("the run has no relay any more")));
+      announced_relay_ = current;
+      coordinator_.on_relay_change(current.has_value(), now_ms(), out);  // a takeover, too
+      const proto::Message announce = current.value_or(proto::RelayAddress{});
+      for (const auto& [conn, session] : sessions_) {
+        if (coordinator_.peer_of(conn)) enqueue(conn, announce);
+      }
+      assign_pairs(relay_holder_, {});
+      relay_holder_ = holder;
+      relay_members_.reset();
+    }
+    if (!current) return;
+    auto members = coordinator_.relay_members();
+    if (relay_members_ && members == *relay_members_) return;
+    assign_pairs(holder, relay_pairs(members, run_key_));
+    relay_members_ = std::move(members);
+  }
+
+  void assign_pairs(coord::ConnId holder, RelayPairs pairs) {
+    if (holder == 0) {
+      if (relay_) relay_->assign(std::move(pairs));
+      return;
+    }
+    proto::RelayAssign assign;
+    for (const auto& [pair, key] : pairs) assign.pairs.push_back({pair.first, pair.second, security::to_bytes(key)});
+    enqueue(holder, assign);
   }
 
   void auth_failed(const SessionPtr& s, const std::string& reason) {
@@ -388,9 +501,10 @@ class MasterServer::Impl {
   // member it names filled in, and a Welcome with the relay's port; nothing when the
   // message needs neither.
   std::optional<proto::Message> with_pair_keys(coord::ConnId conn, const proto::Message& message) const {
-    if (const auto* m = std::get_if<proto::Welcome>(&message); m != nullptr && relay_) {
+    if (const auto* m = std::get_if<proto::Welcome>(&message); m != nullptr && announced_relay_) {
       auto copy = *m;
-      copy.relay_port = relay_->port();
+      copy.relay_host = announced_relay_->host;
+      copy.relay_port = announced_relay_->port;
       return copy;
     }
     const auto self = coordinator_.peer_of(conn);
@@ -471,13 +585,7 @@ class MasterServer::Impl {
       std::abort();
     }
 #endif
-    if (relay_) {
-      auto members = coordinator_.relay_members();
-      if (members != relay_members_) {
-        relay_members_ = members;
-        relay_->assign(std::move(members));
-      }
-    }
+    refresh_relays(out);
     for (auto& command : out) {
       if (auto* send = std::get_if<coord::Send>(&command)) {
         enqueue(send->conn, send->message);
@@ -587,6 +695,15 @@ class MasterServer::Impl {
     s->close_timer.cancel();
     s->socket.close(ec);
     sessions_.erase(s->conn);
+    if (relay_processes_.erase(s->conn) != 0) {
+      LOG_WARN(kLog, "relay process of connection " << s->conn << " from " << s->host << " lost");
+      // The relay in use may change: after the current batch of commands.
+      asio::post(io_, [this] {
+        if (stopping_) return;
+        coord::Outbox out;
+        apply(out);
+      });
+    }
   }
 
   void schedule_tick() {
@@ -596,6 +713,10 @@ class MasterServer::Impl {
       coord::Outbox out;
       coordinator_.on_tick(now_ms(), out);
       apply(out);
+      for (const auto& [conn, relay] : std::map<coord::ConnId, RelayProcess>(relay_processes_)) {
+        if (now_ms() - relay.last_rx_ms <= static_cast<TimeMs>(options_.coordinator.heartbeat_timeout_ms)) continue;
+        if (auto it = sessions_.find(conn); it != sessions_.end()) lost(it->second, "a relay process sent no heartbeat in time");
+      }
       if (previous_secret_ && now_ms() >= previous_secret_until_ms_) {
         previous_secret_.reset();
         LOG_WARN(kLog, "the rotation window has passed: the previous run secret is no longer accepted");
@@ -638,7 +759,17 @@ class MasterServer::Impl {
   coord::ConnId next_conn_ = 1;
   security::Key run_key_{};  // with a secret: the root of every pair key
   std::unique_ptr<Relay> relay_;  // with --relay-port
-  std::map<PeerId, std::uint32_t> relay_members_;  // what relay_ was last assigned
+  struct RelayProcess {
+    std::string host;  // empty: the master's own address
+    std::uint16_t port = 0;
+    TimeMs last_rx_ms = 0;
+  };
+  // Registered lockstep-relay processes, by connection: in registration order.
+  std::map<coord::ConnId, RelayProcess> relay_processes_;
+  std::optional<proto::RelayAddress> announced_relay_;  // the relay in use, as peers were told
+  coord::ConnId relay_holder_ = 0;  // its connection (0: the master's own relay)
+  // The members whose pairs the relay in use was last given (none: give them again).
+  std::optional<std::map<PeerId, std::uint32_t>> relay_members_;
   // After a rotation: the secret new handshakes may still prove until the window ends.
   std::optional<security::Key> previous_secret_;
   TimeMs previous_secret_until_ms_ = 0;

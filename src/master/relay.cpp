@@ -1,6 +1,7 @@
-// The master's relay (relay.h): one Asio loop on its own thread.
+// A relay (relay.h): one Asio loop on its own thread.
 #include "master/relay.h"
 
+#include "common/limits.h"
 #include "common/log.h"
 #include "master/listen.h"
 #include "protocol/codec.h"
@@ -56,9 +57,9 @@ class Relay::Impl {
     });
   }
 
-  void assign(std::map<PeerId, std::uint32_t> members) {
-    asio::post(io_, [self = this, members = std::move(members)]() mutable {
-      self->members_ = std::move(members);
+  void assign(RelayPairs pairs) {
+    asio::post(io_, [self = this, pairs = std::move(pairs)]() mutable {
+      self->assigned_ = std::move(pairs);
       for (const auto& c : std::set<std::shared_ptr<Conn>>(self->conns_)) {
         if (c->edge && !self->allowed(c->edge->sender, c->edge->receiver)) {
           LOG_INFO(kLog, "closing the relayed edge " << c->edge->sender.to_string() << " -> "
@@ -102,11 +103,7 @@ class Relay::Impl {
   };
   using ConnPtr = std::shared_ptr<Conn>;
 
-  bool allowed(PeerId a, PeerId b) const {
-    const auto x = members_.find(a);
-    const auto y = members_.find(b);
-    return a != b && x != members_.end() && y != members_.end() && x->second == y->second;
-  }
+  bool allowed(PeerId a, PeerId b) const { return assigned_.count(relay_pair(a, b)) != 0; }
 
   void accept() {
     acceptor_.async_accept([self = this](const asio::error_code& ec, asio::ip::tcp::socket socket) {
@@ -194,7 +191,8 @@ class Relay::Impl {
     c->hello = std::get<proto::P2PHello>(message.value());
     const proto::P2PHello& h = c->hello;
     const bool relayable = h.epoch == static_cast<std::uint64_t>(proto::Channel::kRing) ||
-                           h.epoch == static_cast<std::uint64_t>(proto::Channel::kSharedState);
+                           h.epoch == static_cast<std::uint64_t>(proto::Channel::kSharedState) ||
+                           h.epoch == static_cast<std::uint64_t>(proto::Channel::kBenchmark);
     if (h.channel != proto::Channel::kRelay || !relayable || !security::to_nonce(h.auth, &c->client)) return refuse(c);
     if (!allowed(h.from, h.to)) {
       LOG_INFO(kLog, "refusing " << c->remote << ": the master assigns no relayed edge between "
@@ -202,7 +200,7 @@ class Relay::Impl {
       return answer_and_drop(c, LOCKSTEP_STATUS_REJECTED);
     }
     c->transcript = c->payload;
-    c->key = security::pair_key(options_.run_key, h.from, h.to);
+    c->key = assigned_.at(relay_pair(h.from, h.to));
     c->server = security::random_nonce();
     const auto proof = security::proof(c->key, security::kAcceptorRole, c->client, c->server, c->transcript);
     c->reply = proto::encode_frame(proto::AuthChallenge{security::to_bytes(c->server), security::to_bytes(proof)});
@@ -321,13 +319,30 @@ class Relay::Impl {
   std::deque<std::weak_ptr<Conn>> unproven_;  // in accept order; entries of proven or closed ones are skipped
   std::uint64_t displaced_ = 0;
   std::map<Edge, std::pair<std::weak_ptr<Conn>, std::weak_ptr<Conn>>> waiting_;  // (sender, receiver)
-  std::map<PeerId, std::uint32_t> members_;
+  RelayPairs assigned_;
   std::atomic<std::uint64_t> bytes_{0};
   std::atomic<std::uint64_t> pairs_{0};
   std::atomic<std::uint64_t> refused_{0};
   std::atomic<std::uint32_t> active_{0};
   std::atomic<std::uint32_t> waiting_count_{0};
 };
+
+RelayPairs relay_pairs(const std::map<PeerId, std::uint32_t>& members, const security::Key& run_key) {
+  RelayPairs out;
+  for (auto a = members.begin(); a != members.end(); ++a) {
+    for (auto b = std::next(a); b != members.end(); ++b) {
+      if (a->second != b->second) continue;
+      if (out.size() == limits::kRelayPairsMax) {
+        LOG_WARN(kLog, "more than " << limits::kRelayPairsMax << " pairs of peers that accept no inbound connection: "
+                                    "the relay forwards for the first " << limits::kRelayPairsMax << " only");
+        return out;
+      }
+      out.emplace(relay_pair(a->first, b->first),
+                  security::relay_key(security::pair_key(run_key, a->first, b->first)));
+    }
+  }
+  return out;
+}
 
 std::string relay_metrics(const RelayStats& stats) {
   std::string out;
@@ -363,7 +378,7 @@ void Relay::stop() {
   thread_.join();
 }
 
-void Relay::assign(std::map<PeerId, std::uint32_t> members) { impl_->assign(std::move(members)); }
+void Relay::assign(RelayPairs pairs) { impl_->assign(std::move(pairs)); }
 
 RelayStats Relay::stats() const { return impl_->stats(); }
 

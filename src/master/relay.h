@@ -1,12 +1,14 @@
-// The master's relay (lockstep-master --relay-port): a ring edge between two peers that
-// both accept no inbound connection runs through it (docs/deployment.md, "Relays").
-// Each end connects and sends a P2PHello on channel kRelay naming the other end and the
-// pool slot (flag reversed: the receiving end); the relay proves and checks the pair
-// key of the two as an acceptor does (a relay needs the run secret), holds the
-// connection until the other end arrives, answers both with P2PHelloAck, and from then
-// on only copies bytes both ways. The two ends then run their own p2p handshake through
-// it and seal every frame with their session keys, so the relay forwards what it can
-// neither read after the fact nor alter unnoticed.
+// A relay: a ring edge (or a shared-state connection) between two peers that both accept
+// no inbound connection runs through it (docs/deployment.md, "Relays"). The master runs
+// one with --relay-port; lockstep-relay runs one as a process of its own, on any host both
+// ends can reach. Each end connects and sends a P2PHello on channel kRelay naming the
+// other end and the pool slot (flag reversed: the receiving end); the relay proves and
+// checks the key of the pair that the master assigned (security::relay_key of their pair
+// key, which the relay cannot turn back into the pair key), holds the connection until
+// the other end arrives, answers both with P2PHelloAck, and from then on only copies
+// bytes both ways. The two ends then run their own p2p handshake through it and seal
+// every frame with their session keys, so the relay forwards what it can neither read
+// nor alter unnoticed.
 //
 // Bounds: the relay forwards only for the pairs the master assigns (two peers of one
 // group's ring that both accept no inbound connection; assign()), drops a connection
@@ -28,13 +30,13 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 
 namespace lockstep::master {
 
 struct RelayOptions {
   std::string listen_host = "0.0.0.0";
   std::uint16_t port = 0;  // 0: an ephemeral port
-  security::Key run_key{};  // the root of the pair keys (the master's)
   std::uint32_t handshake_timeout_ms = 5'000;
   std::uint32_t match_timeout_ms = 30'000;
   std::uint32_t stall_timeout_ms = 30'000;
@@ -50,6 +52,14 @@ struct RelayStats {
   std::uint32_t waiting = 0;    // connections waiting for their other end now
 };
 
+// The pairs a relay may join, by (smaller id, larger id), each with the key both ends
+// prove to it (security::relay_key of their pair key).
+using RelayPairs = std::map<std::pair<PeerId, PeerId>, security::Key>;
+inline std::pair<PeerId, PeerId> relay_pair(PeerId a, PeerId b) { return a < b ? std::pair{a, b} : std::pair{b, a}; }
+// Every pair of `members` (peer -> group) in one group, keyed from `run_key`: what the
+// master assigns (Coordinator::relay_members), at most limits::kRelayPairsMax.
+RelayPairs relay_pairs(const std::map<PeerId, std::uint32_t>& members, const security::Key& run_key);
+
 // The stats as Prometheus text (lockstep_relay_*), for the master's /metrics.
 std::string relay_metrics(const RelayStats& stats);
 
@@ -64,9 +74,9 @@ class Relay {
   Status start();
   std::uint16_t port() const { return port_; }
   void stop();
-  // Thread-safe: the peers it may connect now (Coordinator::relay_members: two of the
-  // same group). Waiting and joined connections of others are closed.
-  void assign(std::map<PeerId, std::uint32_t> members);
+  // Thread-safe: the pairs it may join now. Waiting and joined connections of others
+  // are closed.
+  void assign(RelayPairs pairs);
   RelayStats stats() const;
 
  private:

@@ -54,9 +54,24 @@ std::uint64_t Communicator::measure_bandwidth(const proto::BandwidthTest& test) 
   const auto& partner = test.partner;
   const auto connect_deadline = Clock::now() + std::chrono::milliseconds(options_.p2p_connect_timeout_ms);
   std::vector<transport::Fd> connections;
+  // Between two peers that both accept no inbound connection the test runs through the
+  // relay, as their ring edge would: each connection is joined there first, then the
+  // initiator handshakes through it and the partner's listener takes it as accepted.
+  const bool relayed = relayed_edge(self_info(), partner) && options_.secret.has_value();
   for (std::uint32_t k = 0; k < test.streams; ++k) {
+    Result<transport::Fd> joined = Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "not relayed");
+    if (relayed) {
+      joined = peer::dial_relay(link_->relay(), id_, partner, proto::Channel::kBenchmark, k, !test.initiator,
+                                options_.p2p_connect_timeout_ms);
+      if (!joined.is_ok()) {
+        LOG_WARN(kLog, "bandwidth test " << test.test << ": " << joined.status().to_string());
+        break;
+      }
+      if (!test.initiator) link_->adopt_relayed(std::move(joined.value()), proto::Channel::kBenchmark);
+    }
     if (test.initiator) {
-      auto fd = transport::connect_tcp(partner.host, partner.benchmark_port, options_.p2p_connect_timeout_ms);
+      auto fd = relayed ? std::move(joined)
+                        : transport::connect_tcp(partner.host, partner.benchmark_port, options_.p2p_connect_timeout_ms);
       if (!fd.is_ok()) break;
       proto::P2PHello hello;
       hello.channel = proto::Channel::kBenchmark;
@@ -64,8 +79,9 @@ std::uint64_t Communicator::measure_bandwidth(const proto::BandwidthTest& test) 
       hello.to = partner.id;
       hello.epoch = test.test;
       hello.pool_index = k;
-      // The filler stays in clear (no user data), but the setting must still agree.
-      if (options_.encrypt_data) hello.flags = proto::kP2PFlagEncryptData;
+      // The filler stays in clear (no user data), but the setting must still agree (a
+      // relayed connection says it seals, as every relayed one does).
+      if (options_.encrypt_data || relayed) hello.flags = proto::kP2PFlagEncryptData;
       Status s = p2p_handshake(fd.value().get(), hello, options_.secret.has_value(), partner.key,
                                options_.p2p_connect_timeout_ms);
       if (!s.is_ok()) {

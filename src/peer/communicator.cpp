@@ -181,68 +181,20 @@ Status Communicator::connect() {
   hello.shared_state_port = link_->port(proto::Channel::kSharedState);
   hello.benchmark_port = link_->port(proto::Channel::kBenchmark);
   hello.advertised_host = options_.advertised_host;
-  const security::Nonce client_nonce = options_.secret ? security::random_nonce() : security::Nonce{};
-  if (options_.secret) hello.auth = security::to_bytes(client_nonce);
-  const auto hello_frame = proto::encode_frame(hello);
-  Status sent = transport::send_all(fd.value().get(), hello_frame, options_.connect_timeout_ms);
-  if (!sent.is_ok()) return remember(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED, "sending Hello: " + sent.message()));
-  auto reply = transport::recv_message(fd.value().get(), options_.connect_timeout_ms);
-  if (!reply.is_ok()) {
-    return remember(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED, "no Welcome from the master: " + reply.status().message()));
-  }
-  // With a secret the master proves it first (a master without the secret, or an
-  // impostor, gets nothing from us), then we prove it and everything after is sealed.
-  std::shared_ptr<security::FrameCrypto> crypto;
-  if (const auto* challenge = std::get_if<proto::AuthChallenge>(&reply.value())) {
-    if (!options_.secret) {
-      return remember(Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED,
-                             "the master requires the run secret; this communicator has none"));
-    }
-    const std::span<const std::uint8_t> transcript(hello_frame.data() + proto::kFrameHeaderBytes,
-                                                   hello_frame.size() - proto::kFrameHeaderBytes);
-    security::Nonce server_nonce{};
-    // During a rotation of the run secret the master proves the new and the previous
-    // secret: one 32-byte proof each (docs/operations.md). One of them must be ours.
-    bool proven = false;
-    const std::span<const std::uint8_t> proofs(challenge->proof);
-    if (security::to_nonce(challenge->nonce, &server_nonce) && !proofs.empty() &&
-        proofs.size() % security::kProofBytes == 0) {
-      for (std::size_t at = 0; at < proofs.size() && !proven; at += security::kProofBytes) {
-        proven = security::verify(*options_.secret, security::kMasterRole, client_nonce, server_nonce, transcript,
-                                  proofs.subspan(at, security::kProofBytes));
-      }
-    }
-    if (!proven) {
-      LOG_WARN(kLog, "the master at " << options_.master_host << ":" << options_.master_port
-                                      << " could not prove the run secret; not joining");
-      return remember(Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED,
-                             "the master could not prove the run secret (a different secret, or not this run's master)"));
-    }
-    const auto proof = security::proof(*options_.secret, security::kPeerRole, client_nonce, server_nonce, transcript);
-    sent = transport::send_message(fd.value().get(), proto::AuthProof{security::to_bytes(proof)}, options_.connect_timeout_ms);
-    if (!sent.is_ok()) return remember(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED, "sending AuthProof: " + sent.message()));
-    crypto = std::make_shared<security::FrameCrypto>(
-        security::session_keys(*options_.secret, client_nonce, server_nonce, transcript), /*client=*/true);
-    reply = transport::recv_message(fd.value().get(), options_.connect_timeout_ms, crypto.get());
-    if (!reply.is_ok()) {
-      // A frame that does not open: the stream was altered on the way.
-      const StatusCode code = reply.status().code() == LOCKSTEP_STATUS_PROTOCOL_ERROR ? LOCKSTEP_STATUS_PROTOCOL_ERROR
-                                                                                       : LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED;
-      return remember(Status(code, "no Welcome from the master: " + reply.status().message()));
-    }
-  } else if (options_.secret && std::holds_alternative<proto::Welcome>(reply.value())) {
-    LOG_WARN(kLog, "the master at " << options_.master_host << ":" << options_.master_port
-                                    << " did not ask for the run secret; not joining");
-    return remember(Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED,
-                           "the master did not prove the run secret (it runs without one, or it is not this run's master)"));
-  }
-  if (const auto* bye = std::get_if<proto::Goodbye>(&reply.value())) {
+  auto channel = master_handshake(fd.value().get(), hello, options_.secret,
+                                  options_.master_host + ":" + std::to_string(options_.master_port),
+                                  options_.connect_timeout_ms);
+  if (!channel.is_ok()) return remember(channel.status());
+  std::shared_ptr<security::FrameCrypto> crypto = std::move(channel.value().crypto);
+  const proto::Message& reply = channel.value().reply;
+  if (const auto* bye = std::get_if<proto::Goodbye>(&reply)) {
     return remember(Status(bye->status, "master: " + bye->reason));
   }
-  const auto* welcome = std::get_if<proto::Welcome>(&reply.value());
+  const auto* welcome = std::get_if<proto::Welcome>(&reply);
   if (welcome == nullptr) return remember(Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "master answered Hello with something else"));
   id_ = welcome->id;
-  relay_port_ = welcome->relay_port;
+  link_->set_relay(RelayAddress{welcome->relay_host.empty() ? options_.master_host : welcome->relay_host,
+                                welcome->relay_port});
   link_->set_identity(id_);
   link_->attach_master(std::move(fd.value()), welcome->heartbeat_timeout_ms, std::move(crypto));
   connected_ = true;
@@ -401,13 +353,13 @@ bool closed_by_other_end(int fd) {
 }
 
 // An edge between two peers that both accept no inbound connection cannot be made
-// without the master's relay: reported at once, not after the connect timeout
+// without a relay: reported at once, not after the connect timeout
 // (docs/deployment.md, "NAT").
 Status edge_possible(const proto::MemberInfo& from, const proto::MemberInfo& to, bool relay) {
   if (proto::accepts_inbound(from) || proto::accepts_inbound(to) || relay) return Status::ok();
   return Status(LOCKSTEP_STATUS_PEER_CONNECTION_FAILED,
                 "peers " + from.id.to_string() + " and " + to.id.to_string() +
-                    " both accept no inbound connection and the master runs no relay: their ring edge cannot be made");
+                    " both accept no inbound connection and the run has no relay: their ring edge cannot be made");
 }
 }  // namespace
 
@@ -418,12 +370,16 @@ proto::MemberInfo Communicator::self_info() const {
   return self;
 }
 
+bool Communicator::relayed_edge(const proto::MemberInfo& from, const proto::MemberInfo& to) const {
+  return !proto::accepts_inbound(from) && !proto::accepts_inbound(to) && link_->relay().port != 0;
+}
+
 Result<transport::Fd> Communicator::dial_relay(const proto::MemberInfo& other, std::uint32_t slot, bool receiver,
                                                const OpChannel& channel) {
   if (!options_.secret) {
     return Status(LOCKSTEP_STATUS_INVALID_USAGE, "a relayed ring edge needs the run secret, and this peer has none");
   }
-  return peer::dial_relay(RelayAddress{options_.master_host, relay_port_.load()}, id_, other, proto::Channel::kRing,
+  return peer::dial_relay(link_->relay(), id_, other, proto::Channel::kRing,
                           slot, receiver, options_.p2p_connect_timeout_ms, channel.event_fd());
 }
 
@@ -453,7 +409,7 @@ Result<std::pair<transport::Fd, security::SessionKeys>> Communicator::dial_ring(
 
 Result<int> Communicator::tx_connection(const proto::MemberInfo& to, std::uint32_t slot, const OpChannel& channel,
                                         security::Aead** seal) {
-  if (Status s = edge_possible(self_info(), to, relay_port_.load() != 0); !s.is_ok()) return s;
+  if (Status s = edge_possible(self_info(), to, link_->relay().port != 0); !s.is_ok()) return s;
   const bool relayed = relayed_edge(self_info(), to);
   const bool reversed = proto::reversed_edge(self_info(), to) || relayed;
   const bool sealed = sealed_edge(relayed);
@@ -527,7 +483,7 @@ Result<int> Communicator::rx_connection(const proto::MemberInfo& from_info, std:
                                         Clock::time_point deadline, const OpChannel& channel, security::Aead** open,
                                         bool give_up_cached) {
   const PeerId from = from_info.id;
-  if (Status s = edge_possible(from_info, self_info(), relay_port_.load() != 0); !s.is_ok()) return s;
+  if (Status s = edge_possible(from_info, self_info(), link_->relay().port != 0); !s.is_ok()) return s;
   const bool relayed = relayed_edge(from_info, self_info());
   const bool reversed = proto::reversed_edge(from_info, self_info()) || relayed;
   const bool sealed = sealed_edge(relayed);

@@ -308,12 +308,9 @@ class Communicator {
   Result<std::pair<transport::Fd, security::SessionKeys>> dial_ring(const proto::MemberInfo& to, std::uint32_t slot,
                                                                     bool reversed, bool relayed,
                                                                     const OpChannel& channel);
-  // The master's relay (Welcome.relay_port; 0: none). A ring edge between two peers that
-  // both accept no inbound connection runs through it (docs/deployment.md, "Relays").
-  std::atomic<std::uint16_t> relay_port_{0};
-  bool relayed_edge(const proto::MemberInfo& from, const proto::MemberInfo& to) const {
-    return !proto::accepts_inbound(from) && !proto::accepts_inbound(to) && relay_port_.load() != 0;
-  }
+  // Whether the edge runs through the relay in use (Link::relay): both ends accept no
+  // inbound connection and the run has a relay (docs/deployment.md, "Relays").
+  bool relayed_edge(const proto::MemberInfo& from, const proto::MemberInfo& to) const;
   // Whether a ring connection's frames are sealed: with encrypt_data, and on a relayed
   // edge always.
   bool sealed_edge(bool relayed) const { return options_.encrypt_data || relayed; }

@@ -2,10 +2,15 @@
 // InboundListener::handshake (inbound.cpp).
 #include "peer/handshake.h"
 
+#include "common/log.h"
 #include "transport/framed.h"
+
+#include <span>
 
 namespace lockstep::peer {
 namespace {
+
+constexpr const char* kLog = "peer";
 
 // The acceptor refused because its encrypt_data differs from ours (hello.flags).
 Status refused(const proto::P2PHello& hello, StatusCode status) {
@@ -89,11 +94,84 @@ Result<transport::Fd> dial_relay(const RelayAddress& relay, PeerId self, const p
   hello.epoch = static_cast<std::uint64_t>(channel);  // the relayed connection's own channel
   hello.pool_index = slot;
   if (receiver) hello.flags |= proto::kP2PFlagReversed;
-  Status s = p2p_handshake(fd.value().get(), hello, true, other.key, timeout_ms, nullptr, cancel_fd);
+  // The relay is given the relay key of the pair, never the pair key itself.
+  security::Key pair{};
+  if (!security::to_key(other.key, &pair)) {
+    return Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED, "the master gave no pair key for peer " + other.id.to_string());
+  }
+  Status s = p2p_handshake(fd.value().get(), hello, true, security::to_bytes(security::relay_key(pair)), timeout_ms,
+                           nullptr, cancel_fd);
   if (!s.is_ok()) {
-    return Status(s.code(), "the master's relay did not join this peer to " + other.id.to_string() + ": " + s.message());
+    return Status(s.code(), "the relay at " + transport::join_host_port(relay.host, relay.port) +
+                                " did not join this peer to " + other.id.to_string() + ": " + s.message());
   }
   return std::move(fd.value());
+}
+
+Result<MasterChannel> master_handshake(int fd, proto::Message hello, const std::optional<security::Key>& secret,
+                                       const std::string& master, std::uint32_t timeout_ms) {
+  const security::Nonce client_nonce = secret ? security::random_nonce() : security::Nonce{};
+  if (secret) {
+    std::visit(
+        [&](auto& m) {
+          if constexpr (requires { m.auth; }) m.auth = security::to_bytes(client_nonce);
+        },
+        hello);
+  }
+  const char* what = proto::msg_type_name(proto::type_of(hello));
+  const auto hello_frame = proto::encode_frame(hello);
+  Status sent = transport::send_all(fd, hello_frame, timeout_ms);
+  if (!sent.is_ok()) {
+    return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED, std::string("sending ") + what + ": " + sent.message());
+  }
+  auto reply = transport::recv_message(fd, timeout_ms);
+  if (!reply.is_ok()) {
+    return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED, "no Welcome from the master: " + reply.status().message());
+  }
+  // With a secret the master proves it first (a master without the secret, or an
+  // impostor, gets nothing from us), then we prove it and everything after is sealed.
+  std::shared_ptr<security::FrameCrypto> crypto;
+  if (const auto* challenge = std::get_if<proto::AuthChallenge>(&reply.value())) {
+    if (!secret) {
+      return Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED, "the master requires the run secret; this side has none");
+    }
+    const std::span<const std::uint8_t> transcript(hello_frame.data() + proto::kFrameHeaderBytes,
+                                                   hello_frame.size() - proto::kFrameHeaderBytes);
+    security::Nonce server_nonce{};
+    // During a rotation of the run secret the master proves the new and the previous
+    // secret: one 32-byte proof each (docs/operations.md). One of them must be ours.
+    bool proven = false;
+    const std::span<const std::uint8_t> proofs(challenge->proof);
+    if (security::to_nonce(challenge->nonce, &server_nonce) && !proofs.empty() &&
+        proofs.size() % security::kProofBytes == 0) {
+      for (std::size_t at = 0; at < proofs.size() && !proven; at += security::kProofBytes) {
+        proven = security::verify(*secret, security::kMasterRole, client_nonce, server_nonce, transcript,
+                                  proofs.subspan(at, security::kProofBytes));
+      }
+    }
+    if (!proven) {
+      LOG_WARN(kLog, "the master at " << master << " could not prove the run secret; not joining");
+      return Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED,
+                    "the master could not prove the run secret (a different secret, or not this run's master)");
+    }
+    const auto proof = security::proof(*secret, security::kPeerRole, client_nonce, server_nonce, transcript);
+    sent = transport::send_message(fd, proto::AuthProof{security::to_bytes(proof)}, timeout_ms);
+    if (!sent.is_ok()) return Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED, "sending AuthProof: " + sent.message());
+    crypto = std::make_shared<security::FrameCrypto>(
+        security::session_keys(*secret, client_nonce, server_nonce, transcript), /*client=*/true);
+    reply = transport::recv_message(fd, timeout_ms, crypto.get());
+    if (!reply.is_ok()) {
+      // A frame that does not open: the stream was altered on the way.
+      const StatusCode code = reply.status().code() == LOCKSTEP_STATUS_PROTOCOL_ERROR ? LOCKSTEP_STATUS_PROTOCOL_ERROR
+                                                                                       : LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED;
+      return Status(code, "no Welcome from the master: " + reply.status().message());
+    }
+  } else if (secret && std::holds_alternative<proto::Welcome>(reply.value())) {
+    LOG_WARN(kLog, "the master at " << master << " did not ask for the run secret; not joining");
+    return Status(LOCKSTEP_STATUS_AUTHENTICATION_FAILED,
+                  "the master did not prove the run secret (it runs without one, or it is not this run's master)");
+  }
+  return MasterChannel{std::move(reply.value()), std::move(crypto)};
 }
 
 }  // namespace lockstep::peer

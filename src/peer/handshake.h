@@ -9,10 +9,12 @@
 #include "common/status.h"
 #include "protocol/messages.h"
 #include "security/crypto.h"
+#include "security/frames.h"
 #include "transport/socket.h"
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -35,14 +37,15 @@ Status p2p_handshake(int fd, proto::P2PHello hello, bool secret, const std::vect
                      std::uint32_t timeout_ms, security::SessionKeys* keys = nullptr, int cancel_fd = -1,
                      const std::function<Status(const security::SessionKeys&)>& pipelined = {});
 
-// The master's relay as a peer reaches it (Welcome.relay_port at the master's address).
+// The relay in use, as a peer reaches it (Welcome.relay_host/relay_port, then each
+// RelayAddress): the master's own, or a lockstep-relay process's.
 struct RelayAddress {
   std::string host;
-  std::uint16_t port = 0;  // 0: the master runs no relay
+  std::uint16_t port = 0;  // 0: there is no relay
 };
 
 // Connects to the relay for connection `slot` of `channel` (ring or shared state) between
-// this peer (`self`) and `other`, proving their pair key (other.key), and waits until the
+// this peer (`self`) and `other`, proving the relay key of their pair key (other.key), and waits until the
 // relay has joined it to `other`'s (docs/protocol.md, "Relays"). `receiver`: this end
 // receives the data (ring) or asks for it (shared state). Through the returned socket
 // the two then run their own p2p handshake. PEER_CONNECTION_FAILED when the relay refuses,
@@ -50,5 +53,20 @@ struct RelayAddress {
 Result<transport::Fd> dial_relay(const RelayAddress& relay, PeerId self, const proto::MemberInfo& other,
                                  proto::Channel channel, std::uint32_t slot, bool receiver, std::uint32_t timeout_ms,
                                  int cancel_fd = -1);
+
+// The connecting side of the master handshake (docs/security.md): sends `hello` (a
+// Hello, or a lockstep-relay's RelayHello), and with a secret gives it a fresh nonce,
+// checks the master's proof of the secret (one of the proofs during a rotation),
+// proves it in turn, and seals what follows. Returns the master's answer (a Welcome, or
+// a Goodbye for the caller to turn into its status) and the frame keys (null without a
+// secret). `master` names the master in messages. MASTER_CONNECTION_FAILED when the
+// socket fails, AUTHENTICATION_FAILED when the master does not prove the secret or asks
+// for one this side does not have, PROTOCOL_ERROR for a sealed frame that does not open.
+struct MasterChannel {
+  proto::Message reply;
+  std::shared_ptr<security::FrameCrypto> crypto;
+};
+Result<MasterChannel> master_handshake(int fd, proto::Message hello, const std::optional<security::Key>& secret,
+                                       const std::string& master, std::uint32_t timeout_ms);
 
 }  // namespace lockstep::peer

@@ -157,6 +157,11 @@ void Link::execute(Commands commands) {
       arm_timer(arm->at);
     } else if (const auto* learn = std::get_if<cmd::LearnPairKeys>(&command)) {
       inbound_.learn_pair_keys(*learn);
+    } else if (const auto* relay = std::get_if<cmd::UseRelay>(&command)) {
+      const RelayAddress next{relay->host.empty() ? options_.master_host : relay->host, relay->port};
+      LOG_INFO(kLog, (next.port == 0 ? std::string("the run has no relay any more")
+                                     : "relayed connections go to " + transport::join_host_port(next.host, next.port)));
+      set_relay(next);
     } else if (const auto* close = std::get_if<cmd::CloseMaster>(&command)) {
       if (close->status.code() == LOCKSTEP_STATUS_INTERRUPTED) {
         LOG_DEBUG(kLog, "connection to the master closed: " << close->status.to_string());

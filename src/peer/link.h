@@ -11,6 +11,7 @@
 #include "common/ids.h"
 #include "common/status.h"
 #include "peer/communicator.h"
+#include "peer/handshake.h"
 #include "peer/inbound.h"
 #include "peer/mailbox.h"
 #include "peer/session.h"
@@ -73,6 +74,16 @@ class Link {
     return inbound_.take_connection(channel, operation, from, stop, deadline, reversed);
   }
   void adopt_relayed(transport::Fd fd, proto::Channel channel) { inbound_.adopt_relayed(std::move(fd), channel); }
+  // The relay in use (the Welcome's, then each RelayAddress's; the master's host where
+  // the master names none). Port 0: there is none.
+  RelayAddress relay() const {
+    std::lock_guard<std::mutex> lock(relay_mutex_);
+    return relay_;
+  }
+  void set_relay(RelayAddress relay) {
+    std::lock_guard<std::mutex> lock(relay_mutex_);
+    relay_ = std::move(relay);
+  }
   // Wakes every wait of this link so that it re-checks its stop condition.
   void wake();
   // Forgets buffered connections from peers that are not members any more.
@@ -121,6 +132,9 @@ class Link {
   std::array<std::uint8_t, proto::kFrameHeaderBytes> header_{};
   std::vector<std::uint8_t> payload_;
   std::deque<std::vector<std::uint8_t>> writes_;
+
+  mutable std::mutex relay_mutex_;
+  RelayAddress relay_;
 
   mutable std::mutex mutex_;  // guards everything below
   std::condition_variable cv_;

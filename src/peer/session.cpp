@@ -95,6 +95,10 @@ Commands Session::fail(Status status) {
 Commands Session::deliver(proto::Message message) {
   Commands out;
   if (auto keys = pair_keys_in(message)) out.push_back(std::move(*keys));
+  if (const auto* relay = std::get_if<proto::RelayAddress>(&message)) {
+    out.push_back(cmd::UseRelay{relay->host, relay->port});
+    return out;
+  }
 
   // Messages about a collective go to its op (or are dropped if it is gone).
   std::optional<std::uint64_t> tag;

@@ -53,6 +53,11 @@ struct LearnPairKeys {
   bool forget_others = false;
   std::vector<std::pair<PeerId, std::vector<std::uint8_t>>> keys;
 };
+// The relay in use changed (proto::RelayAddress): later relayed connections go there.
+struct UseRelay {
+  std::string host;  // empty: the master's own address
+  std::uint16_t port = 0;  // 0: there is no relay
+};
 // The link ended with `status` (the first fatal one): close the master connection and
 // stop the timer.
 struct CloseMaster {
@@ -61,7 +66,7 @@ struct CloseMaster {
 }  // namespace cmd
 
 using Command = std::variant<cmd::SendFrame, cmd::RouteToOp, cmd::AbortOp, cmd::CancelEstablishment, cmd::ArmTimer,
-                             cmd::LearnPairKeys, cmd::CloseMaster>;
+                             cmd::LearnPairKeys, cmd::UseRelay, cmd::CloseMaster>;
 using Commands = std::vector<Command>;
 
 class Session {

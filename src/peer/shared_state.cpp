@@ -834,7 +834,7 @@ Result<SyncInfo> Communicator::sync_shared_state(const std::vector<SharedTensor>
   LOG_DEBUG(kLog, "sync attempt " << plan.attempt << ": revision " << plan.revision << ", " << plan.expect.size()
                                   << " tensor(s) to receive in " << plan.fetches.size() << " piece(s)");
 
-  const RelayAddress relay{options_.master_host, relay_port_.load()};
+  const RelayAddress relay = link_->relay();
   StateServer server(*link_, plan.attempt, by_key, options_, id_, plan.dials, relay);
   const std::uint32_t streams = options_.p2p_streams != 0 ? options_.p2p_streams : limits::kStateStreamsDefault;
   Fetcher fetcher(*link_, id_, options_.p2p_connect_timeout_ms, options_.secret.has_value(), options_.encrypt_data,

@@ -396,7 +396,36 @@ bool fields(Io& io, Of<Io, CollectiveResult>& m) {
 template <typename Io>
 bool fields(Io& io, Of<Io, Welcome>& m) {
   return fields(io, m.id, "welcome.id") && io.str(m.observed_host, limits::kHostBytesMax, "welcome.observed_host") &&
-         io.u(m.heartbeat_timeout_ms, "welcome.heartbeat_timeout_ms") && io.u(m.relay_port, "welcome.relay_port");
+         io.u(m.heartbeat_timeout_ms, "welcome.heartbeat_timeout_ms") && io.u(m.relay_port, "welcome.relay_port") &&
+         io.str(m.relay_host, limits::kHostBytesMax, "welcome.relay_host");
+}
+
+template <typename Io>
+bool fields(Io& io, Of<Io, RelayAddress>& m) {
+  return io.str(m.host, limits::kHostBytesMax, "relay_address.host") && io.u(m.port, "relay_address.port");
+}
+
+template <typename Io>
+bool fields(Io& io, Of<Io, RelayHello>& m) {
+  return io.u(m.magic, "relay_hello.magic") && io.check(m.magic == kMagic, "relay_hello.magic: not a lockstep relay") &&
+         io.u(m.version, "relay_hello.version") &&
+         io.check(m.version == kProtocolVersion,
+                  [&] { return "relay_hello.version: unsupported protocol version " + std::to_string(m.version); }) &&
+         io.u(m.port, "relay_hello.port") && io.check(m.port != 0, "relay_hello.port: a relay names its port") &&
+         io.str(m.advertised_host, limits::kHostBytesMax, "relay_hello.advertised_host") &&
+         io.bytes(m.auth, limits::kAuthBytesMax, "relay_hello.auth");
+}
+
+// Each pair: two ids and a 32-byte key.
+constexpr std::size_t kRelayPairBytes = 16 + 16 + 2 + 32;
+template <typename Io>
+bool fields(Io& io, Of<Io, RelayAssign>& m) {
+  return io.list(m.pairs, limits::kRelayPairsMax, kRelayPairBytes, "relay_assign.pairs", [&](auto& pair) {
+    return fields(io, pair.a, "relay_assign.a") && fields(io, pair.b, "relay_assign.b") &&
+           io.bytes(pair.key, limits::kAuthFieldBytesMax, "relay_assign.key") &&
+           io.check(pair.key.size() == 32, "relay_assign.key: not a 32-byte key") &&
+           io.check(pair.a != pair.b, "relay_assign: a pair of one peer");
+  });
 }
 
 template <typename Io>
@@ -585,6 +614,9 @@ const char* msg_type_name(MsgType type) {
     case MsgType::kCollectiveDone: return "CollectiveDone";
     case MsgType::kCollectiveGo: return "CollectiveGo";
     case MsgType::kCollectiveAbort: return "CollectiveAbort";
+    case MsgType::kRelayHello: return "RelayHello";
+    case MsgType::kRelayAssign: return "RelayAssign";
+    case MsgType::kRelayAddress: return "RelayAddress";
     case MsgType::kCollectiveResult: return "CollectiveResult";
     case MsgType::kWelcome: return "Welcome";
     case MsgType::kHeartbeatAck: return "HeartbeatAck";
@@ -614,6 +646,8 @@ const char* msg_type_name(MsgType type) {
   return "Unknown";
 }
 
+static_assert(4 + kRelayPairBytes * limits::kRelayPairsMax <= limits::kControlFramePayloadBytesMax,
+              "a relay's pairs must fit a control frame");
 static_assert(8 + 1 + 2 + limits::kKvKeyBytesMaxLimit + 4 + limits::kKvValueBytesMaxLimit + 4 <=
                   limits::kControlFramePayloadBytesMax,
               "a key-value request must fit a control frame (and so a sealed one)");
@@ -643,7 +677,11 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kSyncResult:
     case MsgType::kBandwidthReport:
     case MsgType::kBandwidthTest:
+    case MsgType::kRelayHello:
+    case MsgType::kRelayAddress:
       return limits::kSmallPayloadBytesMax;
+    case MsgType::kRelayAssign:
+      return 4 + kRelayPairBytes * limits::kRelayPairsMax;
     case MsgType::kAgreeResult:  // and the value agreed on
       return limits::kSmallPayloadBytesMax + 2 + limits::kAgreeValueBytesMax;
     case MsgType::kCollectiveInit:  // and a small all-reduce's data, and all-gather's counts per rank
@@ -697,6 +735,9 @@ Result<Message> decode_payload(MsgType type, std::span<const std::uint8_t> paylo
     case MsgType::kCollectiveDone: return decode_as<CollectiveDone>(payload);
     case MsgType::kCollectiveGo: return decode_as<CollectiveGo>(payload);
     case MsgType::kCollectiveAbort: return decode_as<CollectiveAbort>(payload);
+    case MsgType::kRelayHello: return decode_as<RelayHello>(payload);
+    case MsgType::kRelayAssign: return decode_as<RelayAssign>(payload);
+    case MsgType::kRelayAddress: return decode_as<RelayAddress>(payload);
     case MsgType::kCollectiveResult: return decode_as<CollectiveResult>(payload);
     case MsgType::kWelcome: return decode_as<Welcome>(payload);
     case MsgType::kHeartbeatAck: return decode_as<HeartbeatAck>(payload);

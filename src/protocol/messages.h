@@ -33,7 +33,9 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 // 11: peers that accept no inbound connection (Hello ports 0), reversed ring edges
 // 12: reversed shared-state transfers (SyncPlan.dials)
 // 13: relays: Welcome.relay_port, P2PHello channel 4 (to the master's relay)
-inline constexpr std::uint16_t kProtocolVersion = 13;
+// 14: relay processes (lockstep-relay): RelayHello, RelayAssign, RelayAddress,
+//    Welcome.relay_host; the ends of a relayed edge prove security::relay_key
+inline constexpr std::uint16_t kProtocolVersion = 14;
 
 enum class MsgType : std::uint16_t {
   // peer -> master
@@ -50,6 +52,8 @@ enum class MsgType : std::uint16_t {
   kVoteOptimizeTopology = 11,
   kBandwidthReport = 12,
   kKvRequest = 14,
+  // relay -> master (lockstep-relay, in place of a Hello)
+  kRelayHello = 15,
   // peer -> master, and on p2p channels connector -> acceptor (with a secret)
   kAuthProof = 13,
   // master -> peer
@@ -68,6 +72,9 @@ enum class MsgType : std::uint16_t {
   kBandwidthTest = 76,
   kKvResult = 78,
   kCollectiveAbort = 79,
+  kRelayAddress = 81,
+  // master -> relay
+  kRelayAssign = 80,
   // master -> peer, and on p2p channels acceptor -> connector (with a secret)
   kAuthChallenge = 77,
   // peer -> peer (p2p, shared-state and benchmark sockets)
@@ -294,6 +301,8 @@ struct Welcome {
   // The master's relay (its port on the master's address; 0: none): ring edges between
   // two peers that both accept no inbound connection run through it. Since version 13.
   std::uint16_t relay_port = 0;
+  // The relay's host (empty: the master's own address): a relay process's. Since 14.
+  std::string relay_host;
   bool operator==(const Welcome&) const = default;
 };
 struct HeartbeatAck {
@@ -469,6 +478,43 @@ struct BandwidthTest {
   bool operator==(const BandwidthTest&) const = default;
 };
 
+// The relay the peers use from now on (RelayAddress) changed: another relay process
+// registered, or the one in use was lost (port 0: there is none). Since version 14.
+struct RelayAddress {
+  static constexpr MsgType kType = MsgType::kRelayAddress;
+  std::string host;  // empty: the master's own address
+  std::uint16_t port = 0;
+  bool operator==(const RelayAddress&) const = default;
+};
+
+// ---- relay <-> master (docs/deployment.md, "Relays"; since version 14)
+// A lockstep-relay process registers in place of a Hello, with the same challenge-response
+// (relays need a run secret), then sends Heartbeats.
+struct RelayHello {
+  static constexpr MsgType kType = MsgType::kRelayHello;
+  std::uint32_t magic = kMagic;
+  std::uint16_t version = kProtocolVersion;
+  std::uint16_t port = 0;        // where it relays
+  std::string advertised_host;   // empty: the address the master observes
+  std::vector<std::uint8_t> auth;
+  bool operator==(const RelayHello&) const = default;
+};
+// One pair of peers a relay may join, and the key both ends prove to it
+// (security::relay_key of their pair key: 32 bytes).
+struct RelayPair {
+  PeerId a;
+  PeerId b;
+  std::vector<std::uint8_t> key;
+  bool operator==(const RelayPair&) const = default;
+};
+// Every pair the relay may join now (at most kRelayPairsMax); connections of other
+// pairs are closed.
+struct RelayAssign {
+  static constexpr MsgType kType = MsgType::kRelayAssign;
+  std::vector<RelayPair> pairs;
+  bool operator==(const RelayAssign&) const = default;
+};
+
 // ---- peer -> peer
 struct P2PHello {
   static constexpr MsgType kType = MsgType::kP2PHello;
@@ -556,7 +602,7 @@ using Message = std::variant<Hello, Heartbeat, VoteUpdateTopology, P2PReport, Vo
                              Goodbye, CollectiveGo, CollectiveResult, P2PHello, P2PHelloAck, SyncVote,
                              SyncDone, SyncPlan, SyncResult, StateRequest, StateResponse, VoteOptimizeTopology,
                              BandwidthReport, BandwidthTest, AuthChallenge, AuthProof, KvRequest, KvResult,
-                             CollectiveAbort>;
+                             CollectiveAbort, RelayHello, RelayAssign, RelayAddress>;
 
 MsgType type_of(const Message& message);
 

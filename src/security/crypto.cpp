@@ -172,6 +172,8 @@ Key pair_key(const Key& run_key, PeerId a, PeerId b) {
   return h.finish();
 }
 
+Key relay_key(const Key& pair_key) { return Hasher(pair_key, "lockstep relay key v1").finish(); }
+
 Proof proof(const Key& key, std::string_view role, const Nonce& client, const Nonce& server,
             std::span<const std::uint8_t> transcript) {
   return handshake_hash(key, role, client, server, transcript).finish();

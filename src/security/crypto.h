@@ -64,6 +64,10 @@ Key random_key();
 Nonce random_nonce();
 
 Key pair_key(const Key& run_key, PeerId a, PeerId b);
+// What the two ends of a relayed edge prove to a relay: derived from their pair key one
+// way, so that a relay given it (a lockstep-relay process) learns nothing of the pair key
+// that seals their frames.
+Key relay_key(const Key& pair_key);
 
 // Roles of the proofs: each side proves with its own label, so that a proof cannot be
 // reflected back to its sender.

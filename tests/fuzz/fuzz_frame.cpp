@@ -124,7 +124,10 @@ std::vector<p::Message> sample_messages() {
                              {p::TensorEntry{"weights", LOCKSTEP_F32, 4096, digest(1), false},
                               p::TensorEntry{"step", LOCKSTEP_I64, 1, digest(2), true}}});
   m.emplace_back(p::SyncDone{9, LOCKSTEP_STATUS_HASH_MISMATCH, "digest differs"});
-  m.emplace_back(p::Welcome{a, "10.0.0.1", 5000});
+  m.emplace_back(p::Welcome{a, "10.0.0.1", 5000, 48160, "10.0.0.9"});
+  m.emplace_back(p::RelayHello{p::kMagic, p::kProtocolVersion, 48160, "", std::vector<std::uint8_t>(32, 3)});
+  m.emplace_back(p::RelayAssign{{p::RelayPair{a, b, std::vector<std::uint8_t>(32, 4)}}});
+  m.emplace_back(p::RelayAddress{"10.0.0.9", 48160});
   m.emplace_back(p::HeartbeatAck{});
   m.emplace_back(p::EstablishP2P{3, {ma, mb}});
   m.emplace_back(p::TopologyResult{3, LOCKSTEP_OK, "", {ma, mb}, p::Attributes{2, 2, 1, 2}});

@@ -5,6 +5,7 @@ strangers; without a run secret there is no relay."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import struct
@@ -16,6 +17,7 @@ import pytest
 
 import lockstep
 from conftest import Cluster
+from observed_run import peer_name
 
 COUNT = 256 * 1024  # float32: 1 MiB, over the ring, not with the votes
 # 16 bytes that read as finite float32s; a contribution made of them shows on the wire of
@@ -273,7 +275,29 @@ def test_a_peer_between_two_unreachable_ones_leaves_and_their_edge_is_relayed(re
         np.testing.assert_array_equal(got, np.full(COUNT, 10.0, dtype=np.float32))
 
 
-PROTOCOL_VERSION = 13
+def test_optimize_topology_measures_relayed_pairs_through_the_relay(relayed):
+    """Two peers that both accept no inbound connection are measured through the relay,
+    as their edge would run, instead of being given a bandwidth of 0."""
+    before = metric(relayed.master, "lockstep_relay_bytes_total")
+    relayed.run(lambda i, comm: comm.optimize_topology())
+    views = relayed.run(lambda i, comm: comm.membership())
+    assert all(v == views[0] for v in views)
+    unreachable = {m.id for m in views[0] if m.p2p_port == 0}
+    assert len(unreachable) == 3
+    with urllib.request.urlopen(f"http://{relayed.master.http_address}/api/state", timeout=10) as response:
+        group = json.loads(response.read())["groups"][0]
+    names = {peer_name(u) for u in unreachable}
+    ring = group["ring"]
+    pairs = [(a, b) for a in range(len(ring)) for b in range(len(ring)) if a != b and {ring[a], ring[b]} <= names]
+    assert len(pairs) == 6, (ring, unreachable)
+    for a, b in pairs:
+        assert group["bandwidth"][a][b] and group["bandwidth"][a][b] > 0, (a, b, group["bandwidth"])
+    assert metric(relayed.master, "lockstep_relay_bytes_total") > before
+    # The ring still does its work.
+    relayed.run(lambda i, comm: comm.all_reduce(np.full(COUNT, 1.0, dtype=np.float32), tag=40))
+
+
+PROTOCOL_VERSION = 14
 
 
 def wire_id(hex_id: str) -> bytes:

@@ -9,7 +9,11 @@
 // that (0: none).
 // LOCKSTEP_SOAK_SEED=S replays a seed; LOCKSTEP_SOAK_SECONDS=N changes the length.
 // LOCKSTEP_SOAK_TESTBED=N runs the WAN mode on a test bed of N hosts, with partitions
-// (CTest testbed.soak_wan, registered with the test bed's tests: it needs root).
+// (CTest testbed.soak_wan, registered with the test bed's tests: it needs root);
+// LOCKSTEP_SOAK_NAT_HOSTS=K puts the last K of them behind NATs. Two lockstep-relay
+// processes run beside the master, the one in use killed and replaced every 10 s (so the
+// run has a secret, and NAT workers may be neighbours); LOCKSTEP_SOAK_RELAY_PROCESSES=R
+// changes how many (0: none).
 #include "e2e.h"
 
 #include <cstdlib>
@@ -61,6 +65,12 @@ TEST(Soak, ChaosKeepsParityOneOutcomeAndProgress) {
     // defaults of --testbed-rate and --testbed-delay-ms); the bed's prefix is derived
     // from the soak's pid, so that it does not collide with other beds.
     for (const std::string& arg : {std::string("--testbed"), testbed}) argv.push_back(arg);
+    for (const std::string& arg : {std::string("--testbed-nat-hosts"), env("LOCKSTEP_SOAK_NAT_HOSTS", "0")}) {
+      argv.push_back(arg);
+    }
+  }
+  for (const std::string& arg : {std::string("--relay-processes"), env("LOCKSTEP_SOAK_RELAY_PROCESSES", "2")}) {
+    argv.push_back(arg);
   }
   if (sanitized) {
     // Slower processes: fewer events, smaller buffers, the same assertions, but for the

@@ -8,6 +8,7 @@ directory with lockstep-master and lockstep-testpeer.
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import time
 
@@ -233,6 +234,20 @@ def sync_to_hidden_newcomer(members: list[TestPeer], peers: list[TestPeer], size
     return served
 
 
+def reduce_until_done(survivors: list[TestPeer], want: int) -> None:
+    """After a loss: all-reduces of the survivors (peer i contributes i + 1), each one's
+    attempt failing for all alike until the ring has re-formed, until one completes; its
+    value must be `want`."""
+    for tag in range(6, 16):
+        for i, p in enumerate(survivors):
+            p.send(f"allreduce {1 << 20} {tag} {i + 1} inplace")
+        replies = [p.reply(120) for p in survivors]
+        if all(r["code"] == 0 for r in replies):
+            assert all(r["value"] == want for r in replies), replies
+            return
+    raise AssertionError(f"the survivors never completed an all-reduce: {replies}")
+
+
 def update_view(members: list[TestPeer]) -> list[dict]:
     """An update topology on every member; the membership view it ends with."""
     for p in members:
@@ -388,21 +403,93 @@ def test_peers_behind_two_nats_meet_through_the_relay(testbed_factory, tmp_path)
         outcomes = [p.reply(120) for p in survivors]
         assert len({o["code"] for o in outcomes}) == 1, outcomes
         # Then the ring re-forms without it and the all-reduces go on.
-        for tag in range(6, 16):
-            for i, p in enumerate(survivors):
-                p.send(f"allreduce {1 << 20} {tag} {i + 1} inplace")
-            replies = [p.reply(120) for p in survivors]
-            if all(r["code"] == 0 for r in replies):
-                assert all(r["value"] == 6 for r in replies), replies
-                break
-        else:
-            raise AssertionError(f"the survivors never completed an all-reduce: {replies}")
+        reduce_until_done(survivors, 6)
         view = update_view(survivors)
         assert [m["port"] == 0 for m in view] == [False, True, True], view
         allreduce_ms(survivors, 1 << 20, 20)
     finally:
         for p in peers:
             p.close()
+        master.kill()
+        master.wait(timeout=10)
+
+
+def test_a_relay_host_carries_the_nat_edges_and_its_death_parts_them(testbed_factory, tmp_path):
+    """Hosts 1 and 2 sit behind NATs of their own; host 4 runs lockstep-relay (a dedicated
+    relay host) for the master of host 0, which runs no relay itself. With the open host 3
+    the two NAT peers' edge runs through host 4: all-reduces, an optimize (it measures
+    that pair through the relay), a newcomer behind the first NAT that receives the shared
+    state; then the relay host's process is killed mid-all-reduce: the survivors get one
+    outcome, the NAT peers that only the relay could join leave (KICKED, the later of
+    each pair), and the ring re-forms without relayed edges."""
+    assert BIN, "set LOCKSTEP_BIN_DIR"
+    bed = testbed_factory(5)
+    for h in (1, 2):
+        bed.nat(h)
+    secret = tmp_path / "secret"
+    secret.write_text("a run secret of the relay host bed test\n")
+    secret.chmod(0o600)
+    master = start_master(bed, BIN, 0, "--secret-file", str(secret))
+    relay = bed.popen(4, os.path.join(BIN, "lockstep-relay"), "--master", f"{bed.addr(0)}:7000", "--secret-file",
+                      str(secret), "--listen", f"{bed.addr(4)}:7002", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                      text=True)
+    peers: list[TestPeer] = []
+    try:
+        for word in ("listening", "registered"):
+            ready, _, _ = select.select([relay.stdout], [], [], 10)
+            assert ready and word in relay.stdout.readline()
+        address = f"{bed.addr(0)}:7000"
+        keyed = ("--secret-file", str(secret))
+        peers = [TestPeer(bed, BIN, 3, address, "r3", keyed), TestPeer(bed, BIN, 1, address, "n1", keyed),
+                 TestPeer(bed, BIN, 2, address, "n2", keyed)]
+        members: list[TestPeer] = []
+        admit(members, peers)
+        view = update_view(members)
+        assert [m["port"] == 0 for m in view] == [False, True, True], view
+        reduce_and_optimize(members, hidden=2)
+
+        size = 4 << 20
+        newcomer = TestPeer(bed, BIN, 1, address, "n1b", keyed)  # behind the first NAT too
+        peers.append(newcomer)
+        for p in peers:
+            p.call(f"tensor weights {size}")
+        for p in members:
+            p.call("fill weights 5")
+        admit(members, [newcomer])
+        holders = [p for p in members if p is not newcomer]
+        for p in holders:
+            p.call("revision 1")
+            p.send("sync popular")
+        newcomer.send("sync receive")
+        got = newcomer.reply(120)
+        served = [p.reply(120) for p in holders]
+        assert got["code"] == 0 and all(s["code"] == 0 for s in served), (got, served)
+        assert got["hashes"] == served[0]["hashes"] and got["bytes_received"] == size
+        view = update_view(members)
+        assert sum(m["port"] == 0 for m in view) == 3, view
+
+        # The relay dies while an all-reduce runs.
+        count = 16 << 20  # 64 MiB: it is still running when the kill lands
+        for i, p in enumerate(members):
+            p.send(f"allreduce {count} 5 {i + 1} inplace")
+        time.sleep(0.3)
+        relay.kill()
+        relay.wait()
+        outcomes = {p.name: p.reply(120) for p in members}
+        kicked = [p for p in members if outcomes[p.name]["code"] == 14]  # LOCKSTEP_STATUS_KICKED
+        survivors = [p for p in members if p not in kicked]
+        assert sorted(p.name for p in kicked) == ["n1b", "n2"], outcomes
+        assert len({outcomes[p.name]["code"] for p in survivors}) == 1, outcomes
+        reduce_until_done(survivors, 3)
+        view = update_view(survivors)
+        assert [m["port"] == 0 for m in view] == [False, True], view
+        allreduce_ms(survivors, 1 << 20, 20)
+    finally:
+        for p in peers:
+            p.close()
+        if relay.poll() is None:
+            relay.kill()
+        relay.wait(timeout=10)
         master.kill()
         master.wait(timeout=10)
 

@@ -114,7 +114,15 @@ std::vector<Message> samples() {
   all.push_back(CollectiveDone{5, 11, true, "", 1, 2, true});
   all.push_back(CollectiveAbort{5, 11});
   all.push_back(CollectiveAbort{});
-  all.push_back(Welcome{PeerId{0x1234, 99}, "192.168.0.17", 5000, 48150});
+  all.push_back(Welcome{PeerId{0x1234, 99}, "192.168.0.17", 5000, 48150, ""});
+  all.push_back(Welcome{PeerId{0x1234, 98}, "192.168.0.18", 5000, 48151, "relay.example"});
+  all.push_back(RelayHello{kMagic, kProtocolVersion, 48160, "", {1, 2, 3}});
+  all.push_back(RelayHello{kMagic, kProtocolVersion, 1, "10.0.0.9", {}});
+  all.push_back(RelayAssign{});
+  all.push_back(RelayAssign{{RelayPair{PeerId{1, 2}, PeerId{3, 4}, Bytes(32, 7)},
+                             RelayPair{PeerId{1, 2}, PeerId{5, 6}, Bytes(32, 8)}}});
+  all.push_back(RelayAddress{"", 48160});
+  all.push_back(RelayAddress{"relay.example", 0});
   all.push_back(HeartbeatAck{});
   all.push_back(EstablishP2P{9, {member(1, "10.0.0.1"), member(2, "10.0.0.2"), member(3, "")}});
   all.push_back(EstablishP2P{});
@@ -191,7 +199,8 @@ const std::vector<MsgType>& all_types() {
       MsgType::kSyncVote,       MsgType::kSyncDone,           MsgType::kSyncPlan,           MsgType::kSyncResult,
       MsgType::kStateRequest,   MsgType::kStateResponse,      MsgType::kVoteOptimizeTopology,
       MsgType::kBandwidthReport, MsgType::kBandwidthTest, MsgType::kAuthChallenge, MsgType::kAuthProof,
-      MsgType::kKvRequest,      MsgType::kKvResult,         MsgType::kCollectiveAbort};
+      MsgType::kKvRequest,      MsgType::kKvResult,         MsgType::kCollectiveAbort,    MsgType::kRelayHello,
+      MsgType::kRelayAssign,    MsgType::kRelayAddress};
   return types;
 }
 
@@ -316,9 +325,9 @@ TEST(CodecRoundTrip, EmptyPayloadTypesEncodeToHeaderOnly) {
 
 TEST(CodecRoundTrip, FieldsAreLittleEndianAtDocumentedOffsets) {
   const Bytes frame =
-      encode_frame(Welcome{PeerId{0x0102030405060708ull, 0x1112131415161718ull}, "h", 0xa0b0c0d0u, 0x1234});
-  // header: length 16 + 2 + 1 + 4 + 2 = 25, type 64
-  EXPECT_EQ(frame[0], 25);
+      encode_frame(Welcome{PeerId{0x0102030405060708ull, 0x1112131415161718ull}, "h", 0xa0b0c0d0u, 0x1234, "r"});
+  // header: length 16 + 2 + 1 + 4 + 2 + 2 + 1 = 28, type 64
+  EXPECT_EQ(frame[0], 28);
   EXPECT_EQ(frame[1], 0);
   EXPECT_EQ(frame[4], 64);
   EXPECT_EQ(frame[5], 0);
@@ -362,7 +371,9 @@ TEST(CodecRoundTrip, StringsAndBytesAtTheirBounds) {
   std::vector<Message> edge = {
       Hello{kMagic, kProtocolVersion, 0xffffffffu, static_cast<std::uint16_t>(limits::kP2PPoolSizeMax), 65535, 65535,
             65535, host255, auth512},
-      Welcome{PeerId{~0ull, ~0ull}, host255, 0xffffffffu, 0xffff},
+      Welcome{PeerId{~0ull, ~0ull}, host255, 0xffffffffu, 0xffff, host255},
+      RelayHello{kMagic, kProtocolVersion, 0xffff, host255, auth512},
+      RelayAddress{host255, 0xffff},
       Goodbye{LOCKSTEP_STATUS_REJECTED, reason1024},
       Refused{MsgType::kP2PHelloAck, ~0ull, LOCKSTEP_STATUS_INTERRUPTED, reason1024},
       CollectiveDone{~0ull, ~0ull, false, reason1024, ~0ull, ~0ull, true},
@@ -441,9 +452,9 @@ TEST(CodecNames, EveryTypeHasANameAndABound) {
   }
   EXPECT_STREQ(msg_type_name(static_cast<MsgType>(999)), "Unknown");
   EXPECT_EQ(payload_bytes_max(0), 0u);
-  EXPECT_EQ(payload_bytes_max(15), 0u);
+  EXPECT_EQ(payload_bytes_max(16), 0u);
   EXPECT_EQ(payload_bytes_max(63), 0u);
-  EXPECT_EQ(payload_bytes_max(80), 0u);
+  EXPECT_EQ(payload_bytes_max(82), 0u);
   EXPECT_EQ(payload_bytes_max(0xffff), 0u);
   for (const Message& m : samples()) EXPECT_EQ(payload_of(encode_frame(m)).size() == 0, has_empty_payload(type_of(m)));
 }
@@ -676,7 +687,11 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
        {"done.tag", "done.attempt", "done.ok", "done.reason", "done.bytes_sent", "done.bytes_received",
         "done.committed"}},
       {CollectiveAbort{1, 2}, {"abort.tag", "abort.attempt"}},
-      {Welcome{PeerId{1, 2}, "abc", 7, 9}, {"welcome.id", "welcome.observed_host", "welcome.heartbeat_timeout_ms", "welcome.relay_port"}},
+      {Welcome{PeerId{1, 2}, "abc", 7, 9, "r"},
+       {"welcome.id", "welcome.observed_host", "welcome.heartbeat_timeout_ms", "welcome.relay_port", "welcome.relay_host"}},
+      {RelayHello{kMagic, kProtocolVersion, 9, "h", {1}},
+       {"relay_hello.magic", "relay_hello.version", "relay_hello.port", "relay_hello.advertised_host", "relay_hello.auth"}},
+      {RelayAddress{"h", 9}, {"relay_address.host", "relay_address.port"}},
       {EstablishP2P{1, {}}, {"establish.epoch", "members"}},
       // the member count is checked against the bytes left first (26 per member at
       // least), so a cut inside the id is reported as the count exceeding the payload
@@ -724,6 +739,9 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
         "bandwidth_test.streams"}},
       {AuthChallenge{Bytes(32, 1), Bytes(32, 2)}, {"auth_challenge.nonce", "auth_challenge.proof"}},
       {AuthProof{Bytes(32, 3)}, {"auth_proof.proof"}},
+      // as for members: the count is checked against 66 bytes per pair first
+      {RelayAssign{{RelayPair{PeerId{1, 2}, PeerId{3, 4}, Bytes(40, 5)}}},
+       {"relay_assign.pairs", "relay_assign.key"}},
   };
   std::set<MsgType> covered;
   for (const auto& c : cases) {
@@ -939,7 +957,7 @@ TEST(CodecPayload, StringsAboveTheirBoundAreRejected) {
     EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"Hello", "hello.advertised_host", "longer than 255"}));
   }
   {
-    const Bytes p = payload_copy(Welcome{PeerId{1, 1}, std::string(300, 'a'), 1});
+    const Bytes p = payload_copy(Welcome{PeerId{1, 1}, std::string(300, 'a'), 1, 0, ""});
     EXPECT_TRUE(payload_rejected(MsgType::kWelcome, p, {"welcome.observed_host", "longer than 255"}));
   }
   {
@@ -1138,6 +1156,39 @@ TEST(CodecPayload, WrongMagicOrVersion) {
   }
 }
 
+// A relay process's registration and the pairs it is given (docs/protocol.md, "Relays").
+TEST(CodecPayload, RelayMessagesAreChecked) {
+  {
+    const Bytes p = payload_copy(RelayHello{kMagic, kProtocolVersion - 1u, 9, "", {}});
+    EXPECT_TRUE(payload_rejected(MsgType::kRelayHello, p, {"RelayHello", "relay_hello.version", "unsupported"}));
+    const Bytes q = payload_copy(RelayHello{kMagic + 1, kProtocolVersion, 9, "", {}});
+    EXPECT_TRUE(payload_rejected(MsgType::kRelayHello, q, {"relay_hello.magic", "not a lockstep relay"}));
+    const Bytes r = payload_copy(RelayHello{kMagic, kProtocolVersion, 0, "", {}});
+    EXPECT_TRUE(payload_rejected(MsgType::kRelayHello, r, {"relay_hello.port", "names its port"}));
+  }
+  {
+    const Bytes p = payload_copy(RelayAssign{{RelayPair{PeerId{1, 2}, PeerId{3, 4}, Bytes(33, 7)}}});
+    EXPECT_TRUE(payload_rejected(MsgType::kRelayAssign, p, {"relay_assign.key", "not a 32-byte key"}));
+    const Bytes q = payload_copy(RelayAssign{{RelayPair{PeerId{1, 2}, PeerId{1, 2}, Bytes(32, 7)}}});
+    EXPECT_TRUE(payload_rejected(MsgType::kRelayAssign, q, {"relay_assign", "a pair of one peer"}));
+  }
+  {
+    // One pair more than allowed: refused by its count before any pair is read.
+    RelayAssign many;
+    for (std::uint32_t i = 0; i <= limits::kRelayPairsMax; ++i) many.pairs.push_back({PeerId{1, i}, PeerId{2, i}, Bytes(32, 1)});
+    const Bytes frame = encode_frame(many);
+    const auto header = header_of(frame);
+    ASSERT_FALSE(header.is_ok());  // above the type's bound already
+    RelayAssign most;
+    most.pairs.assign(many.pairs.begin(), many.pairs.end() - 1);
+    const Bytes ok = encode_frame(most);
+    ASSERT_TRUE(header_of(ok).is_ok());
+    const auto decoded = decode_payload(MsgType::kRelayAssign, {ok.data() + kFrameHeaderBytes, ok.size() - kFrameHeaderBytes});
+    ASSERT_TRUE(decoded.is_ok()) << decoded.status().to_string();
+    EXPECT_EQ(std::get<RelayAssign>(decoded.value()).pairs.size(), limits::kRelayPairsMax);
+  }
+}
+
 TEST(CodecPayload, PoolSizeOutOfRange) {
   for (std::uint32_t pool : {0u, 1u, 2u, limits::kP2PPoolSizeMax, limits::kP2PPoolSizeMax + 1, 0xffffu}) {
     Hello h = hello_of("h");
@@ -1320,7 +1371,7 @@ TEST(CodecPayload, UnknownP2PHelloFlags) {
 }
 
 TEST(CodecPayload, RefusedOfUnknownRequestType) {
-  for (std::uint16_t raw : {std::uint16_t{0}, std::uint16_t{15}, std::uint16_t{63}, std::uint16_t{134}, std::uint16_t{0xffff}}) {
+  for (std::uint16_t raw : {std::uint16_t{0}, std::uint16_t{16}, std::uint16_t{63}, std::uint16_t{134}, std::uint16_t{0xffff}}) {
     Bytes p = payload_copy(Refused{});
     p[0] = static_cast<std::uint8_t>(raw);
     p[1] = static_cast<std::uint8_t>(raw >> 8);

@@ -404,11 +404,13 @@ class Sim {
     } else {
       p::Hello hello;
       hello.group = sp.group;
-      // 8..11: a Hello naming some ports but not all (rejected); 12..21: a peer that
-      // accepts no inbound connection (all three 0, docs/deployment.md "NAT").
-      const bool no_inbound = kind >= 12 && kind < 22;
+      // 8..11: a Hello naming some ports but not all (rejected); 12..21 (12..39 in a
+      // run with a relay, which may place them side by side): a peer that accepts no
+      // inbound connection (all three 0, docs/deployment.md "NAT").
+      const std::uint64_t nat_end = c_.config().relay ? 40 : 22;
+      const bool no_inbound = kind >= 12 && kind < nat_end;
       sp.no_inbound = no_inbound;
-      hello.p2p_port = kind < 22 ? 0 : sp.port;
+      hello.p2p_port = kind < nat_end ? 0 : sp.port;
       hello.shared_state_port = no_inbound ? 0 : static_cast<std::uint16_t>(sp.port + 1);
       hello.benchmark_port = no_inbound ? 0 : static_cast<std::uint16_t>(sp.port + 2);
       sp.pool_size = static_cast<std::uint16_t>(1 + rng_() % 4);
@@ -933,6 +935,15 @@ class Sim {
     c_.on_tick(now_, out);
     absorb(out, {});
     check_deadlines();
+    // A run that started with a relay loses it now and then and gets one back (the
+    // lockstep-relay processes come and go): decided by the time, not by another draw,
+    // so that every seed's draws stay as they were.
+    if (c_.config().relay && (now_ / 7'919) % 2 == static_cast<TimeMs>(c_.relay())) {
+      note("t=" + std::to_string(now_) + (c_.relay() ? " the run loses its relay\n" : " the run gets a relay again\n"));
+      Outbox changed;
+      c_.on_relay_change(!c_.relay(), now_, changed);
+      absorb(changed, {});
+    }
   }
 
   // After a tick every deadline that has passed has been acted on.
@@ -1830,13 +1841,13 @@ class Sim {
       require(owner != nullptr && source == member_info(*owner), who + " carries a wrong address for " + source.id.to_string());
       // Two peers that accept no inbound connection are paired only through a relay, and
       // only where no holder that accepts connections holds the tensor.
-      const bool relayed = c_.config().relay && std::none_of(d->second.begin(), d->second.end(), [&](PeerId id) {
+      const bool relayed = c_.relay() && std::none_of(d->second.begin(), d->second.end(), [&](PeerId id) {
                              const SimPeer* holder = by_id(id);
                              return holder != nullptr && !holder->no_inbound;
                            });
       require(!owner->no_inbound || !sp.no_inbound || relayed,
               who + " fetches from " + source.id.to_string() + " while neither accepts inbound connections" +
-                  (c_.config().relay ? " and a holder that accepts them holds the tensor" : " (no relay)"));
+                  (c_.relay() ? " and a holder that accepts them holds the tensor" : " (no relay)"));
       pieces[f.tensor].emplace_back(f.offset, f.bytes);
       sources_of[f.tensor].insert(source.id);
     }

@@ -1516,16 +1516,25 @@ TEST(CoordinatorAdmission, UnreachableNeighboursAfterARemovalLoseTheLaterOne) {
 // With a relay (lockstep-master --relay-port) two peers that accept no inbound connection
 // may be neighbours: their edge runs through it. Nobody is rejected for want of room or
 // removed for such a neighbour, and the relay may connect exactly those peers, per group.
-TEST(CoordinatorAdmission, WithARelayUnreachableNeighboursAreKeptAndAssignedToIt) {
+// A run with a relay: a (reachable) first, then c, d, e (accepting no inbound connection;
+// without a relay there would be no room for e) and b (reachable): the ring a c b d e.
+Config relay_config() {
   Config config = test_config();
   config.relay = true;
-  Harness h(config);
-  const FakePeer a = h.first(1);
-  const FakePeer c = h.join_as(1, false);
-  const FakePeer d = h.join_as(1, false);
-  const FakePeer e = h.join_as(1, false);  // without a relay: no room for it
-  const FakePeer b = h.join_as(1, true);
-  h.update({a}, {c, d, e, b});
+  return config;
+}
+struct RelayRing {
+  FakePeer a, c, d, e, b;
+};
+RelayRing relay_ring(Harness& h) {
+  RelayRing r{h.first(1), h.join_as(1, false), h.join_as(1, false), h.join_as(1, false), h.join_as(1, true)};
+  h.update({r.a}, {r.c, r.d, r.e, r.b});
+  return r;
+}
+
+TEST(CoordinatorAdmission, WithARelayUnreachableNeighboursAreKeptAndAssignedToIt) {
+  Harness h(relay_config());
+  const auto [a, c, d, e, b] = relay_ring(h);
   EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, c.id, b.id, d.id, e.id}));
   h.check();
   const FakePeer x = h.join_as(2, false);  // another group's: never relayed to group 1's
@@ -1539,6 +1548,58 @@ TEST(CoordinatorAdmission, WithARelayUnreachableNeighboursAreKeptAndAssignedToIt
   out = h.disconnect(d);
   EXPECT_EQ(h.c.relay_members(), (std::map<PeerId, std::uint32_t>{{c.id, 1}, {e.id, 1}}));
   (void)x;
+}
+
+// lockstep-relay processes come and go: losing the run's last relay parts every two ring
+// neighbours that both accept no inbound connection (the later one is KICKED) and fails
+// an establishment that proposed such neighbours; gaining one changes nobody's place.
+TEST(CoordinatorAdmission, LosingTheLastRelayPartsUnreachableNeighbours) {
+  Harness h(relay_config());
+  const auto [a, c, d, e, b] = relay_ring(h);
+  ASSERT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, c.id, b.id, d.id, e.id}));
+  Outbox out;
+  h.c.on_relay_change(true, h.now, out);  // no change
+  EXPECT_TRUE(out.empty()) << describe(out);
+  h.c.on_relay_change(false, h.now, out);
+  EXPECT_FALSE(h.c.relay());
+  expect_goodbye(out, e, LOCKSTEP_STATUS_KICKED);  // d and e were neighbours; e joined later
+  EXPECT_NE(describe(out).find("lost its relay"), std::string::npos) << describe(out);
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, c.id, b.id, d.id}));
+  EXPECT_TRUE(h.c.relay_members().empty());
+  h.check();
+  // Without a relay a newcomer that accepts no connection needs room again: none is left.
+  h.c.on_relay_change(true, h.now, out);
+  EXPECT_TRUE(h.c.relay());
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, c.id, b.id, d.id}));
+}
+
+// An establishment whose relayed edges were being made fails when the run loses its
+// relay, and also when another relay takes over (those edges were being made through
+// the one that is gone); nobody is blamed, the newcomer waits for the next vote.
+TEST(CoordinatorAdmission, ARelayLostOrReplacedFailsAnEstablishmentThatNeedsIt) {
+  for (const bool takeover : {false, true}) {
+    SCOPED_TRACE(takeover ? "another relay takes over" : "the last relay is lost");
+    Harness h(relay_config());
+    const FakePeer a = h.first(1);
+    const FakePeer c = h.join_as(1, false);
+    h.update({a}, {c});
+    const FakePeer d = h.join_as(1, false);  // its place is next to c: a relayed edge
+    Outbox out = h.vote_topology({a, c});
+    ASSERT_TRUE(one_of<p::EstablishP2P>(out, d.conn).has_value()) << describe(out);
+    out.clear();
+    h.c.on_relay_change(takeover, h.now, out);
+    const std::string why = takeover ? "relay in use changed" : "lost its relay";
+    for (const FakePeer* f : {&a, &c}) {
+      const auto r = one_of<p::TopologyResult>(out, f->conn);
+      ASSERT_TRUE(r.has_value()) << describe(out);
+      EXPECT_EQ(r->status, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+      EXPECT_NE(r->reason.find(why), std::string::npos) << r->reason;
+    }
+    EXPECT_EQ(describe(out).find("Goodbye"), std::string::npos) << describe(out);
+    EXPECT_EQ(h.phase(d), Phase::kRegistered);
+    EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{a.id, c.id}));
+    h.check();
+  }
 }
 
 TEST(CoordinatorHandshake, FirstMessageOtherThanHelloIsAProtocolError) {
@@ -2675,7 +2736,7 @@ std::vector<FakePeer> hidden_holder_run(Harness& h) {
   if (plans.size() != 4u) return peers;
   EXPECT_FALSE(plans[2].sources.empty());
   for (const auto& source : plans[2].sources) EXPECT_TRUE(source.id == open.id || source.id == other_open.id);
-  EXPECT_EQ(check_dials(h, peers, plans, h.c.config().relay), 0u);
+  EXPECT_EQ(check_dials(h, peers, plans, h.c.relay()), 0u);
   return peers;
 }
 
@@ -2709,9 +2770,7 @@ TEST(CoordinatorSync, APeerNoHolderCanReachLeaves) {
 // where a holder that accepts connections exists; where only holders that accept none
 // hold the content, one of them dials it through the relay instead of it leaving.
 TEST(CoordinatorSync, WithARelayHoldersThatAcceptNoConnectionServeOnesThatAcceptNoneEither) {
-  Config config = test_config();
-  config.relay = true;
-  Harness h(config);
+  Harness h(relay_config());
   const std::vector<FakePeer> peers = hidden_holder_run(h);
   const FakePeer& hidden = peers[0];
   const FakePeer& hidden_newcomer = peers[2];
@@ -3165,6 +3224,35 @@ TEST(CoordinatorOptimize, UnreachablePeersAreDialledNeverAndNeverNeighbours) {
   for (std::size_t k = 0; k < ring.size(); ++k) {
     EXPECT_FALSE(unreachable(ring[k]) && unreachable(ring[(k + 1) % ring.size()])) << k;
   }
+}
+
+// With a relay, two peers that both accept no inbound connection are measured through
+// it (the smaller id initiates), as their edge would run, instead of being given 0.
+TEST(CoordinatorOptimize, WithARelayUnreachablePairsAreMeasuredThroughIt) {
+  Harness h(relay_config());
+  const FakePeer a = h.first(1);
+  const FakePeer c = h.join_as(1, false);
+  const FakePeer b = h.join_as(1, true);
+  const FakePeer d = h.join_as(1, false);
+  h.update({a}, {c, b, d});
+  const std::vector<FakePeer> peers = {a, b, c, d};
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
+  bool relayed_test = false;
+  for (const auto& t : all_of<p::BandwidthTest>(out, c.conn)) {
+    if (t.partner.id == d.id) {
+      relayed_test = true;
+      EXPECT_EQ(t.initiator, c.id < d.id);
+    }
+  }
+  const Measured m = answer_tests(h, peers, out, [](PeerId, PeerId) { return 10'000'000; });
+  for (const auto& round : m.rounds) {
+    for (const auto& [receiver, sender] : round) relayed_test |= receiver == d.id && sender == c.id;
+  }
+  EXPECT_TRUE(relayed_test);
+  EXPECT_EQ(h.c.bandwidth().size(), 12u);
+  EXPECT_EQ(h.c.bandwidth().at({c.id, d.id}), 10'000'000u);
+  EXPECT_EQ(h.c.bandwidth().at({d.id, c.id}), 10'000'000u);
 }
 
 TEST(CoordinatorOptimize, PeerLostDuringMeasurementsFailsForAllAndTheRetryMeasuresWhatIsMissing) {

@@ -1,5 +1,6 @@
-// The master's relay (master/relay.h) over real loopback sockets, with hand-made ends:
-// it joins the two ends of an assigned edge once each proved the pair key and copies
+// A relay (master/relay.h: the master's, and lockstep-relay's) over real loopback sockets,
+// with hand-made ends: it joins the two ends of an assigned edge once each proved the
+// relay key of their pair (never the pair key itself) and copies
 // bytes both ways; it refuses pairs it was not assigned and wrong proofs, drops an end
 // whose other end never comes, drops a pair whose reader stops reading, closes an edge
 // the master stops assigning, and makes room for the run's peers at its connection cap.
@@ -31,12 +32,15 @@ const PeerId kC{1, 33};
 struct Fixture {
   explicit Fixture(RelayOptions options = {}) {
     options.listen_host = "127.0.0.1";
-    options.run_key = security::random_key();
-    run_key = options.run_key;
     relay = std::make_unique<Relay>(options);
     EXPECT_TRUE(relay->start().is_ok());
   }
-  std::vector<std::uint8_t> key(PeerId a, PeerId b) const { return security::to_bytes(security::pair_key(run_key, a, b)); }
+  // What the master assigns for these members (peer -> group).
+  void assign(const std::map<PeerId, std::uint32_t>& members) const { relay->assign(relay_pairs(members, run_key)); }
+  // What the two ends prove to the relay.
+  std::vector<std::uint8_t> key(PeerId a, PeerId b) const {
+    return security::to_bytes(security::relay_key(security::pair_key(run_key, a, b)));
+  }
 
   // One end: `from` connects for its edge with `to` on slot 0 (`receiver`: it receives)
   // proving `key`, and waits for the relay's answer. The socket, or the handshake's error.
@@ -66,7 +70,7 @@ struct Fixture {
     return {std::move(s.value()), std::move(receiver.value())};
   }
 
-  security::Key run_key{};
+  security::Key run_key = security::random_key();
   std::unique_ptr<Relay> relay;
 };
 
@@ -85,7 +89,7 @@ bool closed_within(int fd, std::chrono::milliseconds within) {
 
 TEST(Relay, JoinsTheTwoEndsOfAnAssignedEdgeAndCopiesBothWays) {
   Fixture f;
-  f.relay->assign({{kA, 1}, {kB, 1}});
+  f.assign({{kA, 1}, {kB, 1}});
   std::this_thread::sleep_for(50ms);  // assign() is carried out on the relay's thread
   auto [a, b] = f.joined();
   ASSERT_TRUE(a.valid() && b.valid());
@@ -109,7 +113,7 @@ TEST(Relay, JoinsTheTwoEndsOfAnAssignedEdgeAndCopiesBothWays) {
 
 TEST(Relay, RefusesPairsItWasNotAssignedAndWrongProofs) {
   Fixture f;
-  f.relay->assign({{kA, 1}, {kB, 1}, {kC, 2}});
+  f.assign({{kA, 1}, {kB, 1}, {kC, 2}});
   std::this_thread::sleep_for(50ms);
   // Another group's peer: refused at once, without a proof asked.
   auto other_group = f.end(kA, kC, false, f.key(kA, kC));
@@ -123,13 +127,17 @@ TEST(Relay, RefusesPairsItWasNotAssignedAndWrongProofs) {
   auto wrong = f.end(kA, kB, false, f.key(kA, kC));
   ASSERT_FALSE(wrong.is_ok());
   EXPECT_EQ(wrong.status().code(), LOCKSTEP_STATUS_AUTHENTICATION_FAILED) << wrong.status().to_string();
+  // The pair key itself is not what the relay knows: it holds only the key derived from it.
+  auto pair_key = f.end(kA, kB, false, security::to_bytes(security::pair_key(f.run_key, kA, kB)));
+  ASSERT_FALSE(pair_key.is_ok());
+  EXPECT_EQ(pair_key.status().code(), LOCKSTEP_STATUS_AUTHENTICATION_FAILED) << pair_key.status().to_string();
   // Garbage.
   auto fd = transport::connect_tcp("127.0.0.1", f.relay->port(), 2000);
   ASSERT_TRUE(fd.is_ok());
   const std::string junk(64, 'x');
   (void)transport::send_all(fd.value().get(), {reinterpret_cast<const std::uint8_t*>(junk.data()), junk.size()}, 2000);
   EXPECT_TRUE(closed_within(fd.value().get(), 5000ms));
-  EXPECT_GE(f.relay->stats().refused, 3u);
+  EXPECT_GE(f.relay->stats().refused, 4u);
   EXPECT_EQ(f.relay->stats().pairs, 0u);
 }
 
@@ -137,7 +145,7 @@ TEST(Relay, AnEndWhoseOtherEndNeverComesIsDropped) {
   RelayOptions options;
   options.match_timeout_ms = 200;
   Fixture f(options);
-  f.relay->assign({{kA, 1}, {kB, 1}});
+  f.assign({{kA, 1}, {kB, 1}});
   std::this_thread::sleep_for(50ms);
   const auto started = std::chrono::steady_clock::now();
   auto alone = f.end(kA, kB, false, f.key(kA, kB));
@@ -151,7 +159,7 @@ TEST(Relay, APairWhoseReaderStopsReadingIsDropped) {
   options.stall_timeout_ms = 300;
   options.buffer_bytes = 64 * 1024;
   Fixture f(options);
-  f.relay->assign({{kA, 1}, {kB, 1}});
+  f.assign({{kA, 1}, {kB, 1}});
   std::this_thread::sleep_for(50ms);
   auto [a, b] = f.joined();
   ASSERT_TRUE(a.valid() && b.valid());
@@ -172,11 +180,11 @@ TEST(Relay, APairWhoseReaderStopsReadingIsDropped) {
 
 TEST(Relay, AnEdgeTheMasterNoLongerAssignsIsClosed) {
   Fixture f;
-  f.relay->assign({{kA, 1}, {kB, 1}});
+  f.assign({{kA, 1}, {kB, 1}});
   std::this_thread::sleep_for(50ms);
   auto [a, b] = f.joined();
   ASSERT_TRUE(a.valid() && b.valid());
-  f.relay->assign({{kA, 1}});  // B left the run
+  f.assign({{kA, 1}});  // B left the run
   EXPECT_TRUE(closed_within(a.get(), 5000ms));
   EXPECT_TRUE(closed_within(b.get(), 5000ms));
 }
@@ -188,7 +196,7 @@ TEST(Relay, IdleStrangersAtTheCapMakeRoomForTheRunsPeers) {
   RelayOptions options;
   options.connections_max = 8;
   Fixture f(options);
-  f.relay->assign({{kA, 1}, {kB, 1}});
+  f.assign({{kA, 1}, {kB, 1}});
   std::vector<transport::Fd> idle;
   for (int i = 0; i < 8; ++i) {
     auto fd = transport::connect_tcp("127.0.0.1", f.relay->port(), 2000);

@@ -95,6 +95,17 @@ int main(int argc, char** argv) {
   r->add_flag("--relay", run.relay,
               "the master relays the ring edges between workers that accept no inbound connection (a run secret "
               "in the log directory, given to every process through LOCKSTEP_SECRET_FILE)");
+  r->add_option("--relay-processes", run.relay_processes,
+                "lockstep-relay processes beside the master (a run secret as for --relay); the one in use is "
+                "killed and replaced every --relay-churn-ms")
+      ->check(CLI::Range(0u, 8u))
+      ->capture_default_str();
+  r->add_option("--relay-churn-ms", run.relay_churn_ms, "how often the relay process in use is killed")
+      ->check(CLI::Range(1000u, 3'600'000u))
+      ->capture_default_str();
+  r->add_option("--testbed-nat-hosts", run.testbed_nat_hosts,
+                "WAN mode: the last K hosts sit behind NATs of their own (their workers accept no inbound connection)")
+      ->capture_default_str();
   lockstep::soak::add_worker_sizing(r, run.worker);
 
   CLI11_PARSE(app, argc, argv);
@@ -109,6 +120,10 @@ int main(int argc, char** argv) {
   }
   if (run.event_min_ms == 0 || run.event_max_ms < run.event_min_ms) {
     std::fprintf(stderr, "--event-min-ms must be positive and at most --event-max-ms\n");
+    return 2;
+  }
+  if (run.testbed_nat_hosts > 0 && (run.testbed_hosts == 0 || run.testbed_nat_hosts + 2 > run.testbed_hosts)) {
+    std::fprintf(stderr, "--testbed-nat-hosts needs --testbed and leaves the master's host and one worker host open\n");
     return 2;
   }
   if (run.partition_min_ms == 0 || run.partition_max_ms < run.partition_min_ms) {

@@ -95,6 +95,7 @@ class Soak {
     checker_ = std::make_unique<Checker>(cc, start_ms_);
     rss_base_at_ms_ = start_ms_ + (o_.seconds >= 120 ? 60'000 : 30'000);
     for (std::uint32_t i = 0; i < o_.peers_initial; ++i) spawn(/*bootstrap=*/true);
+    next_relay_churn_ms_ = start_ms_ + o_.relay_churn_ms;
 
     const auto end_ms = start_ms_ + static_cast<std::int64_t>(o_.seconds * 1000);
     std::int64_t next_progress_ms = start_ms_ + 10'000;
@@ -108,6 +109,7 @@ class Soak {
       if (!master_alive(now)) break;
       resume_due(now);
       heal_due(now);
+      churn_relays(now);
       carry_out(schedule_.next(now, schedule_state()), now);
       if (now >= next_rss_ms) {
         next_rss_ms = now + 1000;
@@ -153,14 +155,15 @@ class Soak {
     const std::string master_host = wan() ? addrs_[0] : "127.0.0.1";
     std::vector<std::string> master_argv = {dir + "lockstep-master", "--listen", master_host + ":0",
                                             "--heartbeat-timeout-ms", std::to_string(o_.heartbeat_timeout_ms)};
-    if (o_.relay) {
-      // The master and every worker read the secret from the environment they inherit.
+    if (o_.relay || o_.relay_processes > 0) {
+      // The master, every worker and relay read the secret from the environment they inherit.
       const std::string secret = o_.log_dir + "/run.secret";
       std::ofstream(secret) << "soak run secret " << o_.seed << " " << ::getpid() << "\n";
       std::filesystem::permissions(secret, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write,
                                    ec);
       ::setenv("LOCKSTEP_SECRET_FILE", secret.c_str(), 1);
-      master_argv.insert(master_argv.end(), {"--relay-port", "0"});
+      secret_file_ = secret;
+      if (o_.relay) master_argv.insert(master_argv.end(), {"--relay-port", "0"});
     }
     if (wan()) master_argv = bed_->in_host(0, master_argv);
     auto master = Subprocess::spawn(master_argv, o_.log_dir + "/master.log");
@@ -176,6 +179,9 @@ class Soak {
     }
     port_ = std::stoi(first->substr(first->rfind(':') + 1));
     master_address_ = master_host + ":" + std::to_string(port_);
+    for (std::uint32_t i = 0; i < o_.relay_processes; ++i) {
+      if (!spawn_relay(dir)) return false;
+    }
     const json start = start_report(o_, master_address_, master_->pid(), wan() ? bed_->prefix() : std::string());
     print(start);
     log("start: " + start.dump());
@@ -183,6 +189,46 @@ class Soak {
   }
 
   bool wan() const { return o_.testbed_hosts > 0; }
+  bool nat_host(std::uint32_t host) const { return host >= o_.testbed_hosts - o_.testbed_nat_hosts; }
+
+  // A lockstep-relay process beside the master, registered with it before this returns
+  // (its second line), so that the run always has the relays it counts on.
+  bool spawn_relay(const std::string& dir) {
+    const std::string host = wan() ? addrs_[0] : "127.0.0.1";
+    std::vector<std::string> argv = {dir + "lockstep-relay", "--master", master_address_, "--secret-file",
+                                     secret_file_, "--listen", host + ":0"};
+    if (wan()) argv = bed_->in_host(0, argv);
+    const std::string name = "relay" + std::to_string(++relays_started_);
+    auto p = Subprocess::spawn(argv, o_.log_dir + "/" + name + ".log");
+    if (!p) {
+      std::fprintf(stderr, "lockstep-soak: cannot start %slockstep-relay\n", dir.c_str());
+      return false;
+    }
+    relays_.push_back(std::make_unique<Subprocess>(std::move(*p)));
+    for (const char* word : {"listening", "registered"}) {
+      const auto line = relays_.back()->read_line(std::chrono::seconds(10));
+      if (!line || line->find(word) == std::string::npos) {
+        std::fprintf(stderr, "lockstep-soak: %s did not say it is %s (see %s/%s.log)\n", name.c_str(), word,
+                     o_.log_dir.c_str(), name.c_str());
+        return false;
+      }
+    }
+    log("relay " + name + " (pid " + std::to_string(relays_.back()->pid()) + ") registered");
+    return true;
+  }
+
+  // The relay process in use (the oldest) is killed and a new one started: its relayed
+  // edges move to the next one (the attempt in flight on them fails for everyone alike).
+  void churn_relays(std::int64_t now) {
+    if (o_.relay_processes == 0 || now < next_relay_churn_ms_) return;
+    next_relay_churn_ms_ = now + o_.relay_churn_ms;
+    log("SIGKILL the relay process in use (pid " + std::to_string(relays_.front()->pid()) + ")");
+    relays_.front()->kill();
+    relays_.erase(relays_.begin());
+    ++counts_.relay_kills;
+    const std::string dir = self_.substr(0, self_.rfind('/') + 1);
+    if (!spawn_relay(dir)) checker_->fail("spawn", "cannot start a relay process", now);
+  }
 
   // Brings the bed up: hosts, every link capped and delayed both ways, the addresses.
   bool setup_bed(const std::string& dir) {
@@ -196,6 +242,9 @@ class Soak {
       return false;
     };
     if (!bed_->up(o_.testbed_hosts)) return fail("up " + std::to_string(o_.testbed_hosts));
+    for (std::uint32_t h = o_.testbed_hosts - o_.testbed_nat_hosts; h < o_.testbed_hosts; ++h) {
+      if (!bed_->run({"nat", std::to_string(h)})) return fail("nat " + std::to_string(h));
+    }
     for (std::uint32_t i = 0; i < o_.testbed_hosts; ++i) {
       std::string addr;
       if (!bed_->run({"addr", std::to_string(i)}, &addr) || addr.empty()) return fail("addr " + std::to_string(i));
@@ -306,7 +355,8 @@ class Soak {
         host = 1 + static_cast<std::uint32_t>(next_host_++ % workers_hosts);
         if (!partition_ || !partition_->whole_host || partition_->a != host) break;
       }
-      argv.insert(argv.end(), {"--advertised-host", addrs_[host], "--bind-host", addrs_[host]});
+      // Behind a NAT the worker names no address: the master finds it cannot reach it.
+      if (!nat_host(host)) argv.insert(argv.end(), {"--advertised-host", addrs_[host], "--bind-host", addrs_[host]});
       argv = bed_->in_host(host, argv);
     }
     auto p = Subprocess::spawn(argv, o_.log_dir + "/" + name + ".log");
@@ -643,6 +693,10 @@ class Soak {
   std::uint64_t next_host_ = 0;
   std::string master_address_;
   std::unique_ptr<Subprocess> master_;
+  std::string secret_file_;  // with --relay or --relay-processes
+  std::vector<std::unique_ptr<Subprocess>> relays_;  // the relay processes, oldest (in use) first
+  std::uint32_t relays_started_ = 0;
+  std::int64_t next_relay_churn_ms_ = 0;
   bool master_dead_ = false;
   int port_ = 0;
   std::unique_ptr<Checker> checker_;

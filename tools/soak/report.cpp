@@ -71,6 +71,8 @@ json summary_report(const RunOptions& o, const Checker& checker, const EventCoun
   s["peers"] = std::to_string(o.peers_initial) + ".." + std::to_string(o.peers_max);
   s["heartbeat_timeout_ms"] = o.heartbeat_timeout_ms;
   s["events"] = {{"kills", counts.kills}, {"stops", counts.stops}, {"spawns", counts.spawns}};
+  if (o.relay_processes > 0) s["events"]["relay_kills"] = counts.relay_kills;
+  if (o.testbed_nat_hosts > 0) s["testbed_nat_hosts"] = o.testbed_nat_hosts;
   if (o.testbed_hosts > 0) {
     s["events"]["partitions"] = counts.host_partitions + counts.pair_partitions;
     s["events"]["host_partitions"] = counts.host_partitions;

@@ -84,6 +84,14 @@ struct RunOptions {
   // LOCKSTEP_SECRET_FILE (a file in the log directory): two workers that accept no
   // inbound connection may be ring neighbours (docs/deployment.md, "Relays").
   bool relay = false;
+  // lockstep-relay processes (in the master's host), under the same secret; every
+  // relay_churn_ms the one in use is SIGKILLed and a new one started, so that the run
+  // moves its relayed edges to the next (docs/deployment.md, "Relays"). 0: none.
+  std::uint32_t relay_processes = 0;
+  std::uint32_t relay_churn_ms = 10'000;
+  // WAN mode: the last testbed_nat_hosts hosts sit behind NATs of their own (lockstep-
+  // testbed nat): their workers accept no inbound connection, and the master finds it out.
+  std::uint32_t testbed_nat_hosts = 0;
   // Passed to every worker.
   WorkerOptions worker;
 };
