@@ -60,6 +60,11 @@ class Relay::Impl {
   void assign(RelayPairs pairs) {
     asio::post(io_, [self = this, pairs = std::move(pairs)]() mutable {
       self->assigned_ = std::move(pairs);
+      for (const auto& c : std::set<ConnPtr>(self->unassigned_)) {
+        if (!self->allowed(c->hello.from, c->hello.to)) continue;
+        self->unassigned_.erase(c);
+        self->challenge(c);
+      }
       for (const auto& c : std::set<std::shared_ptr<Conn>>(self->conns_)) {
         if (c->edge && !self->allowed(c->edge->sender, c->edge->receiver)) {
           LOG_INFO(kLog, "closing the relayed edge " << c->edge->sender.to_string() << " -> "
@@ -194,12 +199,26 @@ class Relay::Impl {
                            h.epoch == static_cast<std::uint64_t>(proto::Channel::kSharedState) ||
                            h.epoch == static_cast<std::uint64_t>(proto::Channel::kBenchmark);
     if (h.channel != proto::Channel::kRelay || !relayable || !security::to_nonce(h.auth, &c->client)) return refuse(c);
-    if (!allowed(h.from, h.to)) {
-      LOG_INFO(kLog, "refusing " << c->remote << ": the master assigns no relayed edge between "
-                                 << h.from.to_string() << " and " << h.to.to_string());
-      return answer_and_drop(c, LOCKSTEP_STATUS_REJECTED);
-    }
     c->transcript = c->payload;
+    if (!allowed(h.from, h.to)) {
+      // Perhaps not yet: wait a little for the master's assignment (assign() goes on).
+      unassigned_.insert(c);
+      c->timer.expires_after(std::chrono::milliseconds(options_.assignment_wait_ms));
+      c->timer.async_wait([self = this, c](const asio::error_code& ec) {
+        if (ec || self->unassigned_.erase(c) == 0) return;
+        LOG_INFO(kLog, "refusing " << c->remote << ": the master assigns no relayed edge between "
+                                   << c->hello.from.to_string() << " and " << c->hello.to.to_string());
+        self->answer_and_drop(c, LOCKSTEP_STATUS_REJECTED);
+      });
+      return;
+    }
+    challenge(c);
+  }
+
+  // The hello names an assigned pair: the relay proves the pair's key and reads the proof.
+  void challenge(const ConnPtr& c) {
+    arm(c, options_.handshake_timeout_ms, "its handshake did not finish in time");
+    const proto::P2PHello& h = c->hello;
     c->key = assigned_.at(relay_pair(h.from, h.to));
     c->server = security::random_nonce();
     const auto proof = security::proof(c->key, security::kAcceptorRole, c->client, c->server, c->transcript);
@@ -289,6 +308,7 @@ class Relay::Impl {
 
   // Closes `c` and, once joined, its other end.
   void drop(const ConnPtr& c) {
+    unassigned_.erase(c);
     if (conns_.erase(c) == 0) return;
     if (c->edge) {
       if (auto w = waiting_.find(*c->edge); w != waiting_.end()) {
@@ -320,6 +340,7 @@ class Relay::Impl {
   std::uint64_t displaced_ = 0;
   std::map<Edge, std::pair<std::weak_ptr<Conn>, std::weak_ptr<Conn>>> waiting_;  // (sender, receiver)
   RelayPairs assigned_;
+  std::set<ConnPtr> unassigned_;  // hellos of pairs not assigned (yet), waiting at most the assignment wait
   std::atomic<std::uint64_t> bytes_{0};
   std::atomic<std::uint64_t> pairs_{0};
   std::atomic<std::uint64_t> refused_{0};

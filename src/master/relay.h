@@ -11,7 +11,8 @@
 // nor alter unnoticed.
 //
 // Bounds: the relay forwards only for the pairs the master assigns (two peers of one
-// group's ring that both accept no inbound connection; assign()), drops a connection
+// group's ring that both accept no inbound connection; assign(); a hello for a pair not
+// assigned yet waits at most the assignment wait for it), drops a connection
 // whose hello does not arrive within the handshake timeout or whose other end does not
 // arrive within the match timeout, keeps at most connections_max connections (the oldest
 // that has proven no key makes room for a new one), copies
@@ -39,6 +40,10 @@ struct RelayOptions {
   std::uint16_t port = 0;  // 0: an ephemeral port
   std::uint32_t handshake_timeout_ms = 5'000;
   std::uint32_t match_timeout_ms = 30'000;
+  // How long a hello for a pair the relay was not given waits for the master to give it:
+  // the master's assignment and its EstablishP2P to the peers travel on different
+  // connections, and a peer may dial before the relay has heard of its pair.
+  std::uint32_t assignment_wait_ms = 2'000;
   std::uint32_t stall_timeout_ms = 30'000;
   std::size_t buffer_bytes = 256 * 1024;
   std::size_t connections_max = 4096;

@@ -112,10 +112,12 @@ TEST(Relay, JoinsTheTwoEndsOfAnAssignedEdgeAndCopiesBothWays) {
 }
 
 TEST(Relay, RefusesPairsItWasNotAssignedAndWrongProofs) {
-  Fixture f;
+  RelayOptions options;
+  options.assignment_wait_ms = 200;
+  Fixture f(options);
   f.assign({{kA, 1}, {kB, 1}, {kC, 2}});
   std::this_thread::sleep_for(50ms);
-  // Another group's peer: refused at once, without a proof asked.
+  // Another group's peer: refused once the assignment wait is over, without a proof asked.
   auto other_group = f.end(kA, kC, false, f.key(kA, kC));
   ASSERT_FALSE(other_group.is_ok());
   EXPECT_EQ(other_group.status().code(), LOCKSTEP_STATUS_PEER_CONNECTION_FAILED) << other_group.status().to_string();
@@ -139,6 +141,24 @@ TEST(Relay, RefusesPairsItWasNotAssignedAndWrongProofs) {
   EXPECT_TRUE(closed_within(fd.value().get(), 5000ms));
   EXPECT_GE(f.relay->stats().refused, 4u);
   EXPECT_EQ(f.relay->stats().pairs, 0u);
+}
+
+// The master's assignment and its EstablishP2P to the peers travel on different
+// connections: ends that come before their pair is assigned wait for it (at most the
+// assignment wait), then go on as usual.
+TEST(Relay, EndsThatComeBeforeTheirAssignmentWaitForIt) {
+  Fixture f;
+  auto sender = std::async(std::launch::async, [&] { return f.end(kA, kB, false, f.key(kA, kB)); });
+  auto receiver = std::async(std::launch::async, [&] { return f.end(kB, kA, true, f.key(kA, kB)); });
+  // Both hellos are at the relay before the pair is (its stats count no refusal).
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(f.relay->stats().refused, 0u);
+  f.assign({{kA, 1}, {kB, 1}});
+  auto a = sender.get();
+  auto b = receiver.get();
+  ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+  ASSERT_TRUE(b.is_ok()) << b.status().to_string();
+  EXPECT_EQ(f.relay->stats().pairs, 1u);
 }
 
 TEST(Relay, AnEndWhoseOtherEndNeverComesIsDropped) {
