@@ -593,10 +593,12 @@ TEST(AllReduce, ManyConcurrentOverAPool) {
           }
         }
         // The 32 were launched at once: every connection of the pool carried a share.
-        // Under ThreadSanitizer thread 0's launches themselves can take longer than a
-        // collective, so that fewer than 8 run at once however they are started; there
-        // (a pass for races, not for the slot rule) several slots must carry a share.
-#if defined(__SANITIZE_THREAD__)
+        // Under ThreadSanitizer, and at times under AddressSanitizer, thread 0's launches
+        // themselves can take longer than a collective, so that fewer than 8 run at once
+        // however they are started (7 of 8 seen under ASan in CI); there (passes for races
+        // and memory errors, not for the slot rule, which the Release pass and the
+        // coordinator's tests hold) several slots must carry a share.
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
         constexpr bool kEverySlot = false;
 #else
         constexpr bool kEverySlot = true;
