@@ -667,18 +667,8 @@ void Coordinator::on_relay_change(bool available, TimeMs now_ms, Outbox& out) {
     // Another relay took over: an establishment whose relayed edges were being made
     // through the old one fails without blaming anyone (the next vote retries it).
     if (topology_phase_ != TopologyPhase::kEstablishing) return;
-    const auto relayed = [this](const std::vector<PeerId>& ring) {
-      const auto refuses = [this](PeerId id) {
-        const Peer* p = find_peer(id);
-        return p != nullptr && !proto::accepts_inbound(p->info);
-      };
-      for (std::size_t k = 0; k < ring.size() && ring.size() >= 2; ++k) {
-        if (refuses(ring[k]) && refuses(ring[(k + 1) % ring.size()])) return true;
-      }
-      return false;
-    };
     for (const auto& [group, ids] : proposed_rings_) {
-      if (relayed(ids)) {
+      if (neighbours_accepting_none(ids)) {
         fail_establish("the relay in use changed while the ring of group " + std::to_string(group) +
                            " was being connected through it",
                        out);

@@ -385,6 +385,8 @@ class Coordinator {
                        const std::optional<std::map<std::uint32_t, std::vector<PeerId>>>& optimized = std::nullopt);
   std::map<PeerId, std::string> without_room() const;
   std::optional<std::string> unreachable_neighbours(const std::vector<PeerId>& ring) const;
+  // The same, whether or not the run has a relay: the ring's relayed edges.
+  std::optional<std::string> neighbours_accepting_none(const std::vector<PeerId>& ring) const;
   void remove_unreachable_neighbours(std::uint32_t group, const std::string& why, Outbox& out);
   void place_newcomer(std::vector<PeerId>& ring, PeerId id) const;
   void fail_establish(const std::string& reason, Outbox& out);

@@ -144,6 +144,10 @@ std::string Coordinator::digest() const {
 // edge cannot be made), named; nothing if there are none, or if the master has a relay.
 std::optional<std::string> Coordinator::unreachable_neighbours(const std::vector<PeerId>& ring) const {
   if (relay_) return std::nullopt;
+  return neighbours_accepting_none(ring);
+}
+
+std::optional<std::string> Coordinator::neighbours_accepting_none(const std::vector<PeerId>& ring) const {
   const auto refuses = [this](PeerId id) {
     const Peer* p = find_peer(id);
     return p != nullptr && !proto::accepts_inbound(p->info);

@@ -357,6 +357,20 @@ def test_peers_behind_two_nats(testbed_factory):
         master.wait(timeout=10)
 
 
+def open_and_two_nat_peers(bed, address: str, keyed: tuple, peers: list[TestPeer]) -> list[TestPeer]:
+    """The peers of the open host 3 and of the NAT hosts 1 and 2 (appended to `peers`, for
+    the caller to close), admitted under the run secret: the two NAT peers' edge is
+    relayed; all-reduces and an optimize. Returns the members, in ring order."""
+    peers += [TestPeer(bed, BIN, 3, address, "r3", keyed), TestPeer(bed, BIN, 1, address, "n1", keyed),
+              TestPeer(bed, BIN, 2, address, "n2", keyed)]
+    members: list[TestPeer] = []
+    admit(members, list(peers))
+    view = update_view(members)
+    assert [m["port"] == 0 for m in view] == [False, True, True], view
+    reduce_and_optimize(members, hidden=2)
+    return members
+
+
 def test_peers_behind_two_nats_meet_through_the_relay(testbed_factory, tmp_path):
     """Hosts 1 and 2 sit behind NATs of their own; the master on host 0 runs a relay
     (--relay-port, under a run secret). With the peer of the open host 3 there is no ring
@@ -376,13 +390,7 @@ def test_peers_behind_two_nats_meet_through_the_relay(testbed_factory, tmp_path)
     try:
         address = f"{bed.addr(0)}:7000"
         keyed = ("--secret-file", str(secret))
-        peers = [TestPeer(bed, BIN, 3, address, "r3", keyed), TestPeer(bed, BIN, 1, address, "n1", keyed),
-                 TestPeer(bed, BIN, 2, address, "n2", keyed)]
-        members: list[TestPeer] = []
-        admit(members, peers)
-        view = update_view(members)
-        assert [m["port"] == 0 for m in view] == [False, True, True], view
-        reduce_and_optimize(members, hidden=2)
+        members = open_and_two_nat_peers(bed, address, keyed, peers)
 
         late = TestPeer(bed, BIN, 1, address, "n1b", keyed)  # behind the first NAT too
         peers.append(late)
@@ -440,13 +448,7 @@ def test_a_relay_host_carries_the_nat_edges_and_its_death_parts_them(testbed_fac
             assert ready and word in relay.stdout.readline()
         address = f"{bed.addr(0)}:7000"
         keyed = ("--secret-file", str(secret))
-        peers = [TestPeer(bed, BIN, 3, address, "r3", keyed), TestPeer(bed, BIN, 1, address, "n1", keyed),
-                 TestPeer(bed, BIN, 2, address, "n2", keyed)]
-        members: list[TestPeer] = []
-        admit(members, peers)
-        view = update_view(members)
-        assert [m["port"] == 0 for m in view] == [False, True, True], view
-        reduce_and_optimize(members, hidden=2)
+        members = open_and_two_nat_peers(bed, address, keyed, peers)
 
         size = 4 << 20
         newcomer = TestPeer(bed, BIN, 1, address, "n1b", keyed)  # behind the first NAT too
@@ -478,11 +480,13 @@ def test_a_relay_host_carries_the_nat_edges_and_its_death_parts_them(testbed_fac
         outcomes = {p.name: p.reply(120) for p in members}
         kicked = [p for p in members if outcomes[p.name]["code"] == 14]  # LOCKSTEP_STATUS_KICKED
         survivors = [p for p in members if p not in kicked]
-        assert sorted(p.name for p in kicked) == ["n1b", "n2"], outcomes
+        # Of the three NAT peers, the later of each neighbouring pair leaves: two (which
+        # two depends on where the optimize put them), never the open host's.
+        assert len(kicked) == 2 and "r3" not in [p.name for p in kicked], outcomes
         assert len({outcomes[p.name]["code"] for p in survivors}) == 1, outcomes
         reduce_until_done(survivors, 3)
         view = update_view(survivors)
-        assert [m["port"] == 0 for m in view] == [False, True], view
+        assert sorted(m["port"] == 0 for m in view) == [False, True], view
         allreduce_ms(survivors, 1 << 20, 20)
     finally:
         for p in peers:

@@ -3180,14 +3180,20 @@ TEST(CoordinatorOptimize, MeasuresEveryPairInRoundsThenRewiresInTheSolversOrder)
 // Peers that accept no inbound connection (docs/deployment.md, "NAT"): each bandwidth
 // test is dialled towards the side that accepts connections, a pair where neither does is
 // not tested (it cannot connect) but given a bandwidth of 0, and the ring keeps them apart.
-TEST(CoordinatorOptimize, UnreachablePeersAreDialledNeverAndNeverNeighbours) {
-  Harness h;
+// Four accepted peers: a and b accept connections, c and d none (joined a, c, b, d).
+std::vector<FakePeer> two_unreachable_of_four(Harness& h) {
   const FakePeer a = h.first(1);
   const FakePeer c = h.join_as(1, false);
   const FakePeer b = h.join_as(1, true);
   const FakePeer d = h.join_as(1, false);
   h.update({a}, {c, b, d});
-  const std::vector<FakePeer> peers = {a, b, c, d};
+  return {a, b, c, d};
+}
+
+TEST(CoordinatorOptimize, UnreachablePeersAreDialledNeverAndNeverNeighbours) {
+  Harness h;
+  const std::vector<FakePeer> peers = two_unreachable_of_four(h);
+  const FakePeer &a = peers[0], &c = peers[2], &d = peers[3];
   const auto unreachable = [&](PeerId id) { return id == c.id || id == d.id; };
   Outbox out;
   for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
@@ -3230,12 +3236,8 @@ TEST(CoordinatorOptimize, UnreachablePeersAreDialledNeverAndNeverNeighbours) {
 // it (the smaller id initiates), as their edge would run, instead of being given 0.
 TEST(CoordinatorOptimize, WithARelayUnreachablePairsAreMeasuredThroughIt) {
   Harness h(relay_config());
-  const FakePeer a = h.first(1);
-  const FakePeer c = h.join_as(1, false);
-  const FakePeer b = h.join_as(1, true);
-  const FakePeer d = h.join_as(1, false);
-  h.update({a}, {c, b, d});
-  const std::vector<FakePeer> peers = {a, b, c, d};
+  const std::vector<FakePeer> peers = two_unreachable_of_four(h);
+  const FakePeer &c = peers[2], &d = peers[3];
   Outbox out;
   for (const auto& f : peers) out = h.send(f, p::VoteOptimizeTopology{});
   bool relayed_test = false;
