@@ -31,7 +31,7 @@ extern "C" {
 #endif
 
 #define LOCKSTEP_VERSION_MAJOR 0
-#define LOCKSTEP_VERSION_MINOR 13
+#define LOCKSTEP_VERSION_MINOR 14
 #define LOCKSTEP_VERSION_PATCH 0
 #define LOCKSTEP_VERSION_HEX \
   ((LOCKSTEP_VERSION_MAJOR << 16) | (LOCKSTEP_VERSION_MINOR << 8) | LOCKSTEP_VERSION_PATCH)
@@ -265,6 +265,15 @@ typedef struct lockstep_master_config {
   uint32_t relay;
   /** Since 0.12. The relay's port (at most 65535, else INVALID_ARGUMENT). */
   uint32_t relay_port;
+  /** Since 0.14 (failover, docs/operations.md): a master asked to take back the peers of
+   * a run it does not know (its predecessor was lost) waits this long for every peer of
+   * their last view before it resumes the run with a quorum of them; 0 means 5000. */
+  uint32_t recovery_window_ms;
+  /** Since 0.14. The peers of the last view that must be back to resume after the
+   * window; 0 (default): a strict majority (all of a view of one or two peers). Lower
+   * only for a run that lost most of its peers with its master: two masters could then
+   * each resume a part of the run. */
+  uint32_t recovery_quorum;
 } lockstep_master_config_t;
 
 /** Fills the struct_size bytes of a config with the defaults (port 48148, all interfaces)
@@ -401,6 +410,19 @@ typedef struct lockstep_comm_config {
   int no_inbound;
   /** Since 0.10: always 0 (it keeps the struct's size a multiple of 8). */
   uint32_t reserved_0_10;
+  /** Since 0.14 (failover, docs/architecture.md): more masters to try, in order, after
+   * master_host:master_port when the master is lost: "HOST:PORT[,HOST:PORT...]" (at most
+   * 16); NULL or "": only the master's own address. Malformed: INVALID_ARGUMENT. */
+  const char* master_fallbacks;
+  /** Since 0.14. Once accepted, a peer that loses its master looks for one to take it
+   * back (the master's address, then master_fallbacks) for this long; operations in
+   * flight are held and end with one outcome for every peer (a retryable failure where
+   * no peer received one), and calls block meanwhile. Only when no master takes the peer
+   * back in time does the communicator fail with MASTER_CONNECTION_LOST. 0 (default):
+   * off; a lost master ends the communicator at once. */
+  uint32_t failover_timeout_ms;
+  /** Since 0.14: always 0 (it keeps the struct's size a multiple of 8). */
+  uint32_t reserved_0_14;
 } lockstep_comm_config_t;
 
 /** Fills the struct_size bytes of a config with the defaults (master_host "127.0.0.1")

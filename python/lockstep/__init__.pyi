@@ -273,7 +273,8 @@ class Master:
                  pending_handshakes_max: int = 0, http: Optional[str] = None,
                  http_token_file: Optional[str] = None, http_insecure: bool = False, kv_keys_max: int = 0,
                  kv_key_bytes_max: int = 0, kv_value_bytes_max: int = 0,
-                 newcomer_timeout_ms: int = 0, relay_port: Optional[int] = None) -> None:
+                 newcomer_timeout_ms: int = 0, relay_port: Optional[int] = None, recovery_window_ms: int = 0,
+                 recovery_quorum: int = 0) -> None:
         """listen: "host:port" (port 0: ephemeral; empty host: all interfaces).
         heartbeat_timeout_ms: 0 means 5000 (range 100..3600000). vote_timeout_ms: 0 means
         off. peers_max: 0 means 1024. secret_file: the run secret (None: $LOCKSTEP_SECRET_FILE
@@ -286,7 +287,10 @@ class Master:
         newcomer_timeout_ms: how long a newcomer may hold an update topology before it is
         rejected (0: 5000; range 100..3600000).
         relay_port: run the relay on this port of the listen host (0: ephemeral; None: no
-        relay); needs secret_file (run() raises InvalidArgumentError without one)."""
+        relay); needs secret_file (run() raises InvalidArgumentError without one).
+        recovery_window_ms: how long a master taking back a lost master's peers waits for
+        all of their last view (0: 5000). recovery_quorum: how many must be back after it
+        (0: a strict majority; lower is risky, docs/operations.md)."""
     def run(self) -> None:
         """Starts listening and serving on background threads; MasterConnectionFailedError
         if it cannot bind."""
@@ -369,8 +373,12 @@ class Communicator:
                  inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
                  encrypt_data: bool = False, p2p_streams: int = 0,
                  tcp_congestion: Optional[str] = None, check_finite: bool = False,
-                 state_compression: str = "auto", inbound: bool = True) -> None:
-        """inbound: False for a peer that accepts no inbound connection (behind a NAT): it
+                 state_compression: str = "auto", inbound: bool = True, failover_timeout_ms: int = 0) -> None:
+        """failover_timeout_ms: once accepted, look this long for a master to take this peer
+        back when its master is lost (the first address of master, then the others, comma
+        separated); operations in flight end with one outcome for every peer, calls block
+        meanwhile; 0 (default): off, the loss raises MasterConnectionLostError.
+        inbound: False for a peer that accepts no inbound connection (behind a NAT): it
         listens on no port and dials its neighbours and the shared-state receivers it
         serves (connection reversal).
         check_finite: check this peer's contribution to each float collective for NaN

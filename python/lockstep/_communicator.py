@@ -209,7 +209,9 @@ class Communicator:
 
     Args:
         master: ``"host:port"`` of the master, ``"[ipv6]:port"`` for an IPv6 literal (port
-            defaults to 48148).
+            defaults to 48148). Several, separated by commas (``"a:48148,b:48148"``): with
+            failover, the others are where this peer looks for a master to take it back,
+            in order, after the first.
         group: the peer group; collectives and syncs span one group.
         pool_size: p2p connections per ring neighbour and direction (0 means 1).
         base_port: -1 takes the first free ports above 48148; 0 puts every socket on
@@ -270,8 +272,12 @@ class Communicator:
                  inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
                  encrypt_data: bool = False, p2p_streams: int = 0,
                  tcp_congestion: Optional[str] = None, check_finite: bool = False,
-                 state_compression: str = "auto", inbound: bool = True) -> None:
-        host, port = _split_address(master, DEFAULT_MASTER_PORT, "master")
+                 state_compression: str = "auto", inbound: bool = True, failover_timeout_ms: int = 0) -> None:
+        if not isinstance(master, str):
+            raise InvalidArgumentError("master must be a str")
+        first, *others = master.split(",")
+        host, port = _split_address(first, DEFAULT_MASTER_PORT, "master")
+        fallbacks = [_join_address(*_split_address(o, DEFAULT_MASTER_PORT, "master")) for o in others]
         if state_compression not in ("auto", "off"):
             raise InvalidArgumentError(f"state_compression must be 'auto' or 'off', not {state_compression!r}")
         if not host:
@@ -294,7 +300,8 @@ class Communicator:
             _check_uint("inbound_handshakes_max", inbound_handshakes_max, 32),
             _check_uint("p2p_stall_timeout_ms", p2p_stall_timeout_ms, 32), bool(encrypt_data),
             _check_uint("p2p_streams", p2p_streams, 32), tcp_congestion or "", bool(check_finite),
-            0 if state_compression == "auto" else 1, bool(inbound))
+            0 if state_compression == "auto" else 1, bool(inbound), ",".join(fallbacks),
+            _check_uint("failover_timeout_ms", failover_timeout_ms, 32))
         self.master = _join_address(host, port)
 
     # -- membership ---------------------------------------------------------

@@ -92,6 +92,12 @@ class Master:
             accept no inbound connection runs through it, sealed end to end. Needs
             ``secret_file`` (:meth:`run` raises InvalidArgumentError without one).
             None (the default): no relay (docs/deployment.md, "Relays").
+        recovery_window_ms: a master asked to take back the peers of a run it does not
+            know (failover) waits this long for every peer of their last view before it
+            resumes with a quorum of them; 0 means 5000.
+        recovery_quorum: the peers of that view that must be back after the window; 0
+            (default): a strict majority (all of one or two). Lower only for a run that
+            lost most of its peers with its master (docs/operations.md, "Failover").
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", heartbeat_timeout_ms: int = 0, vote_timeout_ms: int = 0,
@@ -99,7 +105,7 @@ class Master:
                  pending_handshakes_max: int = 0, http: Optional[str] = None, http_token_file: Optional[str] = None,
                  http_insecure: bool = False, kv_keys_max: int = 0, kv_key_bytes_max: int = 0,
                  kv_value_bytes_max: int = 0, newcomer_timeout_ms: int = 0,
-                 relay_port: Optional[int] = None) -> None:
+                 relay_port: Optional[int] = None, recovery_window_ms: int = 0, recovery_quorum: int = 0) -> None:
         host, port = _split_address(listen, DEFAULT_MASTER_PORT, "listen")
         if secret_file is not None and not isinstance(secret_file, str):
             raise InvalidArgumentError("secret_file must be a str or None")
@@ -122,7 +128,8 @@ class Master:
             _check_uint("kv_key_bytes_max", kv_key_bytes_max, 32),
             _check_uint("kv_value_bytes_max", kv_value_bytes_max, 32),
             _check_uint("newcomer_timeout_ms", newcomer_timeout_ms, 32),
-            -1 if relay_port is None else _check_uint("relay_port", relay_port, 16))
+            -1 if relay_port is None else _check_uint("relay_port", relay_port, 16),
+            _check_uint("recovery_window_ms", recovery_window_ms, 32), _check_uint("recovery_quorum", recovery_quorum, 32))
         self._running = False
 
     def run(self) -> None:

@@ -161,7 +161,8 @@ class PyMaster {
            std::uint32_t vote_timeout_ms, std::uint32_t peers_max, const std::string& secret_file,
            std::uint32_t handshake_timeout_ms, std::uint32_t pending_handshakes_max, const std::string& http_listen,
            const std::string& http_token_file, bool http_insecure, std::uint32_t kv_keys_max,
-           std::uint32_t kv_key_bytes_max, std::uint32_t kv_value_bytes_max, std::uint32_t newcomer_timeout_ms, int relay_port) {
+           std::uint32_t kv_key_bytes_max, std::uint32_t kv_value_bytes_max, std::uint32_t newcomer_timeout_ms, int relay_port,
+           std::uint32_t recovery_window_ms, std::uint32_t recovery_quorum) {
     lockstep_master_config_t config;
     check(lockstep_master_config_init(&config), nullptr);
     config.listen_host = host.c_str();
@@ -181,6 +182,8 @@ class PyMaster {
     config.newcomer_timeout_ms = newcomer_timeout_ms;
     config.relay = relay_port >= 0 ? 1 : 0;
     config.relay_port = relay_port >= 0 ? static_cast<std::uint32_t>(relay_port) : 0;
+    config.recovery_window_ms = recovery_window_ms;
+    config.recovery_quorum = recovery_quorum;
     lockstep_master_t* master = nullptr;
     const int s = lockstep_master_create(&config, &master);
     if (s != LOCKSTEP_OK) {
@@ -375,7 +378,8 @@ class PyComm {
          const std::string& bind_host, const std::string& secret_file, const py::object& secret,
          std::uint32_t inbound_handshake_timeout_ms, std::uint32_t inbound_handshakes_max,
          std::uint32_t p2p_stall_timeout_ms, bool encrypt_data, std::uint32_t p2p_streams,
-         const std::string& tcp_congestion, bool check_finite, std::uint32_t state_compression, bool inbound)
+         const std::string& tcp_congestion, bool check_finite, std::uint32_t state_compression, bool inbound,
+         const std::string& master_fallbacks, std::uint32_t failover_timeout_ms)
       : state_(std::make_shared<CommState>()) {
     lockstep_comm_config_t config;
     check(lockstep_comm_config_init(&config), nullptr);
@@ -403,6 +407,8 @@ class PyComm {
     config.check_finite = check_finite ? 1 : 0;
     config.state_compression = state_compression;
     config.no_inbound = inbound ? 0 : 1;
+    config.master_fallbacks = master_fallbacks.c_str();
+    config.failover_timeout_ms = failover_timeout_ms;
     lockstep_comm_t* comm = nullptr;
     int s = LOCKSTEP_OK;
     {
@@ -869,12 +875,13 @@ PYBIND11_MODULE(_lockstep, m) {
   py::class_<PyMaster>(m, "Master")
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::uint32_t, const std::string&,
                     std::uint32_t, std::uint32_t, const std::string&, const std::string&, bool, std::uint32_t,
-                    std::uint32_t, std::uint32_t, std::uint32_t, int>(),
+                    std::uint32_t, std::uint32_t, std::uint32_t, int, std::uint32_t, std::uint32_t>(),
            py::arg("host"), py::arg("port"), py::arg("heartbeat_timeout_ms"), py::arg("vote_timeout_ms"),
            py::arg("peers_max"), py::arg("secret_file") = "", py::arg("handshake_timeout_ms") = 0,
            py::arg("pending_handshakes_max") = 0, py::arg("http_listen") = "", py::arg("http_token_file") = "",
            py::arg("http_insecure") = false, py::arg("kv_keys_max") = 0, py::arg("kv_key_bytes_max") = 0,
-           py::arg("kv_value_bytes_max") = 0, py::arg("newcomer_timeout_ms") = 0, py::arg("relay_port") = -1)
+           py::arg("kv_value_bytes_max") = 0, py::arg("newcomer_timeout_ms") = 0, py::arg("relay_port") = -1,
+           py::arg("recovery_window_ms") = 0, py::arg("recovery_quorum") = 0)
       .def("run", &PyMaster::run)
       .def("relay_port", &PyMaster::relay_port)
       .def("port", &PyMaster::port)
@@ -889,13 +896,15 @@ PYBIND11_MODULE(_lockstep, m) {
   py::class_<PyComm>(m, "Comm")
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::int32_t, std::uint32_t,
                     const std::string&, const std::string&, const std::string&, const py::object&, std::uint32_t,
-                    std::uint32_t, std::uint32_t, bool, std::uint32_t, const std::string&, bool, std::uint32_t, bool>(),
+                    std::uint32_t, std::uint32_t, bool, std::uint32_t, const std::string&, bool, std::uint32_t, bool,
+                    const std::string&, std::uint32_t>(),
            py::arg("master_host"), py::arg("master_port"), py::arg("group"), py::arg("pool_size"), py::arg("base_port"),
            py::arg("connect_timeout_ms"), py::arg("advertised_host"), py::arg("bind_host"), py::arg("secret_file") = "",
            py::arg("secret") = py::none(), py::arg("inbound_handshake_timeout_ms") = 0,
            py::arg("inbound_handshakes_max") = 0, py::arg("p2p_stall_timeout_ms") = 0,
            py::arg("encrypt_data") = false, py::arg("p2p_streams") = 0, py::arg("tcp_congestion") = "",
-           py::arg("check_finite") = false, py::arg("state_compression") = 0, py::arg("inbound") = true)
+           py::arg("check_finite") = false, py::arg("state_compression") = 0, py::arg("inbound") = true,
+           py::arg("master_fallbacks") = "", py::arg("failover_timeout_ms") = 0)
       .def("connect", &PyComm::connect)
       .def("update_topology", &PyComm::update_topology)
       .def("optimize_topology", &PyComm::optimize_topology)

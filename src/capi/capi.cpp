@@ -259,6 +259,8 @@ lockstep_status_t lockstep_master_create(const lockstep_master_config_t* caller_
                                                                    ", above 65535"));
     }
     if (config->relay != 0) options.relay_port = static_cast<std::uint16_t>(config->relay_port);
+    if (config->recovery_window_ms != 0) options.coordinator.recovery_window_ms = config->recovery_window_ms;
+    options.coordinator.recovery_quorum = config->recovery_quorum;
     auto secret = load_secret(config->secret_file, nullptr, 0);
     if (!secret.is_ok()) {
       LOG_ERROR("capi", "lockstep_master_create: " << secret.status().to_string());
@@ -409,11 +411,22 @@ lockstep_status_t lockstep_comm_create(const lockstep_comm_config_t* caller_conf
     options.p2p_streams = config->p2p_streams;
     if (config->tcp_congestion != nullptr) options.tcp_congestion = config->tcp_congestion;
     options.check_finite = config->check_finite != 0;
-    if (config->state_compression > 1 || config->reserved_0_7 != 0 || config->reserved_0_10 != 0) {
+    if (config->state_compression > 1 || config->reserved_0_7 != 0 || config->reserved_0_10 != 0 ||
+        config->reserved_0_14 != 0) {
       LOG_ERROR("capi", "lockstep_comm_create: INVALID_ARGUMENT: state_compression is 0 (compress where it pays) or 1 "
-                        "(off), and reserved_0_7 and reserved_0_10 are 0");
+                        "(off), and reserved_0_7, reserved_0_10 and reserved_0_14 are 0");
       return LOCKSTEP_STATUS_INVALID_ARGUMENT;
     }
+    if (config->master_fallbacks != nullptr) {
+      auto fallbacks = lockstep::transport::parse_address_list(config->master_fallbacks);
+      if (!fallbacks) {
+        LOG_ERROR("capi", "lockstep_comm_create: INVALID_ARGUMENT: master_fallbacks is not HOST:PORT[,HOST:PORT...] "
+                          "(at most 16, ports above 0): \"" << config->master_fallbacks << "\"");
+        return LOCKSTEP_STATUS_INVALID_ARGUMENT;
+      }
+      options.master_fallbacks = std::move(*fallbacks);
+    }
+    options.failover_timeout_ms = config->failover_timeout_ms;
     options.accept_inbound = config->no_inbound == 0;
     options.compress_state = config->state_compression == 0;
     auto created = lockstep::peer::Communicator::create(options);

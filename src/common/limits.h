@@ -85,6 +85,14 @@ inline constexpr std::uint32_t kP2PStreamsAdaptiveMax = 8;
 inline constexpr std::uint32_t kVoteCarriedBytesMax = 16u << 10;
 // The value one peer proposes in an agree on a value (lockstep_comm_agree_value).
 inline constexpr std::uint32_t kAgreeValueBytesMax = 4096;
+// Failover (docs/protocol.md, "Failover"): a peer keeps the outcomes of this many tags
+// for the master that takes it back, and the last control outcome as a frame of at most
+// this many bytes (an AgreeResult with its value is the largest).
+inline constexpr std::uint32_t kResumeOutcomesKept = 16;
+inline constexpr std::uint32_t kResumeControlBytesMax = 8192;
+// How long a master that lost its run waits for every peer of the last view before it
+// resumes with a quorum of them (lockstep-master --recovery-window-ms).
+inline constexpr std::uint32_t kRecoveryWindowMsDefault = 5'000;
 // The master's key-value store of run metadata (docs/collectives.md, "Key-value
 // store"): the defaults of lockstep-master's --kv-keys-max, --kv-key-bytes-max and
 // --kv-value-bytes-max, and the most a flag may raise each to (the wire's bounds);

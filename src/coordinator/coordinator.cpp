@@ -470,6 +470,7 @@ void Coordinator::handle_hello(ConnId conn, const proto::Hello& hello, TimeMs no
                     "master through a non-loopback address, or set advertised_host)");
     }
   }
+  if (!hello.resume_id.is_nil()) return handle_resume_hello(conn, hello, host, hs.observed_host, now_ms, out);
   Peer peer;
   peer.conn = conn;
   peer.id = PeerId{config_.instance_nonce, next_peer_counter_++};
@@ -489,6 +490,7 @@ void Coordinator::handle_hello(ConnId conn, const proto::Hello& hello, TimeMs no
   welcome.id = peer.id;
   welcome.observed_host = hs.observed_host;
   welcome.heartbeat_timeout_ms = config_.heartbeat_timeout_ms;
+  welcome.term = term_;
   send(peer, welcome, out);
   peers_.emplace(peer.id, std::move(peer));
 }
@@ -571,6 +573,8 @@ void Coordinator::handle_peer_message(Peer& peer, const proto::Message& message,
       return handle_bandwidth_report(peer, std::get<proto::BandwidthReport>(message), out);
     case MsgType::kSyncDone:
       return handle_sync_done(peer, std::get<proto::SyncDone>(message), out);
+    case MsgType::kResumeReport:
+      return handle_resume_report(peer, std::get<proto::ResumeReport>(message), out);
     default:
       break;
   }
@@ -749,6 +753,7 @@ void Coordinator::advance(TimeMs now_ms, Outbox& out) {
   close_abandoned_votes();
   for (int guard = 0; guard < 64; ++guard) {
     bool changed = false;
+    changed |= try_finish_recovery(now_ms, out);
     changed |= try_complete_establish(out);
     changed |= try_complete_topology_vote(now_ms, out);
     changed |= try_complete_optimize_vote(now_ms, out);
@@ -766,9 +771,10 @@ void Coordinator::advance(TimeMs now_ms, Outbox& out) {
 bool Coordinator::try_complete_topology_vote(TimeMs now_ms, Outbox& out) {
   if (topology_phase_ == TopologyPhase::kEstablishing || topology_phase_ == TopologyPhase::kMeasuring) return false;
   if (topology_phase_ == TopologyPhase::kIdle) {
-    // An empty run admits newcomers without a vote: there is nobody to ask.
-    const auto registered = [](const auto& p) { return p.second.phase == Phase::kRegistered; };
-    if (accepted_count() == 0 && std::any_of(peers_.begin(), peers_.end(), registered)) {
+    // An empty run admits newcomers without a vote: there is nobody to ask (unless a
+    // recovery is taking a lost master's run back: they wait for its first update).
+    const auto registered = [](const auto& p) { return p.second.phase == Phase::kRegistered && !p.second.resuming; };
+    if (!recovery_ && accepted_count() == 0 && std::any_of(peers_.begin(), peers_.end(), registered)) {
       out.push_back(Event{.text = "no accepted peers: admitting registered peers without a vote",
                           .op = Operation::kUpdateTopology,
                           .reason = "the run has no accepted peer to vote"});

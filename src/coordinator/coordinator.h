@@ -83,6 +83,13 @@ struct Config {
   // rule for such peers nor the removal of such neighbours applies (docs/deployment.md).
   // on_relay_change() says when that changes (lockstep-relay processes come and go).
   bool relay = false;
+  // Failover (docs/architecture.md, "Failover"): a master that is asked to take back the
+  // peers of a run it does not know waits this long for every peer of their last view,
+  // then resumes with a quorum of them: a strict majority of the view (all of a view of
+  // one or two), or `recovery_quorum` peers where that is set (above 0; lower is risky:
+  // docs/operations.md).
+  std::uint32_t recovery_window_ms = limits::kRecoveryWindowMsDefault;
+  std::uint32_t recovery_quorum = 0;
 };
 
 enum class Phase { kRegistered, kAccepted };
@@ -122,6 +129,7 @@ struct Peer {
   std::vector<PeerId> unreachable;
   std::uint16_t pool_size = 1;
   bool measured = false;  // reported the current bandwidth-test round
+  bool resuming = false;  // registered to be taken back by a recovery (failover)
 };
 
 // One collective (a tag of a group) from its first initiate vote to its outcome.
@@ -276,6 +284,21 @@ class Coordinator {
   void on_relay_change(bool available, TimeMs now_ms, Outbox& out);
   bool relay() const { return relay_; }
 
+  // ---- failover (recovery.cpp)
+  // This master's term: 1, or one above the highest term the first peer asking to be
+  // taken back had granted.
+  std::uint64_t term() const { return term_; }
+  // A recovery is open: peers of a lost master's run are being taken back.
+  bool recovering() const { return recovery_.has_value(); }
+  // The last recovery's facts, for the status page and the metrics.
+  struct RecoveryRecord {
+    TimeMs started_ms = 0;
+    TimeMs finished_ms = 0;
+    std::vector<PeerId> back;     // taken back
+    std::vector<PeerId> missing;  // of the last view, not back (treated as removed)
+  };
+  const std::optional<RecoveryRecord>& last_recovery() const { return last_recovery_; }
+
   // ---- read-only views for the shell, tests and invariant checks
   const Config& config() const { return config_; }
   const std::map<PeerId, Peer>& peers() const { return peers_; }
@@ -356,6 +379,15 @@ class Coordinator {
   }
 
   void handle_hello(ConnId conn, const proto::Hello& hello, TimeMs now_ms, Outbox& out);
+  // ---- failover (recovery.cpp)
+  void handle_resume_hello(ConnId conn, const proto::Hello& hello, const std::string& host,
+                           const std::string& observed_host, TimeMs now_ms, Outbox& out);
+  void handle_resume_report(Peer& peer, const proto::ResumeReport& report, Outbox& out);
+  bool try_finish_recovery(TimeMs now_ms, Outbox& out);
+  void finish_recovery(const std::map<std::uint32_t, std::pair<std::uint64_t, std::vector<PeerId>>>& views,
+                       const std::set<PeerId>& back, TimeMs now_ms, Outbox& out);
+  void resolve_collectives(const std::map<PeerId, proto::ResumeReport>& reports, Outbox& out);
+  void resolve_control_rounds(const std::map<PeerId, proto::ResumeReport>& reports, Outbox& out);
   void handle_peer_message(Peer& peer, const proto::Message& message, TimeMs now_ms, Outbox& out);
   void refuse(const Peer& peer, proto::MsgType request, StatusCode status, std::string reason, Outbox& out);
   void send(const Peer& peer, proto::Message message, Outbox& out);
@@ -486,6 +518,17 @@ class Coordinator {
   std::map<std::uint32_t, std::uint64_t> revisions_;
 
   KvStore kv_;
+
+  // Failover: the term, whether a resume fixed it, the recovery in progress (the
+  // reports of the peers taken back so far), the last one's facts.
+  struct Recovery {
+    TimeMs started_ms = 0;
+    std::map<PeerId, proto::ResumeReport> reports;
+  };
+  std::uint64_t term_ = 1;
+  bool term_fixed_ = false;
+  std::optional<Recovery> recovery_;
+  std::optional<RecoveryRecord> last_recovery_;
 };
 
 }  // namespace lockstep::coord

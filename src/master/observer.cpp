@@ -249,6 +249,22 @@ std::string Observer::state_json(const coord::Coordinator& c, TimeMs now_ms) con
   root["epoch"] = c.epoch();
   root["topology_phase"] = coord::to_string(c.topology_phase());
   root["stall_after_ms"] = stall_after_ms_;
+  // Failover: this master's term, whether it is taking a lost master's run back, and the
+  // last such recovery (which peers came back, which were treated as lost, how long).
+  root["term"] = c.term();
+  root["recovering"] = c.recovering();
+  if (const auto& r = c.last_recovery()) {
+    json back = json::array();
+    for (const PeerId& id : r->back) back.push_back(id.to_string());
+    json missing = json::array();
+    for (const PeerId& id : r->missing) missing.push_back(id.to_string());
+    root["last_recovery"] = json{{"started_ms", r->started_ms},
+                                 {"ms", r->finished_ms - r->started_ms},
+                                 {"back", std::move(back)},
+                                 {"missing", std::move(missing)}};
+  } else {
+    root["last_recovery"] = nullptr;
+  }
 
   // Peers, with their rank in the ring (accepted peers) and the bytes they reported.
   std::map<PeerId, std::size_t> ranks;
@@ -442,6 +458,18 @@ std::string Observer::metrics_text(const coord::Coordinator& c, TimeMs now_ms) c
   }
   Family(out, "lockstep_topology_epoch", "gauge", "Topology epoch (advances with every p2p establishment).")
       .sample({}, static_cast<double>(c.epoch()));
+  Family(out, "lockstep_master_term", "gauge",
+         "This master's term (failover: above every term its peers granted to an earlier master).")
+      .sample({}, static_cast<double>(c.term()));
+  Family(out, "lockstep_recovering", "gauge", "1 while this master takes a lost master's run back, else 0.")
+      .sample({}, c.recovering() ? 1.0 : 0.0);
+  if (const auto& r = c.last_recovery()) {
+    Family(out, "lockstep_last_recovery_seconds", "gauge", "How long the last recovery took.")
+        .sample({}, static_cast<double>(r->finished_ms - r->started_ms) / 1000.0);
+    Family(out, "lockstep_last_recovery_peers", "gauge", "Peers of the last recovery: taken back, or missing.")
+        .sample({{"outcome", "back"}}, static_cast<double>(r->back.size()))
+        .sample({{"outcome", "missing"}}, static_cast<double>(r->missing.size()));
+  }
   {
     Family f(out, "lockstep_peers_registered_total", "counter", "Peers given an identity (joins).");
     f.sample({}, static_cast<double>(registrations_));

@@ -195,8 +195,8 @@ Status Communicator::connect() {
   id_ = welcome->id;
   link_->set_relay(RelayAddress{welcome->relay_host.empty() ? options_.master_host : welcome->relay_host,
                                 welcome->relay_port});
-  link_->set_identity(id_);
-  link_->attach_master(std::move(fd.value()), welcome->heartbeat_timeout_ms, std::move(crypto));
+  link_->set_identity(id_, welcome->term);
+  link_->attach_master(std::move(fd.value()), welcome->heartbeat_timeout_ms, std::move(crypto), hello);
   connected_ = true;
   LOG_DEBUG(kLog, "registered as " << id_.to_string() << ", waiting to be accepted");
   // A newcomer waits for the accepted peers' vote; failed attempts are retried by
@@ -1272,13 +1272,14 @@ Status Communicator::run_collective(const ReduceDescriptor& d, OpChannel& channe
   }
   LOG_TRACE(kLog, id_.to_string() << " tag " << d.tag << ": attempt " << go.attempt << " done here: " << local.to_string()
                                   << (committed ? " (committed)" : ""));
-  if (committed && !channel.settled_flag()->load()) {
-    // Every participant holds the result: the attempt can only succeed. The master learns
-    // it from this report (and ends the attempt for the others, if it has not); its
-    // outcome, when it comes, is dropped. (Should it have come in between, it reached
-    // the collective's channel instead, and the session's note of this attempt is
-    // forgotten among its oldest.)
-    link_->settled_early(d.tag, go.attempt);
+  // Every participant holds the result: the attempt can only succeed. The master learns
+  // it from this report (and ends the attempt for the others, if it has not); its
+  // outcome, when it comes, is dropped. (Should it have come in between, it reached
+  // the collective's channel instead, and the session's note of this attempt is
+  // forgotten among its oldest.) While the master is away (failover) the attempt waits
+  // for the outcome instead, which the master that takes the run back decides.
+  if (committed && !channel.settled_flag()->load() &&
+      link_->settled_early(d.tag, go.attempt, static_cast<std::uint32_t>(n))) {
     link_->send(proto::CollectiveDone{d.tag, go.attempt, true, {}, 0, 0, true});
     coll::commit_residual(plan, *scratch);
     info->world_size = static_cast<std::uint32_t>(n);

@@ -29,6 +29,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace lockstep::peer {
@@ -83,6 +84,12 @@ struct Options {
   // dials (connection reversal), it dials its shared-state sources and bandwidth
   // partners, and it is never a shared-state source (docs/deployment.md).
   bool accept_inbound = true;
+  // Failover (docs/architecture.md, "Failover"): once accepted, a peer that loses its
+  // master looks for one to take it back (the master's address, then each of these in
+  // turn) for this long, holding its operations in flight; 0: off (the loss is fatal:
+  // MASTER_CONNECTION_LOST).
+  std::uint32_t failover_timeout_ms = 0;
+  std::vector<std::pair<std::string, std::uint16_t>> master_fallbacks;
 };
 
 class Link;       // the background thread and everything it owns (communicator.cpp)

@@ -48,11 +48,15 @@ class Link {
   Status start(bool listen);
   std::uint16_t port(proto::Channel channel) const { return inbound_.port(channel); }
 
-  void set_identity(PeerId id);
+  // This peer's identity and its first master's term, from the Welcome.
+  void set_identity(PeerId id, std::uint64_t term);
 
   // Hands the connected, welcomed master socket to the loop (with the keys that seal
-  // its frames, when the run has a secret).
-  void attach_master(transport::Fd fd, std::uint32_t heartbeat_timeout_ms, std::shared_ptr<security::FrameCrypto> crypto);
+  // its frames, when the run has a secret). `hello` is what this peer said: with
+  // failover (Options::failover_timeout_ms) a lost master is replaced by one that takes
+  // the same hello with the session's resume fields (docs/architecture.md, "Failover").
+  void attach_master(transport::Fd fd, std::uint32_t heartbeat_timeout_ms, std::shared_ptr<security::FrameCrypto> crypto,
+                     proto::Hello hello);
 
   void send(const proto::Message& message);
 
@@ -93,8 +97,9 @@ class Link {
   // master's messages for its tag; a failure outcome also raises its abort signal.
   void register_op(std::uint64_t tag, const std::shared_ptr<OpChannel>& channel);
   void unregister_op(std::uint64_t tag);
-  // The collective's attempt ended here on its commit (Session::settled_early).
-  void settled_early(std::uint64_t tag, std::uint64_t attempt);
+  // The collective's attempt ended here on its commit (Session::settled_early): false
+  // while the master is away (the attempt then waits for the outcome).
+  bool settled_early(std::uint64_t tag, std::uint64_t attempt, std::uint32_t world_size);
 
   // The p2p establishment of `epoch` in progress (null: none): when the master ends
   // that epoch with a failure, its signal stops connection setup that would otherwise
@@ -119,6 +124,15 @@ class Link {
   void push_write(std::vector<std::uint8_t> frame);
   void write_next();
   void arm_timer(Clock::time_point at);
+  // The loop's side of a master connection: assigns the socket and its keys (the
+  // connection before it is closed, and its handlers, which hold its generation, ignored).
+  bool assign_master(int fd, std::shared_ptr<security::FrameCrypto> crypto);
+  void close_master();
+  // Failover: the thread that looks for a master to take this peer back while the
+  // session is reconnecting (one try of every address per round, with backoff).
+  void reconnect_loop();
+  // One try at `address`: true if the session is resuming (or ended) afterwards.
+  bool try_resume(const std::pair<std::string, std::uint16_t>& address);
 
   Options options_;
   asio::io_context io_;
@@ -132,12 +146,17 @@ class Link {
   std::array<std::uint8_t, proto::kFrameHeaderBytes> header_{};
   std::vector<std::uint8_t> payload_;
   std::deque<std::vector<std::uint8_t>> writes_;
+  std::uint64_t connection_ = 0;  // the master connection's generation
+  proto::Hello hello_;
+  std::thread reconnector_;
 
   mutable std::mutex relay_mutex_;
   RelayAddress relay_;
 
   mutable std::mutex mutex_;  // guards everything below
   std::condition_variable cv_;
+  bool stopping_ = false;
+  bool resume_tried_ = false;  // the loop has handled the reconnector's last connection
   Session session_;
   std::map<std::uint64_t, std::shared_ptr<OpChannel>> ops_;
   std::shared_ptr<OpChannel> establishment_;

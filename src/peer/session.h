@@ -12,6 +12,7 @@
 #include "common/status.h"
 #include "protocol/messages.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -63,22 +64,30 @@ struct UseRelay {
 struct CloseMaster {
   Status status;
 };
+// Failover: the master connection was lost. Close it (the p2p connections stay), and
+// look for a master to take this peer back (Session::resume_hello) until `deadline`.
+struct Reconnect {
+  Status status;  // why the connection was lost
+};
 }  // namespace cmd
 
 using Command = std::variant<cmd::SendFrame, cmd::RouteToOp, cmd::AbortOp, cmd::CancelEstablishment, cmd::ArmTimer,
-                             cmd::LearnPairKeys, cmd::UseRelay, cmd::CloseMaster>;
+                             cmd::LearnPairKeys, cmd::UseRelay, cmd::CloseMaster, cmd::Reconnect>;
 using Commands = std::vector<Command>;
 
 class Session {
  public:
   using Time = std::chrono::steady_clock::time_point;
 
-  // Forward only: each state is entered at most once, in this order (some may be
-  // skipped), through change_state().
+  // Every change goes through change_state(), which allows only these edges:
+  // created -> connected -> ended, and with failover (set_failover) connected ->
+  // reconnecting -> resuming -> connected, resuming -> reconnecting, and any -> ended.
   enum class State {
-    kCreated,    // no master connection yet
-    kConnected,  // the welcomed master connection is attached: heartbeats, silence checks
-    kEnded,      // the first fatal status is set (status()); nothing is sent any more
+    kCreated,       // no master connection yet
+    kConnected,     // the welcomed master connection is attached: heartbeats, silence checks
+    kReconnecting,  // failover: the master was lost; the shell looks for one to take us back
+    kResuming,      // failover: a master welcomed us back and has our report; not yet resumed
+    kEnded,         // the first fatal status is set (status()); nothing is sent any more
   };
 
   // A heartbeat goes out every heartbeat interval. While the master is silent for
@@ -101,6 +110,25 @@ class Session {
   const PeerId& identity() const { return id_; }
   void set_identity(PeerId id) { id_ = id; }
 
+  // ---- failover (docs/architecture.md, "Failover")
+  // With a timeout above zero, a peer that is a member of a view (accepted) and loses
+  // its master connection does not end: it looks for a master to take it back for up to
+  // `timeout` (cmd::Reconnect), holding every operation in flight, and reports to that
+  // master what it knew (report()). `group` is the peer's group.
+  void set_failover(std::chrono::milliseconds timeout, std::uint32_t group);
+  // The highest master term this peer has granted (0: none); the first master's
+  // (its Welcome's) is granted here.
+  std::uint64_t term() const { return term_; }
+  void grant_term(std::uint64_t term) { term_ = std::max(term_, term); }
+  // The Hello that asks a master to take this peer back: `base` with the resume fields.
+  proto::Hello resume_hello(proto::Hello base) const;
+  // A master welcomed this peer back (state kReconnecting). Its term must be above every
+  // term granted before (else it is refused, logged, and the state stays kReconnecting);
+  // then the report goes out and the state is kResuming until the master's Resumed.
+  Commands resume(Time now, const proto::Welcome& welcome);
+  // What this peer reports to a master that takes it back.
+  proto::ResumeReport report() const;
+
   // ---- events from the master connection
   // The welcomed connection is attached at `now`: heartbeats start.
   Commands attach(Time now, std::uint32_t heartbeat_timeout_ms);
@@ -108,9 +136,13 @@ class Session {
   Commands on_message(Time now, proto::Message message);
   // The timer armed by ArmTimer fired; `now` is the time it ran.
   Commands on_timer(Time now);
-  // The owner sends a message (an encoded frame) to the master.
-  Commands send(std::vector<std::uint8_t> frame);
-  // The connection failed, or the owner stops the link. The first fatal status sticks.
+  // The owner sends a message to the master.
+  Commands send(const proto::Message& message);
+  // The master connection failed (closed, a read or write error) at `now`: with failover
+  // and a view, the peer reconnects; otherwise as fail().
+  Commands lose(Time now, Status status);
+  // The link ends (a fatal status from the master, or the owner stops it). The first
+  // fatal status sticks.
   Commands fail(Status status);
 
   // ---- the mailbox: the master's messages not routed anywhere, until a call takes them
@@ -125,7 +157,10 @@ class Session {
   // attempt: that outcome (and any CollectiveAbort of the attempt) is dropped when it
   // comes, so that it never reaches a later collective of the same tag. At most
   // kSettledEarlyMax are remembered (the master answers each within a round trip).
-  void settled_early(std::uint64_t tag, std::uint64_t attempt);
+  // False, and nothing is noted, while the master is away (failover): a peer may not
+  // end an attempt on its own once it may have to report it (the master that takes the
+  // run back decides it from the reports).
+  bool settled_early(std::uint64_t tag, std::uint64_t attempt, std::uint32_t world_size);
   static constexpr std::size_t kSettledEarlyMax = 4096;
   // The p2p establishment of `epoch` in progress (`active` false: none).
   Commands set_establishment(std::uint64_t epoch, bool active);
@@ -138,7 +173,13 @@ class Session {
 
  private:
   void change_state(State next);
+  Commands start_heartbeats(Time now, std::uint32_t heartbeat_timeout_ms);
   Commands deliver(proto::Message message);
+  void track_request(const proto::Message& message);
+  Commands finish_resume();
+  bool stale_answer(const proto::Message& message) const;
+  void keep_outcome(proto::ResumeOutcome outcome);
+  static StatusCode failure_of(proto::MsgType request, bool optimizing);
   bool forget_settled(std::uint64_t tag, std::uint64_t attempt, bool last);
   std::optional<cmd::LearnPairKeys> pair_keys_in(const proto::Message& message) const;
 
@@ -158,8 +199,51 @@ class Session {
   // recheck), not up to one heartbeat interval later.
   cmd::ArmTimer next_wake() const;
 
+  // Failover: the timeout (0: off), the peer's group, the term granted, when the current
+  // loss began and until when a master may take the peer back.
+  std::chrono::milliseconds failover_{0};
+  std::uint32_t group_ = 0;
+  std::uint64_t term_ = 0;
+  Time reconnect_deadline_{};
+  // What the report says (proto::ResumeReport): the view of the last successful
+  // topology result that named this peer (none: it cannot resume), the highest epoch
+  // and attempt the master sent, the revision of the last successful sync.
+  bool in_view_ = false;
+  std::uint64_t epoch_ = 0;
+  std::vector<PeerId> view_;
+  std::uint64_t epoch_seen_ = 0;
+  std::uint64_t attempt_seen_ = 0;
+  std::optional<std::uint64_t> revision_;
+  // The group's rounds whose outcome arrived since the view began, and the last one.
+  std::uint64_t control_count_ = 0;
+  std::vector<std::uint8_t> last_control_;
+  // The control request (a vote, or a report within its round) the owner waits on the
+  // answer to (0: none), and whether a round it opened has had no outcome yet (its
+  // vote's type, 0: none); `optimizing_`: that round is an optimize topology.
+  proto::MsgType waiting_{};
+  proto::MsgType round_{};
+  std::vector<std::uint8_t> round_vote_;  // the vote that opened the round, to cast again
+  bool optimizing_ = false;
+  // Key-value requests not answered yet.
+  std::set<std::uint64_t> kv_requests_;
+  // The last outcome of each tag, newest last (at most limits::kResumeOutcomesKept).
+  std::deque<proto::ResumeOutcome> outcomes_;
+  // Answers to what the lost master asked (a CollectiveDone, SyncDone, BandwidthReport
+  // of an attempt up to this, a P2PReport of an epoch up to this) go nowhere after a
+  // resume: the new master decided those rounds from the reports.
+  std::uint64_t stale_attempt_ = 0;
+  std::uint64_t stale_epoch_ = 0;
+  // Tags whose outcome the resuming master forwarded.
+  std::set<std::uint64_t> forwarded_;
+
   std::deque<proto::Message> mailbox_;
-  std::set<std::uint64_t> ops_;
+  // Collectives in flight: whether this peer voted, and the attempt it was given.
+  struct Op {
+    bool voted = false;
+    std::uint64_t attempt = 0;
+    std::vector<std::uint8_t> vote;  // the CollectiveInit frame, to cast again after a resume
+  };
+  std::map<std::uint64_t, Op> ops_;
   std::deque<std::pair<std::uint64_t, std::uint64_t>> settled_early_;  // (tag, attempt), oldest first
   bool establishment_ = false;
   std::uint64_t establishment_epoch_ = 0;

@@ -324,7 +324,8 @@ bool fields(Io& io, Of<Io, Hello>& m) {
          io.u(m.p2p_port, "hello.p2p_port") && io.u(m.shared_state_port, "hello.shared_state_port") &&
          io.u(m.benchmark_port, "hello.benchmark_port") &&
          io.str(m.advertised_host, limits::kHostBytesMax, "hello.advertised_host") &&
-         io.bytes(m.auth, limits::kAuthBytesMax, "hello.auth");
+         io.bytes(m.auth, limits::kAuthBytesMax, "hello.auth") && fields(io, m.resume_id, "hello.resume_id") &&
+         io.u(m.term, "hello.term");
 }
 
 template <typename Io>
@@ -397,7 +398,38 @@ template <typename Io>
 bool fields(Io& io, Of<Io, Welcome>& m) {
   return fields(io, m.id, "welcome.id") && io.str(m.observed_host, limits::kHostBytesMax, "welcome.observed_host") &&
          io.u(m.heartbeat_timeout_ms, "welcome.heartbeat_timeout_ms") && io.u(m.relay_port, "welcome.relay_port") &&
-         io.str(m.relay_host, limits::kHostBytesMax, "welcome.relay_host");
+         io.str(m.relay_host, limits::kHostBytesMax, "welcome.relay_host") && io.u(m.term, "welcome.term");
+}
+
+template <typename Io>
+bool fields(Io& io, Of<Io, ResumeOp>& m) {
+  return io.u(m.tag, "resume.op.tag") && io.u(m.attempt, "resume.op.attempt");
+}
+
+template <typename Io>
+bool fields(Io& io, Of<Io, ResumeOutcome>& m) {
+  return io.u(m.tag, "resume.outcome.tag") && io.u(m.attempt, "resume.outcome.attempt") &&
+         io.status(m.status, "resume.outcome.status") && io.u(m.world_size, "resume.outcome.world_size") &&
+         io.str(m.reason, limits::kWireStringBytesMax, "resume.outcome.reason") &&
+         io.bytes(m.data, limits::kVoteCarriedBytesMax, "resume.outcome.data");
+}
+
+template <typename Io>
+bool fields(Io& io, Of<Io, ResumeReport>& m) {
+  return io.u(m.epoch, "resume.epoch") && id_list(io, m.view, "resume.view") && io.u(m.epoch_seen, "resume.epoch_seen") &&
+         io.u(m.attempt_seen, "resume.attempt_seen") && io.boolean(m.has_revision, "resume.has_revision") &&
+         io.u(m.revision, "resume.revision") && io.u(m.control_count, "resume.control_count") &&
+         io.u(m.waiting, "resume.waiting") &&
+         io.bytes(m.last_control, limits::kResumeControlBytesMax, "resume.last_control") &&
+         io.list(m.ops, limits::kCollectivesPerGroupMaxDefault, 16, "resume.ops",
+                 [&](auto& op) { return fields(io, op); }) &&
+         io.list(m.outcomes, limits::kResumeOutcomesKept, 8 + 8 + 4 + 4 + 2 + 2, "resume.outcomes",
+                 [&](auto& o) { return fields(io, o); });
+}
+
+template <typename Io>
+bool fields(Io& io, Of<Io, Resumed>& m) {
+  return io.u(m.term, "resumed.term") && io.u(m.epoch, "resumed.epoch");
 }
 
 template <typename Io>
@@ -641,11 +673,19 @@ const char* msg_type_name(MsgType type) {
     case MsgType::kAuthProof: return "AuthProof";
     case MsgType::kKvRequest: return "KvRequest";
     case MsgType::kKvResult: return "KvResult";
+    case MsgType::kResumeReport: return "ResumeReport";
+    case MsgType::kResumed: return "Resumed";
     case MsgType::kSealed: return "Sealed";
   }
   return "Unknown";
 }
 
+static_assert(8 + 4 + 16 * limits::kMembersPerMessageMax + 8 * 5 + 1 + 2 + 4 + limits::kResumeControlBytesMax + 4 +
+                      16 * limits::kCollectivesPerGroupMaxDefault +
+                      4 + limits::kResumeOutcomesKept * (8 + 8 + 4 + 4 + 2 + limits::kWireStringBytesMax + 4 +
+                                                        limits::kVoteCarriedBytesMax) <=
+                  limits::kControlFramePayloadBytesMax,
+              "a resume report must fit a control frame");
 static_assert(4 + kRelayPairBytes * limits::kRelayPairsMax <= limits::kControlFramePayloadBytesMax,
               "a relay's pairs must fit a control frame");
 static_assert(8 + 1 + 2 + limits::kKvKeyBytesMaxLimit + 4 + limits::kKvValueBytesMaxLimit + 4 <=
@@ -679,6 +719,7 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kBandwidthTest:
     case MsgType::kRelayHello:
     case MsgType::kRelayAddress:
+    case MsgType::kResumed:
       return limits::kSmallPayloadBytesMax;
     case MsgType::kRelayAssign:
       return 4 + kRelayPairBytes * limits::kRelayPairsMax;
@@ -697,6 +738,7 @@ std::uint32_t payload_bytes_max(std::uint16_t raw_type) {
     case MsgType::kKvResult:  // id, status, reason, value
       return 8 + 4 + 2 + limits::kWireStringBytesMax + 4 + limits::kKvValueBytesMaxLimit;
     case MsgType::kCollectiveGo:
+    case MsgType::kResumeReport:
     case MsgType::kP2PReport:
     case MsgType::kEstablishP2P:
     case MsgType::kTopologyResult:
@@ -738,6 +780,8 @@ Result<Message> decode_payload(MsgType type, std::span<const std::uint8_t> paylo
     case MsgType::kRelayHello: return decode_as<RelayHello>(payload);
     case MsgType::kRelayAssign: return decode_as<RelayAssign>(payload);
     case MsgType::kRelayAddress: return decode_as<RelayAddress>(payload);
+    case MsgType::kResumeReport: return decode_as<ResumeReport>(payload);
+    case MsgType::kResumed: return decode_as<Resumed>(payload);
     case MsgType::kCollectiveResult: return decode_as<CollectiveResult>(payload);
     case MsgType::kWelcome: return decode_as<Welcome>(payload);
     case MsgType::kHeartbeatAck: return decode_as<HeartbeatAck>(payload);

@@ -35,7 +35,8 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 // 13: relays: Welcome.relay_port, P2PHello channel 4 (to the master's relay)
 // 14: relay processes (lockstep-relay): RelayHello, RelayAssign, RelayAddress,
 //    Welcome.relay_host; the ends of a relayed edge prove security::relay_key
-inline constexpr std::uint16_t kProtocolVersion = 14;
+// 15: failover: Hello.resume_id and term, Welcome.term, ResumeReport, Resumed
+inline constexpr std::uint16_t kProtocolVersion = 15;
 
 enum class MsgType : std::uint16_t {
   // peer -> master
@@ -52,6 +53,7 @@ enum class MsgType : std::uint16_t {
   kVoteOptimizeTopology = 11,
   kBandwidthReport = 12,
   kKvRequest = 14,
+  kResumeReport = 16,
   // relay -> master (lockstep-relay, in place of a Hello)
   kRelayHello = 15,
   // peer -> master, and on p2p channels connector -> acceptor (with a secret)
@@ -73,6 +75,7 @@ enum class MsgType : std::uint16_t {
   kKvResult = 78,
   kCollectiveAbort = 79,
   kRelayAddress = 81,
+  kResumed = 82,
   // master -> relay
   kRelayAssign = 80,
   // master -> peer, and on p2p channels acceptor -> connector (with a secret)
@@ -137,6 +140,11 @@ struct Hello {
   std::uint16_t benchmark_port = 0;
   std::string advertised_host;      // empty: use the address the master observes
   std::vector<std::uint8_t> auth;   // room for an authentication proof (security issue)
+  // Failover (docs/protocol.md, "Failover"): the identity of a peer that lost its master
+  // and asks a new one to take it back (nil: a new peer), and the highest master term
+  // it has granted (0: none).
+  PeerId resume_id = {};
+  std::uint64_t term = 0;
   bool operator==(const Hello&) const = default;
 };
 struct Heartbeat {
@@ -303,6 +311,9 @@ struct Welcome {
   std::uint16_t relay_port = 0;
   // The relay's host (empty: the master's own address): a relay process's. Since 14.
   std::string relay_host;
+  // The master's term (since 15): a peer taking part in a failover grants it only if it
+  // is above every term it has granted before.
+  std::uint64_t term = 0;
   bool operator==(const Welcome&) const = default;
 };
 struct HeartbeatAck {
@@ -596,13 +607,60 @@ struct AuthProof {
   bool operator==(const AuthProof&) const = default;
 };
 
+
+// ---- failover (docs/protocol.md, "Failover")
+// A collective of the peer's in flight when it lost its master: the attempt it was
+// given (0: it had voted, no attempt had started).
+struct ResumeOp {
+  std::uint64_t tag = 0;
+  std::uint64_t attempt = 0;
+  bool operator==(const ResumeOp&) const = default;
+};
+// The last outcome the peer received for a tag (a ring commit counts as a success).
+struct ResumeOutcome {
+  std::uint64_t tag = 0;
+  std::uint64_t attempt = 0;
+  StatusCode status = LOCKSTEP_OK;
+  std::uint32_t world_size = 0;
+  std::string reason;
+  std::vector<std::uint8_t> data = {};  // a vote-carried all-reduce's result
+  bool operator==(const ResumeOutcome&) const = default;
+};
+// What a peer that lost its master knew, sent to the master that welcomed it back.
+struct ResumeReport {
+  static constexpr MsgType kType = MsgType::kResumeReport;
+  std::uint64_t epoch = 0;       // of its membership view (the last successful topology result)
+  std::vector<PeerId> view;      // that view's ids, in rank order
+  std::uint64_t epoch_seen = 0;  // the highest epoch of an establishment it was sent
+  std::uint64_t attempt_seen = 0;  // the highest attempt (collective, sync, bandwidth test) it was sent
+  bool has_revision = false;     // it took part in a successful sync since joining
+  std::uint64_t revision = 0;    // the revision of the last one
+  // The group's rounds (are-peers-pending, agree, sync) whose outcome it received since
+  // its view began, the request it waits on (0: none; otherwise the type of the vote or
+  // report it sent last), and the last of those outcomes as a frame.
+  std::uint64_t control_count = 0;
+  std::uint16_t waiting = 0;
+  std::vector<std::uint8_t> last_control = {};
+  std::vector<ResumeOp> ops = {};
+  std::vector<ResumeOutcome> outcomes = {};
+  bool operator==(const ResumeReport&) const = default;
+};
+// Recovery is over: the peer is an accepted member again, under this term, in the view
+// of this epoch less the peers that did not come back. Outcomes it missed came before.
+struct Resumed {
+  static constexpr MsgType kType = MsgType::kResumed;
+  std::uint64_t term = 0;
+  std::uint64_t epoch = 0;
+  bool operator==(const Resumed&) const = default;
+};
+
 using Message = std::variant<Hello, Heartbeat, VoteUpdateTopology, P2PReport, VotePeersPending,
                              VoteAgree, CollectiveInit, CollectiveDone, Welcome, HeartbeatAck,
                              EstablishP2P, TopologyResult, PeersPendingResult, AgreeResult, Refused,
                              Goodbye, CollectiveGo, CollectiveResult, P2PHello, P2PHelloAck, SyncVote,
                              SyncDone, SyncPlan, SyncResult, StateRequest, StateResponse, VoteOptimizeTopology,
                              BandwidthReport, BandwidthTest, AuthChallenge, AuthProof, KvRequest, KvResult,
-                             CollectiveAbort, RelayHello, RelayAssign, RelayAddress>;
+                             CollectiveAbort, RelayHello, RelayAssign, RelayAddress, ResumeReport, Resumed>;
 
 MsgType type_of(const Message& message);
 

@@ -114,6 +114,20 @@ std::optional<std::pair<std::string, std::uint16_t>> split_host_port(const std::
   return std::make_pair(host, static_cast<std::uint16_t>(port));
 }
 
+std::optional<std::vector<std::pair<std::string, std::uint16_t>>> parse_address_list(const std::string& text) {
+  std::vector<std::pair<std::string, std::uint16_t>> out;
+  std::size_t start = 0;
+  while (start < text.size()) {
+    const std::size_t comma = std::min(text.find(',', start), text.size());
+    const auto address = split_host_port(text.substr(start, comma - start));
+    if (!address || address->second == 0 || out.size() == kAddressListMax) return std::nullopt;
+    out.push_back(*address);
+    start = comma + 1;
+    if (comma + 1 == text.size()) return std::nullopt;  // a trailing comma
+  }
+  return out;
+}
+
 std::string join_host_port(const std::string& host, std::uint16_t port) {
   const bool v6 = host.find(':') != std::string::npos;
   return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <vector>
 #include <string>
 #include <utility>
 
@@ -42,6 +43,10 @@ class Fd {
 std::optional<std::pair<std::string, std::uint16_t>> split_host_port(const std::string& text);
 // The inverse: an IPv6 literal in brackets.
 std::string join_host_port(const std::string& host, std::uint16_t port);
+// A comma-separated list of HOST:PORT (at most kAddressListMax, port above 0); nullopt
+// if any is malformed. Empty text: an empty list.
+inline constexpr std::size_t kAddressListMax = 16;
+std::optional<std::vector<std::pair<std::string, std::uint16_t>>> parse_address_list(const std::string& text);
 // An IPv4-mapped IPv6 address ("::ffff:10.0.0.1", as a dual-stack listener sees IPv4
 // clients) as the IPv4 address it is; any other text unchanged.
 std::string unmapped(const std::string& address);

@@ -60,12 +60,14 @@ enum Op : std::uint8_t {
   kVoteOptimize,
   kBandwidthReport,
   kKv,
+  kResumeHello,
+  kResumeReport,
   kOpCount
 };
 constexpr std::array<const char*, kOpCount> kOpNames = {
     "connect",   "hello",     "vote-topology", "report",     "vote-pending",   "vote-agree", "init", "done",
     "sync-vote", "sync-done", "heartbeat",     "raw",        "disconnect",     "protocol-error", "tick",
-    "keep-alive", "vote-optimize", "bandwidth-report", "kv"};
+    "keep-alive", "vote-optimize", "bandwidth-report", "kv", "resume-hello", "resume-report"};
 
 // LOCKSTEP_FUZZ_VERBOSE=1: print every event and command (to read a failing input).
 bool verbose() {
@@ -312,9 +314,62 @@ class Driver {
         if (request.op == p::KvOp::kWait) request.timeout_ms = in_.byte() * 10u;
         return deliver(pick_conn(), request);
       }
+      case kResumeHello: {
+        // A peer of a lost master's run (ids of another instance, a few of them) asks
+        // to be taken back, with the term it granted.
+        p::Hello hello;
+        const ConnId conn = pick_conn();
+        hello.group = in_.byte() % 2;
+        hello.p2p_port = static_cast<std::uint16_t>(48000 + in_.byte());
+        hello.shared_state_port = static_cast<std::uint16_t>(hello.p2p_port + 1);
+        hello.benchmark_port = static_cast<std::uint16_t>(hello.p2p_port + 2);
+        hello.resume_id = old_id(in_.byte());
+        hello.term = in_.byte() % 4;
+        return deliver(conn, hello);
+      }
+      case kResumeReport: {
+        p::ResumeReport report;
+        const ConnId conn = pick_conn();
+        report.epoch = in_.byte() % 4;
+        const std::uint8_t members = in_.byte();
+        for (std::uint8_t i = 0; i < 5; ++i) {
+          if (members & (1u << i)) report.view.push_back(old_id(i));
+        }
+        report.epoch_seen = report.epoch + in_.byte() % 2;
+        report.attempt_seen = in_.byte();
+        report.has_revision = in_.flag();
+        report.revision = in_.byte() % 4;
+        report.control_count = in_.byte() % 3;
+        report.waiting = std::array<std::uint16_t, 4>{0, static_cast<std::uint16_t>(p::MsgType::kVoteAgree),
+                                                      static_cast<std::uint16_t>(p::MsgType::kVotePeersPending),
+                                                      999}[in_.byte() % 4];
+        switch (in_.byte() % 3) {
+          case 0: break;
+          case 1: report.last_control = p::encode_frame(p::AgreeResult{LOCKSTEP_OK, in_.flag(), "", {}}); break;
+          default: report.last_control.assign(in_.byte() % 16, 0xa5); break;  // not a frame
+        }
+        for (int n = in_.byte() % 3; n > 0; --n) {
+          p::ResumeOp entry;
+          entry.tag = in_.byte() % 3;
+          entry.attempt = in_.byte() % 4;
+          report.ops.push_back(entry);
+        }
+        for (int n = in_.byte() % 3; n > 0; --n) {
+          p::ResumeOutcome o;
+          o.tag = in_.byte() % 3;
+          o.attempt = in_.byte() % 4;
+          o.status = in_.flag() ? LOCKSTEP_OK : LOCKSTEP_STATUS_PEER_CONNECTION_LOST;
+          o.world_size = in_.byte() % 4;
+          report.outcomes.push_back(o);
+        }
+        return deliver(conn, report);
+      }
       case kOpCount: break;
     }
   }
+
+  // One of five identities a lost master gave out (a nonce no Config here draws).
+  static PeerId old_id(std::uint8_t n) { return PeerId{0xfeedull << 48, 1u + n % 5}; }
 
   // Mostly a live connection; sometimes one already forgotten, or one never opened.
   ConnId pick_conn() {
@@ -506,6 +561,12 @@ class Script {
   Script& vote_optimize(std::uint8_t conn) { return op(kVoteOptimize).b(conn); }
   // Reports the last test the connection was told to run, at 1 Gbit/s.
   Script& bandwidth_report(std::uint8_t conn) { return op(kBandwidthReport).b(conn).b(0).b(1); }
+  // A peer of a lost master's run (old id n) asks to be taken back, with term 1.
+  Script& resume_hello(std::uint8_t conn, std::uint8_t n) { return op(kResumeHello).b(conn).b(0).b(n).b(n).b(1); }
+  // Its report: epoch 2, a view of old ids 0..2, nothing in flight.
+  Script& resume_report(std::uint8_t conn) {
+    return op(kResumeReport).b(conn).b(2).b(0x07).b(0).b(40).b(1).b(3).b(0).b(0).b(0).b(0).b(0);
+  }
   // Two peers in group 0, both accepted (the first alone, then the second by a vote).
   Script& two_accepted() {
     connect().hello(0).report(0);
@@ -565,6 +626,10 @@ fuzz::Seeds make_seeds() {
     optimize.report(0).report(1).report(2).report(3);
     add("optimize", optimize);
   }
+  add("failover", Script()
+                      .connect().resume_hello(0, 0).connect().resume_hello(1, 1).connect().resume_hello(2, 2)
+                      .resume_report(0).resume_report(1).resume_report(2).init(0, 1).init(1, 1).init(2, 1)
+                      .connect().resume_hello(3, 3).tick_seconds(6));
   add("garbage", Script().connect().raw(0, 1, {}).connect().hello(0).report(0).raw(0, 10, {1, 2, 3})
                      .heartbeat(0).raw(0, 5, {2}).connect(2).protocol_error(0));
   return seeds;

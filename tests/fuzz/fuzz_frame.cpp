@@ -100,7 +100,7 @@ void compare_with_socket(std::span<const std::uint8_t> data, const Expected& exp
   }
 }
 
-// ---- seeds: one valid frame of every type, and five streams
+// ---- seeds: one valid frame of every type, and six streams
 
 state::Digest digest(std::uint64_t n) { return state::Digest{n * 0x9e3779b97f4a7c15ull, ~n}; }
 
@@ -152,6 +152,11 @@ std::vector<p::Message> sample_messages() {
   m.emplace_back(p::BandwidthTest{11, mb, true, 1000, 4});
   m.emplace_back(p::AuthChallenge{std::vector<std::uint8_t>(32, 0x4e), std::vector<std::uint8_t>(32, 0x50)});
   m.emplace_back(p::AuthProof{std::vector<std::uint8_t>(32, 0x51)});
+  m.emplace_back(p::ResumeReport{3, {a, b}, 4, 9, true, 6, 2, static_cast<std::uint16_t>(p::MsgType::kVoteAgree),
+                                 p::encode_frame(p::AgreeResult{LOCKSTEP_OK, true, "", {}}),
+                                 {p::ResumeOp{7, 9}},
+                                 {p::ResumeOutcome{8, 5, LOCKSTEP_OK, 2, "", std::vector<std::uint8_t>(16, 9)}}});
+  m.emplace_back(p::Resumed{2, 3});
   return m;
 }
 
@@ -178,6 +183,8 @@ fuzz::Seeds make_seeds() {
   stream("stream-optimize", {T::kVoteOptimizeTopology, T::kBandwidthTest, T::kP2PHello, T::kP2PHelloAck,
                              T::kBandwidthReport, T::kEstablishP2P, T::kP2PReport, T::kTopologyResult});
   stream("stream-auth", {T::kHello, T::kAuthChallenge, T::kAuthProof, T::kP2PHello, T::kP2PHelloAck});
+  stream("stream-failover", {T::kHello, T::kWelcome, T::kResumeReport, T::kCollectiveResult, T::kResumed,
+                             T::kHeartbeat});
   stream("stream-sync", {T::kSyncVote, T::kSyncPlan, T::kP2PHello, T::kP2PHelloAck, T::kStateRequest,
                          T::kStateResponse, T::kSyncDone, T::kSyncResult});
   return seeds;

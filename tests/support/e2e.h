@@ -109,9 +109,11 @@ class Master {
  public:
   // With "--http", "127.0.0.1:0" among the extra words the master also serves its HTTP
   // endpoint, and state() / wait_for_state() read /api/state. host: the address it
-  // listens on (an IPv6 literal without brackets; "::" serves both families).
-  explicit Master(std::vector<std::string> extra = {}, std::string host = "127.0.0.1") : host_(std::move(host)) {
-    std::vector<std::string> argv = {bin("lockstep-master"), "--listen", with_port(host_, 0)};
+  // listens on (an IPv6 literal without brackets; "::" serves both families); port: 0
+  // for an ephemeral one (a master restarted in place of a killed one takes its port).
+  explicit Master(std::vector<std::string> extra = {}, std::string host = "127.0.0.1", std::uint16_t port = 0)
+      : host_(std::move(host)) {
+    std::vector<std::string> argv = {bin("lockstep-master"), "--listen", with_port(host_, port)};
     argv.insert(argv.end(), extra.begin(), extra.end());
     auto p = tools::Subprocess::spawn(argv);
     if (!p) throw std::runtime_error("cannot spawn lockstep-master");
@@ -154,6 +156,8 @@ class Master {
     proc_->signal(SIGTERM);
     return proc_->wait(scaled(10s)).value_or(-1);
   }
+  // SIGKILL, and reaped.
+  void kill() { proc_->kill(); }
 
  private:
   std::string host_;

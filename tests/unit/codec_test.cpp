@@ -84,6 +84,7 @@ std::vector<Message> samples() {
   std::vector<Message> all;
   all.push_back(Hello{kMagic, kProtocolVersion, 7, 3, 48149, 48150, 48151, "10.1.2.3", {1, 2, 3, 255}});
   all.push_back(Hello{});
+  all.push_back(Hello{kMagic, kProtocolVersion, 2, 4, 48149, 48150, 48151, "", {}, PeerId{0x77, 5}, 3});
   all.push_back(Heartbeat{});
   all.push_back(VoteUpdateTopology{});
   all.push_back(P2PReport{42, {PeerId{1, 2}, PeerId{0xffffffffffffffffull, 0x8000000000000000ull}}});
@@ -116,6 +117,15 @@ std::vector<Message> samples() {
   all.push_back(CollectiveAbort{});
   all.push_back(Welcome{PeerId{0x1234, 99}, "192.168.0.17", 5000, 48150, ""});
   all.push_back(Welcome{PeerId{0x1234, 98}, "192.168.0.18", 5000, 48151, "relay.example"});
+  all.push_back(Welcome{PeerId{0x1234, 97}, "192.168.0.19", 5000, 0, "", 4});
+  all.push_back(ResumeReport{});
+  all.push_back(ResumeReport{9, {PeerId{1, 1}, PeerId{1, 2}, PeerId{1, 3}}, 10, 77, true, 41, 3,
+                             static_cast<std::uint16_t>(MsgType::kVoteAgree), encode_frame(AgreeResult{LOCKSTEP_OK, true, "", {}}),
+                             {ResumeOp{5, 76}, ResumeOp{6, 0}},
+                             {ResumeOutcome{5, 75, LOCKSTEP_OK, 3, "", {}},
+                              ResumeOutcome{7, 70, LOCKSTEP_STATUS_PEER_CONNECTION_LOST, 2, "peer p3 lost", Bytes(12, 1)}}});
+  all.push_back(Resumed{4, 9});
+  all.push_back(Resumed{});
   all.push_back(RelayHello{kMagic, kProtocolVersion, 48160, "", {1, 2, 3}});
   all.push_back(RelayHello{kMagic, kProtocolVersion, 1, "10.0.0.9", {}});
   all.push_back(RelayAssign{});
@@ -200,7 +210,7 @@ const std::vector<MsgType>& all_types() {
       MsgType::kStateRequest,   MsgType::kStateResponse,      MsgType::kVoteOptimizeTopology,
       MsgType::kBandwidthReport, MsgType::kBandwidthTest, MsgType::kAuthChallenge, MsgType::kAuthProof,
       MsgType::kKvRequest,      MsgType::kKvResult,         MsgType::kCollectiveAbort,    MsgType::kRelayHello,
-      MsgType::kRelayAssign,    MsgType::kRelayAddress};
+      MsgType::kRelayAssign,    MsgType::kRelayAddress,     MsgType::kResumeReport,       MsgType::kResumed};
   return types;
 }
 
@@ -326,8 +336,8 @@ TEST(CodecRoundTrip, EmptyPayloadTypesEncodeToHeaderOnly) {
 TEST(CodecRoundTrip, FieldsAreLittleEndianAtDocumentedOffsets) {
   const Bytes frame =
       encode_frame(Welcome{PeerId{0x0102030405060708ull, 0x1112131415161718ull}, "h", 0xa0b0c0d0u, 0x1234, "r"});
-  // header: length 16 + 2 + 1 + 4 + 2 + 2 + 1 = 28, type 64
-  EXPECT_EQ(frame[0], 28);
+  // header: length 16 + 2 + 1 + 4 + 2 + 2 + 1 + 8 = 36, type 64
+  EXPECT_EQ(frame[0], 36);
   EXPECT_EQ(frame[1], 0);
   EXPECT_EQ(frame[4], 64);
   EXPECT_EQ(frame[5], 0);
@@ -452,9 +462,9 @@ TEST(CodecNames, EveryTypeHasANameAndABound) {
   }
   EXPECT_STREQ(msg_type_name(static_cast<MsgType>(999)), "Unknown");
   EXPECT_EQ(payload_bytes_max(0), 0u);
-  EXPECT_EQ(payload_bytes_max(16), 0u);
+  EXPECT_EQ(payload_bytes_max(17), 0u);
   EXPECT_EQ(payload_bytes_max(63), 0u);
-  EXPECT_EQ(payload_bytes_max(82), 0u);
+  EXPECT_EQ(payload_bytes_max(83), 0u);
   EXPECT_EQ(payload_bytes_max(0xffff), 0u);
   for (const Message& m : samples()) EXPECT_EQ(payload_of(encode_frame(m)).size() == 0, has_empty_payload(type_of(m)));
 }
@@ -673,7 +683,13 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
   const std::vector<Case> cases = {
       {Hello{kMagic, kProtocolVersion, 7, 2, 1, 2, 3, "host", {1}},
        {"hello.magic", "hello.version", "hello.group", "hello.pool_size", "hello.p2p_port", "hello.shared_state_port",
-        "hello.benchmark_port", "hello.advertised_host", "hello.auth"}},
+        "hello.benchmark_port", "hello.advertised_host", "hello.auth", "hello.resume_id", "hello.term"}},
+      // as for members: the outcome count is checked against 28 bytes per outcome first
+      {ResumeReport{1, {PeerId{1, 2}}, 2, 3, true, 4, 5, 6, {7}, {ResumeOp{8, 9}}, {ResumeOutcome{1, 2, LOCKSTEP_OK, 3, "r", {4}}}},
+       {"resume.epoch", "resume.view", "resume.epoch_seen", "resume.attempt_seen", "resume.has_revision",
+        "resume.revision", "resume.control_count", "resume.waiting", "resume.last_control", "resume.ops",
+        "resume.outcomes", "resume.outcome.data"}},
+      {Resumed{1, 2}, {"resumed.term", "resumed.epoch"}},
       {P2PReport{1, {PeerId{1, 1}}}, {"p2p_report.epoch", "p2p_report.unreachable"}},
       {VoteAgree{true, AgreeMode::kAllEqual, {1}}, {"vote_agree.flag", "vote_agree.mode", "vote_agree.value"}},
       {collective_init_case(),
@@ -688,7 +704,8 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
         "done.committed"}},
       {CollectiveAbort{1, 2}, {"abort.tag", "abort.attempt"}},
       {Welcome{PeerId{1, 2}, "abc", 7, 9, "r"},
-       {"welcome.id", "welcome.observed_host", "welcome.heartbeat_timeout_ms", "welcome.relay_port", "welcome.relay_host"}},
+       {"welcome.id", "welcome.observed_host", "welcome.heartbeat_timeout_ms", "welcome.relay_port", "welcome.relay_host",
+        "welcome.term"}},
       {RelayHello{kMagic, kProtocolVersion, 9, "h", {1}},
        {"relay_hello.magic", "relay_hello.version", "relay_hello.port", "relay_hello.advertised_host", "relay_hello.auth"}},
       {RelayAddress{"h", 9}, {"relay_address.host", "relay_address.port"}},
@@ -970,11 +987,12 @@ TEST(CodecPayload, StringsAboveTheirBoundAreRejected) {
     const Bytes cut = payload_copy(hello_of("", std::vector<std::uint8_t>(513, 1)));
     Bytes p = payload_copy(hello_of("", std::vector<std::uint8_t>(512, 1)));
     EXPECT_EQ(cut, p) << "the encoder must cut an authentication proof to 512 bytes";
-    // Length prefix of the auth field is the last u16 before its bytes: make it 513.
-    const std::size_t prefix = p.size() - 512 - 2;
+    // Length prefix of the auth field is the last u16 before its bytes (which the
+    // resume id and term follow): make it 513.
+    const std::size_t prefix = p.size() - 24 - 512 - 2;
     p[prefix] = static_cast<std::uint8_t>(513 & 0xff);
     p[prefix + 1] = static_cast<std::uint8_t>(513 >> 8);
-    p.push_back(1);
+    p.insert(p.end() - 24, 1);
     EXPECT_TRUE(payload_rejected(MsgType::kHello, p, {"hello.auth", "longer than 512"}));
     Bytes q = payload_copy(P2PHello{kMagic, kProtocolVersion, Channel::kRing, {}, {}, 0, 0,
                                     std::vector<std::uint8_t>(512, 1)});
@@ -1371,7 +1389,7 @@ TEST(CodecPayload, UnknownP2PHelloFlags) {
 }
 
 TEST(CodecPayload, RefusedOfUnknownRequestType) {
-  for (std::uint16_t raw : {std::uint16_t{0}, std::uint16_t{16}, std::uint16_t{63}, std::uint16_t{134}, std::uint16_t{0xffff}}) {
+  for (std::uint16_t raw : {std::uint16_t{0}, std::uint16_t{17}, std::uint16_t{63}, std::uint16_t{134}, std::uint16_t{0xffff}}) {
     Bytes p = payload_copy(Refused{});
     p[0] = static_cast<std::uint8_t>(raw);
     p[1] = static_cast<std::uint8_t>(raw >> 8);

@@ -3600,5 +3600,348 @@ TEST(CoordinatorKv, BoundsAreRefusedAndChangeNothing) {
   EXPECT_EQ(h.c.kv().keys(), 2u);
 }
 
+
+// ---------------------------------------------------------------- failover (recovery.cpp)
+
+// Ids a lost master gave out (another instance nonce than this one's).
+PeerId old_id(std::uint64_t n) { return PeerId{0xabcdef0000000000ull, n}; }
+
+// A report of a peer in the view `view` of `epoch`, nothing in flight.
+p::ResumeReport report_of(std::uint64_t epoch, const std::vector<PeerId>& view) {
+  p::ResumeReport r;
+  r.epoch = epoch;
+  r.view = view;
+  r.epoch_seen = epoch;
+  r.attempt_seen = 40;
+  return r;
+}
+
+// A peer of the lost master's run asks to be taken back; returns it with the Welcome's
+// term (nothing if it was refused).
+struct Returning {
+  FakePeer peer;
+  std::optional<p::Welcome> welcome;
+  Outbox out;
+};
+// Lets the recovery window pass, the peers heartbeating (it is as long as their timeout).
+Outbox pass_window(Harness& h, const std::vector<FakePeer>& peers) {
+  h.heartbeat(peers);
+  h.advance(limits::kRecoveryWindowMsDefault - 1);
+  h.heartbeat(peers);
+  return h.advance(1);
+}
+
+Returning come_back(Harness& h, PeerId id, std::uint64_t term, std::uint32_t group = 1) {
+  Returning r;
+  r.peer.conn = h.next_conn++;
+  r.peer.id = id;
+  r.peer.group = group;
+  r.peer.host = "10.1.0." + std::to_string(r.peer.conn);
+  h.connect(r.peer.conn, r.peer.host);
+  p::Hello hello = Harness::hello(group, static_cast<std::uint16_t>(30000 + 3 * r.peer.conn));
+  hello.resume_id = id;
+  hello.term = term;
+  r.out = h.send(r.peer.conn, hello);
+  const auto welcomes = all_of<p::Welcome>(r.out, r.peer.conn);
+  if (welcomes.size() == 1) r.welcome = welcomes.front();
+  return r;
+}
+
+TEST(CoordinatorRecovery, AFreshMasterTakesBackEveryPeerOfTheLastView) {
+  Harness h;
+  const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3)};
+  std::vector<FakePeer> peers;
+  Outbox last;
+  for (std::size_t i = 0; i < view.size(); ++i) {
+    Returning r = come_back(h, view[i], 1);
+    ASSERT_TRUE(r.welcome.has_value()) << describe(r.out);
+    EXPECT_EQ(r.welcome->id, view[i]);
+    EXPECT_EQ(r.welcome->term, 2u);  // one above the term the peers had granted
+    EXPECT_TRUE(h.c.recovering());
+    p::ResumeReport report = report_of(5, view);
+    report.has_revision = true;
+    report.revision = 7 + i % 2;  // the highest reported wins
+    last = h.send(r.peer, report);
+    // Nobody resumes before every peer of the view is back (the window has not passed).
+    for (const auto& f : peers) EXPECT_TRUE(all_of<p::Resumed>(last, f.conn).empty() || i + 1 == view.size());
+    peers.push_back(r.peer);
+  }
+  for (const auto& f : peers) {
+    auto resumed = one_of<p::Resumed>(last, f.conn);
+    ASSERT_TRUE(resumed.has_value());
+    EXPECT_EQ(resumed->term, 2u);
+    EXPECT_EQ(resumed->epoch, 5u);
+    EXPECT_EQ(h.phase(f), Phase::kAccepted);
+  }
+  EXPECT_FALSE(h.c.recovering());
+  EXPECT_EQ(h.c.ring(1), view);  // the ring order kept
+  EXPECT_EQ(h.c.revision(1), std::optional<std::uint64_t>(8));
+  ASSERT_TRUE(h.c.last_recovery().has_value());
+  EXPECT_TRUE(h.c.last_recovery()->missing.empty());
+  // The run goes on: a collective starts in the old view, numbered above every attempt
+  // the peers had seen; nobody is pending.
+  Outbox out;
+  for (const auto& f : peers) out = h.send(f, p::CollectiveInit{5, kSum});
+  for (const auto& f : peers) {
+    auto go = one_of<p::CollectiveGo>(out, f.conn);
+    ASSERT_TRUE(go.has_value());
+    EXPECT_EQ(go->epoch, 5u);
+    EXPECT_TRUE(go->absent.empty());
+    EXPECT_GT(go->attempt, 40u);
+  }
+  out = h.send(peers[0], p::VotePeersPending{});
+  EXPECT_TRUE(out.empty());
+}
+
+TEST(CoordinatorRecovery, AMajorityResumesOnceTheWindowHasPassedAndTheMissingAreRemoved) {
+  Harness h;
+  const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3)};
+  std::vector<FakePeer> peers;
+  for (std::size_t i = 0; i < 2; ++i) {
+    Returning r = come_back(h, view[i], 0);
+    ASSERT_TRUE(r.welcome.has_value());
+    EXPECT_TRUE(all_of<p::Resumed>(h.send(r.peer, report_of(5, view)), r.peer.conn).empty());
+    peers.push_back(r.peer);
+  }
+  h.heartbeat(peers);
+  Outbox out = h.advance(limits::kRecoveryWindowMsDefault - 1);
+  EXPECT_TRUE(all_of<p::Resumed>(out, peers[0].conn).empty()) << describe(out);
+  h.heartbeat(peers);
+  out = h.advance(1);
+  for (const auto& f : peers) EXPECT_TRUE(one_of<p::Resumed>(out, f.conn).has_value()) << describe(out);
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{view[0], view[1]}));
+  ASSERT_TRUE(h.c.last_recovery().has_value());
+  EXPECT_EQ(h.c.last_recovery()->missing, std::vector<PeerId>{view[2]});
+  // The view less the missing one: collectives name it absent; the run is pending an
+  // update topology; the missing peer is turned away when it comes back late.
+  for (const auto& f : peers) out = h.send(f, p::CollectiveInit{5, kSum});
+  auto go = one_of<p::CollectiveGo>(out, peers[0].conn);
+  ASSERT_TRUE(go.has_value());
+  EXPECT_EQ(go->absent, std::vector<PeerId>{view[2]});
+  out = h.send(peers[0], p::VotePeersPending{});
+  out = h.send(peers[1], p::VotePeersPending{});
+  auto pending = one_of<p::PeersPendingResult>(out, peers[0].conn);
+  ASSERT_TRUE(pending.has_value());
+  EXPECT_TRUE(pending->pending);
+  Returning late = come_back(h, view[2], 0);
+  EXPECT_FALSE(late.welcome.has_value());
+  auto bye = one_of<p::Goodbye>(late.out, late.peer.conn);
+  ASSERT_TRUE(bye.has_value());
+  EXPECT_EQ(bye->status, LOCKSTEP_STATUS_KICKED);
+}
+
+TEST(CoordinatorRecovery, WithoutAQuorumNothingResumesUnlessTheOperatorLowersIt) {
+  for (const std::uint32_t quorum : {0u, 1u}) {
+    SCOPED_TRACE(quorum);
+    Config config = test_config();
+    config.recovery_quorum = quorum;
+    Harness h(config);
+    const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3)};
+    Returning r = come_back(h, view[0], 0);
+    h.send(r.peer, report_of(5, view));
+    Outbox out = pass_window(h, {r.peer});
+    if (quorum == 0) out = pass_window(h, {r.peer});  // nor later
+    EXPECT_EQ(all_of<p::Resumed>(out, r.peer.conn).size(), quorum == 1 ? 1u : 0u) << describe(out);
+    EXPECT_EQ(h.c.recovering(), quorum == 0);
+  }
+  // Two peers: both must come back.
+  Harness h;
+  const std::vector<PeerId> pair{old_id(1), old_id(2)};
+  Returning r = come_back(h, pair[0], 0);
+  h.send(r.peer, report_of(5, pair));
+  EXPECT_TRUE(all_of<p::Resumed>(pass_window(h, {r.peer}), r.peer.conn).empty());
+}
+
+TEST(CoordinatorRecovery, AnOutcomeOnePeerReceivedReachesEveryPeerThatMissedIt) {
+  Harness h;
+  const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3)};
+  std::vector<FakePeer> peers;
+  Outbox out;
+  for (std::size_t i = 0; i < view.size(); ++i) {
+    Returning r = come_back(h, view[i], 0);
+    p::ResumeReport report = report_of(5, view);
+    if (i == 0) {
+      // It received tag 4's outcome (or committed it); tag 6 had only started.
+      report.outcomes.push_back(p::ResumeOutcome{4, 9, LOCKSTEP_OK, 3, "", {1, 2}});
+      report.ops.push_back(p::ResumeOp{6, 11});
+      // A small all-reduce that travels with the votes: it got the result of attempt 12.
+      report.outcomes.push_back(p::ResumeOutcome{10, 12, LOCKSTEP_OK, 3, "", {5, 6}});
+    } else {
+      report.ops.push_back(p::ResumeOp{4, 9});
+      report.ops.push_back(p::ResumeOp{6, 11});
+      report.ops.push_back(p::ResumeOp{8, 0});   // voted only
+      // Tag 14: the lost master's CollectiveGo of attempt 13 reached peer 1 only.
+      report.ops.push_back(p::ResumeOp{14, i == 1 ? 13u : 0u});
+      report.ops.push_back(p::ResumeOp{10, 0});  // voted in the round after its attempt 3
+      report.outcomes.push_back(p::ResumeOutcome{10, 3, LOCKSTEP_OK, 3, "", {1, 1}});
+    }
+    out = h.send(r.peer, report);
+    peers.push_back(r.peer);
+  }
+  EXPECT_TRUE(all_of<p::CollectiveResult>(out, peers[0].conn).empty()) << describe(out);
+  for (std::size_t i = 1; i < peers.size(); ++i) {
+    std::map<std::uint64_t, p::CollectiveResult> results;  // by tag
+    for (const auto& r : all_of<p::CollectiveResult>(out, peers[i].conn)) results.emplace(r.tag, r);
+    ASSERT_EQ(results.size(), i == 2 ? 3u : 2u) << describe(out);
+    EXPECT_EQ(results.at(10).attempt, 12u);
+    EXPECT_EQ(results.at(10).data, (std::vector<std::uint8_t>{5, 6}));
+    if (i == 2) {  // it never heard of attempt 13: its failure comes from the master
+      EXPECT_EQ(results.at(14).attempt, 13u);
+      EXPECT_EQ(results.at(14).status, LOCKSTEP_STATUS_PEER_CONNECTION_LOST);
+    }
+    std::optional<p::CollectiveResult> result = results.at(4);
+    EXPECT_EQ(result->tag, 4u);
+    EXPECT_EQ(result->attempt, 9u);
+    EXPECT_EQ(result->status, LOCKSTEP_OK);
+    EXPECT_EQ(result->world_size, 3u);
+    EXPECT_EQ(result->data, (std::vector<std::uint8_t>{1, 2}));
+    // The outcome comes before the Resumed that makes the peer fail the rest.
+    EXPECT_LT(index_of(out, peers[i].conn, p::MsgType::kCollectiveResult),
+              index_of(out, peers[i].conn, p::MsgType::kResumed));
+  }
+}
+
+TEST(CoordinatorRecovery, AMissedRoundOutcomeIsForwardedAndAPeerFurtherBehindRemoved) {
+  Harness h;
+  const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3), old_id(4)};
+  std::vector<FakePeer> peers;
+  Outbox out;
+  const p::AgreeResult agreed{LOCKSTEP_OK, true, "", {}};
+  for (std::size_t i = 0; i < view.size(); ++i) {
+    Returning r = come_back(h, view[i], 0);
+    p::ResumeReport report = report_of(5, view);
+    if (i < 2) {  // received the agree's outcome: 3 rounds since the view began
+      report.control_count = 3;
+      report.last_control = p::encode_frame(agreed);
+    } else if (i == 2) {  // waits in that agree
+      report.control_count = 2;
+      report.waiting = static_cast<std::uint16_t>(p::MsgType::kVoteAgree);
+    } else {  // missed a round it did not wait in: the lost master had removed it
+      report.control_count = 1;
+    }
+    out = h.send(r.peer, report);
+    peers.push_back(r.peer);
+  }
+  auto forwarded = one_of<p::AgreeResult>(out, peers[2].conn);
+  ASSERT_TRUE(forwarded.has_value()) << describe(out);
+  EXPECT_EQ(*forwarded, agreed);
+  EXPECT_TRUE(all_of<p::AgreeResult>(out, peers[0].conn).empty());
+  EXPECT_TRUE(one_of<p::Resumed>(out, peers[2].conn).has_value());
+  auto bye = one_of<p::Goodbye>(out, peers[3].conn);
+  ASSERT_TRUE(bye.has_value());
+  EXPECT_EQ(bye->status, LOCKSTEP_STATUS_KICKED);
+  EXPECT_TRUE(h.gone(peers[3]));
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{view[0], view[1], view[2]}));
+}
+
+TEST(CoordinatorRecovery, TermsFenceMastersAndAServingMasterTakesNobodyBack) {
+  Harness h;
+  const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3)};
+  Returning a = come_back(h, view[0], 4);
+  ASSERT_TRUE(a.welcome.has_value());
+  EXPECT_EQ(a.welcome->term, 5u);
+  EXPECT_EQ(h.c.term(), 5u);
+  // A peer that granted this term (or a higher one) to another master is refused.
+  for (const std::uint64_t term : {5ull, 9ull}) {
+    Returning b = come_back(h, view[1], term);
+    EXPECT_FALSE(b.welcome.has_value());
+    auto bye = one_of<p::Goodbye>(b.out, b.peer.conn);
+    ASSERT_TRUE(bye.has_value());
+    EXPECT_EQ(bye->status, LOCKSTEP_STATUS_REJECTED);
+    EXPECT_NE(bye->reason.find("granted term"), std::string::npos) << bye->reason;
+  }
+  // The same identity twice is refused.
+  Returning twice = come_back(h, view[0], 4);
+  EXPECT_FALSE(twice.welcome.has_value());
+  // A master serving a run of its own takes nobody back.
+  Harness serving;
+  serving.run_of(2);
+  Returning c = come_back(serving, view[2], 1);
+  EXPECT_FALSE(c.welcome.has_value());
+  auto bye = one_of<p::Goodbye>(c.out, c.peer.conn);
+  ASSERT_TRUE(bye.has_value());
+  EXPECT_EQ(bye->status, LOCKSTEP_STATUS_KICKED);
+  EXPECT_EQ(serving.c.term(), 1u);
+}
+
+TEST(CoordinatorRecovery, ReportsThatDisagreeWithTheLastViewAreTurnedAway) {
+  Harness h;
+  const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3), old_id(4)};
+  std::vector<Returning> back;
+  Outbox out;
+  for (std::size_t i = 0; i < view.size(); ++i) {
+    Returning r = come_back(h, view[i], 0);
+    p::ResumeReport report = report_of(6, view);
+    if (i == 2) report = report_of(5, view);  // missed the last topology change
+    if (i == 3) report = report_of(6, {view[3], view[0], view[1], view[2]});  // another view of the same epoch
+    out = h.send(r.peer, report);
+    back.push_back(r);
+  }
+  // Not all of the view is back in it: the window decides.
+  for (auto& r : back) EXPECT_TRUE(all_of<p::Resumed>(out, r.peer.conn).empty());
+  out = pass_window(h, {back[0].peer, back[1].peer, back[2].peer, back[3].peer});
+  // 2 of 4 is no strict majority.
+  EXPECT_TRUE(all_of<p::Resumed>(out, back[0].peer.conn).empty()) << describe(out);
+  Config config = test_config();
+  config.recovery_quorum = 2;
+  Harness lowered(config);
+  std::vector<Returning> again;
+  for (std::size_t i = 0; i < view.size(); ++i) {
+    Returning r = come_back(lowered, view[i], 0);
+    p::ResumeReport report = report_of(6, view);
+    if (i == 2) report = report_of(5, view);
+    if (i == 3) report = report_of(6, {view[3], view[0], view[1], view[2]});
+    lowered.send(r.peer, report);
+    again.push_back(r);
+  }
+  out = pass_window(lowered, {again[0].peer, again[1].peer, again[2].peer, again[3].peer});
+  EXPECT_TRUE(one_of<p::Resumed>(out, again[0].peer.conn).has_value()) << describe(out);
+  for (std::size_t i : {2u, 3u}) {
+    auto bye = one_of<p::Goodbye>(out, again[i].peer.conn);
+    ASSERT_TRUE(bye.has_value());
+    EXPECT_EQ(bye->status, LOCKSTEP_STATUS_KICKED);
+  }
+  EXPECT_EQ(lowered.c.ring(1), (std::vector<PeerId>{view[0], view[1]}));
+}
+
+TEST(CoordinatorRecovery, NewcomersWaitForTheFirstUpdateAndStrayReportsAreErrors) {
+  Harness h;
+  const std::vector<PeerId> view{old_id(1)};
+  Returning a = come_back(h, view[0], 0);
+  // A newcomer during recovery is registered, not admitted into the (empty) run.
+  Outbox out;
+  FakePeer newcomer = h.join(1, &out);
+  EXPECT_TRUE(all_of<p::EstablishP2P>(out, newcomer.conn).empty()) << describe(out);
+  out = h.send(a.peer, report_of(5, view));
+  EXPECT_TRUE(one_of<p::Resumed>(out, a.peer.conn).has_value());
+  EXPECT_EQ(h.phase(newcomer), Phase::kRegistered);
+  // It joins with the next update topology, as usual.
+  h.update({a.peer}, {newcomer});
+  EXPECT_EQ(h.c.ring(1).size(), 2u);
+  // A report from a peer that is not resuming: a protocol error.
+  out = h.send(newcomer, report_of(5, view));
+  auto bye = one_of<p::Goodbye>(out, newcomer.conn);
+  ASSERT_TRUE(bye.has_value());
+  EXPECT_EQ(bye->status, LOCKSTEP_STATUS_PROTOCOL_ERROR);
+  // A master admitting the first peers of a new run (a newcomer came first) takes no lost
+  // run back while it does.
+  Harness fresh;
+  Outbox admitting;
+  FakePeer first = fresh.join(1, &admitting);
+  ASSERT_TRUE(one_of<p::EstablishP2P>(admitting, first.conn).has_value());
+  Returning refused = come_back(fresh, old_id(9), 0);
+  EXPECT_FALSE(refused.welcome.has_value());
+  bye = one_of<p::Goodbye>(refused.out, refused.peer.conn);
+  ASSERT_TRUE(bye.has_value());
+  EXPECT_EQ(bye->status, LOCKSTEP_STATUS_REJECTED);
+  // A report whose view leaves its sender out is refused.
+  Harness other;
+  Returning b = come_back(other, old_id(7), 0);
+  out = other.send(b.peer, report_of(5, {old_id(8)}));
+  bye = one_of<p::Goodbye>(out, b.peer.conn);
+  ASSERT_TRUE(bye.has_value());
+  EXPECT_EQ(bye->status, LOCKSTEP_STATUS_REJECTED);
+}
+
 }  // namespace
 }  // namespace lockstep::coord

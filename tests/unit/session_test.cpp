@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <span>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -236,7 +237,7 @@ TEST(SessionTest, TheOutcomeOfAnAttemptSettledByItsCommitNeverReachesTheNextColl
   Session s = attached(1000);
   s.register_op(7);
   s.on_message(at(1), p::CollectiveGo{7, 1, 0, 0, {}});
-  s.settled_early(7, 1);
+  ASSERT_TRUE(s.settled_early(7, 1, 2));
   s.unregister_op(7);
   s.register_op(7);  // the same tag, called again at once
   EXPECT_TRUE(s.on_message(at(2), p::CollectiveAbort{7, 1}).empty());
@@ -253,7 +254,7 @@ TEST(SessionTest, TheOutcomeOfAnAttemptSettledByItsCommitNeverReachesTheNextColl
   result.attempt = 2;
   EXPECT_EQ(all_of<cmd::RouteToOp>(s.on_message(at(6), result)).size(), 1u);
   // Bounded: the oldest is forgotten first.
-  for (std::uint64_t k = 0; k < Session::kSettledEarlyMax + 1; ++k) s.settled_early(9, 100 + k);
+  for (std::uint64_t k = 0; k < Session::kSettledEarlyMax + 1; ++k) s.settled_early(9, 100 + k, 2);
   s.register_op(9);
   result.tag = 9;
   result.attempt = 100;
@@ -404,12 +405,12 @@ TEST(SessionTest, TheLifecycleOnlyMovesForward) {
   EXPECT_EQ(s.state(), State::kConnected);
   // A second attach is no way back to the start.
   EXPECT_TRUE(s.attach(at(5), 1000).empty());
-  ASSERT_EQ(all_of<cmd::SendFrame>(s.send(p::encode_frame(p::VoteAgree{true}))).size(), 1u);
+  ASSERT_EQ(all_of<cmd::SendFrame>(s.send(p::VoteAgree{true})).size(), 1u);
 
   (void)s.on_message(at(10), p::Goodbye{LOCKSTEP_STATUS_KICKED, "bye"});
   ASSERT_EQ(s.state(), State::kEnded);
   // An ended session never sends, times, routes, queues or attaches again.
-  EXPECT_TRUE(s.send(p::encode_frame(p::VoteAgree{true})).empty());
+  EXPECT_TRUE(s.send(p::VoteAgree{true}).empty());
   EXPECT_TRUE(s.on_timer(at(20)).empty());
   EXPECT_TRUE(s.on_timer(at(100'000)).empty());
   EXPECT_TRUE(s.on_message(at(30), p::AgreeResult{}).empty());
@@ -427,6 +428,259 @@ TEST(SessionTest, ItCanEndBeforeItIsAttached) {
   EXPECT_EQ(s.state(), State::kEnded);
   EXPECT_TRUE(s.attach(kT0, 1000).empty());
   EXPECT_EQ(s.state(), State::kEnded);
+}
+
+
+// ---------------------------------------------------------------- failover
+
+const PeerId kSelf{1, 2};
+const PeerId kOther{1, 3};
+
+// A session with failover on, a member of the view of epoch 3.
+Session member_with_failover(std::chrono::milliseconds timeout = milliseconds(30'000)) {
+  Session s = attached(1000);
+  s.set_failover(timeout, 4);
+  p::TopologyResult view;
+  view.epoch = 3;
+  view.ring = {p::MemberInfo{kSelf, "a", 1, 2, 3, {}}, p::MemberInfo{kOther, "b", 1, 2, 3, {}}};
+  s.on_message(at(1), view);
+  EXPECT_TRUE(s.take([](const p::Message& m) { return std::holds_alternative<p::TopologyResult>(m); }).has_value());
+  return s;
+}
+
+p::Welcome welcome_back(std::uint64_t term) {
+  p::Welcome w;
+  w.id = kSelf;
+  w.heartbeat_timeout_ms = 1000;
+  w.term = term;
+  return w;
+}
+
+p::ResumeReport decoded_report(const Commands& c) {
+  const auto frames = all_of<cmd::SendFrame>(c);
+  EXPECT_EQ(frames.size(), 1u);
+  if (frames.empty()) return {};
+  const auto& f = frames[0].frame;
+  auto header = p::decode_header(std::span<const std::uint8_t, p::kFrameHeaderBytes>(f.data(), p::kFrameHeaderBytes));
+  EXPECT_TRUE(header.is_ok());
+  auto m = p::decode_payload(header.value().type, std::span(f).subspan(p::kFrameHeaderBytes));
+  EXPECT_TRUE(m.is_ok()) << m.status().to_string();
+  return std::get<p::ResumeReport>(m.value());
+}
+
+TEST(SessionFailover, AnAcceptedPeerThatLosesItsMasterReportsWhatItKnewAndFailsWhatNobodyDecided) {
+  Session s = member_with_failover();
+  s.register_op(5);
+  s.send(p::CollectiveInit{5, {}});
+  s.on_message(at(2), p::CollectiveGo{5, 7, 0, 3, {}});
+  s.register_op(6);
+  s.send(p::CollectiveInit{6, {}});  // voted, no attempt yet
+  s.send(p::VoteAgree{true});
+  Commands c = s.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master closed the connection"));
+  EXPECT_EQ(s.state(), State::kReconnecting);
+  ASSERT_EQ(all_of<cmd::Reconnect>(c).size(), 1u);
+  ASSERT_EQ(all_of<cmd::ArmTimer>(c).size(), 1u);
+  EXPECT_EQ(all_of<cmd::ArmTimer>(c)[0].at, at(30'010));
+  EXPECT_TRUE(all_of<cmd::AbortOp>(c).empty());  // held, not failed
+  EXPECT_TRUE(s.status().is_ok());
+  // Nothing goes out while the master is away.
+  EXPECT_TRUE(s.send(p::CollectiveDone{5, 7, true, {}, 0, 0}).empty());
+  EXPECT_TRUE(s.on_timer(at(100)).size() == 1);  // only the deadline, re-armed
+  const p::Hello hello = s.resume_hello(p::Hello{});
+  EXPECT_EQ(hello.resume_id, kSelf);
+  EXPECT_EQ(hello.term, 0u);
+
+  c = s.resume(at(200), welcome_back(1));
+  EXPECT_EQ(s.state(), State::kResuming);
+  EXPECT_EQ(s.term(), 1u);
+  const p::ResumeReport report = decoded_report(c);
+  EXPECT_EQ(report.epoch, 3u);
+  EXPECT_EQ(report.view, (std::vector<PeerId>{kSelf, kOther}));
+  EXPECT_EQ(report.attempt_seen, 7u);
+  EXPECT_EQ(report.waiting, static_cast<std::uint16_t>(p::MsgType::kVoteAgree));
+  EXPECT_EQ(report.ops, (std::vector<p::ResumeOp>{p::ResumeOp{5, 7}, p::ResumeOp{6, 0}}));
+  // Heartbeats to the new master start with its welcome.
+  ASSERT_EQ(all_of<cmd::ArmTimer>(c).size(), 1u);
+  EXPECT_EQ(all_of<cmd::ArmTimer>(c)[0].at, at(450));
+  const auto beat = all_of<cmd::SendFrame>(s.on_timer(at(450)));
+  ASSERT_EQ(beat.size(), 1u);
+  EXPECT_TRUE(is_heartbeat(beat[0]));
+
+  c = s.on_message(at(210), p::Resumed{1, 3});
+  EXPECT_EQ(s.state(), State::kConnected);
+  // The started attempt fails as for a lost peer; the votes whose rounds had not started
+  // go to the new master again (the peers that had not voted yet will meet them there).
+  const auto routed = all_of<cmd::RouteToOp>(c);
+  ASSERT_EQ(routed.size(), 1u);
+  const auto* failed = std::get_if<p::CollectiveResult>(&routed[0].message);
+  ASSERT_NE(failed, nullptr);
+  EXPECT_EQ(failed->attempt, 7u);
+  EXPECT_EQ(failed->status, LOCKSTEP_STATUS_PEER_CONNECTION_LOST);
+  const auto recast = all_of<cmd::SendFrame>(c);
+  ASSERT_EQ(recast.size(), 2u);
+  EXPECT_EQ(recast[0].frame, p::encode_frame(p::CollectiveInit{6, {}}));
+  EXPECT_EQ(recast[1].frame, p::encode_frame(p::VoteAgree{true}));
+  EXPECT_EQ(s.mailbox_size(), 0u);  // the agree waits for its outcome from the new master
+  // The held report of the old attempt goes nowhere; new requests go out again.
+  EXPECT_TRUE(s.send(p::CollectiveDone{5, 7, true, {}, 0, 0}).empty());
+  EXPECT_EQ(all_of<cmd::SendFrame>(s.send(p::VoteAgree{true})).size(), 1u);
+}
+
+TEST(SessionFailover, AnOutcomeTheNewMasterForwardsIsTheOneThatCounts) {
+  Session s = member_with_failover();
+  s.register_op(5);
+  s.send(p::CollectiveInit{5, {}});
+  s.on_message(at(2), p::CollectiveGo{5, 7, 0, 3, {}});
+  s.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  s.resume(at(20), welcome_back(2));
+  Commands c = s.on_message(at(21), p::CollectiveResult{5, 7, LOCKSTEP_OK, 2, ""});
+  ASSERT_EQ(all_of<cmd::RouteToOp>(c).size(), 1u);
+  c = s.on_message(at(22), p::Resumed{2, 3});
+  EXPECT_TRUE(all_of<cmd::RouteToOp>(c).empty());  // nothing more for tag 5
+  // A control outcome forwarded while resuming answers the wait; nothing else is added.
+  Session t = member_with_failover();
+  t.send(p::VotePeersPending{});
+  t.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  t.resume(at(20), welcome_back(2));
+  t.on_message(at(21), p::PeersPendingResult{LOCKSTEP_OK, true, ""});
+  t.on_message(at(22), p::Resumed{2, 3});
+  EXPECT_EQ(t.mailbox_size(), 1u);
+  EXPECT_TRUE(t.take([](const p::Message& m) { return std::holds_alternative<p::PeersPendingResult>(m); }).has_value());
+}
+
+TEST(SessionFailover, AMasterIsObeyedOnlyWithATermAboveEveryTermGranted) {
+  Session s = member_with_failover();
+  s.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  s.resume(at(20), welcome_back(3));
+  EXPECT_EQ(s.state(), State::kResuming);
+  s.on_message(at(21), p::Resumed{3, 3});
+  s.lose(at(30), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone again"));
+  EXPECT_EQ(s.resume_hello(p::Hello{}).term, 3u);
+  for (const std::uint64_t stale : {1ull, 3ull}) {
+    EXPECT_TRUE(s.resume(at(40), welcome_back(stale)).empty());
+    EXPECT_EQ(s.state(), State::kReconnecting);
+  }
+  s.resume(at(50), welcome_back(4));
+  EXPECT_EQ(s.state(), State::kResuming);
+  // A Resumed of another term is not this protocol's master.
+  s.on_message(at(51), p::Resumed{5, 3});
+  EXPECT_EQ(s.state(), State::kEnded);
+  EXPECT_EQ(s.status().code(), LOCKSTEP_STATUS_PROTOCOL_ERROR);
+  // The first master's term (its Welcome's) counts as granted.
+  Session v = member_with_failover();
+  v.grant_term(5);
+  v.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  EXPECT_EQ(v.resume_hello(p::Hello{}).term, 5u);
+  EXPECT_TRUE(v.resume(at(20), welcome_back(5)).empty());
+  EXPECT_EQ(v.state(), State::kReconnecting);
+  // Nor is a master that takes this peer back under another identity.
+  Session t = member_with_failover();
+  t.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  p::Welcome other = welcome_back(2);
+  other.id = kOther;
+  t.resume(at(20), other);
+  EXPECT_EQ(t.status().code(), LOCKSTEP_STATUS_PROTOCOL_ERROR);
+}
+
+TEST(SessionFailover, NoMasterWithinTheTimeoutEndsTheLinkAsBefore) {
+  Session s = member_with_failover(milliseconds(500));
+  s.register_op(5);
+  s.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  EXPECT_TRUE(s.on_timer(at(509)).size() == 1);
+  Commands c = s.on_timer(at(510));
+  EXPECT_EQ(s.state(), State::kEnded);
+  EXPECT_EQ(s.status().code(), LOCKSTEP_STATUS_MASTER_CONNECTION_LOST);
+  EXPECT_NE(s.status().message().find("failover timeout of 500 ms"), std::string::npos) << s.status().message();
+  EXPECT_EQ(all_of<cmd::AbortOp>(c).size(), 1u);
+  // A master lost while it takes the peer back does not extend the timeout.
+  Session t = member_with_failover(milliseconds(500));
+  t.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  t.resume(at(300), welcome_back(1));
+  c = t.lose(at(400), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone again"));
+  EXPECT_EQ(all_of<cmd::ArmTimer>(c)[0].at, at(510));
+  // Nor does a master that takes the peer back but never resumes the run.
+  Session w = member_with_failover(milliseconds(500));
+  w.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  c = w.resume(at(300), welcome_back(1));
+  ASSERT_EQ(all_of<cmd::ArmTimer>(c).size(), 1u);
+  EXPECT_LE(all_of<cmd::ArmTimer>(c)[0].at, at(510));
+  w.on_message(at(505), p::HeartbeatAck{});
+  w.on_timer(at(510));
+  EXPECT_EQ(w.state(), State::kEnded);
+  EXPECT_NE(w.status().message().find("no master resumed the run"), std::string::npos) << w.status().message();
+  // The master's silence counts as a loss too.
+  Session u = member_with_failover();
+  u.on_timer(at(1002));
+  u.on_timer(at(1002) + Session::kSilenceRecheck);
+  EXPECT_EQ(u.state(), State::kReconnecting);
+}
+
+TEST(SessionFailover, WithoutFailoverOrAViewALossEndsTheLink) {
+  Session off = attached(1000);
+  off.on_message(at(1), p::TopologyResult{3, LOCKSTEP_OK, "", {p::MemberInfo{kSelf, "a", 1, 2, 3, {}}}, {}});
+  off.lose(at(5), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  EXPECT_EQ(off.state(), State::kEnded);
+  Session newcomer = attached(1000);
+  newcomer.set_failover(milliseconds(30'000), 0);
+  newcomer.lose(at(5), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  EXPECT_EQ(newcomer.state(), State::kEnded);
+  // A master that says it shuts down is a loss; any other Goodbye ends the link.
+  Session s = member_with_failover();
+  s.on_message(at(5), p::Goodbye{LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "master shutting down"});
+  EXPECT_EQ(s.state(), State::kReconnecting);
+  Session k = member_with_failover();
+  k.on_message(at(5), p::Goodbye{LOCKSTEP_STATUS_KICKED, "bye"});
+  EXPECT_EQ(k.state(), State::kEnded);
+}
+
+TEST(SessionFailover, NoAttemptEndsByCommitWhileTheMasterIsAwayAndCommitsAreReported) {
+  Session s = member_with_failover();
+  s.register_op(5);
+  s.send(p::CollectiveInit{5, {}});
+  s.on_message(at(2), p::CollectiveGo{5, 7, 0, 3, {}});
+  EXPECT_TRUE(s.settled_early(5, 7, 2));
+  s.unregister_op(5);
+  s.register_op(5);
+  s.send(p::CollectiveInit{5, {}});
+  s.on_message(at(3), p::CollectiveGo{5, 8, 0, 3, {}});
+  s.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  EXPECT_FALSE(s.settled_early(5, 8, 2));
+  const p::ResumeReport report = decoded_report(s.resume(at(20), welcome_back(1)));
+  ASSERT_EQ(report.outcomes.size(), 1u);
+  EXPECT_EQ(report.outcomes[0], (p::ResumeOutcome{5, 7, LOCKSTEP_OK, 2, "", {}}));
+  EXPECT_EQ(report.ops, std::vector<p::ResumeOp>{(p::ResumeOp{5, 8})});
+}
+
+TEST(SessionFailover, AnAnswerToTheLostMastersRequestEndsItsRoundWithTheRetryableFailure) {
+  Session s = member_with_failover();
+  s.send(p::VoteUpdateTopology{});
+  s.on_message(at(2), p::EstablishP2P{4, {}});  // connecting to the new ring
+  EXPECT_TRUE(s.take([](const p::Message& m) { return std::holds_alternative<p::EstablishP2P>(m); }).has_value());
+  s.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  s.resume(at(20), welcome_back(1));
+  s.on_message(at(21), p::Resumed{1, 3});
+  EXPECT_EQ(s.mailbox_size(), 0u);  // the owner is not waiting yet
+  EXPECT_TRUE(s.send(p::P2PReport{4, {}}).empty());
+  auto refused = s.take([](const p::Message& m) { return std::holds_alternative<p::Refused>(m); });
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_EQ(std::get<p::Refused>(*refused).request, p::MsgType::kP2PReport);
+  EXPECT_EQ(std::get<p::Refused>(*refused).status, LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED);
+  // A sync waiting for its outcome, and a key-value request in flight.
+  Session t = member_with_failover();
+  t.send(p::SyncVote{});
+  t.on_message(at(2), p::SyncPlan{9, 1, {}, {}, {}, {}});
+  t.send(p::SyncDone{9, LOCKSTEP_OK, "", 0, 0});
+  t.send(p::KvRequest{3, p::KvOp::kGet, "k"});
+  t.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  t.resume(at(20), welcome_back(1));
+  t.on_message(at(21), p::Resumed{1, 3});
+  auto sync = t.take([](const p::Message& m) { return std::holds_alternative<p::Refused>(m); });
+  ASSERT_TRUE(sync.has_value());
+  EXPECT_EQ(std::get<p::Refused>(*sync).request, p::MsgType::kSyncDone);
+  auto kv = t.take([](const p::Message& m) { return std::holds_alternative<p::KvResult>(m); });
+  ASSERT_TRUE(kv.has_value());
+  EXPECT_EQ(std::get<p::KvResult>(*kv).request, 3u);
+  EXPECT_NE(std::get<p::KvResult>(*kv).status, LOCKSTEP_OK);
 }
 
 }  // namespace

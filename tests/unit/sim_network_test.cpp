@@ -1404,7 +1404,7 @@ class Sim {
     }
     if (!round || !rng_.chance(50)) return timer(pr, rng_.between(1 * kMs, 10 * kMs), TimerKind::kCommitPoll, attempt);
     const std::uint64_t tag = tag_key(pr, attempt);
-    pr.session.settled_early(tag, attempt);
+    pr.session.settled_early(tag, attempt, static_cast<std::uint32_t>(n));
     send(pr, p::CollectiveDone{tag, attempt, true, {}, 0, 0, true});
     committed_.insert(attempt);
     ++stats_.n[kCommits];

@@ -491,6 +491,7 @@ int worker_recovery(const Settings& s) {
   peer::Options options;
   options.master_port = s.master_port;
   options.base_port = 0;
+  options.failover_timeout_ms = s.failover_timeout_ms;
   auto created = peer::Communicator::create(options);
   if (!created.is_ok() || !created.value()->connect().is_ok()) return 1;
   auto& comm = *created.value();
@@ -558,6 +559,7 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& mode,
   }
   if (!s.secret_file.empty()) argv.insert(argv.end(), {"--secret-file", s.secret_file});
   if (s.encrypt) argv.push_back("--encrypt");
+  if (s.failover_timeout_ms > 0) argv.insert(argv.end(), {"--failover-timeout-ms", std::to_string(s.failover_timeout_ms)});
   if (s.check_finite) argv.push_back("--check-finite");
   if (s.no_inbound) argv.push_back("--no-inbound");
   if (s.compare_torch || s.compare_torch_lockstep) argv.push_back("--paced");
@@ -894,14 +896,47 @@ int run_collective(const Settings& settings) {
   return rc;
 }
 
-int run_recovery(const Settings& s) {
+std::optional<tools::Subprocess> spawn_master_process(const std::string& self, std::uint16_t* port,
+                                                     const std::vector<std::string>& extra) {
+  std::vector<std::string> argv = {(std::filesystem::path(self).parent_path() / "lockstep-master").string(), "--listen",
+                                   "127.0.0.1:" + std::to_string(*port)};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  auto master = tools::Subprocess::spawn(argv);
+  if (!master) {
+    std::fprintf(stderr, "lockstep-bench: cannot start %s\n", argv[0].c_str());
+    return std::nullopt;
+  }
+  const auto line = master->read_line(std::chrono::seconds(10));
+  if (!line) {
+    std::fprintf(stderr, "lockstep-bench: the master printed no address\n");
+    return std::nullopt;
+  }
+  *port = static_cast<std::uint16_t>(std::stoi(line->substr(line->rfind(':') + 1)));
+  return master;
+}
+
+int run_recovery(Settings s) {
   log::set_level(log::Level::kWarn);
-  auto master = start_master(s.heartbeat_timeout_ms);
-  if (!master) return 1;
+  // The victim is a peer (the master runs in this process) or the master (a process of
+  // its own, restarted on its address at once, the peers with failover on).
+  std::unique_ptr<master::MasterServer> master;
+  std::optional<tools::Subprocess> master_process;
+  std::uint16_t port = 0;
+  const std::vector<std::string> master_flags = {"--heartbeat-timeout-ms", std::to_string(s.heartbeat_timeout_ms),
+                                                 "--log-level", "warn"};
+  if (s.kill_master) {
+    s.failover_timeout_ms = 30'000;
+    master_process = spawn_master_process(s.self, &port, master_flags);
+    if (!master_process) return 1;
+  } else {
+    master = start_master(s.heartbeat_timeout_ms);
+    if (!master) return 1;
+    port = master->port();
+  }
   std::map<int, tools::Subprocess> workers;
   int next_index = 0;
   auto spawn = [&] {
-    auto p = tools::Subprocess::spawn(worker_argv(s, "recovery", next_index, master->port()));
+    auto p = tools::Subprocess::spawn(worker_argv(s, "recovery", next_index, port));
     if (p) workers.emplace(next_index++, std::move(*p));
   };
   // Reads every worker's reports for a while, handing each success (worker, began, ended) to `on_ok`.
@@ -930,17 +965,26 @@ int run_recovery(const Settings& s) {
     // Kill a random worker at a uniformly random moment.
     std::this_thread::sleep_for(std::chrono::milliseconds(50 + random() % 250));
     drain(std::chrono::milliseconds(0), ignore);
-    auto victim = workers.begin();
-    std::advance(victim, static_cast<long>(random() % workers.size()));
-    const std::int64_t killed_ns = now_ns();
-    // A stopped peer is silent, not gone: the survivors wait for the heartbeat timeout.
-    tools::Subprocess stopped = std::move(victim->second);
-    if (s.stop_instead_of_kill) {
-      stopped.signal(SIGSTOP);
+    std::int64_t killed_ns = 0;
+    std::optional<tools::Subprocess> stopped;
+    if (s.kill_master) {
+      killed_ns = now_ns();
+      master_process->kill();
+      master_process = spawn_master_process(s.self, &port, master_flags);
+      if (!master_process) return 1;
     } else {
-      stopped.kill();
+      auto victim = workers.begin();
+      std::advance(victim, static_cast<long>(random() % workers.size()));
+      killed_ns = now_ns();
+      // A stopped peer is silent, not gone: the survivors wait for the heartbeat timeout.
+      stopped = std::move(victim->second);
+      if (s.stop_instead_of_kill) {
+        stopped->signal(SIGSTOP);
+      } else {
+        stopped->kill();
+      }
+      workers.erase(victim);
     }
-    workers.erase(victim);
     // Wait until every survivor has completed an all-reduce that began after the kill
     // (one already in flight at the kill may still complete with every peer: it does not count).
     std::map<int, std::int64_t> after;
@@ -957,11 +1001,15 @@ int run_recovery(const Settings& s) {
     std::int64_t latest = 0;
     for (const auto& [i, t] : after) latest = std::max(latest, t);
     recovery_ms.push_back(static_cast<double>(latest - killed_ns) / 1e6);
-    stopped.kill();
-    spawn();  // a replacement joins; let the run settle
+    if (stopped) {
+      stopped->kill();
+      spawn();  // a replacement joins; let the run settle
+    }
     drain(std::chrono::milliseconds(500), ignore);
   }
+  if (master_process) master_process->kill();
   json out = {{"bench", "recovery"},
+              {"victim", s.kill_master ? "master" : "peer"},
               {"signal", s.stop_instead_of_kill ? "SIGSTOP" : "SIGKILL"},
               {"peers", s.peers},
               {"bytes", s.sizes.front()},

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common/status.h"
+#include "subprocess.h"
 
 #include <lockstep/lockstep.h>
 
@@ -56,6 +57,10 @@ struct Settings {
   std::uint64_t turn_seed = 0;  // the turns' shuffle, drawn once per run for all workers
   int trials = 20;
   bool stop_instead_of_kill = false;  // recovery: SIGSTOP (a silent peer) instead of SIGKILL
+  // recovery: the victim is the master (a lockstep-master process, started again on its
+  // address at once, as a supervisor would), the peers with failover on.
+  bool kill_master = false;
+  std::uint32_t failover_timeout_ms = 0;  // worker: Options::failover_timeout_ms
   std::uint32_t heartbeat_timeout_ms = 5000;
   bool compare_gloo = false;
   std::string gloo_store;
@@ -96,7 +101,12 @@ std::string self_path(const char* argv0);
 std::string join_sizes(const std::vector<std::uint64_t>& sizes);  // "1024,16777216"
 
 int run_collective(const Settings& s);  // allreduce, broadcast, allgather, reducescatter, barrier
-int run_recovery(const Settings& s);
+int run_recovery(Settings s);
+// A lockstep-master process from beside this program (`self`), listening on
+// 127.0.0.1:*port (0: an ephemeral port) with these flags; *port is then the port it
+// listens on. nullopt (and why on stderr) if it did not start.
+std::optional<tools::Subprocess> spawn_master_process(const std::string& self, std::uint16_t* port,
+                                                     const std::vector<std::string>& extra);
 int run_sync(const Settings& s);  // sync_bench.cpp
 int run_joined(const Settings& s);  // joined_bench.cpp: one peer of a run on several hosts
 int run_worker(const Settings& s);

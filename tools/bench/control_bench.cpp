@@ -385,20 +385,12 @@ int run_control(const ControlSettings& c) {
               << " open files here, and the limit is " << limit << "\n";
     return 2;
   }
-  const std::string master_bin = std::filesystem::path(c.self).parent_path() / "lockstep-master";
   for (const int n : c.peers) {
-    auto master = tools::Subprocess::spawn({master_bin, "--listen", "127.0.0.1:0", "--heartbeat-timeout-ms", "60000",
-                                            "--peers-max", std::to_string(2 * n + n / 10 + 16), "--log-level", "warn"});
-    if (!master) {
-      std::cerr << "lockstep-bench control: cannot start " << master_bin << "\n";
-      return 1;
-    }
-    const auto line = master->read_line(std::chrono::seconds(10));
-    if (!line) {
-      std::cerr << "lockstep-bench control: the master printed no address\n";
-      return 1;
-    }
-    const auto port = static_cast<std::uint16_t>(std::stoi(line->substr(line->rfind(':') + 1)));
+    std::uint16_t port = 0;
+    auto master = spawn_master_process(c.self, &port,
+                                       {"--heartbeat-timeout-ms", "60000", "--peers-max",
+                                        std::to_string(2 * n + n / 10 + 16), "--log-level", "warn"});
+    if (!master) return 1;
     const pid_t pid = master->pid();
     ::usleep(200'000);
     const double rss0 = rss_kib(pid);

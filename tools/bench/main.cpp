@@ -11,7 +11,7 @@
 //   lockstep-bench barrier --peers 4 [--iterations N] [--compare gloo,torch] ...
 //   lockstep-bench allreduce --master HOST:PORT --peers N [--optimize] ...   (one peer of a run
 //       on several hosts: each host runs it against the same master; see scripts/bench-wan-topology.py)
-//   lockstep-bench recovery --peers 4 --size 16MiB --trials 20 [--stop]
+//   lockstep-bench recovery --peers 4 --size 16MiB --trials 20 [--stop] [--kill peer|master]
 //   lockstep-bench sync --holders 1 --size 256MiB,1GiB [--trials 3]
 //       (join-and-sync time of a newcomer receiving the shared state from the holders)
 //   lockstep-bench ddp --peers 2 [--steps 30] [--warmup 5] [--width 64 --layers 2 ...]
@@ -118,6 +118,11 @@ int main(int argc, char** argv) {
   recovery->add_option("--trials", s.trials, "kills (at least 20 for a figure)")->check(CLI::Range(1, 1000));
   recovery->add_option("--heartbeat-timeout-ms", s.heartbeat_timeout_ms, "the master's heartbeat timeout");
   recovery->add_flag("--stop", s.stop_instead_of_kill, "SIGSTOP the victim (a silent peer) instead of SIGKILL");
+  std::string victim = "peer";
+  recovery->add_option("--kill", victim,
+                       "peer (a random peer each trial) or master (a lockstep-master process, restarted on its address "
+                       "at once as a supervisor would; the peers run with failover)")
+      ->check(CLI::IsMember({"peer", "master"}));
 
   auto* sync = app.add_subcommand("sync", "join-and-sync time of a newcomer receiving the shared state");
   sync->add_option("--holders", s.peers, "up-to-date peers the newcomer receives from")->check(CLI::Range(1, 64));
@@ -174,6 +179,7 @@ int main(int argc, char** argv) {
   auto* worker = app.add_subcommand("worker", "(internal) one peer of a benchmark");
   worker->group("");
   worker->add_option("--mode", s.mode)->required();
+  worker->add_option("--failover-timeout-ms", s.failover_timeout_ms);
   worker->add_option("--turn-seed", s.turn_seed);
   worker->add_option("--master-port", s.master_port)->required();
   worker->add_option("--index", s.index)->required();
@@ -273,6 +279,11 @@ int main(int argc, char** argv) {
   if (*sync) {
     s.trials = sync_trials;
     return lockstep::bench::run_sync(s);
+  }
+  s.kill_master = victim == "master";
+  if (s.kill_master && s.stop_instead_of_kill) {
+    std::fprintf(stderr, "lockstep-bench recovery: --stop applies to a peer, not to --kill master\n");
+    return 2;
   }
   return lockstep::bench::run_recovery(s);
 }

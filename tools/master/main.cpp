@@ -54,6 +54,8 @@ struct Settings {
   std::uint32_t kv_keys_max = limits::kKvKeysMaxDefault;
   std::uint32_t kv_key_bytes_max = limits::kKvKeyBytesMaxDefault;
   std::uint32_t kv_value_bytes_max = limits::kKvValueBytesMaxDefault;
+  std::uint32_t recovery_window_ms = limits::kRecoveryWindowMsDefault;
+  std::uint32_t recovery_quorum = 0;
 };
 
 // What a key of the configuration file must hold.
@@ -114,6 +116,15 @@ void add_options(CLI::App& app, Settings& s, Kinds* kinds) {
        "that both accept no inbound connection run through it, sealed end to end. Needs --secret-file "
        "(docs/deployment.md, \"Relays\")")
       ->check(CLI::Range(0, 65535));
+  integer("--recovery-window-ms", s.recovery_window_ms,
+          "failover: when peers of a lost master's run ask this master to take them back, wait this long for every "
+          "peer of their last view before resuming with a quorum of them (docs/operations.md, \"Failover\")")
+      ->check(CLI::Range(0u, 3'600'000u));
+  integer("--recovery-quorum", s.recovery_quorum,
+          "failover: peers of the last view that must be back to resume after the window (0: a strict majority, all "
+          "of one or two). Lower only for a run that lost most of its peers with its master: two masters could then "
+          "each resume a part of it")
+      ->check(CLI::Range(0u, 1u << 20));
   integer("--secret-rotation-window-s", s.secret_rotation_window_s,
           "after SIGHUP rotates the secret, new handshakes may still prove the previous one for this long")
       ->check(CLI::Range(1u, 86'400u));
@@ -327,6 +338,8 @@ int main(int argc, char** argv) {
   options.coordinator.handshake_timeout_ms = settings.handshake_timeout_ms;
   options.coordinator.pending_handshakes_max = settings.pending_handshakes_max;
   options.coordinator.kv = lockstep::coord::KvConfig{settings.kv_keys_max, settings.kv_key_bytes_max, settings.kv_value_bytes_max};
+  options.coordinator.recovery_window_ms = settings.recovery_window_ms;
+  options.coordinator.recovery_quorum = settings.recovery_quorum;
   options.stall_report_ms = settings.stall_report_ms;
 
   std::optional<std::pair<std::string, std::uint16_t>> http_address;

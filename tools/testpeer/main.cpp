@@ -183,7 +183,12 @@ int main(int argc, char** argv) {
   bool loop = false;
   uint32_t loop_interval_ms = 100;
   std::string algorithm;
+  uint32_t failover_timeout_ms = 0;
+  std::string master_fallbacks;
   app.add_option("--master", master, "HOST:PORT of the master");
+  app.add_option("--failover-timeout-ms", failover_timeout_ms,
+                 "once accepted, look this long for a master to take this peer back when its master is lost (0: off)");
+  app.add_option("--master-fallbacks", master_fallbacks, "more masters to try after --master: HOST:PORT[,HOST:PORT...]");
   app.add_option("--name", name, "name printed in every line");
   app.add_option("--group", group, "peer group");
   app.add_option("--pool", pool, "p2p connection pool size");
@@ -226,6 +231,8 @@ int main(int argc, char** argv) {
   config.encrypt_data = encrypt ? 1 : 0;
   config.state_compression = no_state_compression ? 1 : 0;
   config.no_inbound = no_inbound ? 1 : 0;
+  config.failover_timeout_ms = failover_timeout_ms;
+  if (!master_fallbacks.empty()) config.master_fallbacks = master_fallbacks.c_str();
 
   Peer peer;
   peer.name = name;
