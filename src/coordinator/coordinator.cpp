@@ -471,28 +471,37 @@ void Coordinator::handle_hello(ConnId conn, const proto::Hello& hello, TimeMs no
     }
   }
   if (!hello.resume_id.is_nil()) return handle_resume_hello(conn, hello, host, hs.observed_host, now_ms, out);
+  register_peer(conn, hello, PeerId{config_.instance_nonce, next_peer_counter_++}, host, hs.observed_host,
+                /*resuming=*/false, now_ms, out);
+}
+
+// A registered peer with this identity (a new one, or one a recovery takes back),
+// welcomed under this master's term.
+void Coordinator::register_peer(ConnId conn, const proto::Hello& hello, PeerId id, const std::string& host,
+                                const std::string& observed_host, bool resuming, TimeMs now_ms, Outbox& out) {
   Peer peer;
   peer.conn = conn;
-  peer.id = PeerId{config_.instance_nonce, next_peer_counter_++};
+  peer.id = id;
   peer.group = hello.group;
   peer.last_seen_ms = now_ms;
-  peer.info = proto::MemberInfo{peer.id, host, hello.p2p_port, hello.shared_state_port, hello.benchmark_port};
+  peer.info = proto::MemberInfo{id, host, hello.p2p_port, hello.shared_state_port, hello.benchmark_port};
   peer.pool_size = hello.pool_size;
-  by_conn_[conn] = peer.id;
+  peer.resuming = resuming;
+  by_conn_[conn] = id;
   tally_.count(peer, +1);
-  out.push_back(Event{.text = "peer " + peer.id.to_string() + " registered from " + host + " in group " +
-                              std::to_string(peer.group),
+  out.push_back(Event{.text = "peer " + id.to_string() + (resuming ? " reconnected from " : " registered from ") + host +
+                              " in group " + std::to_string(peer.group) + (resuming ? " to be taken back" : ""),
                       .kind = EventKind::kRegistered,
                       .op = Operation::kConnection,
                       .group = peer.group,
-                      .peers = {peer.id}});
+                      .peers = {id}});
   proto::Welcome welcome;  // the relay's address is the shell's to fill in
-  welcome.id = peer.id;
-  welcome.observed_host = hs.observed_host;
+  welcome.id = id;
+  welcome.observed_host = observed_host;
   welcome.heartbeat_timeout_ms = config_.heartbeat_timeout_ms;
   welcome.term = term_;
   send(peer, welcome, out);
-  peers_.emplace(peer.id, std::move(peer));
+  peers_.emplace(id, std::move(peer));
 }
 
 // ---------------------------------------------------------------- requests

@@ -379,6 +379,8 @@ class Coordinator {
   }
 
   void handle_hello(ConnId conn, const proto::Hello& hello, TimeMs now_ms, Outbox& out);
+  void register_peer(ConnId conn, const proto::Hello& hello, PeerId id, const std::string& host,
+                     const std::string& observed_host, bool resuming, TimeMs now_ms, Outbox& out);
   // ---- failover (recovery.cpp)
   void handle_resume_hello(ConnId conn, const proto::Hello& hello, const std::string& host,
                            const std::string& observed_host, TimeMs now_ms, Outbox& out);

@@ -79,29 +79,7 @@ void Coordinator::handle_resume_hello(ConnId conn, const proto::Hello& hello, co
                                                 " to a master; this one's is " + std::to_string(term_));
   }
   if (peers_.count(id) > 0) return refuse(LOCKSTEP_STATUS_REJECTED, "a peer with this identity is already here");
-  Peer peer;
-  peer.conn = conn;
-  peer.id = id;
-  peer.group = hello.group;
-  peer.last_seen_ms = now_ms;
-  peer.info = proto::MemberInfo{id, host, hello.p2p_port, hello.shared_state_port, hello.benchmark_port};
-  peer.pool_size = hello.pool_size;
-  peer.resuming = true;
-  by_conn_[conn] = id;
-  tally_.count(peer, +1);
-  out.push_back(Event{.text = "peer " + id.to_string() + " reconnected from " + host + " in group " +
-                              std::to_string(peer.group) + " to be taken back",
-                      .kind = EventKind::kRegistered,
-                      .op = Operation::kConnection,
-                      .group = peer.group,
-                      .peers = {id}});
-  proto::Welcome welcome;
-  welcome.id = id;
-  welcome.observed_host = observed_host;
-  welcome.heartbeat_timeout_ms = config_.heartbeat_timeout_ms;
-  welcome.term = term_;
-  send(peer, welcome, out);
-  peers_.emplace(id, std::move(peer));
+  register_peer(conn, hello, id, host, observed_host, /*resuming=*/true, now_ms, out);
 }
 
 void Coordinator::handle_resume_report(Peer& peer, const proto::ResumeReport& report, Outbox& out) {

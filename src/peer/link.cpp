@@ -19,7 +19,7 @@ Link::Link(const Options& options)
       heartbeat_(io_),
       inbound_(io_, options_),
       session_(/*learns_pair_keys=*/options.secret.has_value()) {
-  session_.set_failover(std::chrono::milliseconds(options.failover_timeout_ms), options.peer_group);
+  session_.set_failover(std::chrono::milliseconds(options.failover_timeout_ms));
 }
 
 Status Link::start(bool listen) {

@@ -38,11 +38,6 @@ void Session::change_state(State next) {
   state_ = next;
 }
 
-void Session::set_failover(std::chrono::milliseconds timeout, std::uint32_t group) {
-  failover_ = timeout;
-  group_ = group;
-}
-
 Commands Session::attach(Time now, std::uint32_t heartbeat_timeout_ms) {
   if (state_ != State::kCreated) return {};
   change_state(State::kConnected);
@@ -122,7 +117,6 @@ Commands Session::send(const proto::Message& message) {
   if (state_ == State::kConnected && stale_answer(message)) {
     // It answers what the lost master asked, in a round the new master ended from the
     // reports: the owner, still in that round, gets its retryable failure.
-    Commands out;
     const auto type = proto::type_of(message);
     if (round_ != proto::MsgType{} && type != proto::MsgType::kCollectiveDone) {
       mailbox_.push_back(proto::Refused{type, 0, failure_of(type, optimizing_),
@@ -130,24 +124,26 @@ Commands Session::send(const proto::Message& message) {
       round_ = proto::MsgType{};
       waiting_ = proto::MsgType{};
     }
-    return out;
+    return {};
   }
-  track_request(message);
+  std::vector<std::uint8_t> frame = proto::encode_frame(message);
+  track_request(message, frame);
   // While the master is away the request goes nowhere: the master that takes this peer
   // back ends every operation in flight from the reports (finish_resume).
   if (state_ == State::kReconnecting || state_ == State::kResuming) return {};
-  return commands(cmd::SendFrame{proto::encode_frame(message)});
+  return commands(cmd::SendFrame{std::move(frame)});
 }
 
 // Notes what the owner asked the master, for the report and for finish_resume.
-void Session::track_request(const proto::Message& message) {
+void Session::track_request(const proto::Message& message, const std::vector<std::uint8_t>& frame) {
   using proto::MsgType;
   const MsgType type = proto::type_of(message);
+  const bool keeps = failover_.count() > 0;  // the frames are cast again after a resume
   switch (type) {
     case MsgType::kCollectiveInit:
       if (auto it = ops_.find(std::get<proto::CollectiveInit>(message).tag); it != ops_.end()) {
         it->second.voted = true;
-        it->second.vote = proto::encode_frame(message);
+        if (keeps) it->second.vote = frame;
       }
       return;
     case MsgType::kKvRequest:
@@ -159,7 +155,7 @@ void Session::track_request(const proto::Message& message) {
     case MsgType::kVoteAgree:
     case MsgType::kSyncVote:
       round_ = type;
-      round_vote_ = proto::encode_frame(message);
+      if (keeps) round_vote_ = frame;
       optimizing_ = type == MsgType::kVoteOptimizeTopology;
       waiting_ = type;
       return;
@@ -333,8 +329,10 @@ Commands Session::deliver(proto::Message message) {
   } else if (std::holds_alternative<proto::PeersPendingResult>(message) ||
              std::holds_alternative<proto::AgreeResult>(message) || std::holds_alternative<proto::SyncResult>(message)) {
     ++control_count_;
-    last_control_ = proto::encode_frame(message);
-    if (last_control_.size() > limits::kResumeControlBytesMax) last_control_.clear();
+    if (failover_.count() > 0) {
+      last_control_ = proto::encode_frame(message);
+      if (last_control_.size() > limits::kResumeControlBytesMax) last_control_.clear();
+    }
     if (const auto* r = std::get_if<proto::SyncResult>(&message); r != nullptr && r->status == LOCKSTEP_OK) {
       revision_ = r->revision;
     }
@@ -358,7 +356,7 @@ Commands Session::deliver(proto::Message message) {
   } else if (const auto* result = std::get_if<proto::CollectiveResult>(&message)) {
     tag = result->tag;
     if (forget_settled(result->tag, result->attempt, true)) return out;
-    if (result->attempt > 0) {
+    if (result->attempt > 0 && failover_.count() > 0) {  // (only a report needs them)
       keep_outcome(proto::ResumeOutcome{result->tag, result->attempt, result->status, result->world_size,
                                         result->reason, result->data});
     }
@@ -435,7 +433,7 @@ bool Session::settled_early(std::uint64_t tag, std::uint64_t attempt, std::uint3
   if (state_ != State::kConnected) return false;
   if (settled_early_.size() >= kSettledEarlyMax) settled_early_.pop_front();
   settled_early_.emplace_back(tag, attempt);
-  keep_outcome(proto::ResumeOutcome{tag, attempt, LOCKSTEP_OK, world_size, {}, {}});
+  if (failover_.count() > 0) keep_outcome(proto::ResumeOutcome{tag, attempt, LOCKSTEP_OK, world_size, {}, {}});
   return true;
 }
 

@@ -114,8 +114,9 @@ class Session {
   // With a timeout above zero, a peer that is a member of a view (accepted) and loses
   // its master connection does not end: it looks for a master to take it back for up to
   // `timeout` (cmd::Reconnect), holding every operation in flight, and reports to that
-  // master what it knew (report()). `group` is the peer's group.
-  void set_failover(std::chrono::milliseconds timeout, std::uint32_t group);
+  // master what it knew (report()). Without it the session keeps none of the copies the
+  // report needs (the votes' frames, the outcomes' data).
+  void set_failover(std::chrono::milliseconds timeout) { failover_ = timeout; }
   // The highest master term this peer has granted (0: none); the first master's
   // (its Welcome's) is granted here.
   std::uint64_t term() const { return term_; }
@@ -175,7 +176,7 @@ class Session {
   void change_state(State next);
   Commands start_heartbeats(Time now, std::uint32_t heartbeat_timeout_ms);
   Commands deliver(proto::Message message);
-  void track_request(const proto::Message& message);
+  void track_request(const proto::Message& message, const std::vector<std::uint8_t>& frame);
   Commands finish_resume();
   bool stale_answer(const proto::Message& message) const;
   void keep_outcome(proto::ResumeOutcome outcome);
@@ -199,10 +200,9 @@ class Session {
   // recheck), not up to one heartbeat interval later.
   cmd::ArmTimer next_wake() const;
 
-  // Failover: the timeout (0: off), the peer's group, the term granted, when the current
+  // Failover: the timeout (0: off), the term granted, when the current
   // loss began and until when a master may take the peer back.
   std::chrono::milliseconds failover_{0};
-  std::uint32_t group_ = 0;
   std::uint64_t term_ = 0;
   Time reconnect_deadline_{};
   // What the report says (proto::ResumeReport): the view of the last successful

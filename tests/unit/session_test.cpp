@@ -439,7 +439,7 @@ const PeerId kOther{1, 3};
 // A session with failover on, a member of the view of epoch 3.
 Session member_with_failover(std::chrono::milliseconds timeout = milliseconds(30'000)) {
   Session s = attached(1000);
-  s.set_failover(timeout, 4);
+  s.set_failover(timeout);
   p::TopologyResult view;
   view.epoch = 3;
   view.ring = {p::MemberInfo{kSelf, "a", 1, 2, 3, {}}, p::MemberInfo{kOther, "b", 1, 2, 3, {}}};
@@ -621,7 +621,7 @@ TEST(SessionFailover, WithoutFailoverOrAViewALossEndsTheLink) {
   off.lose(at(5), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
   EXPECT_EQ(off.state(), State::kEnded);
   Session newcomer = attached(1000);
-  newcomer.set_failover(milliseconds(30'000), 0);
+  newcomer.set_failover(milliseconds(30'000));
   newcomer.lose(at(5), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
   EXPECT_EQ(newcomer.state(), State::kEnded);
   // A master that says it shuts down is a loss; any other Goodbye ends the link.
