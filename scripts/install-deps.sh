@@ -15,5 +15,14 @@ if [ "${#missing[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   "${sudo_cmd[@]}" apt-get update -qq
   "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >/dev/null
+  # etcd-server is here for the tests' private etcd (on ports of their own); the system
+  # etcd the package may have started on port 2379 is not wanted: stop and disable it.
+  if [[ " ${missing[*]} " == *" etcd-server "* ]]; then
+    "${sudo_cmd[@]}" systemctl disable --now etcd.service >/dev/null 2>&1 || true
+    if [ -x /etc/init.d/etcd ]; then
+      "${sudo_cmd[@]}" /etc/init.d/etcd stop >/dev/null 2>&1 || true
+      "${sudo_cmd[@]}" update-rc.d etcd disable >/dev/null 2>&1 || true
+    fi
+  fi
 fi
 echo "install-deps: all ${#pkgs[@]} packages present"

@@ -31,7 +31,7 @@ extern "C" {
 #endif
 
 #define LOCKSTEP_VERSION_MAJOR 0
-#define LOCKSTEP_VERSION_MINOR 14
+#define LOCKSTEP_VERSION_MINOR 15
 #define LOCKSTEP_VERSION_PATCH 0
 #define LOCKSTEP_VERSION_HEX \
   ((LOCKSTEP_VERSION_MAJOR << 16) | (LOCKSTEP_VERSION_MINOR << 8) | LOCKSTEP_VERSION_PATCH)
@@ -116,7 +116,12 @@ typedef enum lockstep_status {
   /** Since 0.5. With check_finite, a peer's contribution to a float collective held NaN
    * or infinity: the collective failed on every peer before any byte moved (buffers
    * unchanged), and the message names the peer. Fix the data, then call it again. */
-  LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION = 28
+  LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION = 28,
+  /** Since 0.15. The master reached is a standby of a run with a hot standby (an etcd
+   * lease, docs/operations.md): another master holds the lease and serves the peers. The
+   * message names it where the standby knows it; a communicator given several master
+   * addresses tries the next. */
+  LOCKSTEP_STATUS_NOT_SERVING = 29
 } lockstep_status_t;
 
 /** A static, human-readable description of a status code (never NULL). */
@@ -274,6 +279,23 @@ typedef struct lockstep_master_config {
    * only for a run that lost most of its peers with its master: two masters could then
    * each resume a part of the run. */
   uint32_t recovery_quorum;
+  /** Since 0.15 (hot standby, docs/operations.md): etcd endpoints, "http://HOST:PORT"
+   * separated by commas. With them this master competes, with every master given the
+   * same etcd and ha_key, for the run's lease: it serves only while it holds the lease
+   * (its term is the etcd revision that gave it), and until then refuses every peer with
+   * NOT_SERVING, naming the master that serves. NULL or "" (the default): it serves from
+   * the start. An endpoint of another form: INVALID_ARGUMENT. */
+  const char* ha_etcd;
+  /** Since 0.15. The etcd key the run's masters compete for, one per run (at most 256
+   * bytes); NULL or "": "/lockstep/master". */
+  const char* ha_key;
+  /** Since 0.15. HOST:PORT peers reach this master at, as the other masters name it;
+   * NULL or "": the listen address, or the host's name where it listens on every
+   * address. */
+  const char* ha_advertise;
+  /** Since 0.15. The lease's time to live in seconds: a crashed master is replaced about
+   * this long after it died; 0 means 5, otherwise 2..60, else INVALID_ARGUMENT. */
+  uint32_t ha_lease_ttl_s;
 } lockstep_master_config_t;
 
 /** Fills the struct_size bytes of a config with the defaults (port 48148, all interfaces)

@@ -83,6 +83,7 @@ from ._errors import (
     KeyNotFoundError,
     LimitExceededError,
     NonFiniteContributionError,
+    NotServingError,
     WrongThreadError,
     error_for_status,
 )
@@ -152,4 +153,5 @@ __all__ = [
     "KeyNotFoundError",
     "LimitExceededError",
     "NonFiniteContributionError",
+    "NotServingError",
 ]

@@ -56,6 +56,7 @@ class Status(enum.IntEnum):
     KEY_NOT_FOUND = 26
     LIMIT_EXCEEDED = 27
     NON_FINITE_CONTRIBUTION = 28
+    NOT_SERVING = 29
 
 class DType(enum.IntEnum):
     """Element types. NumPy: uint8, int8, uint16, int16, uint32, int32, uint64, int64,
@@ -223,6 +224,11 @@ class NonFiniteContributionError(Error):
     """28: with check_finite, a peer's contribution held NaN or infinity; the collective
     failed on every peer before any byte moved."""
 
+class NotServingError(FatalError):
+    """29: every master address tried at connect is a standby (hot standby through etcd)
+    or unreachable; the message names the serving master where a standby knows it."""
+
+
 #: status code -> exception class
 ERROR_CLASSES: Mapping[int, Type[Error]]
 
@@ -274,7 +280,8 @@ class Master:
                  http_token_file: Optional[str] = None, http_insecure: bool = False, kv_keys_max: int = 0,
                  kv_key_bytes_max: int = 0, kv_value_bytes_max: int = 0,
                  newcomer_timeout_ms: int = 0, relay_port: Optional[int] = None, recovery_window_ms: int = 0,
-                 recovery_quorum: int = 0) -> None:
+                 recovery_quorum: int = 0, ha_etcd: Optional[str] = None, ha_key: Optional[str] = None,
+                 ha_advertise: Optional[str] = None, ha_lease_ttl_s: int = 0) -> None:
         """listen: "host:port" (port 0: ephemeral; empty host: all interfaces).
         heartbeat_timeout_ms: 0 means 5000 (range 100..3600000). vote_timeout_ms: 0 means
         off. peers_max: 0 means 1024. secret_file: the run secret (None: $LOCKSTEP_SECRET_FILE
@@ -290,7 +297,12 @@ class Master:
         relay); needs secret_file (run() raises InvalidArgumentError without one).
         recovery_window_ms: how long a master taking back a lost master's peers waits for
         all of their last view (0: 5000). recovery_quorum: how many must be back after it
-        (0: a strict majority; lower is risky, docs/operations.md)."""
+        (0: a strict majority; lower is risky, docs/operations.md).
+        ha_etcd: a hot standby: etcd endpoints ("http://HOST:PORT", comma-separated);
+        this master serves only while it holds the run's lease (None: from the start).
+        ha_key: the key the run's masters compete for (None: "/lockstep/master").
+        ha_advertise: "host:port" peers reach this master at (None: the listen address).
+        ha_lease_ttl_s: the lease's time to live (0: 5; 2..60)."""
     def run(self) -> None:
         """Starts listening and serving on background threads; MasterConnectionFailedError
         if it cannot bind."""

@@ -59,6 +59,7 @@ class Status(enum.IntEnum):
     KEY_NOT_FOUND = 26
     LIMIT_EXCEEDED = 27
     NON_FINITE_CONTRIBUTION = 28
+    NOT_SERVING = 29
 
 
 class Error(Exception):
@@ -291,6 +292,15 @@ class NonFiniteContributionError(Error):
     default_status = Status.NON_FINITE_CONTRIBUTION
 
 
+class NotServingError(FatalError):
+    """NOT_SERVING: every master address tried at connect is a standby of a run with a hot
+    standby (an etcd lease) or unreachable; the message names the serving master where a
+    standby knows it. Give the communicator that address too, or try again once the
+    takeover is over."""
+
+    default_status = Status.NOT_SERVING
+
+
 #: The exception class of every non-OK status code.
 ERROR_CLASSES: Dict[int, Type[Error]] = {
     cls.default_status: cls
@@ -323,6 +333,7 @@ ERROR_CLASSES: Dict[int, Type[Error]] = {
         KeyNotFoundError,
         LimitExceededError,
         NonFiniteContributionError,
+        NotServingError,
     )
 }
 

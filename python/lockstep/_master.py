@@ -98,6 +98,14 @@ class Master:
         recovery_quorum: the peers of that view that must be back after the window; 0
             (default): a strict majority (all of one or two). Lower only for a run that
             lost most of its peers with its master (docs/operations.md, "Failover").
+        ha_etcd: a hot standby (docs/operations.md, "Hot standby"): etcd endpoints
+            ("http://HOST:PORT", comma-separated). This master then serves only while it
+            holds the run's lease in etcd, and refuses peers (NotServingError) until
+            then. None (the default): it serves from the start.
+        ha_key: the etcd key the run's masters compete for (None: "/lockstep/master").
+        ha_advertise: "host:port" peers reach this master at, as the others name it
+            (None: the listen address).
+        ha_lease_ttl_s: the lease's time to live; 0 means 5 (range 2..60).
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", heartbeat_timeout_ms: int = 0, vote_timeout_ms: int = 0,
@@ -105,8 +113,13 @@ class Master:
                  pending_handshakes_max: int = 0, http: Optional[str] = None, http_token_file: Optional[str] = None,
                  http_insecure: bool = False, kv_keys_max: int = 0, kv_key_bytes_max: int = 0,
                  kv_value_bytes_max: int = 0, newcomer_timeout_ms: int = 0,
-                 relay_port: Optional[int] = None, recovery_window_ms: int = 0, recovery_quorum: int = 0) -> None:
+                 relay_port: Optional[int] = None, recovery_window_ms: int = 0, recovery_quorum: int = 0,
+                 ha_etcd: Optional[str] = None, ha_key: Optional[str] = None, ha_advertise: Optional[str] = None,
+                 ha_lease_ttl_s: int = 0) -> None:
         host, port = _split_address(listen, DEFAULT_MASTER_PORT, "listen")
+        for name, value in (("ha_etcd", ha_etcd), ("ha_key", ha_key), ("ha_advertise", ha_advertise)):
+            if value is not None and not isinstance(value, str):
+                raise InvalidArgumentError(f"{name} must be a str or None")
         if secret_file is not None and not isinstance(secret_file, str):
             raise InvalidArgumentError("secret_file must be a str or None")
         if http is not None:
@@ -129,7 +142,8 @@ class Master:
             _check_uint("kv_value_bytes_max", kv_value_bytes_max, 32),
             _check_uint("newcomer_timeout_ms", newcomer_timeout_ms, 32),
             -1 if relay_port is None else _check_uint("relay_port", relay_port, 16),
-            _check_uint("recovery_window_ms", recovery_window_ms, 32), _check_uint("recovery_quorum", recovery_quorum, 32))
+            _check_uint("recovery_window_ms", recovery_window_ms, 32), _check_uint("recovery_quorum", recovery_quorum, 32),
+            ha_etcd or "", ha_key or "", ha_advertise or "", _check_uint("ha_lease_ttl_s", ha_lease_ttl_s, 32))
         self._running = False
 
     def run(self) -> None:

@@ -47,7 +47,7 @@ py::object& error_factory() {
 }
 
 const char* status_name(int status) {
-  if (status < LOCKSTEP_OK || status > LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION) return "UNKNOWN_STATUS";
+  if (status < LOCKSTEP_OK || status > LOCKSTEP_STATUS_NOT_SERVING) return "UNKNOWN_STATUS";
   return lockstep_status_name(static_cast<lockstep_status_t>(status));
 }
 
@@ -162,7 +162,8 @@ class PyMaster {
            std::uint32_t handshake_timeout_ms, std::uint32_t pending_handshakes_max, const std::string& http_listen,
            const std::string& http_token_file, bool http_insecure, std::uint32_t kv_keys_max,
            std::uint32_t kv_key_bytes_max, std::uint32_t kv_value_bytes_max, std::uint32_t newcomer_timeout_ms, int relay_port,
-           std::uint32_t recovery_window_ms, std::uint32_t recovery_quorum) {
+           std::uint32_t recovery_window_ms, std::uint32_t recovery_quorum, const std::string& ha_etcd,
+           const std::string& ha_key, const std::string& ha_advertise, std::uint32_t ha_lease_ttl_s) {
     lockstep_master_config_t config;
     check(lockstep_master_config_init(&config), nullptr);
     config.listen_host = host.c_str();
@@ -184,6 +185,10 @@ class PyMaster {
     config.relay_port = relay_port >= 0 ? static_cast<std::uint32_t>(relay_port) : 0;
     config.recovery_window_ms = recovery_window_ms;
     config.recovery_quorum = recovery_quorum;
+    config.ha_etcd = ha_etcd.c_str();
+    config.ha_key = ha_key.c_str();
+    config.ha_advertise = ha_advertise.c_str();
+    config.ha_lease_ttl_s = ha_lease_ttl_s;
     lockstep_master_t* master = nullptr;
     const int s = lockstep_master_create(&config, &master);
     if (s != LOCKSTEP_OK) {
@@ -191,7 +196,7 @@ class PyMaster {
                   ? plain_message(s) + " (heartbeat_timeout_ms out of range, a bad listen address, an "
                                        "unreadable or too short secret file, a bad http address, an unreadable or "
                                        "malformed token file, a non-loopback http address without a token, a kv bound above its "
-                                       "maximum, newcomer_timeout_ms out of range, or relay_port above 65535)"
+                                       "maximum, newcomer_timeout_ms out of range, relay_port above 65535, or a bad ha_* setting)"
                   : plain_message(s));
     }
     master_ = master;
@@ -875,13 +880,15 @@ PYBIND11_MODULE(_lockstep, m) {
   py::class_<PyMaster>(m, "Master")
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::uint32_t, const std::string&,
                     std::uint32_t, std::uint32_t, const std::string&, const std::string&, bool, std::uint32_t,
-                    std::uint32_t, std::uint32_t, std::uint32_t, int, std::uint32_t, std::uint32_t>(),
+                    std::uint32_t, std::uint32_t, std::uint32_t, int, std::uint32_t, std::uint32_t, const std::string&,
+                    const std::string&, const std::string&, std::uint32_t>(),
            py::arg("host"), py::arg("port"), py::arg("heartbeat_timeout_ms"), py::arg("vote_timeout_ms"),
            py::arg("peers_max"), py::arg("secret_file") = "", py::arg("handshake_timeout_ms") = 0,
            py::arg("pending_handshakes_max") = 0, py::arg("http_listen") = "", py::arg("http_token_file") = "",
            py::arg("http_insecure") = false, py::arg("kv_keys_max") = 0, py::arg("kv_key_bytes_max") = 0,
            py::arg("kv_value_bytes_max") = 0, py::arg("newcomer_timeout_ms") = 0, py::arg("relay_port") = -1,
-           py::arg("recovery_window_ms") = 0, py::arg("recovery_quorum") = 0)
+           py::arg("recovery_window_ms") = 0, py::arg("recovery_quorum") = 0, py::arg("ha_etcd") = "",
+           py::arg("ha_key") = "", py::arg("ha_advertise") = "", py::arg("ha_lease_ttl_s") = 0)
       .def("run", &PyMaster::run)
       .def("relay_port", &PyMaster::relay_port)
       .def("port", &PyMaster::port)

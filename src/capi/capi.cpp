@@ -3,6 +3,7 @@
 #include <lockstep/lockstep.h>
 
 #include "common/log.h"
+#include "master/etcd.h"
 #include "master/http_server.h"
 #include "master/master_server.h"
 #include "peer/communicator.h"
@@ -261,6 +262,28 @@ lockstep_status_t lockstep_master_create(const lockstep_master_config_t* caller_
     if (config->relay != 0) options.relay_port = static_cast<std::uint16_t>(config->relay_port);
     if (config->recovery_window_ms != 0) options.coordinator.recovery_window_ms = config->recovery_window_ms;
     options.coordinator.recovery_quorum = config->recovery_quorum;
+    const auto c_string = [](const char* value) { return value == nullptr ? std::string() : std::string(value); };
+    if (!c_string(config->ha_etcd).empty()) {
+      lockstep::master::EtcdOptions etcd;
+      etcd.endpoints = lockstep::master::split_endpoints(config->ha_etcd);
+      if (!c_string(config->ha_key).empty()) etcd.key = config->ha_key;
+      if (config->ha_lease_ttl_s != 0) etcd.lease_ttl_s = config->ha_lease_ttl_s;
+      if (auto checked = lockstep::master::check_etcd_options(etcd); !checked.is_ok()) {
+        return refuse("lockstep_master_create", checked);
+      }
+      options.advertise = c_string(config->ha_advertise);
+      if (!options.advertise.empty() && (!lockstep::transport::split_host_port(options.advertise) ||
+                                         options.advertise.size() > lockstep::limits::kHaAdvertiseBytesMax)) {
+        return refuse("lockstep_master_create",
+                      lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                                       "ha_advertise must be HOST:PORT or [IPV6]:PORT of at most " +
+                                           std::to_string(lockstep::limits::kHaAdvertiseBytesMax) + " bytes"));
+      }
+      options.election = lockstep::master::make_etcd_election(std::move(etcd));
+    } else if (!c_string(config->ha_key).empty() || !c_string(config->ha_advertise).empty() || config->ha_lease_ttl_s != 0) {
+      return refuse("lockstep_master_create", lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                                                               "ha_key, ha_advertise or ha_lease_ttl_s set without ha_etcd"));
+    }
     auto secret = load_secret(config->secret_file, nullptr, 0);
     if (!secret.is_ok()) {
       LOG_ERROR("capi", "lockstep_master_create: " << secret.status().to_string());

@@ -158,4 +158,21 @@ inline constexpr std::size_t kHttpQueuedConnectionsMax = 32;
 inline constexpr std::uint32_t kHttpSocketTimeoutMs = 5'000;
 inline constexpr std::uint32_t kHttpRenderTimeoutMs = 2'000;
 
+// The hot standby's election in etcd (master/etcd.h; docs/operations.md, "Hot standby"):
+// the lease's time to live (default and bounds), the key's and the advertised address's
+// length, the endpoints one master may list, the size of an answer it reads, each
+// request's timeout, and how often a standby looks whether the key is free. A master
+// renews its lease every third of the TTL and stops serving a fifth of the TTL before the
+// lease would end unrenewed (measured from when it sent the request that granted or
+// renewed it), so that it has stopped before etcd lets another master take the key.
+inline constexpr std::uint32_t kHaLeaseTtlSecondsDefault = 5;
+inline constexpr std::uint32_t kHaLeaseTtlSecondsMin = 2;
+inline constexpr std::uint32_t kHaLeaseTtlSecondsMax = 60;
+inline constexpr std::size_t kHaKeyBytesMax = 256;
+inline constexpr std::size_t kHaAdvertiseBytesMax = 300;
+inline constexpr std::size_t kHaEndpointsMax = 16;
+inline constexpr std::size_t kEtcdResponseBytesMax = 64u << 10;
+inline constexpr std::uint32_t kEtcdRequestTimeoutMs = 1'000;
+inline constexpr std::uint32_t kHaStandbyPollMs = 250;
+
 }  // namespace lockstep::limits

@@ -36,6 +36,7 @@ const char* status_name(StatusCode code) {
     case LOCKSTEP_STATUS_KEY_NOT_FOUND: return "KEY_NOT_FOUND";
     case LOCKSTEP_STATUS_LIMIT_EXCEEDED: return "LIMIT_EXCEEDED";
     case LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION: return "NON_FINITE_CONTRIBUTION";
+    case LOCKSTEP_STATUS_NOT_SERVING: return "NOT_SERVING";
   }
   return "UNKNOWN_STATUS";
 }
@@ -91,6 +92,7 @@ extern "C" const char* lockstep_status_string(lockstep_status_t status) {
     case LOCKSTEP_STATUS_KEY_NOT_FOUND: return "the key-value store holds no such key";
     case LOCKSTEP_STATUS_LIMIT_EXCEEDED: return "a bound of the master was reached; nothing changed";
     case LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION: return "a peer's contribution held NaN or infinity; the collective failed on every peer";
+    case LOCKSTEP_STATUS_NOT_SERVING: return "this master is a standby: another master holds the run's lease and serves its peers";
   }
   return "unknown status";
 }

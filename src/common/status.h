@@ -13,7 +13,7 @@ namespace lockstep {
 
 using StatusCode = lockstep_status_t;
 // The largest status code defined (the wire decoder rejects larger ones).
-inline constexpr StatusCode kStatusCodeMax = LOCKSTEP_STATUS_NON_FINITE_CONTRIBUTION;
+inline constexpr StatusCode kStatusCodeMax = LOCKSTEP_STATUS_NOT_SERVING;
 
 class [[nodiscard]] Status {
  public:

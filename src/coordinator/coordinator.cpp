@@ -115,7 +115,12 @@ std::string id_list(const std::vector<PeerId>& ids) {
   return out;
 }
 
-Coordinator::Coordinator(Config config) : config_(config), relay_(config.relay), kv_(config.kv) {}
+Coordinator::Coordinator(Config config) : config_(config), relay_(config.relay), kv_(config.kv) {
+  if (config.term > 0) {
+    term_ = config.term;
+    term_fixed_ = true;
+  }
+}
 
 void Coordinator::Tally::count(const Peer& peer, int sign) {
   const auto add = [sign](std::size_t& n, bool counts) {

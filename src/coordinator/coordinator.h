@@ -90,6 +90,10 @@ struct Config {
   // docs/operations.md).
   std::uint32_t recovery_window_ms = limits::kRecoveryWindowMsDefault;
   std::uint32_t recovery_quorum = 0;
+  // Above 0: this master's term, fixed from the start (a hot standby's, the revision at
+  // which it won its lease: higher than every earlier holder's). 0: 1, or one above the
+  // highest term the first peer asking to be taken back had granted.
+  std::uint64_t term = 0;
 };
 
 enum class Phase { kRegistered, kAccepted };
@@ -285,8 +289,8 @@ class Coordinator {
   bool relay() const { return relay_; }
 
   // ---- failover (recovery.cpp)
-  // This master's term: 1, or one above the highest term the first peer asking to be
-  // taken back had granted.
+  // This master's term: Config::term, or 1, or one above the highest term the first
+  // peer asking to be taken back had granted.
   std::uint64_t term() const { return term_; }
   // A recovery is open: peers of a lost master's run are being taken back.
   bool recovering() const { return recovery_.has_value(); }

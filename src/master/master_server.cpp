@@ -75,6 +75,7 @@ class MasterServer::Impl {
         ticker_(io_),
         start_(std::chrono::steady_clock::now()) {
     if (options_.secret) run_key_ = security::random_key();
+    serving_ = options_.election == nullptr;
   }
 
   Status bind() {
@@ -97,7 +98,26 @@ class MasterServer::Impl {
 
   std::uint16_t port() const { return acceptor_.local_endpoint().port(); }
 
-  void run() {
+  void run(const std::string& self) {
+    self_ = self;
+    if (options_.election) {
+      // The election's thread hands its news to the loop.
+      Election::Handlers handlers;
+      handlers.elected = [this](std::uint64_t term, Election::Clock::time_point until) {
+        asio::post(io_, [this, term, until] { take_over(term, until); });
+      };
+      handlers.renewed = [this](Election::Clock::time_point until) {
+        asio::post(io_, [this, until] {
+          if (serving_) lease_until_ = until;
+        });
+      };
+      handlers.lost = [this](const std::string& why) {
+        asio::post(io_, [this, why] { step_down(why, /*resign=*/false); });
+      };
+      LOG_WARN(kLog, "a hot standby (" << options_.election->describe() << "): serving only while this master holds "
+                                       << "the run's lease, refusing peers until then");
+      options_.election->start(self, std::move(handlers));
+    }
     do_accept();
     schedule_tick();
     io_.run();
@@ -110,6 +130,10 @@ class MasterServer::Impl {
   // Called from any thread: the view is rendered by a handler on the loop thread.
   Result<std::string> render(View view, std::uint32_t timeout_ms) {
     return on_loop(timeout_ms, [this, view]() -> Result<std::string> {
+      if (options_.election) {
+        observer_.set_ha(Observer::Ha{options_.election->describe(), serving_, options_.election->holder(), elections_,
+                                      step_downs_});
+      }
       if (view == View::kStateJson) return observer_.state_json(coordinator_, now_ms());
       std::string text = observer_.metrics_text(coordinator_, now_ms());
       if (relay_) text += relay_metrics(relay_->stats());
@@ -284,6 +308,7 @@ class MasterServer::Impl {
     if (!message.is_ok()) return violation(s, message.status().message());
     if (s->relay_hello && s->crypto) return on_relay_frame(s, message.value());
     if (options_.secret && !s->crypto) return on_auth_frame(s, message.value());
+    if (!serving_ && std::holds_alternative<proto::Hello>(message.value())) return refuse_standby(s);
     if (std::holds_alternative<proto::RelayHello>(message.value())) {
       return refuse_relay(s, LOCKSTEP_STATUS_INVALID_ARGUMENT,
                           "this master runs without a run secret, and a relay needs one (--secret-file on both): the "
@@ -387,6 +412,7 @@ class MasterServer::Impl {
         security::session_keys(*proven, s->client_nonce, s->server_nonce, s->transcript), /*client=*/false);
     s->auth = Auth::kDone;
     LOG_DEBUG(kLog, "connection " << s->conn << " from " << s->host << " proved the run secret");
+    if (!serving_) return refuse_standby(s);
     if (s->relay_hello) return register_relay(s);
     probe_then_register(s, s->hello);
   }
@@ -434,11 +460,66 @@ class MasterServer::Impl {
 
   void refuse_relay(const SessionPtr& s, StatusCode status, const std::string& reason) {
     LOG_WARN(kLog, "connection " << s->conn << " from " << s->host << " refused as a relay: " << reason);
+    refuse(s, status, reason, "refused as a relay");
+  }
+
+  // Ends a connection that was not registered: its Goodbye says why, and the coordinator
+  // forgets the unfinished handshake (`as`: the reason it is given).
+  void refuse(const SessionPtr& s, StatusCode status, const std::string& reason, const char* as) {
     enqueue(s->conn, proto::Goodbye{status, reason});
     begin_close(s);
     coord::Outbox out;
-    coordinator_.on_disconnect(s->conn, "refused as a relay", now_ms(), out);
+    coordinator_.on_disconnect(s->conn, as, now_ms(), out);
     apply(out);
+  }
+
+  // ---- the hot standby (Options::election)
+
+  // A standby answers every Hello (after the secret's proof, where there is one) with
+  // NOT_SERVING, naming the master that serves: a peer goes on to its next address.
+  void refuse_standby(const SessionPtr& s) {
+    const std::string holder = options_.election->holder();
+    const std::string why = "a standby master: " + (holder.empty() || holder == self_
+                                                        ? std::string("no master holds the run's lease yet")
+                                                        : "the run is served by " + holder);
+    LOG_DEBUG(kLog, "connection " << s->conn << " from " << s->host << " refused: " << why);
+    refuse(s, LOCKSTEP_STATUS_NOT_SERVING, why, "refused by a standby");
+  }
+
+  // The election gave this master the lease: it serves from now on, with the election's
+  // term, as a master that has just started (the run's peers come back to it as to a
+  // restarted master, docs/architecture.md, "Failover"). The connections it refused
+  // meanwhile are dropped.
+  void take_over(std::uint64_t term, Election::Clock::time_point until) {
+    if (stopping_ || serving_) return;
+    for (auto& [conn, s] : std::map<coord::ConnId, SessionPtr>(sessions_)) destroy(s);
+    fresh_coordinator(term);
+    serving_ = true;
+    lease_until_ = until;
+    ++elections_;
+    LOG_WARN(kLog, "this master serves the run now (it holds the lease), term " << term);
+  }
+
+  // The lease is lost, or about to end unrenewed: this master stops serving before any
+  // other can be elected, tells every peer (which go on to the next master), forgets the
+  // run and competes again as a standby.
+  void step_down(const std::string& why, bool resign) {
+    if (stopping_ || !serving_) return;
+    LOG_WARN(kLog, "stepping down (" << why << "): this master no longer serves the run");
+    say_goodbye_to_all("the master stepped down (" + why + "); another master takes the run over");
+    fresh_coordinator(0);
+    serving_ = false;
+    ++step_downs_;
+    if (resign) options_.election->resign();
+  }
+
+  void fresh_coordinator(std::uint64_t term) {
+    coord::Config config = options_.coordinator;
+    config.term = term;
+    coordinator_ = coord::Coordinator(config);
+    announced_relay_.reset();
+    relay_holder_ = 0;
+    relay_members_.reset();
   }
 
   // The relay in use: the first relay process still registered, else the master's own
@@ -489,12 +570,7 @@ class MasterServer::Impl {
 
   void auth_failed(const SessionPtr& s, const std::string& reason) {
     LOG_WARN(kLog, "connection " << s->conn << " from " << s->host << " refused: " << reason);
-    enqueue(s->conn, proto::Goodbye{LOCKSTEP_STATUS_AUTHENTICATION_FAILED, "this run requires its secret: " + reason});
-    begin_close(s);
-    // The coordinator forgets the unfinished handshake; nothing was registered.
-    coord::Outbox out;
-    coordinator_.on_disconnect(s->conn, "authentication failed", now_ms(), out);
-    apply(out);
+    refuse(s, LOCKSTEP_STATUS_AUTHENTICATION_FAILED, "this run requires its secret: " + reason, "authentication failed");
   }
 
   // With a secret: a copy of the message with the pair key of the recipient and each
@@ -710,6 +786,10 @@ class MasterServer::Impl {
     ticker_.expires_after(std::chrono::milliseconds(options_.tick_ms));
     ticker_.async_wait([this](const asio::error_code& ec) {
       if (ec || stopping_) return;
+      if (serving_ && options_.election &&
+          Election::Clock::now() >= lease_until_ - options_.election->lease_ttl() / 5) {
+        step_down("its lease was not renewed in time", /*resign=*/true);
+      }
       coord::Outbox out;
       coordinator_.on_tick(now_ms(), out);
       apply(out);
@@ -735,16 +815,24 @@ class MasterServer::Impl {
     asio::error_code ec;
     acceptor_.close(ec);
     ticker_.cancel();
+    say_goodbye_to_all("master shutting down");
+    // Released at once, so that a standby takes over without waiting for the TTL.
+    if (options_.election) options_.election->stop();
+    io_.stop();
+  }
+
+  // Best effort: tell every connection why it ends, without waiting for slow readers,
+  // and close it.
+  void say_goodbye_to_all(const std::string& why) {
+    asio::error_code ec;
     for (auto& [conn, s] : std::map<coord::ConnId, SessionPtr>(sessions_)) {
       if (s->closed) continue;
-      // Best effort: tell peers why, without waiting for slow readers.
-      const proto::Message bye = proto::Goodbye{LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "master shutting down"};
+      const proto::Message bye = proto::Goodbye{LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, why};
       auto frame = s->crypto ? s->crypto->seal(bye) : proto::encode_frame(bye);
       s->socket.non_blocking(true, ec);
       s->socket.write_some(asio::buffer(frame), ec);
       destroy(s);
     }
-    io_.stop();
   }
 
   Options options_;
@@ -774,6 +862,13 @@ class MasterServer::Impl {
   std::optional<security::Key> previous_secret_;
   TimeMs previous_secret_until_ms_ = 0;
   bool stopping_ = false;
+  // The hot standby: whether this master serves (always, without an election), until
+  // when its lease runs unrenewed, and how often it was elected and stepped down.
+  bool serving_ = true;
+  Election::Clock::time_point lease_until_{};
+  std::uint64_t elections_ = 0;
+  std::uint64_t step_downs_ = 0;
+  std::string self_;  // the address the election names this master by
 };
 
 namespace {
@@ -781,10 +876,23 @@ Options with_relay_config(Options options) {
   options.coordinator.relay = options.relay_port.has_value();
   return options;
 }
+
+// The host others reach a master listening on `listen_host` at: that address, or the
+// host's name where it listens on every address.
+std::string reachable_host(const std::string& listen_host) {
+  asio::error_code ec;
+  const auto address = asio::ip::make_address(listen_host, ec);
+  if (ec || !address.is_unspecified()) return listen_host;
+  const std::string name = asio::ip::host_name(ec);
+  return ec || name.empty() ? listen_host : name;
+}
 }  // namespace
 
 MasterServer::MasterServer(Options options)
-    : secret_(options.secret.has_value()), impl_(std::make_unique<Impl>(with_relay_config(std::move(options)))) {}
+    : secret_(options.secret.has_value()),
+      listen_host_(options.listen_host),
+      advertise_(options.advertise),
+      impl_(std::make_unique<Impl>(with_relay_config(std::move(options)))) {}
 
 MasterServer::~MasterServer() {
   interrupt();
@@ -798,8 +906,9 @@ Status MasterServer::start() {
   port_ = impl_->port();
   relay_port_ = impl_->relay_port();
   running_ = true;
-  thread_ = std::thread([this] {
-    impl_->run();
+  thread_ = std::thread([this, self = advertise_.empty() ? transport::join_host_port(reachable_host(listen_host_), port_)
+                                                         : advertise_] {
+    impl_->run(self);
     running_ = false;
   });
   LOG_INFO("master", "listening on port " << port_.load());

@@ -6,6 +6,7 @@
 
 #include "common/status.h"
 #include "coordinator/coordinator.h"
+#include "master/election.h"
 #include "security/crypto.h"
 
 #include <atomic>
@@ -37,6 +38,15 @@ struct Options {
   std::optional<std::uint16_t> relay_port;
   // How long a relay connection waits for the other end of its edge.
   std::uint32_t relay_match_timeout_ms = 30'000;
+  // The hot standby (docs/operations.md, "Hot standby"): with an election, this master
+  // serves only while it holds the run's lease, with the term the election gives it, and
+  // stops serving (every peer told so) when the lease is lost or about to end unrenewed.
+  // Until then it is a standby: it refuses every peer and relay with NOT_SERVING, naming
+  // the master that serves. Without one, it serves from the start.
+  std::shared_ptr<Election> election;
+  // The address the election names this master by; empty: the listen address and port
+  // (the host's name where it listens on every address).
+  std::string advertise;
 };
 
 // What render() produces (docs/observability.md).
@@ -77,6 +87,8 @@ class MasterServer {
  private:
   class Impl;
   bool secret_ = false;
+  std::string listen_host_;
+  std::string advertise_;
   std::unique_ptr<Impl> impl_;
   std::thread thread_;
   std::atomic<std::uint16_t> port_{0};

@@ -265,6 +265,16 @@ std::string Observer::state_json(const coord::Coordinator& c, TimeMs now_ms) con
   } else {
     root["last_recovery"] = nullptr;
   }
+  // The hot standby: whether this master serves, and which one does.
+  if (ha_) {
+    root["ha"] = json{{"store", ha_->store},
+                      {"serving", ha_->serving},
+                      {"holder", ha_->holder},
+                      {"elections", ha_->elections},
+                      {"step_downs", ha_->step_downs}};
+  } else {
+    root["ha"] = nullptr;
+  }
 
   // Peers, with their rank in the ring (accepted peers) and the bytes they reported.
   std::map<PeerId, std::size_t> ranks;
@@ -461,6 +471,15 @@ std::string Observer::metrics_text(const coord::Coordinator& c, TimeMs now_ms) c
   Family(out, "lockstep_master_term", "gauge",
          "This master's term (failover: above every term its peers granted to an earlier master).")
       .sample({}, static_cast<double>(c.term()));
+  Family(out, "lockstep_master_serving", "gauge",
+         "1 while this master serves the run; 0 while it is a hot standby (another holds the lease).")
+      .sample({}, !ha_ || ha_->serving ? 1.0 : 0.0);
+  if (ha_) {
+    Family(out, "lockstep_master_elections_total", "counter", "Times this master won the run's lease.")
+        .sample({}, static_cast<double>(ha_->elections));
+    Family(out, "lockstep_master_step_downs_total", "counter", "Times this master lost the lease and stopped serving.")
+        .sample({}, static_cast<double>(ha_->step_downs));
+  }
   Family(out, "lockstep_recovering", "gauge", "1 while this master takes a lost master's run back, else 0.")
       .sample({}, c.recovering() ? 1.0 : 0.0);
   if (const auto& r = c.last_recovery()) {

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -46,6 +47,17 @@ class Observer {
                               std::uint64_t attempt, std::uint64_t bytes_sent, std::uint64_t bytes_received);
   // Looks for new stalls; returns a log line for each (each stall is reported once).
   std::vector<std::string> check_stalls(const coord::Coordinator& coordinator, TimeMs now_ms);
+
+  // The hot standby's state (master_server.h, Options::election), shown from the next
+  // rendering on.
+  struct Ha {
+    std::string store;  // the election's store and key
+    bool serving = false;
+    std::string holder;  // the serving master, as the store names it
+    std::uint64_t elections = 0;
+    std::uint64_t step_downs = 0;
+  };
+  void set_ha(Ha ha) { ha_ = std::move(ha); }
 
   // The picture of the run (docs/observability.md lists the fields).
   std::string state_json(const coord::Coordinator& coordinator, TimeMs now_ms) const;
@@ -110,6 +122,7 @@ class Observer {
   static constexpr std::size_t kAttemptSlotsMax = 4096;
   std::deque<Bucket> throughput_;           // the last kThroughputHistorySeconds seconds
   std::set<RoundKey> reported_stalls_;      // open rounds already reported
+  std::optional<Ha> ha_;
 };
 
 }  // namespace lockstep::master

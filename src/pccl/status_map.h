@@ -52,6 +52,7 @@ inline pcclResult_t to_pccl(lockstep_status_t status, Call call) {
     // The communicator is finished: a PCCL program ends or reconnects, never retries in place.
     case LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED:
     case LOCKSTEP_STATUS_MASTER_CONNECTION_LOST:
+    case LOCKSTEP_STATUS_NOT_SERVING:
     case LOCKSTEP_STATUS_KICKED:
     case LOCKSTEP_STATUS_REJECTED:
     case LOCKSTEP_STATUS_AUTHENTICATION_FAILED:

@@ -168,12 +168,6 @@ Status Communicator::connect() {
   if (Status s = check_call(false); !s.is_ok()) return remember(s);
   if (connected_) return remember(Status(LOCKSTEP_STATUS_INVALID_USAGE, "already connected"));
   OperationScope scope(*this, Counter::kConnectUs, nullptr);
-  auto fd = transport::connect_tcp(options_.master_host, options_.master_port, options_.connect_timeout_ms);
-  if (!fd.is_ok()) {
-    return remember(Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED, "master at " + options_.master_host + ":" +
-                                                                         std::to_string(options_.master_port) +
-                                                                         " unreachable: " + fd.status().message()));
-  }
   proto::Hello hello;
   hello.group = options_.peer_group;
   hello.pool_size = static_cast<std::uint16_t>(options_.p2p_pool_size);  // at most kP2PPoolSizeMax
@@ -181,22 +175,42 @@ Status Communicator::connect() {
   hello.shared_state_port = link_->port(proto::Channel::kSharedState);
   hello.benchmark_port = link_->port(proto::Channel::kBenchmark);
   hello.advertised_host = options_.advertised_host;
-  auto channel = master_handshake(fd.value().get(), hello, options_.secret,
-                                  options_.master_host + ":" + std::to_string(options_.master_port),
-                                  options_.connect_timeout_ms);
-  if (!channel.is_ok()) return remember(channel.status());
-  std::shared_ptr<security::FrameCrypto> crypto = std::move(channel.value().crypto);
-  const proto::Message& reply = channel.value().reply;
-  if (const auto* bye = std::get_if<proto::Goodbye>(&reply)) {
-    return remember(Status(bye->status, "master: " + bye->reason));
+  // The master's address, then each fallback: one that cannot be reached, or a hot
+  // standby that does not serve the run (NOT_SERVING), sends the peer on to the next.
+  std::vector<std::pair<std::string, std::uint16_t>> addresses{{options_.master_host, options_.master_port}};
+  addresses.insert(addresses.end(), options_.master_fallbacks.begin(), options_.master_fallbacks.end());
+  Status last;
+  std::optional<MasterChannel> channel;
+  transport::Fd fd;
+  std::string master_host;
+  for (const auto& [host, port] : addresses) {
+    const std::string name = transport::join_host_port(host, port);
+    auto connected = transport::connect_tcp(host, port, options_.connect_timeout_ms);
+    if (!connected.is_ok()) {
+      last = Status(LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED,
+                    "master at " + name + " unreachable: " + connected.status().message());
+      continue;
+    }
+    auto answer = master_handshake(connected.value().get(), hello, options_.secret, name, options_.connect_timeout_ms);
+    if (!answer.is_ok()) return remember(answer.status());
+    if (const auto* bye = std::get_if<proto::Goodbye>(&answer.value().reply)) {
+      last = Status(bye->status, "master at " + name + ": " + bye->reason);
+      if (bye->status == LOCKSTEP_STATUS_NOT_SERVING) continue;
+      return remember(last);
+    }
+    channel = std::move(answer.value());
+    fd = std::move(connected.value());
+    master_host = host;
+    break;
   }
-  const auto* welcome = std::get_if<proto::Welcome>(&reply);
+  if (!channel) return remember(last);
+  std::shared_ptr<security::FrameCrypto> crypto = std::move(channel->crypto);
+  const auto* welcome = std::get_if<proto::Welcome>(&channel->reply);
   if (welcome == nullptr) return remember(Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "master answered Hello with something else"));
   id_ = welcome->id;
-  link_->set_relay(RelayAddress{welcome->relay_host.empty() ? options_.master_host : welcome->relay_host,
-                                welcome->relay_port});
+  link_->set_relay(RelayAddress{welcome->relay_host.empty() ? master_host : welcome->relay_host, welcome->relay_port});
   link_->set_identity(id_, welcome->term);
-  link_->attach_master(std::move(fd.value()), welcome->heartbeat_timeout_ms, std::move(crypto), hello);
+  link_->attach_master(std::move(fd), welcome->heartbeat_timeout_ms, std::move(crypto), hello);
   connected_ = true;
   LOG_DEBUG(kLog, "registered as " << id_.to_string() << ", waiting to be accepted");
   // A newcomer waits for the accepted peers' vote; failed attempts are retried by

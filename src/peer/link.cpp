@@ -227,7 +227,8 @@ void Link::reconnect_loop() {
       return stopping_ || session_.state() == Session::State::kReconnecting || session_.state() == Session::State::kEnded;
     });
     if (stopping_ || session_.state() == Session::State::kEnded) return;
-    // One round over every address, then a pause that doubles up to 2 s.
+    // One round over every address, then a pause that doubles up to 1 s (a hot standby
+    // takes over about a lease's TTL after its master died: found within a second).
     auto pause = std::chrono::milliseconds(100);
     while (!stopping_ && session_.state() == Session::State::kReconnecting) {
       for (const auto& address : addresses) {
@@ -238,7 +239,7 @@ void Link::reconnect_loop() {
       }
       if (stopping_ || session_.state() != Session::State::kReconnecting) break;
       cv_.wait_for(lock, pause, [&] { return stopping_ || session_.state() != Session::State::kReconnecting; });
-      pause = std::min(pause * 2, std::chrono::milliseconds(2000));
+      pause = std::min(pause * 2, std::chrono::milliseconds(1000));
     }
   }
 }

@@ -36,7 +36,7 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 // 14: relay processes (lockstep-relay): RelayHello, RelayAssign, RelayAddress,
 //    Welcome.relay_host; the ends of a relayed edge prove security::relay_key
 // 15: failover: Hello.resume_id and term, Welcome.term, ResumeReport, Resumed
-inline constexpr std::uint16_t kProtocolVersion = 15;
+inline constexpr std::uint16_t kProtocolVersion = 16;
 
 enum class MsgType : std::uint16_t {
   // peer -> master

@@ -41,6 +41,7 @@ TEST(PcclStatusMap, TheSameWhateverTheCall) {
       // The communicator is finished: PCCL programs end or reconnect, never retry in place.
       {LOCKSTEP_STATUS_MASTER_CONNECTION_FAILED, pcclMasterConnectionFailed},
       {LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, pcclMasterConnectionFailed},
+      {LOCKSTEP_STATUS_NOT_SERVING, pcclMasterConnectionFailed},
       {LOCKSTEP_STATUS_KICKED, pcclMasterConnectionFailed},
       {LOCKSTEP_STATUS_REJECTED, pcclMasterConnectionFailed},
       {LOCKSTEP_STATUS_AUTHENTICATION_FAILED, pcclMasterConnectionFailed},

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import socket
 import time
 from typing import Any, Callable, List, Optional
 
@@ -18,6 +19,13 @@ import lockstep
 
 # Every wait of the tests is bounded: a hang fails the test instead of the CTest timeout.
 CALL_TIMEOUT_S = float(os.environ.get("LOCKSTEP_PY_TEST_TIMEOUT_S", "25"))
+
+
+def free_port() -> int:
+    """A port of loopback that is free now (nothing listens there)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Peer:

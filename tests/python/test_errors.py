@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import lockstep
+from conftest import free_port
 from lockstep import Status
 
 torch = pytest.importorskip("torch")
@@ -23,6 +24,7 @@ RETRYABLE = {
 FATAL = {
     Status.MASTER_CONNECTION_LOST, Status.MASTER_CONNECTION_FAILED, Status.KICKED, Status.REJECTED,
     Status.REVISION_VIOLATION, Status.SHARED_STATE_MISMATCH, Status.PROTOCOL_ERROR, Status.AUTHENTICATION_FAILED,
+    Status.NOT_SERVING,
 }
 EXPECTED_NAMES = {
     1: "NotInitializedError", 2: "InternalError", 3: "InvalidArgumentError", 4: "InvalidUsageError",
@@ -33,14 +35,8 @@ EXPECTED_NAMES = {
     18: "LockstepTimeoutError", 19: "WrongThreadError", 20: "LockstepInterruptedError",
     21: "RevisionViolationError", 22: "SharedStateMismatchError", 23: "HashMismatchError",
     24: "AuthenticationFailedError", 25: "ViewChangedError", 26: "KeyNotFoundError", 27: "LimitExceededError",
-    28: "NonFiniteContributionError",
+    28: "NonFiniteContributionError", 29: "NotServingError",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -55,7 +51,7 @@ def offline():
 
 
 def test_one_class_per_status_with_status_values():
-    assert sorted(lockstep.ERROR_CLASSES) == list(range(1, 29))
+    assert sorted(lockstep.ERROR_CLASSES) == list(range(1, 30))
     assert sorted(lockstep.ERROR_CLASSES) == sorted(s for s in Status if s != Status.OK)
     for code, name in EXPECTED_NAMES.items():
         cls = getattr(lockstep, name)

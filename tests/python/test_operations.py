@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -28,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 
 import lockstep
+from conftest import free_port
 from observed_run import WAIT_S, LineReader, Peer, admit, all_call, bin_path, peer_name, stop_process
 
 TOKEN = "0123456789abcdef-operations-token"
@@ -48,12 +48,6 @@ def write(path: str, text: str) -> str:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Master:

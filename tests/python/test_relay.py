@@ -297,7 +297,7 @@ def test_optimize_topology_measures_relayed_pairs_through_the_relay(relayed):
     relayed.run(lambda i, comm: comm.all_reduce(np.full(COUNT, 1.0, dtype=np.float32), tag=40))
 
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 
 def wire_id(hex_id: str) -> bytes:

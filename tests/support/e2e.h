@@ -77,9 +77,10 @@ inline std::vector<std::string> tamper_launcher(const std::string& call = "sendm
 }
 #endif
 
-// The body of GET http://127.0.0.1:port/path when the answer is 200; nothing otherwise
-// (each socket call bounded by five seconds).
-inline std::optional<std::string> http_get(std::uint16_t port, const std::string& path) {
+// The body of GET http://127.0.0.1:port/path (a POST of `post` where that is given) when
+// the answer is 200; nothing otherwise (each socket call bounded by five seconds).
+inline std::optional<std::string> http_get(std::uint16_t port, const std::string& path,
+                                           const std::optional<std::string>& post = std::nullopt) {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return std::nullopt;
   const timeval timeout{5, 0};
@@ -91,7 +92,10 @@ inline std::optional<std::string> http_get(std::uint16_t port, const std::string
   sa.sin_port = htons(port);
   std::string answer;
   if (::connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) == 0) {
-    const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    const std::string request =
+        post ? "POST " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\n"
+                   "Content-Length: " + std::to_string(post->size()) + "\r\n\r\n" + *post
+             : "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
     if (::send(fd, request.data(), request.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(request.size())) {
       char buffer[4096];
       for (ssize_t n; (n = ::recv(fd, buffer, sizeof buffer, 0)) > 0;) answer.append(buffer, static_cast<std::size_t>(n));

@@ -3864,6 +3864,30 @@ TEST(CoordinatorRecovery, TermsFenceMastersAndAServingMasterTakesNobodyBack) {
   EXPECT_EQ(serving.c.term(), 1u);
 }
 
+TEST(CoordinatorRecovery, AHotStandbysTermIsTheElectionsAndFencesPeersThatGrantedAHigherOne) {
+  Config config = test_config();
+  config.term = 40;  // the etcd revision at which it won its lease
+  Harness h(config);
+  EXPECT_EQ(h.c.term(), 40u);
+  const std::vector<PeerId> view{old_id(1), old_id(2)};
+  // A peer of the lost master's run (which granted term 12) is taken back under term 40,
+  // not one above what it reports.
+  Returning a = come_back(h, view[0], 12);
+  ASSERT_TRUE(a.welcome.has_value()) << describe(a.out);
+  EXPECT_EQ(a.welcome->term, 40u);
+  EXPECT_EQ(h.c.term(), 40u);
+  // One that granted term 40 or above already is refused: another master has it.
+  Returning b = come_back(h, view[1], 40);
+  EXPECT_FALSE(b.welcome.has_value());
+  // A newcomer of a new run is welcomed under the same term.
+  Harness fresh(config);
+  Outbox joined;
+  FakePeer first = fresh.join(1, &joined);
+  auto welcome = one_of<p::Welcome>(joined, first.conn);
+  ASSERT_TRUE(welcome.has_value()) << describe(joined);
+  EXPECT_EQ(welcome->term, 40u);
+}
+
 TEST(CoordinatorRecovery, ReportsThatDisagreeWithTheLastViewAreTurnedAway) {
   Harness h;
   const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3), old_id(4)};

@@ -8,6 +8,7 @@
 #include "master/master_server.h"
 #include "peer/communicator.h"
 #include "security/crypto.h"
+#include "etcd_process.h"
 #include "subprocess.h"
 #include "transport/socket.h"
 
@@ -30,6 +31,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -492,6 +494,7 @@ int worker_recovery(const Settings& s) {
   options.master_port = s.master_port;
   options.base_port = 0;
   options.failover_timeout_ms = s.failover_timeout_ms;
+  if (s.fallback_port != 0) options.master_fallbacks = {{"127.0.0.1", s.fallback_port}};
   auto created = peer::Communicator::create(options);
   if (!created.is_ok() || !created.value()->connect().is_ok()) return 1;
   auto& comm = *created.value();
@@ -560,6 +563,7 @@ std::vector<std::string> worker_argv(const Settings& s, const std::string& mode,
   if (!s.secret_file.empty()) argv.insert(argv.end(), {"--secret-file", s.secret_file});
   if (s.encrypt) argv.push_back("--encrypt");
   if (s.failover_timeout_ms > 0) argv.insert(argv.end(), {"--failover-timeout-ms", std::to_string(s.failover_timeout_ms)});
+  if (s.fallback_port != 0) argv.insert(argv.end(), {"--fallback-port", std::to_string(s.fallback_port)});
   if (s.check_finite) argv.push_back("--check-finite");
   if (s.no_inbound) argv.push_back("--no-inbound");
   if (s.compare_torch || s.compare_torch_lockstep) argv.push_back("--paced");
@@ -897,11 +901,12 @@ int run_collective(const Settings& settings) {
 }
 
 std::optional<tools::Subprocess> spawn_master_process(const std::string& self, std::uint16_t* port,
-                                                     const std::vector<std::string>& extra) {
+                                                     const std::vector<std::string>& extra,
+                                                     const std::string& stderr_path) {
   std::vector<std::string> argv = {(std::filesystem::path(self).parent_path() / "lockstep-master").string(), "--listen",
                                    "127.0.0.1:" + std::to_string(*port)};
   argv.insert(argv.end(), extra.begin(), extra.end());
-  auto master = tools::Subprocess::spawn(argv);
+  auto master = tools::Subprocess::spawn(argv, stderr_path);
   if (!master) {
     std::fprintf(stderr, "lockstep-bench: cannot start %s\n", argv[0].c_str());
     return std::nullopt;
@@ -915,6 +920,26 @@ std::optional<tools::Subprocess> spawn_master_process(const std::string& self, s
   return master;
 }
 
+// Whether a line of the log file contains `text`.
+bool log_says(const std::string& path, const std::string& text) {
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find(text) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// Polls a log file until a line contains `text` (true) or the timeout passes (false, said).
+bool wait_for_log(const std::string& path, const std::string& text, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    if (log_says(path, text)) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::fprintf(stderr, "lockstep-bench: %s does not say '%s'\n", path.c_str(), text.c_str());
+  return false;
+}
+
 int run_recovery(Settings s) {
   log::set_level(log::Level::kWarn);
   // The victim is a peer (the master runs in this process) or the master (a process of
@@ -922,10 +947,32 @@ int run_recovery(Settings s) {
   std::unique_ptr<master::MasterServer> master;
   std::optional<tools::Subprocess> master_process;
   std::uint16_t port = 0;
-  const std::vector<std::string> master_flags = {"--heartbeat-timeout-ms", std::to_string(s.heartbeat_timeout_ms),
-                                                 "--log-level", "warn"};
-  if (s.kill_master) {
-    s.failover_timeout_ms = 30'000;
+  std::vector<std::string> master_flags = {"--heartbeat-timeout-ms", std::to_string(s.heartbeat_timeout_ms),
+                                           "--log-level", "warn"};
+  // With --standby: a private etcd, the serving master (master_process, on `port`) and
+  // the standby (on s.fallback_port); their logs go to files, where the bench reads when
+  // one serves.
+  std::optional<tools::EtcdProcess> etcd;
+  std::optional<tools::Subprocess> standby_process;
+  std::string serving_log, standby_log;
+  if (s.kill_master) s.failover_timeout_ms = 30'000;
+  if (s.standby) {
+    try {
+      etcd.emplace();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "lockstep-bench: %s\n", e.what());
+      return 1;
+    }
+    master_flags.insert(master_flags.end(), {"--ha-etcd", etcd->url(), "--ha-key",
+                                             "/lockstep-bench", "--ha-lease-ttl-s", std::to_string(s.lease_ttl_s)});
+    const std::string logs = std::filesystem::temp_directory_path() / ("lockstep-bench-" + std::to_string(::getpid()));
+    serving_log = logs + "-a.log";
+    standby_log = logs + "-b.log";
+    master_process = spawn_master_process(s.self, &port, master_flags, serving_log);
+    if (!master_process || !wait_for_log(serving_log, "serves the run now", std::chrono::seconds(30))) return 1;
+    standby_process = spawn_master_process(s.self, &s.fallback_port, master_flags, standby_log);
+    if (!standby_process) return 1;
+  } else if (s.kill_master) {
     master_process = spawn_master_process(s.self, &port, master_flags);
     if (!master_process) return 1;
   } else {
@@ -967,7 +1014,17 @@ int run_recovery(Settings s) {
     drain(std::chrono::milliseconds(0), ignore);
     std::int64_t killed_ns = 0;
     std::optional<tools::Subprocess> stopped;
-    if (s.kill_master) {
+    if (s.standby) {
+      // The standby serves from now on; the killed master comes back as the next standby.
+      killed_ns = now_ns();
+      master_process->kill();
+      std::swap(master_process, standby_process);
+      std::swap(port, s.fallback_port);
+      std::swap(serving_log, standby_log);
+      std::filesystem::remove(standby_log);
+      standby_process = spawn_master_process(s.self, &s.fallback_port, master_flags, standby_log);
+      if (!standby_process) return 1;
+    } else if (s.kill_master) {
       killed_ns = now_ns();
       master_process->kill();
       master_process = spawn_master_process(s.self, &port, master_flags);
@@ -1005,16 +1062,28 @@ int run_recovery(Settings s) {
       stopped->kill();
       spawn();  // a replacement joins; let the run settle
     }
+    // Either standby may have won the lease (the killed master's replacement too): the
+    // next trial kills the one that serves.
+    if (s.standby && !log_says(serving_log, "serves the run now") && log_says(standby_log, "serves the run now")) {
+      std::swap(master_process, standby_process);
+      std::swap(port, s.fallback_port);
+      std::swap(serving_log, standby_log);
+    }
     drain(std::chrono::milliseconds(500), ignore);
   }
   if (master_process) master_process->kill();
+  if (standby_process) standby_process->kill();
+  for (const auto& log : {serving_log, standby_log}) {
+    if (!log.empty()) std::filesystem::remove(log);
+  }
   json out = {{"bench", "recovery"},
-              {"victim", s.kill_master ? "master" : "peer"},
+              {"victim", s.kill_master ? (s.standby ? "master (hot standby)" : "master") : "peer"},
               {"signal", s.stop_instead_of_kill ? "SIGSTOP" : "SIGKILL"},
               {"peers", s.peers},
               {"bytes", s.sizes.front()},
               {"trials", s.trials},
               {"heartbeat_timeout_ms", s.heartbeat_timeout_ms},
+              {"lease_ttl_s", s.standby ? json(s.lease_ttl_s) : json()},
               {"median_ms", percentile(recovery_ms, 0.5)},
               {"p90_ms", percentile(recovery_ms, 0.9)},
               {"max_ms", percentile(recovery_ms, 1.0)}};

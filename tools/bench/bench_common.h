@@ -60,6 +60,12 @@ struct Settings {
   // recovery: the victim is the master (a lockstep-master process, started again on its
   // address at once, as a supervisor would), the peers with failover on.
   bool kill_master = false;
+  // recovery --kill master --standby: two masters of a hot standby on a private etcd; the
+  // serving one is killed, the standby takes over (the killed one is started again as the
+  // next standby). lease_ttl_s: theirs.
+  bool standby = false;
+  std::uint32_t lease_ttl_s = 5;
+  std::uint16_t fallback_port = 0;  // worker: the second master's port
   std::uint32_t failover_timeout_ms = 0;  // worker: Options::failover_timeout_ms
   std::uint32_t heartbeat_timeout_ms = 5000;
   bool compare_gloo = false;
@@ -105,8 +111,10 @@ int run_recovery(Settings s);
 // A lockstep-master process from beside this program (`self`), listening on
 // 127.0.0.1:*port (0: an ephemeral port) with these flags; *port is then the port it
 // listens on. nullopt (and why on stderr) if it did not start.
+// stderr_path: where its log goes (appended; empty: this process's stderr).
 std::optional<tools::Subprocess> spawn_master_process(const std::string& self, std::uint16_t* port,
-                                                     const std::vector<std::string>& extra);
+                                                     const std::vector<std::string>& extra,
+                                                     const std::string& stderr_path = "");
 int run_sync(const Settings& s);  // sync_bench.cpp
 int run_joined(const Settings& s);  // joined_bench.cpp: one peer of a run on several hosts
 int run_worker(const Settings& s);

@@ -11,7 +11,7 @@
 //   lockstep-bench barrier --peers 4 [--iterations N] [--compare gloo,torch] ...
 //   lockstep-bench allreduce --master HOST:PORT --peers N [--optimize] ...   (one peer of a run
 //       on several hosts: each host runs it against the same master; see scripts/bench-wan-topology.py)
-//   lockstep-bench recovery --peers 4 --size 16MiB --trials 20 [--stop] [--kill peer|master]
+//   lockstep-bench recovery --peers 4 --size 16MiB --trials 20 [--stop] [--kill peer|master [--standby]]
 //   lockstep-bench sync --holders 1 --size 256MiB,1GiB [--trials 3]
 //       (join-and-sync time of a newcomer receiving the shared state from the holders)
 //   lockstep-bench ddp --peers 2 [--steps 30] [--warmup 5] [--width 64 --layers 2 ...]
@@ -123,6 +123,11 @@ int main(int argc, char** argv) {
                        "peer (a random peer each trial) or master (a lockstep-master process, restarted on its address "
                        "at once as a supervisor would; the peers run with failover)")
       ->check(CLI::IsMember({"peer", "master"}));
+  recovery->add_flag("--standby", s.standby,
+                     "with --kill master: two masters of a hot standby on a private etcd (/usr/bin/etcd); the serving "
+                     "one is killed and the standby takes over, instead of a restart on the same address");
+  recovery->add_option("--lease-ttl-s", s.lease_ttl_s, "with --standby: the masters' lease TTL")
+      ->check(CLI::Range(2, 60));
 
   auto* sync = app.add_subcommand("sync", "join-and-sync time of a newcomer receiving the shared state");
   sync->add_option("--holders", s.peers, "up-to-date peers the newcomer receives from")->check(CLI::Range(1, 64));
@@ -180,6 +185,7 @@ int main(int argc, char** argv) {
   worker->group("");
   worker->add_option("--mode", s.mode)->required();
   worker->add_option("--failover-timeout-ms", s.failover_timeout_ms);
+  worker->add_option("--fallback-port", s.fallback_port);
   worker->add_option("--turn-seed", s.turn_seed);
   worker->add_option("--master-port", s.master_port)->required();
   worker->add_option("--index", s.index)->required();
@@ -281,6 +287,10 @@ int main(int argc, char** argv) {
     return lockstep::bench::run_sync(s);
   }
   s.kill_master = victim == "master";
+  if (s.standby && !s.kill_master) {
+    std::fprintf(stderr, "lockstep-bench recovery: --standby needs --kill master\n");
+    return 2;
+  }
   if (s.kill_master && s.stop_instead_of_kill) {
     std::fprintf(stderr, "lockstep-bench recovery: --stop applies to a peer, not to --kill master\n");
     return 2;

@@ -12,6 +12,7 @@
 #include "transport/socket.h"
 
 #include <lockstep/lockstep.h>
+#include "master/etcd.h"
 #include "master/http_server.h"
 #include "master/master_server.h"
 
@@ -56,6 +57,10 @@ struct Settings {
   std::uint32_t kv_value_bytes_max = limits::kKvValueBytesMaxDefault;
   std::uint32_t recovery_window_ms = limits::kRecoveryWindowMsDefault;
   std::uint32_t recovery_quorum = 0;
+  std::string ha_etcd;  // empty: no hot standby
+  std::string ha_key = "/lockstep/master";
+  std::uint32_t ha_lease_ttl_s = limits::kHaLeaseTtlSecondsDefault;
+  std::string ha_advertise;
 };
 
 // What a key of the configuration file must hold.
@@ -125,6 +130,18 @@ void add_options(CLI::App& app, Settings& s, Kinds* kinds) {
           "of one or two). Lower only for a run that lost most of its peers with its master: two masters could then "
           "each resume a part of it")
       ->check(CLI::Range(0u, 1u << 20));
+  text("--ha-etcd", s.ha_etcd,
+       "hot standby: etcd endpoints (http://HOST:PORT, comma-separated). Every master of the run given the same etcd "
+       "and --ha-key competes for one lease; the holder serves, the others refuse peers until it is lost "
+       "(docs/operations.md, \"Hot standby\")");
+  text("--ha-key", s.ha_key, "hot standby: the etcd key the run's masters compete for (one per run)")
+      ->capture_default_str();
+  integer("--ha-lease-ttl-s", s.ha_lease_ttl_s,
+          "hot standby: the lease's time to live; a crashed master is replaced about this long after it died")
+      ->check(CLI::Range(limits::kHaLeaseTtlSecondsMin, limits::kHaLeaseTtlSecondsMax));
+  text("--ha-advertise", s.ha_advertise,
+       "hot standby: HOST:PORT peers reach this master at, as the others name it (default: the --listen address, or "
+       "this host's name where it listens on every address)");
   integer("--secret-rotation-window-s", s.secret_rotation_window_s,
           "after SIGHUP rotates the secret, new handshakes may still prove the previous one for this long")
       ->check(CLI::Range(1u, 86'400u));
@@ -374,6 +391,22 @@ int main(int argc, char** argv) {
                                          "to end with the keys of its two peers)");
     }
     options.relay_port = static_cast<std::uint16_t>(std::stoul(settings.relay_port));
+  }
+  if (!settings.ha_etcd.empty()) {
+    lockstep::master::EtcdOptions etcd{lockstep::master::split_endpoints(settings.ha_etcd), settings.ha_key,
+                                       settings.ha_lease_ttl_s};
+    if (auto checked = lockstep::master::check_etcd_options(etcd); !checked.is_ok()) {
+      return fail(origin("ha-etcd") + ": " + checked.message());
+    }
+    if (!settings.ha_advertise.empty() && (!lockstep::transport::split_host_port(settings.ha_advertise) ||
+                                           settings.ha_advertise.size() > limits::kHaAdvertiseBytesMax)) {
+      return fail(origin("ha-advertise") + ": must be HOST:PORT or [IPV6]:PORT of at most " +
+                  std::to_string(limits::kHaAdvertiseBytesMax) + " bytes, got '" + settings.ha_advertise + "'");
+    }
+    options.election = lockstep::master::make_etcd_election(std::move(etcd));
+    options.advertise = settings.ha_advertise;
+  } else if (!settings.ha_advertise.empty()) {
+    return fail(origin("ha-advertise") + ": given without --ha-etcd");
   }
   std::random_device random;
   options.coordinator.instance_nonce = (static_cast<std::uint64_t>(random()) << 32) | random();
