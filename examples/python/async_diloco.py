@@ -44,7 +44,7 @@ class Peer:
         self.momentum = torch.zeros_like(self.outer)
         self.step = torch.zeros(1, dtype=torch.int64)
         self.state = lockstep.SharedState({"outer": self.outer, "momentum": self.momentum, "step": self.step})
-        self.comm = lockstep.Communicator(master=args.master)
+        self.comm = lockstep.Communicator(master=args.master, failover_timeout_ms=args.failover_timeout_ms)
         self.handle = None
         self.tag = 0
         self.pseudo_gradient = torch.zeros_like(self.outer)

@@ -155,6 +155,9 @@ def arguments(argv: list[str] | None = None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-peers", type=int, default=2, help="peers to wait for before the first step")
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds of pretend compute per step")
+    parser.add_argument("--failover-timeout-ms", type=int, default=30000,
+                        help="how long the peer waits for a master to take it back when its master is lost "
+                             "(docs/operations.md, \"Failover\"); 0: it ends with MasterConnectionLostError")
     parser.add_argument("--connect-on-stdin", action="store_true",
                         help="load everything, then wait for a line on stdin before connecting")
     parser.add_argument("--quantization", default=None,

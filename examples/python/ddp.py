@@ -32,7 +32,7 @@ def main() -> None:
     velocity = torch.zeros_like(params)
     step = torch.zeros(1, dtype=torch.int64)
     state = lockstep.SharedState({"params": params, "velocity": velocity, "step": step})
-    with lockstep.Communicator(master=args.master) as comm:
+    with lockstep.Communicator(master=args.master, failover_timeout_ms=args.failover_timeout_ms) as comm:
         ready_to_connect(args)
         comm.connect()
         # A newcomer goes straight to its first sync, as the peers that admitted it do.

@@ -37,7 +37,7 @@ def main() -> None:
     step = torch.zeros(1, dtype=torch.int64)
     state = lockstep.SharedState({"outer": outer, "momentum": momentum, "step": step})
     residual = torch.zeros_like(outer) if args.error_feedback else None
-    with lockstep.Communicator(master=args.master) as comm:
+    with lockstep.Communicator(master=args.master, failover_timeout_ms=args.failover_timeout_ms) as comm:
         ready_to_connect(args)
         comm.connect()
         # A newcomer goes straight to its first sync, as the peers that admitted it do.

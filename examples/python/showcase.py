@@ -1,9 +1,10 @@
 #!/usr/bin/python3
 """The showcase: a master and four peers training async DiLoCo on the digits over
-loopback. One peer is killed mid-run and a new one joins; every step prints the loss,
-the world size and each peer's shared-state hash (they must all be equal), and the run
-ends with the test accuracy. Exit status 0 if every step's hashes agreed and the
-accuracy is at least 90%.
+loopback. One peer is killed mid-run and a new one joins; later the master itself is
+killed (SIGKILL) and a new one, started on its address, takes the same peers back
+(failover, docs/operations.md). Every step prints the loss, the world size and each
+peer's shared-state hash (they must all be equal), and the run ends with the test
+accuracy. Exit status 0 if every step's hashes agreed and the accuracy is at least 90%.
 
     /usr/bin/python3 examples/python/showcase.py [--steps 40] [--example async_diloco]
 """
@@ -22,7 +23,22 @@ import time
 os.environ.setdefault("LOCKSTEP_LOG_LEVEL", "warn")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-import lockstep  # noqa: E402
+# The master, as a process of its own (so that it can be killed): it prints its port and
+# serves until killed, or until the showcase ends (its stdin closes).
+MASTER = ("import sys, lockstep\n"
+          "m = lockstep.Master(listen=sys.argv[1])\n"
+          "m.run()\n"
+          "print(m.port, flush=True)\n"
+          "sys.stdin.read()\n")
+
+
+def start_master(listen: str, env: dict) -> tuple[subprocess.Popen, int]:
+    p = subprocess.Popen([sys.executable, "-c", MASTER, listen], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, env=env)
+    line = p.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the master did not start ({p.wait()})")
+    return p, int(line)
 
 
 def main() -> int:
@@ -32,6 +48,8 @@ def main() -> int:
     parser.add_argument("--example", default="async_diloco", choices=["async_diloco", "diloco", "ddp"])
     parser.add_argument("--kill-at", type=int, default=10, help="step at which a peer is killed (0: never)")
     parser.add_argument("--join-at", type=int, default=12, help="step at which a new peer is started (0: never)")
+    parser.add_argument("--kill-master-at", type=int, default=20,
+                        help="step at which the master is killed and a new one started on its address (0: never)")
     parser.add_argument("--step-delay", type=float, default=0.25, help="seconds of pretend compute per step")
     parser.add_argument("--newcomers", type=int, default=1, help="peers that join at --join-at")
     parser.add_argument("--min-accuracy", type=float, default=0.9)
@@ -41,15 +59,17 @@ def main() -> int:
     parser.add_argument("--distribution", default=None, help="diloco: the quantization's distribution hint (normal)")
     args = parser.parse_args()
 
-    with lockstep.Master(listen="127.0.0.1:0") as master:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
+    master, port = start_master("127.0.0.1:0", env)
+    address = f"127.0.0.1:{port}"
+    try:
         peers: dict[str, subprocess.Popen] = {}
         selector = selectors.DefaultSelector()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
 
         waiting: list[str] = []  # started early, connect when told (imports take seconds)
 
         def spawn(name: str, initial: bool) -> None:
-            p = subprocess.Popen([sys.executable, os.path.join(HERE, f"{args.example}.py"), "--master", master.address,
+            p = subprocess.Popen([sys.executable, os.path.join(HERE, f"{args.example}.py"), "--master", address,
                                   "--name", name, "--steps", str(args.steps), "--step-delay", str(args.step_delay),
                                   "--min-peers", str(args.peers if initial else 2), "--seed", str(args.seed)]
                                  + (["--quantization", args.quantization] if args.quantization else [])
@@ -63,7 +83,7 @@ def main() -> int:
             if not initial:
                 waiting.append(name)
 
-        print(f"master at {master.address}; {args.peers} peers train {args.example} on the digits "
+        print(f"master at {address}; {args.peers} peers train {args.example} on the digits "
               f"for {args.steps} steps", flush=True)
         for i in range(args.peers):
             spawn(f"p{i}", initial=True)
@@ -75,6 +95,7 @@ def main() -> int:
         killed: set[str] = set()
         printed = 0
         mismatches = 0
+        master_killed = False
         deadline = time.monotonic() + 600
         while len(done) + len(killed) < len(peers) and time.monotonic() < deadline:
             # Once every peer that trained has finished, one that never got in cannot.
@@ -119,6 +140,12 @@ def main() -> int:
                     peers[victim].send_signal(signal.SIGKILL)
                     killed.add(victim)
                     print(f"  killed {victim} (SIGKILL)", flush=True)
+                if printed == args.kill_master_at:
+                    master.kill()
+                    master.wait()
+                    master, _ = start_master(address, env)
+                    master_killed = True
+                    print(f"  killed the master (SIGKILL); a new one on {address} takes the peers back", flush=True)
                 if printed == args.join_at:
                     for name in waiting:
                         peers[name].stdin.write("connect\n")
@@ -143,9 +170,13 @@ def main() -> int:
               f"test loss {first_loss:.3f} -> {final_loss:.3f}; test accuracy {accuracy:.3f}", flush=True)
         ok = len(hashes) == 1 and mismatches == 0 and accuracy >= args.min_accuracy and final_loss < first_loss
         print(json.dumps({"summary": True, "ok": ok, "finished": sorted(finals), "killed": sorted(killed),
+                          "master_killed": master_killed,
                           "hashes_equal": len(hashes) == 1 and mismatches == 0, "first_test_loss": first_loss,
                           "final_test_loss": final_loss, "accuracy": accuracy}), flush=True)
         return 0 if ok else 1
+    finally:
+        master.kill()
+        master.wait()
 
 
 if __name__ == "__main__":

@@ -109,6 +109,25 @@ TEST(FailoverE2E, TheNextAddressOfTheListTakesTheRunBack) {
   for (auto* p : run.members) EXPECT_EQ(p->stop(), 0);
 }
 
+TEST(FailoverE2E, AStoppedMasterIsNoticedWithinTheHeartbeatTimeout) {
+  // The peer's side of the heartbeat: it expects the master's answer, and a master that
+  // is silent (SIGSTOP: connected, but answering nothing) is lost after the heartbeat
+  // timeout, as a silent peer is for the master (failover off: the call fails).
+  const auto heartbeat = scaled(2s);
+  Master master({"--heartbeat-timeout-ms", std::to_string(heartbeat.count())});
+  Peer peer(master, "silent-master");
+  ASSERT_EQ(code(peer.call("connect")), LOCKSTEP_OK);
+  std::this_thread::sleep_for(heartbeat / 3);  // mid-way between two heartbeats
+  const auto stopped = std::chrono::steady_clock::now();
+  master.proc().signal(SIGSTOP);
+  const json r = peer.call("agree 1", scaled(60s));
+  const auto noticed = std::chrono::steady_clock::now() - stopped;
+  master.proc().signal(SIGCONT);
+  EXPECT_EQ(code(r), LOCKSTEP_STATUS_MASTER_CONNECTION_LOST) << r.dump();
+  EXPECT_LT(noticed, heartbeat + scaled(1500ms));
+  peer.stop();
+}
+
 TEST(FailoverE2E, WithoutAMasterCallsBlockUntilTheFailoverTimeoutThenFail) {
   Master master;
   const auto timeout = scaled(1500ms);

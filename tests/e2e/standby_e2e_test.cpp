@@ -2,8 +2,9 @@
 // standby"): two lockstep-master processes compete for one lease; the holder serves, the
 // other refuses peers with NOT_SERVING naming it. SIGKILL the serving master and the
 // standby takes the run over once the lease expires, with a higher term, and the same
-// peers go on in the same view; stop it cleanly and the lease is released at once; lose
-// etcd and the serving master stops serving before its lease could have passed to
+// peers go on in the same view; SIGSTOP it and resume it after the takeover, and it steps
+// down on its own; stop it cleanly and the lease is released at once; lose etcd, or the
+// key, and the serving master stops serving before its lease could have passed to
 // another.
 #include "e2e.h"
 #include "etcd_process.h"
@@ -112,6 +113,48 @@ TEST(StandbyE2E, TheStandbyTakesTheRunOverWhenTheServingMasterIsKilled) {
   ASSERT_TRUE(state["last_recovery"].is_object()) << state.dump();
   EXPECT_EQ(state["last_recovery"]["back"].size(), 3u) << state.dump();
   for (auto* p : members) EXPECT_EQ(p->stop(), 0);
+  EXPECT_EQ(standby->stop(), 0);
+}
+
+TEST(StandbyE2E, AStoppedMasterResumedAfterTheTakeoverStepsDownAndTheRunStaysWithTheStandby) {
+  Etcd etcd;
+  const std::vector<std::string> flags = {"--http", "127.0.0.1:0", "--ha-etcd", etcd.url(), "--ha-key", "/test/run",
+                                          "--ha-lease-ttl-s", "2", "--heartbeat-timeout-ms",
+                                          std::to_string(scaled(2s).count())};
+  auto a = std::make_unique<Master>(flags);
+  auto b = std::make_unique<Master>(flags);
+  auto [serving, standby] = serving_and_standby(*a, *b);
+  std::vector<std::unique_ptr<Peer>> peers;
+  std::vector<Peer*> members, newcomers;
+  for (int i = 0; i < 2; ++i) {
+    peers.push_back(std::make_unique<Peer>(*serving, numbered("z", i), 0,
+                                           std::vector<std::string>{"--failover-timeout-ms",
+                                                                    std::to_string(scaled(30s).count()),
+                                                                    "--master-fallbacks", standby->address()}));
+    newcomers.push_back(peers.back().get());
+  }
+  admit(members, newcomers);
+  // The serving master is silent (SIGSTOP): the peers notice it by the heartbeat timeout,
+  // the standby takes the lease when it expires, and the run goes on there.
+  serving->proc().signal(SIGSTOP);
+  for (const auto& r : call_all(members, "agree 1", scaled(60s))) {
+    EXPECT_TRUE(code(r) == LOCKSTEP_OK || code(r) == LOCKSTEP_STATUS_PEER_CONNECTION_LOST) << r.dump();
+  }
+  ASSERT_TRUE(becomes_serving(*standby));
+  // Resumed, the stale master finds its lease gone and steps down at its next tick: it
+  // serves nobody, and the run stays with the standby.
+  serving->proc().signal(SIGCONT);
+  EXPECT_TRUE(serving->wait_for_state(
+      [](const json& s) { return !s["ha"]["serving"].get<bool>() && s["ha"]["step_downs"].get<int>() == 1; }))
+      << serving->state().dump();
+  for (const auto& r : call_all(members, "allreduce 1000 7 1")) {
+    EXPECT_EQ(code(r), LOCKSTEP_OK) << r.dump();
+    EXPECT_EQ(r.value("value", 0.0), 2.0) << r.dump();
+  }
+  EXPECT_EQ(standby->state()["peers"].size(), 2u);
+  EXPECT_EQ(serving->state()["peers"].size(), 0u);
+  for (auto* p : members) EXPECT_EQ(p->stop(), 0);
+  EXPECT_EQ(serving->stop(), 0);
   EXPECT_EQ(standby->stop(), 0);
 }
 

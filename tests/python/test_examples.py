@@ -1,5 +1,6 @@
 """The training examples (examples/python) through their showcase driver: real peer
-processes on loopback with one peer killed and newcomers joining mid-run. Every run must
+processes on loopback with one peer killed, newcomers joining and the master killed and
+replaced mid-run (the peers run with failover on). Every run must
 end with the same shared-state hash on every peer (at every step) and a lower test loss
 than at its first step; the async DiLoCo showcase must reach 90% test accuracy."""
 
@@ -27,10 +28,11 @@ def showcase(*args: str, timeout: float = 400) -> dict:
 
 
 @pytest.mark.parametrize("example,steps", [("ddp", 40), ("diloco", 16), ("async_diloco", 16)])
-def test_example_survives_a_kill_and_a_join(example, steps):
+def test_example_survives_a_kill_a_join_and_a_killed_master(example, steps):
     s = showcase("--example", example, "--peers", "3", "--steps", str(steps), "--kill-at", "3", "--join-at", "4",
-                 "--step-delay", "0.3", "--min-accuracy", "0")
+                 "--kill-master-at", "6", "--step-delay", "0.3", "--min-accuracy", "0")
     assert s["ok"], s
+    assert s["master_killed"]
     assert s["hashes_equal"]
     assert s["final_test_loss"] < s["first_test_loss"]
     assert len(s["killed"]) == 1
@@ -49,6 +51,7 @@ def test_showcase_reaches_ninety_percent():
     assert s["ok"], s
     assert s["accuracy"] >= 0.9
     assert len(s["killed"]) == 1 and "p4" in s["finished"]
+    assert s["master_killed"]
 
 
 def test_diloco_with_4_bit_error_feedback_matches_the_unquantized_accuracy():
