@@ -246,6 +246,27 @@ TEST(SoakChecker, AResumedWorkerMustFailFastWithAnEvictionStatus) {
   EXPECT_EQ(c.violations()[1].kind, "resume");
 }
 
+TEST(SoakChecker, AWorkerStoppedWhenTheMasterWasReplacedMayBeTakenBack) {
+  Checker c(config(), kStart);
+  for (const char* n : {"a", "b", "c"}) c.spawned(n, kStart);
+  c.stopped("a", kStart + 100);
+  c.master_replaced(kStart + 200);  // before the old master could evict it
+  c.resumed("a", kStart + 2000);
+  // The new master took it back: it progresses again, past the exit margin.
+  c.tick(kStart + 9000);
+  for (const char* n : {"a", "b", "c"}) c.line(n, sync_line(n, 5, "h5"), kStart + 9000);
+  c.tick(kStart + 12'000);
+  EXPECT_TRUE(c.ok()) << kinds(c);
+  EXPECT_EQ(c.active(), (std::set<std::string>{"a", "b", "c"}));
+  // One stopped later, with the master in place, is held to failing fast again.
+  c.stopped("b", kStart + 13'000);
+  c.resumed("b", kStart + 15'000);
+  for (const char* n : {"a", "c"}) c.line(n, sync_line(n, 6, "h6"), kStart + 18'000);
+  c.tick(kStart + 21'001);
+  ASSERT_EQ(c.violations().size(), 1u) << kinds(c);
+  EXPECT_EQ(c.violations()[0].kind, "resume");
+}
+
 TEST(SoakChecker, CrashesAndForbiddenStatusesAreViolationsEvictionsAreNot) {
   Checker c(config(), kStart);
   for (const char* n : {"a", "b", "c", "d", "e"}) c.spawned(n, kStart);

@@ -101,7 +101,7 @@ void Checker::resumed(const std::string& name, std::int64_t now_ms) {
   event(now_ms);
   auto it = workers_.find(name);
   if (it == workers_.end() || it->second.life != Life::kStopped) return;
-  it->second.life = Life::kResumed;
+  it->second.life = it->second.may_be_taken_back ? Life::kHealed : Life::kResumed;
   it->second.resumed_ms = now_ms;
   update_condition(now_ms);
 }
@@ -125,6 +125,17 @@ void Checker::partition_healed(std::int64_t now_ms) {
     w.resumed_ms = now_ms;
   }
   if (!partitions_.empty() && !partitions_.back().second) partitions_.back().second = now_ms;
+}
+
+void Checker::master_replaced(std::int64_t now_ms) {
+  event(now_ms);
+  for (auto& [name, w] : workers_) {
+    if (w.life == Life::kStopped) w.may_be_taken_back = true;
+    if (w.life == Life::kResumed) {
+      w.life = Life::kHealed;
+      w.resumed_ms = now_ms;
+    }
+  }
 }
 
 void Checker::event(std::int64_t now_ms) {

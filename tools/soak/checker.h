@@ -87,6 +87,11 @@ class Checker {
   void partition_started(const std::vector<std::string>& cut_off, std::int64_t now_ms);
   // Every cut was healed: the workers cut off are on probation until they progress or exit.
   void partition_healed(std::int64_t now_ms);
+  // The master was killed and a new one started (--master-kill-ms): a worker stopped
+  // meanwhile may not have been evicted, and the new master may take it back. From its
+  // SIGCONT on it is held to what a healed worker is: progress again, or end as an
+  // evicted peer, within the stall bound.
+  void master_replaced(std::int64_t now_ms);
   // The worker was SIGKILLed by the orchestrator (its end needs no explanation).
   void killed(const std::string& name, std::int64_t now_ms);
   // The worker exited on its own: exit_code as from a shell (128+signal for a signal).
@@ -162,6 +167,7 @@ class Checker {
     bool killed = false;
     bool resume_reported = false;
     bool no_state_reported = false;
+    bool may_be_taken_back = false;  // stopped when the master was replaced
   };
   struct SyncRecord {
     std::string hash;

@@ -100,6 +100,10 @@ int main(int argc, char** argv) {
                 "killed and replaced every --relay-churn-ms")
       ->check(CLI::Range(0u, 8u))
       ->capture_default_str();
+  r->add_option("--master-kill-ms", run.master_kill_ms,
+                "SIGKILL the master this often and start a new one on its address at once; the workers run with "
+                "failover on (0: never)")
+      ->capture_default_str();
   r->add_option("--relay-churn-ms", run.relay_churn_ms, "how often the relay process in use is killed")
       ->check(CLI::Range(1000u, 3'600'000u))
       ->capture_default_str();
@@ -116,6 +120,12 @@ int main(int argc, char** argv) {
   }
   if (run.pccl_workers > run.peers_max) {
     std::fprintf(stderr, "--pccl-workers must be at most the largest number of workers (--peers)\n");
+    return 2;
+  }
+  if (run.master_kill_ms > 0 && (run.pccl_workers > 0 || run.relay_processes > 0)) {
+    // PCCL's API has no failover (its workers end with the master), and relay processes
+    // register with one master.
+    std::fprintf(stderr, "--master-kill-ms goes with neither --pccl-workers nor --relay-processes\n");
     return 2;
   }
   if (run.event_min_ms == 0 || run.event_max_ms < run.event_min_ms) {

@@ -96,6 +96,7 @@ class Soak {
     rss_base_at_ms_ = start_ms_ + (o_.seconds >= 120 ? 60'000 : 30'000);
     for (std::uint32_t i = 0; i < o_.peers_initial; ++i) spawn(/*bootstrap=*/true);
     next_relay_churn_ms_ = start_ms_ + o_.relay_churn_ms;
+    next_master_kill_ms_ = start_ms_ + o_.master_kill_ms;
 
     const auto end_ms = start_ms_ + static_cast<std::int64_t>(o_.seconds * 1000);
     std::int64_t next_progress_ms = start_ms_ + 10'000;
@@ -110,6 +111,7 @@ class Soak {
       resume_due(now);
       heal_due(now);
       churn_relays(now);
+      kill_master(now);
       carry_out(schedule_.next(now, schedule_state()), now);
       if (now >= next_rss_ms) {
         next_rss_ms = now + 1000;
@@ -152,9 +154,15 @@ class Soak {
       return false;
     }
     if (wan() && !setup_bed(dir)) return false;
-    const std::string master_host = wan() ? addrs_[0] : "127.0.0.1";
-    std::vector<std::string> master_argv = {dir + "lockstep-master", "--listen", master_host + ":0",
-                                            "--heartbeat-timeout-ms", std::to_string(o_.heartbeat_timeout_ms)};
+    master_host_ = wan() ? addrs_[0] : "127.0.0.1";
+    master_argv_ = {dir + "lockstep-master", "--listen", master_host_ + ":0", "--heartbeat-timeout-ms",
+                    std::to_string(o_.heartbeat_timeout_ms)};
+    std::vector<std::string>& master_argv = master_argv_;
+    // With master kills the chaos goes on while a new master takes the run back, and may
+    // kill half of the last view meanwhile: no majority would come back, and the run
+    // would wait for ever. One master at a time is certain here (each is killed before
+    // the next starts), so the operator's lower quorum is safe (docs/operations.md).
+    if (o_.master_kill_ms > 0) master_argv.insert(master_argv.end(), {"--recovery-quorum", "1"});
     if (o_.relay || o_.relay_processes > 0) {
       // The master, every worker and relay read the secret from the environment they inherit.
       const std::string secret = o_.log_dir + "/run.secret";
@@ -165,20 +173,8 @@ class Soak {
       secret_file_ = secret;
       if (o_.relay) master_argv.insert(master_argv.end(), {"--relay-port", "0"});
     }
-    if (wan()) master_argv = bed_->in_host(0, master_argv);
-    auto master = Subprocess::spawn(master_argv, o_.log_dir + "/master.log");
-    if (!master) {
-      std::fprintf(stderr, "lockstep-soak: cannot start %slockstep-master\n", dir.c_str());
-      return false;
-    }
-    master_ = std::make_unique<Subprocess>(std::move(*master));
-    auto first = master_->read_line(std::chrono::seconds(30));
-    if (!first || first->rfind(':') == std::string::npos) {
-      std::fprintf(stderr, "lockstep-soak: lockstep-master printed no address (see %s/master.log)\n", o_.log_dir.c_str());
-      return false;
-    }
-    port_ = std::stoi(first->substr(first->rfind(':') + 1));
-    master_address_ = master_host + ":" + std::to_string(port_);
+    if (!start_master()) return false;
+    master_address_ = master_host_ + ":" + std::to_string(port_);
     for (std::uint32_t i = 0; i < o_.relay_processes; ++i) {
       if (!spawn_relay(dir)) return false;
     }
@@ -215,6 +211,42 @@ class Soak {
     }
     log("relay " + name + " (pid " + std::to_string(relays_.back()->pid()) + ") registered");
     return true;
+  }
+
+  // The master process (master_argv_, on port_ once it has one), its log appended to
+  // master.log; false (said) if it does not start.
+  bool start_master() {
+    std::vector<std::string> argv = master_argv_;
+    if (port_ != 0) argv[2] = master_host_ + ":" + std::to_string(port_);  // --listen HOST:PORT
+    if (wan()) argv = bed_->in_host(0, argv);
+    auto master = Subprocess::spawn(argv, o_.log_dir + "/master.log");
+    if (!master) {
+      std::fprintf(stderr, "lockstep-soak: cannot start %s\n", master_argv_[0].c_str());
+      return false;
+    }
+    master_ = std::make_unique<Subprocess>(std::move(*master));
+    auto first = master_->read_line(std::chrono::seconds(30));
+    if (!first || first->rfind(':') == std::string::npos) {
+      std::fprintf(stderr, "lockstep-soak: lockstep-master printed no address (see %s/master.log)\n", o_.log_dir.c_str());
+      return false;
+    }
+    port_ = std::stoi(first->substr(first->rfind(':') + 1));
+    return true;
+  }
+
+  // Failover under chaos (--master-kill-ms): the master is SIGKILLed and a new one started
+  // on its address at once; the workers (failover on) must carry on with every invariant.
+  void kill_master(std::int64_t now) {
+    if (o_.master_kill_ms == 0 || now < next_master_kill_ms_) return;
+    next_master_kill_ms_ = now + o_.master_kill_ms;
+    log("SIGKILL the master (pid " + std::to_string(master_->pid()) + "); a new one on " + master_address_);
+    master_->kill();
+    ++counts_.master_kills;
+    checker_->master_replaced(now);
+    if (!start_master()) {
+      master_dead_ = true;
+      checker_->fail("master", "the new master did not start (see master.log)", now);
+    }
   }
 
   // The relay process in use (the oldest) is killed and a new one started: its relayed
@@ -347,6 +379,7 @@ class Soak {
     if (o_.worker.p2p_stall_timeout_ms != 0) {
       argv.insert(argv.end(), {"--p2p-stall-timeout-ms", std::to_string(o_.worker.p2p_stall_timeout_ms)});
     }
+    if (!pccl && o_.master_kill_ms > 0) argv.insert(argv.end(), {"--failover-timeout-ms", "30000"});
     std::uint32_t host = 0;
     if (wan()) {
       // Round-robin over hosts 1..N-1, past a host that is cut off (it could not connect).
@@ -697,6 +730,9 @@ class Soak {
   std::vector<std::unique_ptr<Subprocess>> relays_;  // the relay processes, oldest (in use) first
   std::uint32_t relays_started_ = 0;
   std::int64_t next_relay_churn_ms_ = 0;
+  std::int64_t next_master_kill_ms_ = 0;
+  std::string master_host_;
+  std::vector<std::string> master_argv_;  // the first start's: --listen HOST:0
   bool master_dead_ = false;
   int port_ = 0;
   std::unique_ptr<Checker> checker_;

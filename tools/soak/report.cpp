@@ -72,6 +72,7 @@ json summary_report(const RunOptions& o, const Checker& checker, const EventCoun
   s["heartbeat_timeout_ms"] = o.heartbeat_timeout_ms;
   s["events"] = {{"kills", counts.kills}, {"stops", counts.stops}, {"spawns", counts.spawns}};
   if (o.relay_processes > 0) s["events"]["relay_kills"] = counts.relay_kills;
+  if (o.master_kill_ms > 0) s["events"]["master_kills"] = counts.master_kills;
   if (o.testbed_nat_hosts > 0) s["testbed_nat_hosts"] = o.testbed_nat_hosts;
   if (o.testbed_hosts > 0) {
     s["events"]["partitions"] = counts.host_partitions + counts.pair_partitions;

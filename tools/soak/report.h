@@ -22,6 +22,7 @@ struct EventCounts {
   std::uint64_t host_partitions = 0;
   std::uint64_t pair_partitions = 0;
   std::uint64_t relay_kills = 0;  // lockstep-relay processes killed (--relay-processes)
+  std::uint64_t master_kills = 0;  // the master SIGKILLed and started again (--master-kill-ms)
   std::uint64_t workers_started = 0;
   // The PCCL workers (--pccl-workers): how many were started, and what their lines
   // reported (successful syncs, newcomers' among them, and successful all-reduce attempts).

@@ -37,6 +37,9 @@ struct WorkerOptions {
   std::uint32_t p2p_stall_timeout_ms = 0;
   // Report an unexpected status of connect or update_topology and go on (see worker.cpp).
   bool keep_going = false;
+  // Failover (docs/operations.md): how long the worker waits for a master to take it
+  // back when its master is lost (0: off, it ends with MASTER_CONNECTION_LOST).
+  std::uint32_t failover_timeout_ms = 0;
   // The native worker leaves out the reduce-scatter, all-gather and broadcast of each
   // step, so that it runs the collectives of a PCCL worker (which has only all-reduces)
   // in the same group.
@@ -89,6 +92,10 @@ struct RunOptions {
   // moves its relayed edges to the next (docs/deployment.md, "Relays"). 0: none.
   std::uint32_t relay_processes = 0;
   std::uint32_t relay_churn_ms = 10'000;
+  // Failover under chaos: every master_kill_ms the master is SIGKILLed and a new one
+  // started on its address at once, as a supervisor would (0: never); the workers run with
+  // failover on (30 s) and must carry on with every invariant kept.
+  std::uint32_t master_kill_ms = 0;
   // WAN mode: the last testbed_nat_hosts hosts sit behind NATs of their own (lockstep-
   // testbed nat): their workers accept no inbound connection, and the master finds it out.
   std::uint32_t testbed_nat_hosts = 0;

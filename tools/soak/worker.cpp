@@ -94,6 +94,7 @@ class Worker {
     if (!o_.bind_host.empty()) config.bind_host = o_.bind_host.c_str();
     config.p2p_stall_timeout_ms = o_.p2p_stall_timeout_ms;
     config.no_inbound = o_.no_inbound ? 1 : 0;
+    config.failover_timeout_ms = o_.failover_timeout_ms;
     lockstep_status_t s = lockstep_comm_create(&config, &comm_);
     if (s != LOCKSTEP_OK) return end("create", s);
     for (int tries = 1;; ++tries) {

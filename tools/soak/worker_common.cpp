@@ -114,6 +114,8 @@ void add_worker_cli(CLI::App* app, WorkerOptions& w) {
                   "address other peers reach this one at (default: as the master sees it)");
   app->add_option("--bind-host", w.bind_host, "IP address the p2p sockets bind to (default: every address of both families)");
   app->add_flag("--no-inbound", w.no_inbound, "accept no inbound connection (listen on no port), as behind a NAT");
+  app->add_option("--failover-timeout-ms", w.failover_timeout_ms,
+                  "wait this long for a master to take this peer back when its master is lost (0: off)");
   add_worker_sizing(app, w);
 }
 
