@@ -24,9 +24,11 @@ os.environ.setdefault("LOCKSTEP_LOG_LEVEL", "warn")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # The master, as a process of its own (so that it can be killed): it prints its port and
-# serves until killed, or until the showcase ends (its stdin closes).
+# serves until killed, or until the showcase ends (its stdin closes). A new master waits
+# up to 20 s for every peer of the run to come back (the default window, 5 s, is short for
+# a peer of a loaded machine, which would then be left out: KICKED when it comes).
 MASTER = ("import sys, lockstep\n"
-          "m = lockstep.Master(listen=sys.argv[1])\n"
+          "m = lockstep.Master(listen=sys.argv[1], recovery_window_ms=20000)\n"
           "m.run()\n"
           "print(m.port, flush=True)\n"
           "sys.stdin.read()\n")

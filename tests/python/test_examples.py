@@ -57,6 +57,7 @@ def test_showcase_reaches_ninety_percent():
 def test_diloco_with_4_bit_error_feedback_matches_the_unquantized_accuracy():
     def mean_accuracy(*flags: str) -> float:
         runs = [showcase("--example", "diloco", "--peers", "3", "--steps", "30", "--kill-at", "0", "--join-at", "0",
+                         "--kill-master-at", "0",
                          "--step-delay", "0", "--min-accuracy", "0", "--seed", str(seed), *flags) for seed in (1, 2, 3)]
         assert all(r["ok"] and r["hashes_equal"] for r in runs), runs
         return sum(r["accuracy"] for r in runs) / len(runs)
