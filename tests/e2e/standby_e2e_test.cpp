@@ -46,6 +46,24 @@ std::pair<Master*, Master*> serving_and_standby(Master& a, Master& b) {
   return {&a, &b};
 }
 
+// `count` testpeers with failover on and the standby as their fallback, admitted into
+// the serving master's run.
+struct FailoverRun {
+  FailoverRun(const Master& serving, const Master& standby, const char* prefix, int count) {
+    std::vector<Peer*> newcomers;
+    for (int i = 0; i < count; ++i) {
+      peers.push_back(std::make_unique<Peer>(serving, numbered(prefix, i), 0,
+                                             std::vector<std::string>{"--failover-timeout-ms",
+                                                                      std::to_string(scaled(30s).count()),
+                                                                      "--master-fallbacks", standby.address()}));
+      newcomers.push_back(peers.back().get());
+    }
+    admit(members, newcomers);
+  }
+  std::vector<std::unique_ptr<Peer>> peers;
+  std::vector<Peer*> members;
+};
+
 TEST(StandbyE2E, OneMasterServesAndTheStandbyRefusesPeersNamingIt) {
   Etcd etcd;
   auto a = ha_master(etcd);
@@ -73,16 +91,8 @@ TEST(StandbyE2E, TheStandbyTakesTheRunOverWhenTheServingMasterIsKilled) {
   auto b = ha_master(etcd);
   auto [serving, standby] = serving_and_standby(*a, *b);
   const std::uint64_t first_term = serving->state()["term"].get<std::uint64_t>();
-  std::vector<std::unique_ptr<Peer>> peers;
-  std::vector<Peer*> members, newcomers;
-  for (int i = 0; i < 3; ++i) {
-    peers.push_back(std::make_unique<Peer>(*serving, numbered("s", i), 0,
-                                           std::vector<std::string>{"--failover-timeout-ms",
-                                                                    std::to_string(scaled(30s).count()),
-                                                                    "--master-fallbacks", standby->address()}));
-    newcomers.push_back(peers.back().get());
-  }
-  admit(members, newcomers);
+  FailoverRun run(*serving, *standby, "s", 3);
+  std::vector<Peer*>& members = run.members;
   for (const auto& r : call_all(members, "allreduce 100000 0 1")) ASSERT_EQ(code(r), 0) << r.dump();
   std::vector<std::vector<std::string>> before;
   for (auto* p : members) before.push_back(view_ids(p->call("view")));
@@ -124,16 +134,8 @@ TEST(StandbyE2E, AStoppedMasterResumedAfterTheTakeoverStepsDownAndTheRunStaysWit
   auto a = std::make_unique<Master>(flags);
   auto b = std::make_unique<Master>(flags);
   auto [serving, standby] = serving_and_standby(*a, *b);
-  std::vector<std::unique_ptr<Peer>> peers;
-  std::vector<Peer*> members, newcomers;
-  for (int i = 0; i < 2; ++i) {
-    peers.push_back(std::make_unique<Peer>(*serving, numbered("z", i), 0,
-                                           std::vector<std::string>{"--failover-timeout-ms",
-                                                                    std::to_string(scaled(30s).count()),
-                                                                    "--master-fallbacks", standby->address()}));
-    newcomers.push_back(peers.back().get());
-  }
-  admit(members, newcomers);
+  FailoverRun run(*serving, *standby, "z", 2);
+  std::vector<Peer*>& members = run.members;
   // The serving master is silent (SIGSTOP): the peers notice it by the heartbeat timeout,
   // the standby takes the lease when it expires, and the run goes on there.
   serving->proc().signal(SIGSTOP);
