@@ -177,13 +177,11 @@ Status Communicator::connect() {
   hello.advertised_host = options_.advertised_host;
   // The master's address, then each fallback: one that cannot be reached, or a hot
   // standby that does not serve the run (NOT_SERVING), sends the peer on to the next.
-  std::vector<std::pair<std::string, std::uint16_t>> addresses{{options_.master_host, options_.master_port}};
-  addresses.insert(addresses.end(), options_.master_fallbacks.begin(), options_.master_fallbacks.end());
   Status last;
   std::optional<MasterChannel> channel;
   transport::Fd fd;
   std::string master_host;
-  for (const auto& [host, port] : addresses) {
+  for (const auto& [host, port] : options_.master_addresses()) {
     const std::string name = transport::join_host_port(host, port);
     auto connected = transport::connect_tcp(host, port, options_.connect_timeout_ms);
     if (!connected.is_ok()) {

@@ -90,6 +90,12 @@ struct Options {
   // MASTER_CONNECTION_LOST).
   std::uint32_t failover_timeout_ms = 0;
   std::vector<std::pair<std::string, std::uint16_t>> master_fallbacks;
+  // The master's address, then each fallback: the order connect and failover try them in.
+  std::vector<std::pair<std::string, std::uint16_t>> master_addresses() const {
+    std::vector<std::pair<std::string, std::uint16_t>> all{{master_host, master_port}};
+    all.insert(all.end(), master_fallbacks.begin(), master_fallbacks.end());
+    return all;
+  }
 };
 
 class Link;       // the background thread and everything it owns (communicator.cpp)

@@ -219,8 +219,7 @@ void Link::execute(Commands commands) {
 // ---------------------------------------------------------------- failover
 
 void Link::reconnect_loop() {
-  std::vector<std::pair<std::string, std::uint16_t>> addresses{{options_.master_host, options_.master_port}};
-  addresses.insert(addresses.end(), options_.master_fallbacks.begin(), options_.master_fallbacks.end());
+  const auto addresses = options_.master_addresses();
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     cv_.wait(lock, [&] {
