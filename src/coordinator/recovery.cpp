@@ -54,6 +54,13 @@ void Coordinator::handle_resume_hello(ConnId conn, const proto::Hello& hello, co
     out.push_back(Close{conn, why});
   };
   if (!recovery_ && accepted_count() > 0) {
+    // A peer that granted a higher term has been taken back by a newer master: this one
+    // is stale (stopped, then continued) and has no say over it; the peer tries its next
+    // address. Otherwise this master (or an older one) went on without the peer.
+    if (hello.term > term_) {
+      return refuse(LOCKSTEP_STATUS_REJECTED, "this peer granted term " + std::to_string(hello.term) +
+                                                  " to a newer master; this one's is " + std::to_string(term_));
+    }
     return refuse(LOCKSTEP_STATUS_KICKED, "this master serves a run that went on without this peer");
   }
   // A master already admitting the first peers of a new run (a newcomer came first) is

@@ -245,9 +245,11 @@ inline std::vector<json> call_all(const std::vector<Peer*>& peers, const std::st
 
 // Admits newcomers into the run: they call connect while the members vote
 // are-peers-pending and update topology until all are accepted; then members
-// holds everyone. An empty run admits its first newcomers without a vote.
-inline void admit(std::vector<Peer*>& members, const std::vector<Peer*>& newcomers) {
-  for (auto* n : newcomers) n->send("connect");
+// holds everyone. An empty run admits its first newcomers without a vote. command: what
+// the newcomers call ("reconnect": a new communicator in the same process).
+inline void admit(std::vector<Peer*>& members, const std::vector<Peer*>& newcomers,
+                  const std::string& command = "connect") {
+  for (auto* n : newcomers) n->send(command);
   std::vector<Peer*> waiting = newcomers;
   // Collects connect replies until `count` newcomers are in (or the deadline passes).
   auto collect = [&](std::size_t count, std::chrono::milliseconds timeout) {

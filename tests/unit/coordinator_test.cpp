@@ -3862,6 +3862,15 @@ TEST(CoordinatorRecovery, TermsFenceMastersAndAServingMasterTakesNobodyBack) {
   ASSERT_TRUE(bye.has_value());
   EXPECT_EQ(bye->status, LOCKSTEP_STATUS_KICKED);
   EXPECT_EQ(serving.c.term(), 1u);
+  // Unless the peer granted a higher term: this master is stale (a newer one took the
+  // run over while it was stopped), and its word must not end the peer.
+  Returning d = come_back(serving, view[2], 2);
+  EXPECT_FALSE(d.welcome.has_value());
+  bye = one_of<p::Goodbye>(d.out, d.peer.conn);
+  ASSERT_TRUE(bye.has_value());
+  EXPECT_EQ(bye->status, LOCKSTEP_STATUS_REJECTED);
+  EXPECT_NE(bye->reason.find("newer master"), std::string::npos) << bye->reason;
+  EXPECT_EQ(serving.c.term(), 1u);
 }
 
 TEST(CoordinatorRecovery, AHotStandbysTermIsTheElectionsAndFencesPeersThatGrantedAHigherOne) {
