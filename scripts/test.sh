@@ -56,8 +56,12 @@ stamp "mutants"
 # Line tables only (-g1): sanitizer reports keep their file:line stacks, and the builds
 # take less time than with full debug information (compiling one Asio-heavy file under
 # ASan+UBSan: 17.5 s against 20.6 s, objects 15 % smaller, links faster).
+# Clang: at -O0 under the sanitizers it compiles in about 60 % of GCC's time
+# (src/peer/communicator.cpp under ASan+UBSan: 22.6 s against 38.6 s; under TSan 18.3
+# against 26.0), and it gives the tests a second compiler's warnings (the main build is
+# GCC's, as users build).
 sanitizer_flags=(-DLOCKSTEP_BUILD_PYTHON=OFF -DLOCKSTEP_BUILD_BENCH=OFF -DCMAKE_C_FLAGS_DEBUG=-g1
-  -DCMAKE_CXX_FLAGS_DEBUG=-g1)
+  -DCMAKE_CXX_FLAGS_DEBUG=-g1 -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++)
 if [ "$quick" = 0 ]; then
   stamp "ASan+UBSan build"
   cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DLOCKSTEP_WERROR=ON -DLOCKSTEP_SANITIZE_ADDRESS=ON \

@@ -729,8 +729,6 @@ static void scenario_errors(void) {
   check(pcclDestroyCommunicator(comm) == pcclInvalidArgument, "destroy_twice", "");
 }
 
-static volatile sig_atomic_t g_stop = 0;
-
 static void scenario_master(void) {
   pcclMasterInstance_t* master = NULL;
   MUST(pcclCreateMaster(loopback(g_port), &master));

@@ -219,10 +219,13 @@ TEST(SolverTest, MatchesBruteForceOnHundredsOfInstancesUpToNinePeers) {
 // neighbour and the local search run): on random instances of 7 to 10 peers it finds
 // the optimal bottleneck in at least 90% of them and is never below half of it.
 TEST(SolverTest, HeuristicIsWithinItsStatedBound) {
+  // The sanitizer builds (LOCKSTEP_TEST_TIME_SCALE above 1) stop at 9 peers: the brute
+  // force over 10 peers was 60 % of this test's time under ASan+UBSan at -O0.
+  constexpr bool kSanitized = LOCKSTEP_TEST_TIME_SCALE > 1;
   int heuristic = 0;
   int optimal = 0;
   double worst = 1.0;
-  for (int n = 7; n <= 10; ++n) {
+  for (int n = 7; n <= (kSanitized ? 9 : 10); ++n) {
     for (std::uint64_t seed = 500; seed < 525; ++seed) {
       const Matrix bw = random_matrix(n, seed, 1.0, 1000.0);
       const Solution sol = solve_ring(bw, Budget{2000});
