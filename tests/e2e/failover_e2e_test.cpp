@@ -193,8 +193,9 @@ TEST(FailoverE2E, AMasterKilledMidSyncLeavesTheRevisionSequenceUnbroken) {
 }
 
 // The master dies while the members' update topology admits a newcomer: in the README's
-// loop the members end their update topology; the newcomer is admitted by the new master at the next update
-// topology (its connect either went through before the kill or is made again).
+// loop the members end their update topology; the newcomer is admitted by the new master
+// at the next update topology (its connect either went through before the kill or is
+// made again).
 TEST(FailoverE2E, AMasterKilledMidJoinAdmitsTheNewcomerAfterwards) {
   auto master = std::make_unique<Master>();
   const std::vector<std::string> flags = {"--failover-timeout-ms", std::to_string(scaled(30s).count())};
