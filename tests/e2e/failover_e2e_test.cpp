@@ -112,7 +112,6 @@ std::vector<json> until_not(std::vector<Peer*>& members, const std::string& comm
 
 TEST(FailoverE2E, AMasterKilledMidAllReduceAndRestartedOnItsAddressTakesTheSamePeersBack) {
   auto master = std::make_unique<Master>();
-  const std::uint16_t port = master->port();
   ThreePeers run(*master);
   for (const auto& r : call_all(run.members, "allreduce 100000 0 1")) ASSERT_EQ(code(r), 0) << r.dump();
   const auto before = views(run.members);
@@ -120,11 +119,8 @@ TEST(FailoverE2E, AMasterKilledMidAllReduceAndRestartedOnItsAddressTakesTheSameP
   // 16 MiB each: the master dies while the votes or the ring are under way.
   for (auto* p : run.members) p->send("allreduce 4194304 1 1");
   std::this_thread::sleep_for(20ms);
-  master->kill();
-  master = std::make_unique<Master>(std::vector<std::string>{"--http", "127.0.0.1:0"}, "127.0.0.1", port);
-  std::vector<json> replies;
-  for (auto* p : run.members) replies.push_back(p->reply(scaled(60s)));
-  expect_one_outcome(replies);
+  kill_and_restart(master);
+  expect_one_outcome(replies_of(run.members));
   expect_same_run(run.members, before);
   // The new master says what happened: its term is above the first master's, and all
   // three came back.
