@@ -26,16 +26,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The master, as a process of its own (so that it can be killed): it prints its port and
 # serves until killed, or until the showcase ends (its stdin closes). A new master waits
 # up to 20 s for every peer of the run to come back (the default window, 5 s, is short for
-# a peer of a loaded machine, which would then be left out: KICKED when it comes).
+# a peer of a loaded machine, which would then be left out: KICKED when it comes). The
+# replacement holds a new run's founding for 2 s (resume_hold_ms), so that the run's peers
+# are taken back before any newcomer could found another.
 MASTER = ("import sys, lockstep\n"
-          "m = lockstep.Master(listen=sys.argv[1], recovery_window_ms=20000)\n"
+          "m = lockstep.Master(listen=sys.argv[1], recovery_window_ms=20000, resume_hold_ms=int(sys.argv[2]))\n"
           "m.run()\n"
           "print(m.port, flush=True)\n"
           "sys.stdin.read()\n")
 
 
-def start_master(listen: str, env: dict) -> tuple[subprocess.Popen, int]:
-    p = subprocess.Popen([sys.executable, "-c", MASTER, listen], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+def start_master(listen: str, env: dict, resume_hold_ms: int = 0) -> tuple[subprocess.Popen, int]:
+    p = subprocess.Popen([sys.executable, "-c", MASTER, listen, str(resume_hold_ms)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True, env=env)
     line = p.stdout.readline()
     if not line:
@@ -145,7 +147,7 @@ def main() -> int:
                 if printed == args.kill_master_at:
                     master.kill()
                     master.wait()
-                    master, _ = start_master(address, env)
+                    master, _ = start_master(address, env, resume_hold_ms=2000)
                     master_killed = True
                     print(f"  killed the master (SIGKILL); a new one on {address} takes the peers back", flush=True)
                 if printed == args.join_at:

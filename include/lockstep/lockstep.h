@@ -31,7 +31,7 @@ extern "C" {
 #endif
 
 #define LOCKSTEP_VERSION_MAJOR 0
-#define LOCKSTEP_VERSION_MINOR 15
+#define LOCKSTEP_VERSION_MINOR 16
 #define LOCKSTEP_VERSION_PATCH 0
 #define LOCKSTEP_VERSION_HEX \
   ((LOCKSTEP_VERSION_MAJOR << 16) | (LOCKSTEP_VERSION_MINOR << 8) | LOCKSTEP_VERSION_PATCH)
@@ -296,6 +296,13 @@ typedef struct lockstep_master_config {
   /** Since 0.15. The lease's time to live in seconds: a crashed master is replaced about
    * this long after it died; 0 means 5, otherwise 2..60, else INVALID_ARGUMENT. */
   uint32_t ha_lease_ttl_s;
+  /** Since 0.16 (failover, docs/operations.md): a master that may replace a lost one
+   * (restarted on its address, or a hot standby taking over) waits this long from its
+   * start (a standby: from its election) before newcomers found a new run, so that the
+   * lost run's peers, reconnecting, are taken back first instead of being refused by a
+   * run that went on without them. 0 (the default): newcomers found a run at once. At
+   * most 3600000, else INVALID_ARGUMENT. */
+  uint32_t resume_hold_ms;
 } lockstep_master_config_t;
 
 /** Fills the struct_size bytes of a config with the defaults (port 48148, all interfaces)

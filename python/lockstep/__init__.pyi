@@ -281,7 +281,8 @@ class Master:
                  kv_key_bytes_max: int = 0, kv_value_bytes_max: int = 0,
                  newcomer_timeout_ms: int = 0, relay_port: Optional[int] = None, recovery_window_ms: int = 0,
                  recovery_quorum: int = 0, ha_etcd: Optional[str] = None, ha_key: Optional[str] = None,
-                 ha_advertise: Optional[str] = None, ha_lease_ttl_s: int = 0) -> None:
+                 ha_advertise: Optional[str] = None, ha_lease_ttl_s: int = 0,
+                 resume_hold_ms: int = 0) -> None:
         """listen: "host:port" (port 0: ephemeral; empty host: all interfaces).
         heartbeat_timeout_ms: 0 means 5000 (range 100..3600000). vote_timeout_ms: 0 means
         off. peers_max: 0 means 1024. secret_file: the run secret (None: $LOCKSTEP_SECRET_FILE
@@ -302,7 +303,10 @@ class Master:
         this master serves only while it holds the run's lease (None: from the start).
         ha_key: the key the run's masters compete for (None: "/lockstep/master").
         ha_advertise: "host:port" peers reach this master at (None: the listen address).
-        ha_lease_ttl_s: the lease's time to live (0: 5; 2..60)."""
+        ha_lease_ttl_s: the lease's time to live (0: 5; 2..60).
+        resume_hold_ms: a master that may replace a lost one waits this long from its
+        start (a standby: its election) before newcomers found a new run (0: no wait;
+        at most 3600000)."""
     def run(self) -> None:
         """Starts listening and serving on background threads; MasterConnectionFailedError
         if it cannot bind."""

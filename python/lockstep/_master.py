@@ -106,6 +106,11 @@ class Master:
         ha_advertise: "host:port" peers reach this master at, as the others name it
             (None: the listen address).
         ha_lease_ttl_s: the lease's time to live; 0 means 5 (range 2..60).
+        resume_hold_ms: a master that may replace a lost one (restarted on its address,
+            or a standby taking over) waits this long from its start (a standby: its
+            election) before newcomers found a new run, so that the lost run's
+            reconnecting peers are taken back first; 0 (the default): no wait. 2000
+            covers the peers' reconnection pause.
     """
 
     def __init__(self, listen: str = "127.0.0.1:0", heartbeat_timeout_ms: int = 0, vote_timeout_ms: int = 0,
@@ -115,7 +120,7 @@ class Master:
                  kv_value_bytes_max: int = 0, newcomer_timeout_ms: int = 0,
                  relay_port: Optional[int] = None, recovery_window_ms: int = 0, recovery_quorum: int = 0,
                  ha_etcd: Optional[str] = None, ha_key: Optional[str] = None, ha_advertise: Optional[str] = None,
-                 ha_lease_ttl_s: int = 0) -> None:
+                 ha_lease_ttl_s: int = 0, resume_hold_ms: int = 0) -> None:
         host, port = _split_address(listen, DEFAULT_MASTER_PORT, "listen")
         for name, value in (("ha_etcd", ha_etcd), ("ha_key", ha_key), ("ha_advertise", ha_advertise)):
             if value is not None and not isinstance(value, str):
@@ -143,7 +148,8 @@ class Master:
             _check_uint("newcomer_timeout_ms", newcomer_timeout_ms, 32),
             -1 if relay_port is None else _check_uint("relay_port", relay_port, 16),
             _check_uint("recovery_window_ms", recovery_window_ms, 32), _check_uint("recovery_quorum", recovery_quorum, 32),
-            ha_etcd or "", ha_key or "", ha_advertise or "", _check_uint("ha_lease_ttl_s", ha_lease_ttl_s, 32))
+            ha_etcd or "", ha_key or "", ha_advertise or "", _check_uint("ha_lease_ttl_s", ha_lease_ttl_s, 32),
+            _check_uint("resume_hold_ms", resume_hold_ms, 32))
         self._running = False
 
     def run(self) -> None:

@@ -163,7 +163,8 @@ class PyMaster {
            const std::string& http_token_file, bool http_insecure, std::uint32_t kv_keys_max,
            std::uint32_t kv_key_bytes_max, std::uint32_t kv_value_bytes_max, std::uint32_t newcomer_timeout_ms, int relay_port,
            std::uint32_t recovery_window_ms, std::uint32_t recovery_quorum, const std::string& ha_etcd,
-           const std::string& ha_key, const std::string& ha_advertise, std::uint32_t ha_lease_ttl_s) {
+           const std::string& ha_key, const std::string& ha_advertise, std::uint32_t ha_lease_ttl_s,
+           std::uint32_t resume_hold_ms) {
     lockstep_master_config_t config;
     check(lockstep_master_config_init(&config), nullptr);
     config.listen_host = host.c_str();
@@ -189,6 +190,7 @@ class PyMaster {
     config.ha_key = ha_key.c_str();
     config.ha_advertise = ha_advertise.c_str();
     config.ha_lease_ttl_s = ha_lease_ttl_s;
+    config.resume_hold_ms = resume_hold_ms;
     lockstep_master_t* master = nullptr;
     const int s = lockstep_master_create(&config, &master);
     if (s != LOCKSTEP_OK) {
@@ -196,7 +198,7 @@ class PyMaster {
                   ? plain_message(s) + " (heartbeat_timeout_ms out of range, a bad listen address, an "
                                        "unreadable or too short secret file, a bad http address, an unreadable or "
                                        "malformed token file, a non-loopback http address without a token, a kv bound above its "
-                                       "maximum, newcomer_timeout_ms out of range, relay_port above 65535, or a bad ha_* setting)"
+                                       "maximum, newcomer_timeout_ms out of range, relay_port above 65535, a bad ha_* setting, or resume_hold_ms above 3600000)"
                   : plain_message(s));
     }
     master_ = master;
@@ -881,14 +883,15 @@ PYBIND11_MODULE(_lockstep, m) {
       .def(py::init<const std::string&, std::uint16_t, std::uint32_t, std::uint32_t, std::uint32_t, const std::string&,
                     std::uint32_t, std::uint32_t, const std::string&, const std::string&, bool, std::uint32_t,
                     std::uint32_t, std::uint32_t, std::uint32_t, int, std::uint32_t, std::uint32_t, const std::string&,
-                    const std::string&, const std::string&, std::uint32_t>(),
+                    const std::string&, const std::string&, std::uint32_t, std::uint32_t>(),
            py::arg("host"), py::arg("port"), py::arg("heartbeat_timeout_ms"), py::arg("vote_timeout_ms"),
            py::arg("peers_max"), py::arg("secret_file") = "", py::arg("handshake_timeout_ms") = 0,
            py::arg("pending_handshakes_max") = 0, py::arg("http_listen") = "", py::arg("http_token_file") = "",
            py::arg("http_insecure") = false, py::arg("kv_keys_max") = 0, py::arg("kv_key_bytes_max") = 0,
            py::arg("kv_value_bytes_max") = 0, py::arg("newcomer_timeout_ms") = 0, py::arg("relay_port") = -1,
            py::arg("recovery_window_ms") = 0, py::arg("recovery_quorum") = 0, py::arg("ha_etcd") = "",
-           py::arg("ha_key") = "", py::arg("ha_advertise") = "", py::arg("ha_lease_ttl_s") = 0)
+           py::arg("ha_key") = "", py::arg("ha_advertise") = "", py::arg("ha_lease_ttl_s") = 0,
+           py::arg("resume_hold_ms") = 0)
       .def("run", &PyMaster::run)
       .def("relay_port", &PyMaster::relay_port)
       .def("port", &PyMaster::port)

@@ -262,6 +262,13 @@ lockstep_status_t lockstep_master_create(const lockstep_master_config_t* caller_
     if (config->relay != 0) options.relay_port = static_cast<std::uint16_t>(config->relay_port);
     if (config->recovery_window_ms != 0) options.coordinator.recovery_window_ms = config->recovery_window_ms;
     options.coordinator.recovery_quorum = config->recovery_quorum;
+    if (config->resume_hold_ms > lockstep::limits::kResumeHoldMsMax) {
+      return refuse("lockstep_master_create",
+                    lockstep::Status(LOCKSTEP_STATUS_INVALID_ARGUMENT,
+                                     "resume_hold_ms is " + std::to_string(config->resume_hold_ms) + ", above " +
+                                         std::to_string(lockstep::limits::kResumeHoldMsMax)));
+    }
+    options.coordinator.resume_hold_ms = config->resume_hold_ms;
     const auto c_string = [](const char* value) { return value == nullptr ? std::string() : std::string(value); };
     if (!c_string(config->ha_etcd).empty()) {
       lockstep::master::EtcdOptions etcd;

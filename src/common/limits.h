@@ -93,6 +93,9 @@ inline constexpr std::uint32_t kResumeControlBytesMax = 8192;
 // How long a master that lost its run waits for every peer of the last view before it
 // resumes with a quorum of them (lockstep-master --recovery-window-ms).
 inline constexpr std::uint32_t kRecoveryWindowMsDefault = 5'000;
+// A master that may replace a lost one holds the founding of a new run at most this
+// long (lockstep-master --resume-hold-ms).
+inline constexpr std::uint32_t kResumeHoldMsMax = 3'600'000;
 // The master's key-value store of run metadata (docs/collectives.md, "Key-value
 // store"): the defaults of lockstep-master's --kv-keys-max, --kv-key-bytes-max and
 // --kv-value-bytes-max, and the most a flag may raise each to (the wire's bounds);

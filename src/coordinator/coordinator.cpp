@@ -786,9 +786,11 @@ bool Coordinator::try_complete_topology_vote(TimeMs now_ms, Outbox& out) {
   if (topology_phase_ == TopologyPhase::kEstablishing || topology_phase_ == TopologyPhase::kMeasuring) return false;
   if (topology_phase_ == TopologyPhase::kIdle) {
     // An empty run admits newcomers without a vote: there is nobody to ask (unless a
-    // recovery is taking a lost master's run back: they wait for its first update).
+    // recovery is taking a lost master's run back: they wait for its first update; or
+    // the master holds the founding for the peers of a lost run to come back first).
     const auto registered = [](const auto& p) { return p.second.phase == Phase::kRegistered && !p.second.resuming; };
-    if (!recovery_ && accepted_count() == 0 && std::any_of(peers_.begin(), peers_.end(), registered)) {
+    const bool held = now_ms - config_.started_ms < config_.resume_hold_ms;
+    if (!recovery_ && !held && accepted_count() == 0 && std::any_of(peers_.begin(), peers_.end(), registered)) {
       out.push_back(Event{.text = "no accepted peers: admitting registered peers without a vote",
                           .op = Operation::kUpdateTopology,
                           .reason = "the run has no accepted peer to vote"});

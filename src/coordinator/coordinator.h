@@ -90,6 +90,13 @@ struct Config {
   // docs/operations.md).
   std::uint32_t recovery_window_ms = limits::kRecoveryWindowMsDefault;
   std::uint32_t recovery_quorum = 0;
+  // A master that may replace a lost one (restarted on its address, or a standby taking
+  // over) holds the first admission of a run this long from `started_ms` (its start):
+  // peers of the lost run, reconnecting, come back to it before newcomers found a new run
+  // that would refuse them (lockstep-master --resume-hold-ms). 0: newcomers found a run
+  // at once.
+  std::uint32_t resume_hold_ms = 0;
+  TimeMs started_ms = 0;
   // Above 0: this master's term, fixed from the start (a hot standby's, the revision at
   // which it won its lease: higher than every earlier holder's). 0: 1, or one above the
   // highest term the first peer asking to be taken back had granted.

@@ -516,6 +516,7 @@ class MasterServer::Impl {
   void fresh_coordinator(std::uint64_t term) {
     coord::Config config = options_.coordinator;
     config.term = term;
+    config.started_ms = now_ms();
     coordinator_ = coord::Coordinator(config);
     announced_relay_.reset();
     relay_holder_ = 0;

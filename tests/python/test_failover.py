@@ -7,6 +7,7 @@ The new options are checked like the others."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -96,6 +97,42 @@ def test_failover_options_are_checked():
         lockstep.Master("127.0.0.1:0", recovery_quorum=-1)
     with pytest.raises(lockstep.InvalidArgumentError):
         lockstep.Master("127.0.0.1:0", recovery_window_ms=1 << 40)
+    with pytest.raises(lockstep.InvalidArgumentError, match="resume_hold_ms"):
+        lockstep.Master("127.0.0.1:0", resume_hold_ms=3_600_001)
     comm = lockstep.Communicator("127.0.0.1:1,[::1]:2,localhost", base_port=0, failover_timeout_ms=5000)
     assert comm.master == "127.0.0.1:1"
     comm.close()
+
+
+def test_a_replacement_master_holds_a_newcomer_until_the_run_is_back():
+    # A newcomer that reaches the new master before the run's peers would found a new run
+    # that refuses them (KICKED: it went on without them), and their state would be lost.
+    # With resume_hold_ms the new master founds nothing in that time: the peers, which
+    # try again at most a second apart, are taken back first and vote the newcomer in.
+    with Cluster(2, failover_timeout_ms=FAILOVER_MS) as c:
+        def sync(revision, value):
+            def run(i, comm):
+                while True:
+                    w = np.full(100, value(i))
+                    state = lockstep.SharedState({"w": w}, revision=revision)
+                    try:
+                        comm.sync_shared_state(state)
+                        return float(w[0]), state.revision
+                    except lockstep.PeerConnectionLostError:
+                        continue
+            return run
+
+        assert c.run(sync(1, lambda i: 7.0)) == [(7.0, 1)] * 2
+        port = c.master.port
+        c.master.close()
+        # The peers try again 0, 0.1, 0.3, 0.7, 1.5, 2.5 s after the loss (the pause doubles
+        # up to a second): a newcomer that connects as soon as the new master listens, at
+        # 2 s, reaches it before they do.
+        time.sleep(2.0)
+        c.master = lockstep.Master(f"127.0.0.1:{port}", resume_hold_ms=int(5000 * TIME_SCALE))
+        c.master.run()
+        late = c.add_peer("late")
+        assert c.run(lambda i, comm: comm.world_size) == [3, 3, 3]
+        assert late.call(lambda comm: comm.rank) == 2
+        # The run's state survived: the newcomer receives it with the next revision.
+        assert c.run(sync(2, lambda i: 0.0 if i == 2 else 7.0)) == [(7.0, 2)] * 3

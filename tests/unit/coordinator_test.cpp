@@ -3976,5 +3976,45 @@ TEST(CoordinatorRecovery, NewcomersWaitForTheFirstUpdateAndStrayReportsAreErrors
   EXPECT_EQ(bye->status, LOCKSTEP_STATUS_REJECTED);
 }
 
+// A newcomer that reaches a replacement master before the lost run's peers must not found
+// a new run: that run would refuse them (KICKED: it went on without them) and the state
+// would be lost with them. The resume hold keeps the founding back.
+TEST(CoordinatorRecovery, AResumeHoldLetsTheLostRunComeBackBeforeANewcomerFoundsOne) {
+  Config config = test_config();
+  config.resume_hold_ms = 2'000;
+  config.started_ms = 1'000'000;  // the harness's clock at its start
+  Harness h(config);
+  h.now = config.started_ms + 59;
+  Outbox out;
+  FakePeer newcomer = h.join(1, &out);
+  EXPECT_TRUE(all_of<p::EstablishP2P>(out, newcomer.conn).empty()) << describe(out);
+  h.heartbeat({newcomer});
+  out = h.advance(500);
+  EXPECT_TRUE(all_of<p::EstablishP2P>(out, newcomer.conn).empty()) << describe(out);
+  // The lost run's peer comes back within the hold: taken back, not refused.
+  const std::vector<PeerId> view{old_id(1)};
+  Returning a = come_back(h, view[0], 1);
+  ASSERT_TRUE(a.welcome.has_value()) << describe(a.out);
+  out = h.send(a.peer, report_of(5, view));
+  EXPECT_TRUE(one_of<p::Resumed>(out, a.peer.conn).has_value()) << describe(out);
+  EXPECT_EQ(h.phase(newcomer), Phase::kRegistered);
+  // The hold passes; the newcomer waits for the run's next update topology, as usual.
+  h.heartbeat({newcomer, a.peer});
+  out = h.advance(2'000);
+  EXPECT_TRUE(all_of<p::EstablishP2P>(out, newcomer.conn).empty()) << describe(out);
+  h.update({a.peer}, {newcomer});
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{view[0], newcomer.id}));
+
+  // With no lost run, the newcomer founds the run once the hold has passed, not before.
+  Harness alone(config);
+  alone.now = config.started_ms + 59;
+  FakePeer first = alone.join(1);
+  alone.heartbeat({first});
+  out = alone.advance(2'000 - 59 - 1);
+  EXPECT_TRUE(all_of<p::EstablishP2P>(out, first.conn).empty()) << describe(out);
+  out = alone.advance(1);
+  EXPECT_TRUE(one_of<p::EstablishP2P>(out, first.conn).has_value()) << describe(out);
+}
+
 }  // namespace
 }  // namespace lockstep::coord

@@ -57,6 +57,7 @@ struct Settings {
   std::uint32_t kv_value_bytes_max = limits::kKvValueBytesMaxDefault;
   std::uint32_t recovery_window_ms = limits::kRecoveryWindowMsDefault;
   std::uint32_t recovery_quorum = 0;
+  std::uint32_t resume_hold_ms = 0;
   std::string ha_etcd;  // empty: no hot standby
   std::string ha_key = "/lockstep/master";
   std::uint32_t ha_lease_ttl_s = limits::kHaLeaseTtlSecondsDefault;
@@ -130,6 +131,11 @@ void add_options(CLI::App& app, Settings& s, Kinds* kinds) {
           "of one or two). Lower only for a run that lost most of its peers with its master: two masters could then "
           "each resume a part of it")
       ->check(CLI::Range(0u, 1u << 20));
+  integer("--resume-hold-ms", s.resume_hold_ms,
+          "failover: a master that may replace a lost one (restarted on its address by a supervisor, or a standby) "
+          "waits this long from its start (a standby: its election) before newcomers found a new run, so that the lost "
+          "run's reconnecting peers are taken back first; 2000 covers the peers' reconnection pause (0: no wait)")
+      ->check(CLI::Range(0u, lockstep::limits::kResumeHoldMsMax));
   text("--ha-etcd", s.ha_etcd,
        "hot standby: etcd endpoints (http://HOST:PORT, comma-separated). Every master of the run given the same etcd "
        "and --ha-key competes for one lease; the holder serves, the others refuse peers until it is lost "
@@ -357,6 +363,7 @@ int main(int argc, char** argv) {
   options.coordinator.kv = lockstep::coord::KvConfig{settings.kv_keys_max, settings.kv_key_bytes_max, settings.kv_value_bytes_max};
   options.coordinator.recovery_window_ms = settings.recovery_window_ms;
   options.coordinator.recovery_quorum = settings.recovery_quorum;
+  options.coordinator.resume_hold_ms = settings.resume_hold_ms;
   options.stall_report_ms = settings.stall_report_ms;
 
   std::optional<std::pair<std::string, std::uint16_t>> http_address;

@@ -161,8 +161,13 @@ class Soak {
     // With master kills the chaos goes on while a new master takes the run back, and may
     // kill half of the last view meanwhile: no majority would come back, and the run
     // would wait for ever. One master at a time is certain here (each is killed before
-    // the next starts), so the operator's lower quorum is safe (docs/operations.md).
-    if (o_.master_kill_ms > 0) master_argv.insert(master_argv.end(), {"--recovery-quorum", "1"});
+    // the next starts), so the operator's lower quorum is safe (docs/operations.md). The
+    // chaos spawns newcomers at any time: a new master holds a new run's founding until
+    // the run's peers are back (--resume-hold-ms), or one that came first would found a
+    // run that refuses them.
+    if (o_.master_kill_ms > 0) {
+      master_argv.insert(master_argv.end(), {"--recovery-quorum", "1", "--resume-hold-ms", "2000"});
+    }
     if (o_.relay || o_.relay_processes > 0) {
       // The master, every worker and relay read the secret from the environment they inherit.
       const std::string secret = o_.log_dir + "/run.secret";
