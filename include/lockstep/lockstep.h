@@ -447,8 +447,8 @@ typedef struct lockstep_comm_config {
    * back (the master's address, then master_fallbacks) for this long; operations in
    * flight are held and end with one outcome for every peer (a retryable failure where
    * no peer received one), and calls block meanwhile. Only when no master takes the peer
-   * back in time does the communicator fail with MASTER_CONNECTION_LOST. 0 (default):
-   * off; a lost master ends the communicator at once. */
+   * back in time does the communicator fail with MASTER_CONNECTION_LOST. Default (since
+   * 0.16; before: 0): 30000 ms. 0: off, a lost master ends the communicator at once. */
   uint32_t failover_timeout_ms;
   /** Since 0.14: always 0 (it keeps the struct's size a multiple of 8). */
   uint32_t reserved_0_14;

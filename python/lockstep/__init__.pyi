@@ -389,11 +389,11 @@ class Communicator:
                  inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
                  encrypt_data: bool = False, p2p_streams: int = 0,
                  tcp_congestion: Optional[str] = None, check_finite: bool = False,
-                 state_compression: str = "auto", inbound: bool = True, failover_timeout_ms: int = 0) -> None:
+                 state_compression: str = "auto", inbound: bool = True, failover_timeout_ms: int = 30_000) -> None:
         """failover_timeout_ms: once accepted, look this long for a master to take this peer
         back when its master is lost (the first address of master, then the others, comma
         separated); operations in flight end with one outcome for every peer, calls block
-        meanwhile; 0 (default): off, the loss raises MasterConnectionLostError.
+        meanwhile; default 30000; 0: off, the loss raises MasterConnectionLostError.
         inbound: False for a peer that accepts no inbound connection (behind a NAT): it
         listens on no port and dials its neighbours and the shared-state receivers it
         serves (connection reversal).

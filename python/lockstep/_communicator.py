@@ -263,6 +263,12 @@ class Communicator:
             ring neighbours: the master places them apart where the run allows
             (docs/deployment.md). The master also finds out by itself: it registers a
             peer whose port it cannot reach as one that accepts no connection.
+        failover_timeout_ms: once accepted, a peer that loses its master looks this long
+            for a master to take it back (the first address of ``master``, then the
+            others); operations in flight end with one outcome for every peer (a
+            retryable error where no peer received one) and calls block meanwhile; only
+            then MasterConnectionLostError. Default 30000; 0: off, the loss raises
+            MasterConnectionLostError at once (docs/architecture.md, "Failover").
     """
 
     def __init__(self, master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}", group: int = 0, pool_size: int = 1,
@@ -272,7 +278,7 @@ class Communicator:
                  inbound_handshakes_max: int = 0, p2p_stall_timeout_ms: int = 0,
                  encrypt_data: bool = False, p2p_streams: int = 0,
                  tcp_congestion: Optional[str] = None, check_finite: bool = False,
-                 state_compression: str = "auto", inbound: bool = True, failover_timeout_ms: int = 0) -> None:
+                 state_compression: str = "auto", inbound: bool = True, failover_timeout_ms: int = 30_000) -> None:
         if not isinstance(master, str):
             raise InvalidArgumentError("master must be a str")
         first, *others = master.split(",")

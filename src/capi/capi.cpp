@@ -179,6 +179,7 @@ lockstep_comm_config_t comm_config_defaults() {
   config.base_port = -1;
   config.connect_timeout_ms = lockstep::limits::kConnectTimeoutMsDefault;
   config.p2p_stall_timeout_ms = lockstep::limits::kP2PStallTimeoutMsDefault;
+  config.failover_timeout_ms = lockstep::limits::kFailoverTimeoutMsDefault;
   return config;
 }
 

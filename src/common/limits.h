@@ -93,6 +93,9 @@ inline constexpr std::uint32_t kResumeControlBytesMax = 8192;
 // How long a master that lost its run waits for every peer of the last view before it
 // resumes with a quorum of them (lockstep-master --recovery-window-ms).
 inline constexpr std::uint32_t kRecoveryWindowMsDefault = 5'000;
+// How long a peer of the C API and the Python package looks for a master to take it
+// back by default (lockstep_comm_config_t.failover_timeout_ms; 0 turns failover off).
+inline constexpr std::uint32_t kFailoverTimeoutMsDefault = 30'000;
 // A master that may replace a lost one holds the founding of a new run at most this
 // long (lockstep-master --resume-hold-ms).
 inline constexpr std::uint32_t kResumeHoldMsMax = 3'600'000;

@@ -286,6 +286,7 @@ bool comm_options_from_env(lockstep_comm_config_t* config, std::string* why) {
       {"LOCKSTEP_P2P_STREAMS", 16, &config->p2p_streams},
       {"LOCKSTEP_P2P_STALL_TIMEOUT_MS", 86'400'000, &config->p2p_stall_timeout_ms},
       {"LOCKSTEP_CONNECT_TIMEOUT_MS", 86'400'000, &config->connect_timeout_ms},
+      {"LOCKSTEP_FAILOVER_TIMEOUT_MS", 86'400'000, &config->failover_timeout_ms},
       {"LOCKSTEP_ENCRYPT_DATA", 1, &encrypt},
       {"LOCKSTEP_CHECK_FINITE", 1, &check_finite},
       {"LOCKSTEP_BASE_PORT", 65535, &base_port},
@@ -345,6 +346,9 @@ pcclResult_t pcclCreateCommunicator(const pcclCommCreateParams_t* params, pcclCo
     config.master_port = params->master_address.port;
     config.peer_group = params->peer_group;
     config.p2p_pool_size = params->p2p_connection_pool_size;
+    // A PCCL program is written for a master whose loss ends the run (it reconnects by
+    // hand, if at all): failover stays off unless LOCKSTEP_FAILOVER_TIMEOUT_MS asks.
+    config.failover_timeout_ms = 0;
     if (!comm_options_from_env(&config, &why)) {
       complain("pcclCreateCommunicator", why);
       return pcclInvalidArgument;

@@ -79,6 +79,7 @@ int main(void) {
   comm_config.master_port = port;
   comm_config.base_port = 0;
   CHECK(comm_config.encrypt_data == 0);
+  CHECK(comm_config.failover_timeout_ms == 30000); /* failover on by default (0.16) */
   comm_config.encrypt_data = 1; /* needs a run secret, and this run has none */
   CHECK(lockstep_comm_create(&comm_config, &comm) == LOCKSTEP_STATUS_INVALID_ARGUMENT);
   comm_config.encrypt_data = 0;

@@ -198,7 +198,8 @@ def test_stopped_peer_is_kicked():
 
 
 def test_master_gone_is_fatal():
-    with Cluster(2) as c:
+    # With failover off (on by default: test_failover.py), a lost master ends the run.
+    with Cluster(2, failover_timeout_ms=0) as c:
         c.master.close()
 
         def after(i, comm):

@@ -187,7 +187,8 @@ int main(int argc, char** argv) {
   std::string master_fallbacks;
   app.add_option("--master", master, "HOST:PORT of the master");
   app.add_option("--failover-timeout-ms", failover_timeout_ms,
-                 "once accepted, look this long for a master to take this peer back when its master is lost (0: off)");
+                 "once accepted, look this long for a master to take this peer back when its master is lost (0, "
+                 "this harness's default unlike the library's 30000: off, the loss ends it at once)");
   app.add_option("--master-fallbacks", master_fallbacks, "more masters to try after --master: HOST:PORT[,HOST:PORT...]");
   app.add_option("--name", name, "name printed in every line");
   app.add_option("--group", group, "peer group");
