@@ -74,6 +74,8 @@ fi
 if [ "$quick" = 0 ]; then
   # The libFuzzer targets (docs/fuzzing.md), built with Clang + ASan + UBSan in a build
   # directory of their own; each runs LOCKSTEP_FUZZ_SECONDS (default 20) over its corpus.
+  # They link lockstep_control only (the coordinator, framing, the ring's decoding), so
+  # nothing of the event-loop shell is compiled here.
   stamp "fuzz build (Clang, libFuzzer + ASan + UBSan)"
   cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" \
