@@ -315,6 +315,12 @@ Commands Session::deliver(proto::Message message) {
       epoch_ = t->epoch;
       control_count_ = 0;
       last_control_.clear();
+      // The collectives' outcomes too: a view begins with no collective in flight at any
+      // of its members (update and optimize topology wait for them), so no member can
+      // miss an older one. Kept, they would be taken for the outcome of a round that a
+      // member of the new view voted in without an attempt: the new master forwards the
+      // first outcome after that member's own last one of the tag, and a newcomer has none.
+      outcomes_.clear();
     }
     round_ = waiting_ = proto::MsgType{};
   } else if (const auto* e = std::get_if<proto::EstablishP2P>(&message)) {

@@ -226,7 +226,8 @@ class Session {
   bool optimizing_ = false;
   // Key-value requests not answered yet.
   std::set<std::uint64_t> kv_requests_;
-  // The last outcome of each tag, newest last (at most limits::kResumeOutcomesKept).
+  // The last outcome of each tag since the view began, newest last (at most
+  // limits::kResumeOutcomesKept).
   std::deque<proto::ResumeOutcome> outcomes_;
   // Answers to what the lost master asked (a CollectiveDone, SyncDone, BandwidthReport
   // of an attempt up to this, a P2PReport of an epoch up to this) go nowhere after a

@@ -435,6 +435,7 @@ TEST(SessionTest, ItCanEndBeforeItIsAttached) {
 
 const PeerId kSelf{1, 2};
 const PeerId kOther{1, 3};
+const PeerId kThird{1, 4};
 
 // A session with failover on, a member of the view of epoch 3.
 Session member_with_failover(std::chrono::milliseconds timeout = milliseconds(30'000)) {
@@ -649,6 +650,30 @@ TEST(SessionFailover, NoAttemptEndsByCommitWhileTheMasterIsAwayAndCommitsAreRepo
   ASSERT_EQ(report.outcomes.size(), 1u);
   EXPECT_EQ(report.outcomes[0], (p::ResumeOutcome{5, 7, LOCKSTEP_OK, 2, "", {}}));
   EXPECT_EQ(report.ops, std::vector<p::ResumeOp>{(p::ResumeOp{5, 8})});
+}
+
+// A newcomer's first round of a tag has no outcome of its own before it: were the other
+// members' outcomes of the rounds before it joined still in their reports, the new master
+// would forward the oldest of them to the newcomer as the outcome of the round it voted in.
+TEST(SessionFailover, TheOutcomesReportedAreThoseOfTheCurrentView) {
+  Session s = member_with_failover();
+  s.register_op(5);
+  s.send(p::CollectiveInit{5, {}});
+  s.on_message(at(2), p::CollectiveGo{5, 7, 0, 3, {}});
+  s.on_message(at(3), p::CollectiveResult{5, 7, LOCKSTEP_OK, 2, ""});
+  s.unregister_op(5);
+  p::TopologyResult next;  // a newcomer joins
+  next.epoch = 4;
+  next.ring = {p::MemberInfo{kSelf, "a", 1, 2, 3, {}}, p::MemberInfo{kOther, "b", 1, 2, 3, {}},
+               p::MemberInfo{kThird, "c", 1, 2, 3, {}}};
+  s.on_message(at(4), next);
+  s.register_op(5);
+  s.send(p::CollectiveInit{5, {}});
+  s.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  const p::ResumeReport report = decoded_report(s.resume(at(20), welcome_back(1)));
+  EXPECT_EQ(report.epoch, 4u);
+  EXPECT_TRUE(report.outcomes.empty());
+  EXPECT_EQ(report.ops, std::vector<p::ResumeOp>{(p::ResumeOp{5, 0})});
 }
 
 TEST(SessionFailover, AnAnswerToTheLostMastersRequestEndsItsRoundWithTheRetryableFailure) {
