@@ -453,6 +453,9 @@ bool Session::forget_settled(std::uint64_t tag, std::uint64_t attempt, bool last
 
 Commands Session::register_op(std::uint64_t tag) {
   ops_[tag] = Op{};
+  // A new collective of a tag whose outcome the resuming master forwarded (the owner
+  // retried before Resumed): its vote, held until then, goes out at the resume.
+  forwarded_.erase(tag);
   if (state_ == State::kEnded) return commands(cmd::AbortOp{tag, status_});
   return {};
 }

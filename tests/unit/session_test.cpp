@@ -652,6 +652,28 @@ TEST(SessionFailover, NoAttemptEndsByCommitWhileTheMasterIsAwayAndCommitsAreRepo
   EXPECT_EQ(report.ops, std::vector<p::ResumeOp>{(p::ResumeOp{5, 8})});
 }
 
+// The owner may retry a collective as soon as the forwarded outcome of its last attempt
+// ends it, before the master's Resumed: the new vote, held meanwhile, goes out at the
+// resume like any other vote whose round had not started.
+TEST(SessionFailover, AVoteCastAfterAForwardedOutcomeGoesOutAtTheResume) {
+  Session s = member_with_failover();
+  s.register_op(5);
+  s.send(p::CollectiveInit{5, {}});
+  s.on_message(at(2), p::CollectiveGo{5, 7, 0, 3, {}});
+  s.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  s.resume(at(20), welcome_back(2));
+  Commands c = s.on_message(at(21), p::CollectiveResult{5, 7, LOCKSTEP_STATUS_PEER_CONNECTION_LOST, 0, "lost"});
+  ASSERT_EQ(all_of<cmd::RouteToOp>(c).size(), 1u);
+  s.unregister_op(5);
+  s.register_op(5);
+  EXPECT_TRUE(s.send(p::CollectiveInit{5, {}}).empty());  // held while resuming
+  c = s.on_message(at(22), p::Resumed{2, 3});
+  EXPECT_TRUE(all_of<cmd::RouteToOp>(c).empty());
+  const auto recast = all_of<cmd::SendFrame>(c);
+  ASSERT_EQ(recast.size(), 1u);
+  EXPECT_EQ(recast[0].frame, p::encode_frame(p::CollectiveInit{5, {}}));
+}
+
 // A newcomer's first round of a tag has no outcome of its own before it: were the other
 // members' outcomes of the rounds before it joined still in their reports, the new master
 // would forward the oldest of them to the newcomer as the outcome of the round it voted in.
