@@ -15,7 +15,18 @@
 //
 // Each peer's master link is the real peer::Session, fed the simulated time and messages
 // and its commands carried out as peer/link.cpp does (heartbeats, the silence check,
-// routing by tag, slot turns, commits' late outcomes dropped).
+// routing by tag, slot turns, commits' late outcomes dropped), and what the peer sends
+// goes through it.
+//
+// The master crashes too (on most seeds): every master connection closes (what was in
+// flight to the peers may be lost), what the peers send it is lost, and after a delay
+// (mostly seconds, sometimes past the failover timeout) a fresh Coordinator starts with
+// a new instance nonce; now and then it crashes again during the recovery. The peers run
+// with failover on (most seeds; 30 s): the session's Reconnect is carried out as
+// Link::reconnect_loop does (a resume Hello, retried after a pause that doubles from
+// 0.1 s to 1 s; refused while no master runs, a 2 s timeout while cut off), its resume
+// on Welcome, the report, the forwarded outcomes, Resumed, and its own refusals of the
+// rounds the lost master had started.
 //
 // The peers run the loop of tools/soak/worker.cpp as a state machine: connect and wait
 // to be accepted; per step: sync the shared state (retried on PEER_CONNECTION_LOST; after
@@ -32,11 +43,17 @@
 // major operation per group as the peers see it; the revision rule (R grows by one,
 // a peer in step presents R+1 and gets it) and parity (every participant of a
 // successful sync holds the elected content); the same membership view and ring on all
-// peers of a group at each epoch; sync plans name sources that hold the target. Every
-// 50 ms of simulated time: liveness (a group with at least two live, connected peers,
-// one of which holds the state, must complete a sync within a bound once the faults
-// stopped; by then no membership view names a removed peer), evicted peers learn it,
-// and dead peers leave the coordinator.
+// peers of a group at each epoch; sync plans name sources that hold the target. Across
+// the master's crashes: one outcome per attempt and per control round (the k-th of a
+// view) at every peer still in the run (a peer the new master did not take back may have
+// learned another); a peer's revision never goes back, the new master continues from
+// the highest revision any peer it took back synced (none lost) and from none above what
+// was decided; a peer grants a term only above every term it granted (one master per
+// term). Every 50 ms of simulated time: liveness (a group with at least two live,
+// connected peers, one of which holds the state, must complete a sync within a bound once
+// the faults stopped and the master took the run back; by then no membership view names a
+// removed peer), evicted peers learn it, dead peers leave the coordinator, and no peer is
+// without a serving master for longer than the failover timeout.
 //
 // Environment: LOCKSTEP_NETSIM_SEEDS=N runs seeds 1..N (default 200),
 // LOCKSTEP_NETSIM_FIRST_SEED=S starts there instead (to split millions of seeds over
@@ -46,6 +63,7 @@
 // passes). A failing seed is run again with tracing on (the run is deterministic) to
 // print its trace.
 #include "common/dtype.h"
+#include "common/log.h"
 #include "coordinator/coordinator.h"
 #include "peer/session.h"
 #include "protocol/codec.h"
@@ -60,12 +78,14 @@
 #include <deque>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <optional>
 #include <queue>
 #include <random>
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace lockstep::coord {
@@ -209,6 +229,8 @@ struct Conn {
   Direction down;  // master -> peer
   bool master_open = true;  // the shell still feeds it to the coordinator
   bool peer_open = true;    // the peer's side is open
+  std::uint32_t gen = 1;    // the master (generation) it was opened to
+  bool handshake = false;   // a failover Hello waits for its reply (Welcome or Goodbye)
   TimeUs delay_lo_us = 100, delay_hi_us = 2 * kMs;
 };
 
@@ -261,6 +283,7 @@ struct TagState {
   std::uint32_t slot = 0;
   std::vector<PeerId> ring;
   StatusCode outcome = LOCKSTEP_OK;
+  std::uint64_t key = 0;  // the attempt's key in the simulation's records (lineage())
 };
 
 // The data flow of one collective attempt, as all its participants do it.
@@ -278,10 +301,13 @@ enum class TimerKind : std::uint8_t {
   kCommitPoll,      // arg: attempt
   kFetchPoll,       // arg: sync attempt
   kBandwidthDone,   // arg: test; arg2: partner proc
+  kReconnect,       // failover: the next try of the reconnect loop; arg: its generation
+  kHandshake,       // failover: the reply to a resume Hello is overdue; arg: the connection
+  kDrain,           // the owner takes what the session put in its mailbox
 };
 
 struct SimEvent {
-  enum Kind : std::uint8_t { kTick, kDeliver, kTimer, kChaos, kSpawn, kAudit, kHeal, kResume };
+  enum Kind : std::uint8_t { kTick, kDeliver, kTimer, kChaos, kSpawn, kAudit, kHeal, kResume, kMasterCrash, kMasterRestart };
   TimeUs at = 0;
   std::uint64_t seq = 0;
   Kind kind = kTick;
@@ -322,12 +348,16 @@ struct Proc {
   // messages that arrived while it was busy connecting (the real peer's mailbox)
   std::deque<p::Message> mailbox;
   std::uint32_t pending_rounds = 0;  // are-peers-pending rounds since its last topology result
+  std::uint32_t control_rounds = 0;  // control outcomes (pending, agree, sync) since then
   // shared state
   std::uint64_t revision = 0;  // the revision it presents at its next sync
   bool synced = false;
   std::vector<std::uint64_t> content;  // per tensor of its group's shape
+  std::uint64_t synced_revision = 0;  // of its last successful sync
   p::SyncVote vote;
   p::SyncPlan plan;
+  std::uint64_t plan_key = 0;  // the plan's attempt, as lineage() names it
+  TimeUs plan_us = 0;          // when it read the plan
   bool done_sent = false;
   bool done_ok = false;  // reported its transfers as verified
   // collectives of the current step
@@ -337,6 +367,17 @@ struct Proc {
   std::deque<Frame> frozen_frames;
   std::vector<SimEvent> frozen_timers;
   TimeUs ghost_since_us = -1;
+  // failover: its first Hello (the base of a resume Hello), the master generation of
+  // the message being handled, the reconnect loop (generation, pause), since when it is
+  // without a serving master, and the terms it granted (term, master generation)
+  p::Hello hello;
+  std::uint32_t msg_gen = 0;
+  std::uint32_t run = 0;  // the run it joined (Sim::run_)
+  std::uint64_t reconnect_gen = 0;
+  TimeUs reconnect_pause_us = 0;
+  TimeUs failover_since_us = -1;
+  TimeUs resumed_us = -1'000'000'000;  // when it last resumed from a stop
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> terms;
 };
 
 struct Partition {
@@ -351,7 +392,9 @@ enum Count : std::size_t {
   kTopologyOk, kTopologyFailed, kOptimizeOk, kOptimizeFailed, kBandwidthTests, kAgreeOk, kAgreeLost,
   kPendingYes, kPendingNo, kJoined, kKicked, kRejected, kMasterLost, kCrashes, kStops, kIsolations,
   kP2PPartitions, kDrops, kEvictions, kSpawned, kLivenessArmed, kRevisions, kSplitFetches,
-  kCounts
+  kMasterCrashes, kMasterRestarts, kCrashInRecovery, kCrashInTopologyVote, kCrashInJoin, kCrashInOptimize,
+  kCrashInPending, kCrashInAgree, kCrashInCollective, kCrashInSync, kRecoveries, kTakenBack, kForwarded,
+  kResumeTries, kTermRefusals, kFailoverKicked, kFailoverTimeouts, kSessionRefusals, kFailoverSeeds, kCounts
 };
 struct Stats {
   std::array<std::uint64_t, kCounts> n{};
@@ -369,7 +412,13 @@ const p::CollectiveDescriptor kDescriptor{1 << 16, LOCKSTEP_F32, LOCKSTEP_SUM, L
 class Sim {
  public:
   Sim(std::uint64_t seed, TimeUs duration_us, bool trace, bool verbose)
-      : seed_(seed), rng_(seed), duration_us_(duration_us), trace_(trace), verbose_(verbose), c_(make_config()) {
+      : seed_(seed), rng_(seed), duration_us_(duration_us), trace_(trace), verbose_(verbose), base_config_(make_config()) {
+    // Failover on most seeds' peers; the master crashes on most of those. A short
+    // recovery window keeps the runs short (the product's default is 5 s).
+    failover_ = rng_.chance(80);
+    master_crashes_ = failover_ && rng_.chance(75);
+    base_config_.recovery_window_ms = static_cast<std::uint32_t>(1'000 + rng_.below(4'000));
+    c_ = std::make_unique<Coordinator>(base_config_);
     const std::uint32_t group_ids[] = {0, 7, 0xffffffffu};
     const std::size_t groups = rng_.chance(70) ? 1 : 2 + rng_.below(2);
     groups_.assign(group_ids, group_ids + groups);
@@ -385,9 +434,9 @@ class Sim {
     // Liveness bound after the last fault: detection of what the last fault left
     // behind (heartbeat timeout, vote timeout, a p2p connect timeout of a failed
     // establishment, a measurement) plus a few steps.
-    live_bound_us_ = 8 * static_cast<TimeUs>(c_.config().heartbeat_timeout_ms) * kMs +
-                     2 * static_cast<TimeUs>(c_.config().vote_timeout_ms) * kMs + 4 * p2p_connect_timeout_us_ +
-                     static_cast<TimeUs>(c_.config().bandwidth_test_ms) * kMs * static_cast<TimeUs>(peers_max_);
+    live_bound_us_ = 8 * static_cast<TimeUs>(c_->config().heartbeat_timeout_ms) * kMs +
+                     2 * static_cast<TimeUs>(c_->config().vote_timeout_ms) * kMs + 4 * p2p_connect_timeout_us_ +
+                     static_cast<TimeUs>(c_->config().bandwidth_test_ms) * kMs * static_cast<TimeUs>(peers_max_);
     static const std::uint8_t dtypes[] = {LOCKSTEP_F32, LOCKSTEP_BF16, LOCKSTEP_U8, LOCKSTEP_F64};
     for (const std::uint32_t group : groups_) {
       const std::size_t tensors = 1 + rng_.below(3);
@@ -422,7 +471,8 @@ class Sim {
         dispatch(e);
       }
       stats_.n[kSimUs] = static_cast<std::uint64_t>(std::min(now_, duration_us_));
-      for (const auto g : groups_) stats_.n[kRevisions] += c_.revision(g).value_or(0);
+      stats_.n[kFailoverSeeds] = failover_ ? 1 : 0;
+      for (const auto g : groups_) stats_.n[kRevisions] += highest_revision_[g];
     } catch (const Failure& f) {
       return report(f.what);
     } catch (const std::exception& e) {
@@ -476,18 +526,21 @@ class Sim {
     std::ostringstream s;
     s << "seed " << seed_ << " failed at t=" << now_ / kMs << " ms: " << what << "\n";
     s << "config: groups=" << groups_.size() << " peers_max=" << peers_max_ << " reduces=" << reduces_
-      << " optimize_every=" << optimize_every_ << " vote_timeout_ms=" << c_.config().vote_timeout_ms
-      << " bandwidth_test_ms=" << c_.config().bandwidth_test_ms << " p2p_connect_timeout_ms="
-      << p2p_connect_timeout_us_ / kMs << "\n";
-    s << "coordinator: " << c_.digest() << "\n";
+      << " optimize_every=" << optimize_every_ << " vote_timeout_ms=" << c_->config().vote_timeout_ms
+      << " bandwidth_test_ms=" << c_->config().bandwidth_test_ms << " p2p_connect_timeout_ms="
+      << p2p_connect_timeout_us_ / kMs << " failover=" << failover_ << " master_crashes=" << master_crashes_
+      << " recovery_window_ms=" << base_config_.recovery_window_ms << "\n";
+    s << "master " << gen_ << ": " << (master_up_ ? "up" : "DOWN") << ", term " << c_->term()
+      << (c_->recovering() ? ", recovering" : "") << (awaiting_recovery_ ? ", has not taken the run back yet" : "") << "\n";
+    s << "coordinator: " << c_->digest() << "\n";
     s << "the coordinator waits for:" << waiting_for() << "\n";
     s << "peers:\n";
     for (const auto& pr : procs_) {
       if (pr.stage == Stage::kDead) continue;
-      const Peer* cp = pr.id.is_nil() ? nullptr : c_.find_peer(pr.id);
+      const Peer* cp = pr.id.is_nil() ? nullptr : c_->find_peer(pr.id);
       s << "  " << name(pr) << " " << to_string(pr.stage) << (pr.stopped ? " STOPPED" : "")
         << (cut_from_master(pr.index) ? " ISOLATED" : "") << " rev=" << pr.revision << " synced=" << pr.synced
-        << " world=" << pr.world << " tags=" << pr.tags.size() << " coordinator: "
+        << " world=" << pr.world << " tags=" << pr.tags.size() << " session=" << session_state(pr) << " coordinator: "
         << (cp == nullptr ? "gone" : std::string(to_string(cp->phase)) + "/" + to_string(cp->state)) << "\n";
     }
     if (trace_) {
@@ -499,6 +552,17 @@ class Sim {
     return s.str();
   }
 
+  static const char* session_state(const Proc& pr) {
+    switch (pr.session.state()) {
+      case peer::Session::State::kCreated: return "created";
+      case peer::Session::State::kConnected: return "connected";
+      case peer::Session::State::kReconnecting: return "reconnecting";
+      case peer::Session::State::kResuming: return "resuming";
+      case peer::Session::State::kEnded: return "ended";
+    }
+    return "?";
+  }
+
   // Who holds up each open vote or phase of the coordinator, from its public state.
   std::string waiting_for() const {
     std::string s;
@@ -507,26 +571,26 @@ class Sim {
     };
     std::vector<PeerId> topology, establish, measure, pending;
     bool pending_open = false;
-    for (const auto& [id, peer] : c_.peers()) pending_open = pending_open || peer.voted_pending;
-    for (const auto& [id, peer] : c_.peers()) {
+    for (const auto& [id, peer] : c_->peers()) pending_open = pending_open || peer.voted_pending;
+    for (const auto& [id, peer] : c_->peers()) {
       if (peer.phase != Phase::kAccepted) continue;
       const bool voted = peer.state == PeerState::kVoteAcceptNewPeers || peer.state == PeerState::kVoteOptimizeTopology;
-      if (c_.topology_phase() == TopologyPhase::kVoting && !voted) topology.push_back(id);
-      if (c_.topology_phase() == TopologyPhase::kMeasuring && !peer.measured) measure.push_back(id);
+      if (c_->topology_phase() == TopologyPhase::kVoting && !voted) topology.push_back(id);
+      if (c_->topology_phase() == TopologyPhase::kMeasuring && !peer.measured) measure.push_back(id);
       if (pending_open && !peer.voted_pending) pending.push_back(id);
     }
-    for (const auto& [id, peer] : c_.peers()) {
+    for (const auto& [id, peer] : c_->peers()) {
       if (peer.state == PeerState::kEstablishingP2P && !peer.p2p_reported) establish.push_back(id);
     }
     missing("topology vote", topology);
     missing("p2p reports", establish);
     missing("bandwidth reports (this round, or later rounds)", measure);
     missing("are-peers-pending vote", pending);
-    for (const auto& [group, tags] : c_.collectives()) {
+    for (const auto& [group, tags] : c_->collectives()) {
       for (const auto& [tag, c] : tags) {
         std::vector<PeerId> who;
         if (c.phase == Collective::Phase::kVoting) {
-          for (const auto& id : c_.ring(group)) {
+          for (const auto& id : c_->ring(group)) {
             if (c.votes.count(id) == 0) who.push_back(id);
           }
         } else {
@@ -539,10 +603,10 @@ class Sim {
                 who);
       }
     }
-    for (const auto& [group, sync] : c_.syncs()) {
+    for (const auto& [group, sync] : c_->syncs()) {
       std::vector<PeerId> who;
       if (sync.phase == SharedStateSync::Phase::kVoting) {
-        for (const auto& id : c_.ring(group)) {
+        for (const auto& id : c_->ring(group)) {
           if (sync.votes.count(id) == 0) who.push_back(id);
         }
       } else {
@@ -570,9 +634,11 @@ class Sim {
   void dispatch(const SimEvent& e) {
     switch (e.kind) {
       case SimEvent::kTick: {
-        Outbox out;
-        c_.on_tick(now_ / kMs, out);
-        apply(out);
+        if (master_up_) {
+          Outbox out;
+          c_->on_tick(now_ / kMs, out);
+          apply(out);
+        }
         schedule(now_ + 20 * kMs, SimEvent::kTick);
         return;
       }
@@ -594,6 +660,8 @@ class Sim {
         return;
       case SimEvent::kHeal: return heal(e.a);
       case SimEvent::kResume: return resume(procs_.at(e.a));
+      case SimEvent::kMasterCrash: return e.a == gen_ ? master_crash() : void();
+      case SimEvent::kMasterRestart: return master_restart();
     }
   }
 
@@ -645,19 +713,20 @@ class Sim {
   }
 
   void deliver_to_master(Conn& c, const Frame& f) {
+    if (!master_up_ || c.gen != gen_) return;  // its master crashed: nobody reads it
     Outbox out;
     if (f.kind == Frame::kOpen) {
       note("master: connection " + std::to_string(c.id) + " from " + procs_.at(c.proc).host);
-      c_.on_connect(c.id, procs_.at(c.proc).host, now_ / kMs, out);
+      c_->on_connect(c.id, procs_.at(c.proc).host, now_ / kMs, out);
     } else if (!c.master_open) {
       return;  // the shell closed it: late bytes are dropped
     } else if (f.kind == Frame::kFin) {
       note("master: connection " + std::to_string(c.id) + " closed by the peer");
       c.master_open = false;
-      c_.on_disconnect(c.id, "closed by the peer", now_ / kMs, out);
+      c_->on_disconnect(c.id, "closed by the peer", now_ / kMs, out);
     } else {
       if (trace_) note("master <- " + name(procs_.at(c.proc)) + ": " + describe(f.message));
-      c_.on_message(c.id, f.message, now_ / kMs, out);
+      c_->on_message(c.id, f.message, now_ / kMs, out);
     }
     apply(out);
   }
@@ -668,6 +737,7 @@ class Sim {
     Outbox out = expanded(batch);
     std::map<std::uint32_t, p::AgreeResult> agree;
     std::optional<p::PeersPendingResult> pending;
+    bool resumed = false;
     for (auto& cmd : out) {
       if (auto* send = std::get_if<Send>(&cmd)) {
         Conn& c = conns_.at(send->conn - 1);
@@ -685,6 +755,12 @@ class Sim {
         // the shell knows whose connection it is; the other peers may hear of the new
         // identity (in a ring) before the peer reads its Welcome
         if (const auto* w = std::get_if<p::Welcome>(&send->message)) by_id_[w->id] = c.proc;
+        if (const auto* r = std::get_if<p::Resumed>(&send->message)) {
+          require(r->term == c_->term(), "Resumed names term " + std::to_string(r->term) + ", the master's is " +
+                                             std::to_string(c_->term()));
+          resumed = true;
+          ++stats_.n[kTakenBack];
+        }
         push(c, /*up=*/false, Frame{Frame::kMessage, wire(send->message), 0});
       } else if (auto* close = std::get_if<Close>(&cmd)) {
         Conn& c = conns_.at(close->conn - 1);
@@ -694,22 +770,49 @@ class Sim {
         push(c, /*up=*/false, Frame{Frame::kFin, {}, 0});
       } else if (auto* ev = std::get_if<coord::Event>(&cmd)) {
         note("coordinator: " + ev->text);
+        if (ev->text.find("forwarding") != std::string::npos) ++stats_.n[kForwarded];
       }
     }
+    if (resumed) recovered();
     after_coordinator();
+  }
+
+  // The master took the run back (its batch sends Resumed): no successful revision is
+  // lost, whatever the peers that did not come back knew.
+  void recovered() {
+    ++stats_.n[kRecoveries];
+    awaiting_recovery_ = false;
+    last_fault_us_ = now_;
+    for (const auto& pr : procs_) {
+      if (pr.stage == Stage::kDead || !pr.synced) continue;
+      const Peer* cp = c_->find_peer(pr.id);
+      if (cp == nullptr || cp->phase != Phase::kAccepted) continue;
+      const auto rev = c_->revision(pr.group);
+      require(rev.has_value() && *rev >= pr.synced_revision,
+              "the master took the run back at revision " + (rev ? std::to_string(*rev) : "none") + " of group " +
+                  std::to_string(pr.group) + ", but " + name(pr) + " had synced revision " +
+                  std::to_string(pr.synced_revision) + " (a revision was lost)");
+    }
   }
 
   // Checked after every event the coordinator handled.
   void after_coordinator() {
-    if (auto broken = c_.check_invariants()) fail("coordinator invariant: " + *broken);
+    if (auto broken = c_->check_invariants()) fail("coordinator invariant: " + *broken);
     for (const auto g : groups_) {
-      const auto rev = c_.revision(g);
+      const auto rev = c_->revision(g);
       auto& last = group_revision_[g];
       if (rev != last) {
         require(rev.has_value() && (!last || *rev == *last + 1),
                 "group " + std::to_string(g) + " went from revision " + (last ? std::to_string(*last) : "none") +
                     " to " + (rev ? std::to_string(*rev) : "none") + " (the revision rule: one per sync)");
+        // a master that took the run back continues from the highest revision reported,
+        // which no master can have gone past
+        auto& highest = highest_revision_[g];
+        require(last || *rev <= std::max<std::uint64_t>(highest, 1),
+                "group " + std::to_string(g) + " starts at revision " + std::to_string(*rev) + " under master " +
+                    std::to_string(gen_) + ", above every revision decided before (" + std::to_string(highest) + ")");
         last = rev;
+        highest = std::max(highest, *rev);
         last_progress_us_[g] = now_;
       }
     }
@@ -753,7 +856,10 @@ class Sim {
   void spawn_tick() {
     std::size_t live = 0;
     for (const auto& pr : procs_) live += pr.stage != Stage::kDead ? 1u : 0u;
-    if (live < peers_max_ && (live < 2 || (!spawns_paused_ && rng_.chance(60)))) spawn();
+    // no newcomers while the master is down or has not taken the run back yet (one that
+    // came first would start a new run, and the old one's peers would be KICKED)
+    const bool master_ready = master_up_ && !awaiting_recovery_;
+    if (master_ready && live < peers_max_ && (live < 2 || (!spawns_paused_ && rng_.chance(60)))) spawn();
     // the run starts with a burst of peers; later ones join now and then
     const bool burst = now_ < 2 * kSec;
     schedule(now_ + (live < 2 || burst ? rng_.between(10, 300) * kMs : rng_.between(300, 3000) * kMs), SimEvent::kSpawn);
@@ -762,8 +868,14 @@ class Sim {
   // Holders of a group's state: peers that synced it, or that present the initial
   // state while the group has none.
   bool holder(const Proc& pr) const {
-    return pr.stage != Stage::kDead && !pr.id.is_nil() &&
-           (pr.synced || (pr.bootstrap && !c_.revision(pr.group).has_value()));
+    return pr.stage != Stage::kDead && !pr.id.is_nil() && (pr.synced || (pr.bootstrap && !known_revision(pr.group)));
+  }
+  // The group's revision: the serving master's, or while there is none or it has not
+  // taken the run back yet, the last master's.
+  std::optional<std::uint64_t> known_revision(std::uint32_t group) const {
+    const auto& revisions = master_up_ && !awaiting_recovery_ ? group_revision_ : last_master_revision_;
+    const auto it = revisions.find(group);
+    return it == revisions.end() ? std::nullopt : it->second;
   }
   std::size_t holders(std::uint32_t group) const {
     std::size_t n = 0;
@@ -776,7 +888,7 @@ class Sim {
     // available); prefer groups that can still make progress.
     std::vector<std::uint32_t> alive_groups;
     for (const auto g : groups_) {
-      if (!c_.revision(g) || holders(g) > 0) alive_groups.push_back(g);
+      if (!known_revision(g) || holders(g) > 0) alive_groups.push_back(g);
     }
     const auto& choice = alive_groups.empty() ? groups_ : alive_groups;
     Proc pr;
@@ -785,7 +897,7 @@ class Sim {
     pr.pool = static_cast<std::uint16_t>(1 + rng_.below(3));
     pr.host = "10.0." + std::to_string(pr.index / 200) + "." + std::to_string(1 + pr.index % 200);
     pr.started_us = now_;
-    pr.bootstrap = !c_.revision(pr.group).has_value();
+    pr.bootstrap = !known_revision(pr.group).has_value();
     const auto& shape = shapes_.at(pr.group);
     pr.content.resize(shape.size());
     const std::uint64_t init = pr.bootstrap ? 500 : 2000 + rng_.below(1000) * 7;
@@ -799,6 +911,8 @@ class Sim {
       c.delay_hi_us = c.delay_lo_us + rng_.between(1, 30) * kMs;
     }
     pr.conn = c.id;
+    c.gen = gen_;
+    if (failover_) pr.session.set_failover(failover_timeout_);
     conns_.push_back(c);
     procs_.push_back(pr);
     Proc& ref = procs_.back();
@@ -811,7 +925,8 @@ class Sim {
     hello.p2p_port = static_cast<std::uint16_t>(20000 + ref.index % 10000);
     hello.shared_state_port = static_cast<std::uint16_t>(hello.p2p_port + 1);
     hello.benchmark_port = static_cast<std::uint16_t>(hello.p2p_port + 2);
-    send(ref, hello);
+    ref.hello = hello;
+    wire_send(ref, hello);
     arm_heartbeat(ref, now_ + 250 * kMs);
   }
 
@@ -820,11 +935,30 @@ class Sim {
     timer(pr, at - now_, TimerKind::kHeartbeat, pr.heartbeat_gen);
   }
 
+  // What the peer's owner sends goes through its session (which notes what a report
+  // needs, and sends nothing while the master is away), as Link::send does.
   void send(Proc& pr, const p::Message& m) {
+    if (pr.stage == Stage::kDead) return;
+    if (pr.session.state() == peer::Session::State::kCreated) return wire_send(pr, m);
+    execute(pr, pr.session.send(m), /*take=*/false);
+    // what the session answers itself (a refusal) the owner's wait takes
+    if (pr.session.mailbox_size() > 0) timer(pr, 0, TimerKind::kDrain);
+  }
+
+  void wire_send(Proc& pr, const p::Message& m) {
     Conn& c = conns_.at(pr.conn - 1);
     if (pr.stage == Stage::kDead || !c.peer_open) return;
     if (trace_) note(name(pr) + " -> master: " + describe(m));
     push(c, /*up=*/true, Frame{Frame::kMessage, wire(m), 0});
+  }
+
+  // The peer's side closes its current master connection.
+  void close_conn(Proc& pr) {
+    Conn& c = conns_.at(pr.conn - 1);
+    c.handshake = false;
+    if (!c.peer_open) return;
+    c.peer_open = false;
+    push(c, /*up=*/true, Frame{Frame::kFin, {}, 0});
   }
 
   // The communicator ended (kicked, rejected, master lost): the process exits, as the
@@ -834,11 +968,11 @@ class Sim {
     if (status == LOCKSTEP_STATUS_KICKED) ++stats_.n[kKicked];
     if (status == LOCKSTEP_STATUS_REJECTED) ++stats_.n[kRejected];
     if (status == LOCKSTEP_STATUS_MASTER_CONNECTION_LOST) ++stats_.n[kMasterLost];
-    Conn& c = conns_.at(pr.conn - 1);
-    if (c.peer_open) {
-      c.peer_open = false;
-      push(c, /*up=*/true, Frame{Frame::kFin, {}, 0});
+    if (pr.failover_since_us >= 0) {
+      if (status == LOCKSTEP_STATUS_MASTER_CONNECTION_LOST) ++stats_.n[kFailoverTimeouts];
+      if (status == LOCKSTEP_STATUS_KICKED) ++stats_.n[kFailoverKicked];
     }
+    close_conn(pr);
     die(pr);
   }
 
@@ -851,7 +985,7 @@ class Sim {
     // its running attempts are over here: ring neighbours see the connections close
     for (auto& [tag, t] : pr.tags) {
       if (t.attempt != 0 && t.st != TagState::St::kEnded) {
-        auto it = ring_attempts_.find(t.attempt);
+        auto it = ring_attempts_.find(t.key);
         if (it != ring_attempts_.end() && it->second.state[pr.id] < 2) it->second.state[pr.id] = 3;
       }
     }
@@ -874,6 +1008,9 @@ class Sim {
       case TimerKind::kCommitPoll: return commit_poll(pr, arg);
       case TimerKind::kFetchPoll: return fetch_poll(pr, arg);
       case TimerKind::kBandwidthDone: return bandwidth_done(pr, arg, arg2);
+      case TimerKind::kReconnect: return arg == pr.reconnect_gen ? try_resume(pr) : void();
+      case TimerKind::kHandshake: return handshake_timeout(pr, arg);
+      case TimerKind::kDrain: return execute(pr, {});
     }
   }
 
@@ -891,8 +1028,8 @@ class Sim {
   }
 
   // Carries out the session's commands as the peer's IO shell does (peer/link.cpp), then
-  // hands what waits in its mailbox to the loop.
-  void execute(Proc& pr, const peer::Commands& commands) {
+  // (with `take`) hands what waits in its mailbox to the loop.
+  void execute(Proc& pr, const peer::Commands& commands, bool take = true) {
     for (const auto& command : commands) {
       if (pr.stage == Stage::kDead) return;
       if (const auto* f = std::get_if<peer::cmd::SendFrame>(&command)) {
@@ -903,7 +1040,7 @@ class Sim {
         auto m = p::decode_payload(header.value().type,
                                    std::span<const std::uint8_t>(f->frame).subspan(p::kFrameHeaderBytes));
         require(m.is_ok(), "the session sent a frame that does not decode");
-        send(pr, m.value());
+        wire_send(pr, m.value());
       } else if (const auto* route = std::get_if<peer::cmd::RouteToOp>(&command)) {
         on_message(pr, route->message);
       } else if (const auto* arm = std::get_if<peer::cmd::ArmTimer>(&command)) {
@@ -916,11 +1053,20 @@ class Sim {
         if (!allowed) fail(name(pr) + "'s link ended with " + close->status.to_string() + ", which a peer following "
                            "the documented loop never sees");
         return finish(pr, code, close->status.message());
+      } else if (const auto* lost = std::get_if<peer::cmd::Reconnect>(&command)) {
+        // failover: close the connection and look for a master to take the peer back
+        note(name(pr) + " lost the master (" + lost->status.message() + "); looking for one to take it back");
+        require(failover_ && pr.accepted, name(pr) + " reconnects without failover or before it was accepted");
+        close_conn(pr);
+        if (pr.failover_since_us < 0) pr.failover_since_us = now_;
+        pr.reconnect_pause_us = 100 * kMs;
+        timer(pr, 0, TimerKind::kReconnect, ++pr.reconnect_gen);
       }
       // AbortOp, CancelEstablishment: the process ends with the link here (finish);
       // LearnPairKeys: no secret in this run.
     }
-    while (pr.stage != Stage::kDead) {
+    if (pr.session.state() == peer::Session::State::kConnected) pr.failover_since_us = -1;
+    while (take && pr.stage != Stage::kDead) {
       auto waiting = pr.session.take([](const p::Message&) { return true; });
       if (!waiting) break;
       on_message(pr, *waiting);
@@ -929,19 +1075,140 @@ class Sim {
 
   void deliver_to_peer(Proc& pr, const Frame& f) {
     Conn& c = conns_.at(pr.conn - 1);
+    pr.msg_gen = c.gen;
+    if (c.handshake) return resume_reply(pr, c, f);
     if (f.kind == Frame::kFin) {
       c.peer_open = false;
-      return finish(pr, LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master closed the connection");
+      if (pr.stage == Stage::kConnecting) {
+        return finish(pr, LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "the master closed the connection");
+      }
+      return execute(pr, pr.session.lose(at_us(now_), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST,
+                                                             "the master closed the connection")));
     }
     if (trace_) note(name(pr) + " <- master: " + describe(f.message));
+    // The master never refuses what these peers ask (the session's own refusals after a
+    // failover come from its mailbox, not the wire).
+    if (std::holds_alternative<p::Refused>(f.message)) unexpected(pr, f.message);
     // The wire's own check: a committed attempt's outcome is a success, whoever reads it
-    // (the session drops it unread at the peer that committed).
-    if (const auto* r = std::get_if<p::CollectiveResult>(&f.message); r != nullptr && committed_.count(r->attempt) != 0) {
-      require(r->status == LOCKSTEP_OK, "attempt " + std::to_string(r->attempt) + " was committed and then ended with " +
-                                            describe(f.message));
+    // (the session drops it unread at the peer that committed), unless the master that
+    // decided it took the run back without every peer that committed.
+    if (const auto* r = std::get_if<p::CollectiveResult>(&f.message); r != nullptr && r->attempt != 0) {
+      check_committed(pr, lineage(c.gen, r->attempt, false), *r);
     }
     if (pr.stage == Stage::kConnecting) return on_message(pr, f.message);  // before Welcome: no session yet
     execute(pr, pr.session.on_message(at_us(now_), f.message));
+  }
+
+  void check_committed(const Proc& pr, std::uint64_t key, const p::CollectiveResult& r) {
+    const auto it = committed_.find(key);
+    if (it == committed_.end() || r.status == LOCKSTEP_OK) return;
+    for (const std::size_t q : it->second) {
+      require(!in_run(procs_.at(q)), "attempt " + std::to_string(r.attempt) + " was committed by " +
+                                         name(procs_.at(q)) + " and then ended with " + describe(r) + " at " + name(pr));
+    }
+  }
+
+  // ------------------------------------------------------------ failover (peer side)
+
+  // One try of the reconnect loop (Link::reconnect_loop, try_resume): the master's one
+  // address; a Hello with the resume fields; its reply within the handshake timeout.
+  void try_resume(Proc& pr) {
+    if (pr.session.state() != peer::Session::State::kReconnecting) return;
+    ++stats_.n[kResumeTries];
+    if (!master_up_) {
+      // nothing listens: refused at once
+      note(name(pr) + " failover: the master's address refuses the connection");
+      return resume_later(pr, 0);
+    }
+    if (cut_from_master(pr.index)) {
+      note(name(pr) + " failover: the connection to the master's address times out");
+      return resume_later(pr, 2 * kSec);
+    }
+    Conn c;
+    c.id = conns_.size() + 1;
+    c.proc = pr.index;
+    c.gen = gen_;
+    c.handshake = true;
+    const Conn& old = conns_.at(pr.conn - 1);
+    c.delay_lo_us = old.delay_lo_us;
+    c.delay_hi_us = old.delay_hi_us;
+    conns_.push_back(c);
+    pr.conn = c.id;
+    push(conns_.back(), /*up=*/true, Frame{Frame::kOpen, {}, 0});
+    const p::Hello hello = pr.session.resume_hello(pr.hello);
+    note(name(pr) + " failover: asks master " + std::to_string(gen_) + " to take it back (term " +
+         std::to_string(hello.term) + ")");
+    wire_send(pr, hello);
+    timer(pr, 2 * kSec, TimerKind::kHandshake, c.id);
+  }
+
+  // The try failed: the next after the pause, which doubles up to 1 s.
+  void resume_later(Proc& pr, TimeUs spent) {
+    timer(pr, spent + pr.reconnect_pause_us, TimerKind::kReconnect, ++pr.reconnect_gen);
+    pr.reconnect_pause_us = std::min(2 * pr.reconnect_pause_us, 1 * kSec);
+  }
+
+  void handshake_timeout(Proc& pr, std::uint64_t conn) {
+    if (pr.conn != conn || !conns_.at(conn - 1).handshake) return;
+    note(name(pr) + " failover: no answer to its Hello");
+    close_conn(pr);
+    resume_later(pr, 0);
+  }
+
+  // The master's answer to a resume Hello.
+  void resume_reply(Proc& pr, Conn& c, const Frame& f) {
+    c.handshake = false;
+    if (f.kind == Frame::kFin) {
+      c.peer_open = false;
+      note(name(pr) + " failover: the master closed the connection before answering");
+      return resume_later(pr, 0);
+    }
+    if (trace_) note(name(pr) + " <- master: " + describe(f.message));
+    if (const auto* bye = std::get_if<p::Goodbye>(&f.message)) {
+      if (bye->status == LOCKSTEP_STATUS_KICKED) {
+        return execute(pr, pr.session.fail(Status(bye->status, "master: " + bye->reason)));
+      }
+      require(bye->status == LOCKSTEP_STATUS_REJECTED, name(pr) + " failover: answered " + describe(f.message));
+      close_conn(pr);
+      return resume_later(pr, 0);
+    }
+    const auto* w = std::get_if<p::Welcome>(&f.message);
+    if (w == nullptr) unexpected(pr, f.message);
+    // the terms it granted, as the simulation saw them (not the session's own record)
+    std::uint64_t granted = 0;
+    for (const auto& [term, gen] : pr.terms) granted = std::max(granted, term);
+    peer::Commands commands = pr.session.resume(at_us(now_), *w);
+    if (pr.session.state() != peer::Session::State::kResuming) {
+      // refused (a term not above the granted one), or the link ended (another identity)
+      require(pr.session.state() == peer::Session::State::kEnded || w->term <= granted,
+              name(pr) + " refused master " + std::to_string(c.gen) + "'s term " + std::to_string(w->term) +
+                  ", above the term it granted (" + std::to_string(granted) + ")");
+      if (pr.session.state() == peer::Session::State::kReconnecting) {
+        ++stats_.n[kTermRefusals];
+        note(name(pr) + " failover: refuses term " + std::to_string(w->term) + " (it granted " +
+             std::to_string(granted) + ")");
+        close_conn(pr);
+        resume_later(pr, 0);
+      }
+      return execute(pr, commands);
+    }
+    // no peer obeys a lower term, nor two masters under one term
+    require(w->term > granted, name(pr) + " obeys master " + std::to_string(c.gen) + " under term " +
+                                   std::to_string(w->term) + ", not above the term it granted (" +
+                                   std::to_string(granted) + ")");
+    grant(pr, w->term, c.gen);
+    note(name(pr) + " failover: taken back by master " + std::to_string(c.gen) + " under term " + std::to_string(w->term));
+    execute(pr, commands);
+  }
+
+  // A peer obeys one master per term, and never a lower term than one it granted.
+  void grant(Proc& pr, std::uint64_t term, std::uint32_t gen) {
+    for (const auto& [t, g] : pr.terms) {
+      require(t < term || (t == term && g == gen), name(pr) + " grants term " + std::to_string(term) + " to master " +
+                                                       std::to_string(gen) + " after granting term " +
+                                                       std::to_string(t) + " to master " + std::to_string(g));
+    }
+    pr.terms.emplace_back(term, gen);
   }
 
   [[noreturn]] void unexpected(const Proc& pr, const p::Message& m) {
@@ -955,6 +1222,9 @@ class Sim {
       pr.id = w->id;
       pr.stage = Stage::kJoining;
       pr.session.set_identity(w->id);
+      pr.session.grant_term(w->term);  // as Communicator::connect does (Link::set_identity)
+      pr.run = run_;
+      grant(pr, w->term, pr.msg_gen);
       return execute(pr, pr.session.attach(at_us(now_), w->heartbeat_timeout_ms));
     }
     if (const auto* bye = std::get_if<p::Goodbye>(&m)) {
@@ -970,7 +1240,7 @@ class Sim {
       pr.mailbox.push_back(m);
       return;
     }
-    if (std::holds_alternative<p::Refused>(m)) unexpected(pr, m);
+    if (const auto* r = std::get_if<p::Refused>(&m)) return on_refused(pr, *r, m);
     if (const auto* est = std::get_if<p::EstablishP2P>(&m)) return on_establish(pr, *est, m);
     if (const auto* r = std::get_if<p::TopologyResult>(&m)) {
       if (pr.stage == Stage::kReported && r->epoch == pr.est_epoch) return on_topology_result(pr, *r);
@@ -991,6 +1261,7 @@ class Sim {
     }
     if (const auto* r = std::get_if<p::PeersPendingResult>(&m)) {
       if (pr.stage != Stage::kPending || r->status != LOCKSTEP_OK) unexpected(pr, m);
+      count_control(pr, m);
       ++pr.pending_rounds;
       ++(r->pending ? stats_.n[kPendingYes] : stats_.n[kPendingNo]);
       if (r->pending) return update_vote(pr);
@@ -999,6 +1270,7 @@ class Sim {
     }
     if (const auto* r = std::get_if<p::AgreeResult>(&m)) {
       if (pr.stage != Stage::kAgree) unexpected(pr, m);
+      count_control(pr, m);
       if (r->status == LOCKSTEP_OK) {
         require(r->value == pr.agree_flag, name(pr) + ": agree of identical flags gave " + describe(m));
         ++stats_.n[kAgreeOk];
@@ -1015,6 +1287,86 @@ class Sim {
     if (const auto* plan = std::get_if<p::SyncPlan>(&m)) return on_sync_plan(pr, *plan, m);
     if (const auto* r = std::get_if<p::SyncResult>(&m)) return on_sync_result(pr, *r, m);
     unexpected(pr, m);
+  }
+
+  // The session's own refusal (never the master's: deliver_to_peer): a round the lost
+  // master had started ends with the operation's retryable failure, which the loop
+  // retries (docs/architecture.md, "Failover").
+  void on_refused(Proc& pr, const p::Refused& r, const p::Message& m) {
+    ++stats_.n[kSessionRefusals];
+    using T = p::MsgType;
+    const bool topology = r.request == T::kVoteUpdateTopology || r.request == T::kP2PReport;
+    const bool optimize = r.request == T::kVoteOptimizeTopology || r.request == T::kBandwidthReport ||
+                          (r.request == T::kP2PReport && pr.optimizing);
+    if (optimize && (pr.stage == Stage::kOptimizeVote || (pr.stage == Stage::kReported && pr.optimizing))) {
+      if (r.status != LOCKSTEP_STATUS_TOPOLOGY_OPTIMIZATION_FAILED) unexpected(pr, m);
+      ++stats_.n[kOptimizeFailed];
+      return optimize_vote(pr);
+    }
+    if (topology && pr.accepted && (pr.stage == Stage::kUpdateVote || pr.stage == Stage::kReported)) {
+      if (r.status != LOCKSTEP_STATUS_UPDATE_TOPOLOGY_FAILED) unexpected(pr, m);
+      ++stats_.n[kTopologyFailed];
+      return update_vote(pr);
+    }
+    const bool sync = (r.request == T::kSyncVote && pr.stage == Stage::kSyncVote) ||
+                      (r.request == T::kSyncDone && pr.stage == Stage::kSyncTransfer);
+    if (sync && r.status == LOCKSTEP_STATUS_PEER_CONNECTION_LOST) {
+      ++stats_.n[kSyncsFailed];
+      return sync_vote(pr);
+    }
+    unexpected(pr, m);
+  }
+
+  // ------------------------------------------------------------ one outcome for all
+
+  // Whether the peer is still in the serving master's run.
+  bool in_run(const Proc& q) const {
+    return q.stage != Stage::kDead && master_up_ && !q.id.is_nil() && c_->find_peer(q.id) != nullptr &&
+           conns_.at(q.conn - 1).gen == gen_;
+  }
+
+  // Every peer that learns the outcome of an attempt or round learns the same one. Only
+  // a peer that is no longer in the run may have learned another: a master that took
+  // the run back without it decided from the others' reports (docs/architecture.md,
+  // "Failover"). A peer never learns two.
+  template <typename T>
+  void one_outcome(std::vector<std::pair<std::size_t, T>>& seen, const Proc& pr, const T& outcome, const std::string& what) {
+    for (const auto& [q, other] : seen) {
+      if (other == outcome) continue;
+      require(q != pr.index, what + " has two outcomes at " + name(pr) + ": " + show(other) + " and " + show(outcome));
+      require(!in_run(procs_.at(q)), what + " has two outcomes: " + show(other) + " at " + name(procs_.at(q)) + " and " +
+                                         show(outcome) + " at " + name(pr));
+    }
+    seen.emplace_back(pr.index, outcome);
+  }
+  static std::string show(const p::CollectiveResult& r) { return describe(r); }
+  static std::string show(const p::SyncResult& r) { return describe(r); }
+  static std::string show(const std::vector<std::uint8_t>& frame) {
+    const auto header = p::decode_header(std::span<const std::uint8_t, p::kFrameHeaderBytes>(frame.data(), p::kFrameHeaderBytes));
+    auto m = p::decode_payload(header.value().type, std::span<const std::uint8_t>(frame).subspan(p::kFrameHeaderBytes));
+    return m.is_ok() ? describe(m.value()) : "?";
+  }
+
+  // The k-th control outcome (are-peers-pending, agree, sync) since a view began is the
+  // same round at every peer of the group in that view.
+  void count_control(Proc& pr, const p::Message& m) {
+    const auto key = std::make_tuple(pr.run, pr.group, pr.epoch, pr.control_rounds++);
+    one_outcome(control_outcomes_[key], pr, p::encode_frame(m),
+                "control round " + std::to_string(std::get<3>(key)) + " of group " + std::to_string(pr.group) +
+                    " in epoch " + std::to_string(pr.epoch));
+  }
+
+  // The key of an attempt in the simulation's records. A later master may use the
+  // number of an attempt that none of the peers it took back had heard of (it continues
+  // from the highest they report): a new attempt (a Go, a plan) belongs to the master
+  // that sent it, an outcome to the newest master up to the one it came from that
+  // issued that number.
+  std::uint64_t lineage(std::uint32_t gen, std::uint64_t attempt, bool issued) {
+    auto& gens = issuers_[attempt];
+    if (issued || gens.empty()) gens.insert(gen);
+    auto it = gens.upper_bound(gen);
+    const std::uint32_t origin = it == gens.begin() ? gen : *std::prev(it);
+    return (static_cast<std::uint64_t>(origin) << 40) | attempt;
   }
 
   // ------------------------------------------------------------ membership
@@ -1071,8 +1423,8 @@ class Sim {
         if (!connected && (prev != next || unreachable.empty())) unreachable.push_back(prev);
       }
     }
-    send(pr, p::P2PReport{epoch, unreachable});
     pr.stage = Stage::kReported;
+    send(pr, p::P2PReport{epoch, unreachable});
     while (!pr.mailbox.empty() && pr.stage != Stage::kEstablishing && pr.stage != Stage::kDead) {
       const p::Message m = std::move(pr.mailbox.front());
       pr.mailbox.pop_front();
@@ -1088,7 +1440,7 @@ class Sim {
                                          "] differs from the ring it established [" + ids(pr.est_ring) + "]");
       require(r.attributes.group_world_size == r.ring.size(), "group world size differs from the view");
       // the same view and attributes on every peer of the group at this epoch
-      auto [it, fresh] = views_.try_emplace({r.epoch, pr.group}, r);
+      auto [it, fresh] = views_.try_emplace({pr.run, r.epoch, pr.group}, r);
       require(fresh || (it->second.ring == r.ring && it->second.attributes == r.attributes),
               "epoch " + std::to_string(r.epoch) + " group " + std::to_string(pr.group) + ": views differ: [" +
                   ids(it->second.ring) + "] and [" + ids(r.ring) + "] (" + name(pr) + ")");
@@ -1099,6 +1451,7 @@ class Sim {
       pr.world = r.attributes.group_world_size;
       pr.epoch = r.epoch;
       pr.pending_rounds = 0;
+      pr.control_rounds = 0;
       pr.optimizing = false;
       return begin_step(pr);
     }
@@ -1190,6 +1543,8 @@ class Sim {
       if (sources[e.tensor].size() > 1) ++stats_.n[kSplitFetches];
     }
     pr.plan = plan;
+    pr.plan_key = lineage(pr.msg_gen, plan.attempt, /*issued=*/true);
+    pr.plan_us = now_;
     pr.stage = Stage::kSyncTransfer;
     if (plan.fetches.empty()) {
       pr.done_sent = pr.done_ok = true;
@@ -1211,9 +1566,10 @@ class Sim {
       require(s != nullptr, "plan names an unknown source");
       const Path route = path(*s, pr);
       // a source still waiting for its plan keeps the connection for the attempt
-      // (stall); one that moved past the attempt refuses it
-      const bool serving = s->stage == Stage::kSyncTransfer && s->plan.attempt == attempt;
-      const bool not_yet = s->stage == Stage::kSyncVote;
+      // (stall), up to the p2p connect timeout (its plan may never come: the master that
+      // sent it crashed); one that moved past the attempt refuses it
+      const bool serving = s->stage == Stage::kSyncTransfer && s->plan_key == pr.plan_key;
+      const bool not_yet = s->stage == Stage::kSyncVote && now_ - pr.plan_us < p2p_connect_timeout_us_;
       if (route == Path::kBroken || (route == Path::kUp && !serving && !not_yet)) {
         pr.done_sent = true;
         return send(pr, p::SyncDone{attempt, LOCKSTEP_STATUS_PEER_CONNECTION_FAILED, "source " + src.id.to_string() +
@@ -1237,13 +1593,16 @@ class Sim {
   }
 
   void on_sync_result(Proc& pr, const p::SyncResult& r, const p::Message& m) {
-    const bool voting = pr.stage == Stage::kSyncVote && r.attempt == 0;
+    // (a failover: the outcome of an attempt whose plan this peer never received, which
+    // another peer kept, is forwarded; it can only be a failure)
+    const bool voting = pr.stage == Stage::kSyncVote && (r.attempt == 0 || failover_);
     const bool transfer = pr.stage == Stage::kSyncTransfer && r.attempt == pr.plan.attempt;
     if ((!voting && !transfer) || (voting && r.status == LOCKSTEP_OK)) unexpected(pr, m);
+    count_control(pr, m);
+    std::uint64_t key = 0;
     if (r.attempt != 0) {
-      auto [it, fresh] = sync_outcomes_.try_emplace(r.attempt, r);
-      require(fresh || it->second == r, "sync attempt " + std::to_string(r.attempt) + " has two outcomes: " +
-                                            describe(it->second) + " and " + describe(r));
+      key = transfer ? pr.plan_key : lineage(pr.msg_gen, r.attempt, /*issued=*/false);
+      one_outcome(sync_outcomes_[key], pr, r, "sync attempt " + std::to_string(r.attempt));
     }
     if (r.status == LOCKSTEP_OK) {
       require(r.revision == pr.plan.revision, "sync result revision differs from the plan's");
@@ -1257,11 +1616,16 @@ class Sim {
       for (std::size_t i = 0; i < shape.size(); ++i) {
         strict.push_back(shape[i].allow_content_inequality ? 0 : pr.content[i]);
       }
-      auto [it, fresh] = elected_.try_emplace(r.attempt, std::make_pair(r.revision, strict));
+      auto [it, fresh] = elected_.try_emplace(key, std::make_pair(r.revision, strict));
       require(fresh || it->second == std::make_pair(r.revision, strict),
               name(pr) + " holds other content than the other participants of sync attempt " +
                   std::to_string(r.attempt) + " after it succeeded");
+      // a peer's revision never goes back
+      require(!pr.synced || r.revision > pr.synced_revision,
+              name(pr) + " synced revision " + std::to_string(r.revision) + " after revision " +
+                  std::to_string(pr.synced_revision));
       pr.revision = r.revision;
+      pr.synced_revision = r.revision;
       pr.synced = true;
       ++stats_.n[kSyncsOk];
       return flow_pause(pr, Stage::kCompute, rng_.between(0, 30 * kMs));
@@ -1319,11 +1683,13 @@ class Sim {
       if (std::find(go.absent.begin(), go.absent.end(), mi.id) == go.absent.end()) ring.push_back(mi.id);
     }
     require(std::find(ring.begin(), ring.end(), pr.id) != ring.end(), name(pr) + ": Go without itself");
-    auto [ra, fresh] = ring_attempts_.try_emplace(go.attempt, RingAttempt{ring, {}});
+    const std::uint64_t key = lineage(pr.msg_gen, go.attempt, /*issued=*/true);
+    auto [ra, fresh] = ring_attempts_.try_emplace(key, RingAttempt{ring, {}});
     require(ra->second.ring == ring, "attempt " + std::to_string(go.attempt) + " has two rings");
     TagState& t = it->second;
     t.st = TagState::St::kQueued;
     t.attempt = go.attempt;
+    t.key = key;
     t.slot = go.slot;
     t.ring = ring;
     next_on_slot(pr, go.slot);
@@ -1337,11 +1703,10 @@ class Sim {
           pr.session.slot_turn(slot, t.attempt) != peer::Session::Turn::kMine) {
         continue;
       }
-      const std::uint64_t attempt = t.attempt;
       check_major_op(pr, Major::kCollective);
       t.st = TagState::St::kRunning;
-      ring_attempts_.at(attempt).state[pr.id] = 1;
-      timer(pr, rng_.between(300, 10 * kMs), TimerKind::kRingPoll, attempt);
+      ring_attempts_.at(t.key).state[pr.id] = 1;
+      timer(pr, rng_.between(300, 10 * kMs), TimerKind::kRingPoll, t.attempt);
       return;
     }
   }
@@ -1358,7 +1723,7 @@ class Sim {
   void ring_poll(Proc& pr, std::uint64_t attempt) {
     TagState* t = tag_of_attempt(pr, attempt);
     if (t == nullptr || t->st != TagState::St::kRunning) return;
-    RingAttempt& ra = ring_attempts_.at(attempt);
+    RingAttempt& ra = ring_attempts_.at(t->key);
     const auto& ring = ra.ring;
     const std::size_t n = ring.size();
     const std::size_t i = static_cast<std::size_t>(std::find(ring.begin(), ring.end(), pr.id) - ring.begin());
@@ -1392,7 +1757,7 @@ class Sim {
   void commit_poll(Proc& pr, std::uint64_t attempt) {
     TagState* t = tag_of_attempt(pr, attempt);
     if (t == nullptr || t->st != TagState::St::kLocalDone) return;
-    RingAttempt& ra = ring_attempts_.at(attempt);
+    RingAttempt& ra = ring_attempts_.at(t->key);
     if (ra.state[pr.id] != 2) return;
     const auto& ring = ra.ring;
     const std::size_t n = ring.size();
@@ -1404,9 +1769,11 @@ class Sim {
     }
     if (!round || !rng_.chance(50)) return timer(pr, rng_.between(1 * kMs, 10 * kMs), TimerKind::kCommitPoll, attempt);
     const std::uint64_t tag = tag_key(pr, attempt);
-    pr.session.settled_early(tag, attempt, static_cast<std::uint32_t>(n));
+    // while the master is away the attempt waits for the outcome instead, which the
+    // master that takes the run back decides (Communicator's collective, Session)
+    if (!pr.session.settled_early(tag, attempt, static_cast<std::uint32_t>(n))) return;
     send(pr, p::CollectiveDone{tag, attempt, true, {}, 0, 0, true});
-    committed_.insert(attempt);
+    committed_[t->key].push_back(pr.index);
     ++stats_.n[kCommits];
     end_tag(pr, *t, attempt, LOCKSTEP_OK);
   }
@@ -1426,7 +1793,7 @@ class Sim {
     TagState& t = it->second;
     if (t.st != TagState::St::kQueued && t.st != TagState::St::kRunning) return;
     t.st = TagState::St::kLocalDone;
-    ring_attempts_.at(a.attempt).state[pr.id] = 3;
+    ring_attempts_.at(t.key).state[pr.id] = 3;
     ++stats_.n[kCollectiveAborts];
     send(pr, p::CollectiveDone{a.tag, a.attempt, false, "the attempt was aborted"});
   }
@@ -1441,28 +1808,44 @@ class Sim {
       // documented loop goes on alone (no retry).
       require(r.attempt == 0 && it->second.st == TagState::St::kVoting,
               name(pr) + ": TOO_FEW_PEERS for tag " + std::to_string(r.tag) + " after its attempt started");
-      const auto* self = c_.find_peer(pr.id);
-      require(self == nullptr || c_.ring(self->group).size() <= 1,
+      const auto* self = c_->find_peer(pr.id);
+      require(self == nullptr || c_->ring(self->group).size() <= 1,
               name(pr) + ": TOO_FEW_PEERS while its group has " +
-                  std::to_string(self == nullptr ? 0 : c_.ring(self->group).size()) + " members");
+                  std::to_string(self == nullptr ? 0 : c_->ring(self->group).size()) + " members");
       it->second.st = TagState::St::kEnded;
       it->second.outcome = r.status;
       pr.session.unregister_op(r.tag);
       return end_of_collectives(pr);
     }
-    if (r.attempt == 0 || r.attempt != it->second.attempt) unexpected(pr, m);
-    auto [o, fresh] = collective_outcomes_.try_emplace(r.attempt, r);
-    require(fresh || o->second == r, "attempt " + std::to_string(r.attempt) + " has two outcomes: " +
-                                         describe(o->second) + " and " + describe(r));
     TagState& t = it->second;
+    if (r.attempt != 0 && t.st == TagState::St::kVoting && failover_) {
+      // A failover: the attempt of the round this peer voted in started at other
+      // participants only (the lost master's Go to this one was lost); the master that
+      // took the run back ends it here as there, with the failure.
+      require(r.status != LOCKSTEP_OK, name(pr) + ": attempt " + std::to_string(r.attempt) + " of tag " +
+                                           std::to_string(r.tag) + " succeeded where this peer never ran it");
+      const std::uint64_t key = lineage(pr.msg_gen, r.attempt, /*issued=*/false);
+      check_committed(pr, key, r);
+      one_outcome(collective_outcomes_[key], pr, r, "attempt " + std::to_string(r.attempt));
+      t.attempt = r.attempt;
+      t.key = key;
+      t.st = TagState::St::kEnded;
+      t.outcome = r.status;
+      ++stats_.n[kCollectivesFailed];
+      pr.session.unregister_op(r.tag);
+      return end_of_collectives(pr);
+    }
+    if (r.attempt == 0 || r.attempt != t.attempt) unexpected(pr, m);
+    check_committed(pr, t.key, r);
+    one_outcome(collective_outcomes_[t.key], pr, r, "attempt " + std::to_string(r.attempt));
     if (r.status == LOCKSTEP_OK) {
-      require(t.st == TagState::St::kLocalDone && ring_attempts_.at(r.attempt).state[pr.id] == 2,
+      require(t.st == TagState::St::kLocalDone && ring_attempts_.at(t.key).state[pr.id] == 2,
               name(pr) + ": attempt " + std::to_string(r.attempt) + " succeeded before it finished its part");
       require(r.world_size == t.ring.size(), "collective world size differs from its ring");
     } else if (r.status != LOCKSTEP_STATUS_PEER_CONNECTION_LOST) {
       unexpected(pr, m);
     }
-    auto& ra = ring_attempts_.at(r.attempt);
+    auto& ra = ring_attempts_.at(t.key);
     if (ra.state[pr.id] < 2) ra.state[pr.id] = 3;  // an abort: its connections close
     end_tag(pr, t, r.attempt, r.status);
   }
@@ -1503,10 +1886,10 @@ class Sim {
   // no member of its group (that the coordinator still counts) is in another.
   enum class Major { kCollective, kSync };
   void check_major_op(const Proc& pr, Major what) {
-    if (c_.find_peer(pr.id) == nullptr) return;  // removed: it acts on news the others moved past
+    if (c_->find_peer(pr.id) == nullptr) return;  // removed: it acts on news the others moved past
     for (const auto& q : procs_) {
       if (q.index == pr.index || q.group != pr.group || q.stage == Stage::kDead || q.id.is_nil() ||
-          c_.find_peer(q.id) == nullptr) {
+          c_->find_peer(q.id) == nullptr) {
         continue;
       }
       const bool in_topology = q.stage == Stage::kEstablishing || q.stage == Stage::kReported;
@@ -1563,10 +1946,11 @@ class Sim {
       note("chaos: storm until " + std::to_string(storm_until_us_ / kMs) + " ms");
     }
     schedule(now_ + rng_.between(100, 1500) * kMs, SimEvent::kChaos);
+    if (master_crashes_ && master_up_ && rng_.chance(8)) return master_crash();
     std::vector<std::size_t> victims = fault_candidates();
     if (victims.empty()) return;
     Proc& v = procs_.at(victims[rng_.below(victims.size())]);
-    const TimeUs hb = static_cast<TimeUs>(c_.config().heartbeat_timeout_ms) * kMs;
+    const TimeUs hb = static_cast<TimeUs>(c_->config().heartbeat_timeout_ms) * kMs;
     last_fault_us_ = now_;
     const auto r = rng_.below(100);
     if (r < 25) {
@@ -1600,12 +1984,12 @@ class Sim {
         }
       }
       schedule(now_ + d, SimEvent::kHeal, partitions_.size() - 1);
-    } else if (r < 88 && !v.id.is_nil() && c_.find_peer(v.id) != nullptr) {
+    } else if (r < 88 && master_up_ && !v.id.is_nil() && c_->find_peer(v.id) != nullptr) {
       // the operator evicts it (lockstep-status --evict): the master's own event
       ++stats_.n[kEvictions];
       note("fault: the operator evicts " + name(v));
       Outbox out;
-      require(c_.on_evict(v.id, "by the simulated operator", now_ / kMs, out), "a known peer was not found to evict");
+      require(c_->on_evict(v.id, "by the simulated operator", now_ / kMs, out), "a known peer was not found to evict");
       apply(out);
     } else {
       ++stats_.n[kDrops];
@@ -1632,6 +2016,79 @@ class Sim {
     die(pr);
   }
 
+  // ------------------------------------------------------------ the master's crash
+
+  // The master's process is gone: the OS closes its connections (what was still in
+  // flight may be lost, a reset), what the peers send it is lost, and a new master
+  // starts at the same address after a delay: a fresh Coordinator, term 0 in its
+  // Config, a new instance nonce. The peers' failover takes the run back to it.
+  void master_crash() {
+    if (!master_up_) return;
+    ++stats_.n[kMasterCrashes];
+    last_fault_us_ = now_;
+    master_down_since_us_ = now_;
+    // what it was doing
+    std::string doing;
+    const auto hit = [&](Count what, const char* text) {
+      ++stats_.n[what];
+      doing += std::string(doing.empty() ? "" : ", ") + text;
+    };
+    bool newcomers = false, optimizing = false, pending = false, agree = false;
+    for (const auto& [id, peer] : c_->peers()) {
+      newcomers = newcomers || (peer.phase == Phase::kRegistered && !peer.resuming);
+      optimizing = optimizing || peer.state == PeerState::kVoteOptimizeTopology || peer.state == PeerState::kMeasuringBandwidth;
+      pending = pending || peer.voted_pending;
+      agree = agree || peer.agree_flag.has_value();
+    }
+    if (c_->recovering()) hit(kCrashInRecovery, "a recovery");
+    if (c_->topology_phase() != TopologyPhase::kIdle && optimizing) hit(kCrashInOptimize, "an optimize topology");
+    if (c_->topology_phase() != TopologyPhase::kIdle && newcomers) hit(kCrashInJoin, "a join");
+    if (c_->topology_phase() != TopologyPhase::kIdle && !optimizing) hit(kCrashInTopologyVote, "an update topology");
+    if (pending) hit(kCrashInPending, "an are-peers-pending vote");
+    if (agree) hit(kCrashInAgree, "an agree vote");
+    if (!c_->collectives().empty()) hit(kCrashInCollective, "collectives");
+    if (!c_->syncs().empty()) hit(kCrashInSync, "a sync");
+    note("fault: the master (generation " + std::to_string(gen_) + ", term " + std::to_string(c_->term()) +
+         ") crashes during " + (doing.empty() ? std::string("nothing") : doing));
+    master_up_ = false;
+    last_master_revision_ = group_revision_;
+    for (auto& c : conns_) {
+      if (c.gen != gen_) continue;
+      c.up.frames.clear();
+      reschedule(c, true, false);
+      if (!c.master_open) continue;
+      c.master_open = false;
+      c.down.frames.resize(static_cast<std::size_t>(rng_.below(c.down.frames.size() + 1)), Frame{});
+      c.down.frames.push_back(Frame{Frame::kFin, {}, c.down.last_arrival});
+      reschedule(c, false, false);
+    }
+    // mostly back within seconds; sometimes after the peers' failover timeout
+    const auto r = rng_.below(100);
+    const TimeUs delay = r < 60   ? rng_.between(50, 3'000) * kMs
+                         : r < 94 ? rng_.between(3'000, 15'000) * kMs
+                                  : failover_timeout_us() + rng_.between(-2'000, 8'000) * kMs;
+    schedule(now_ + delay, SimEvent::kMasterRestart);
+  }
+
+  void master_restart() {
+    ++stats_.n[kMasterRestarts];
+    ++gen_;
+    Config config = base_config_;
+    config.instance_nonce = rng_.next();
+    config.term = 0;
+    c_ = std::make_unique<Coordinator>(config);
+    master_up_ = true;
+    awaiting_recovery_ = true;
+    group_revision_.clear();
+    last_fault_us_ = now_;
+    note("master " + std::to_string(gen_) + " starts after " + std::to_string((now_ - master_down_since_us_) / kMs) +
+         " ms down");
+    // a crash during the recovery itself, now and then
+    if (rng_.chance(25)) schedule(now_ + rng_.between(20, 6'000) * kMs, SimEvent::kMasterCrash, gen_);
+  }
+
+  TimeUs failover_timeout_us() const { return static_cast<TimeUs>(failover_timeout_.count()) * kMs; }
+
   void heal(std::size_t index) {
     Partition& part = partitions_.at(index);
     part.active = false;
@@ -1653,6 +2110,7 @@ class Sim {
     note("fault healed: " + name(pr) + " resumes with " + std::to_string(pr.frozen_frames.size()) +
          " message(s) waiting");
     pr.stopped = false;
+    pr.resumed_us = now_;
     // what arrived meanwhile is read first (it may say that the peer was removed)
     while (!pr.frozen_frames.empty() && pr.stage != Stage::kDead && !pr.stopped) {
       Frame f = std::move(pr.frozen_frames.front());
@@ -1667,19 +2125,48 @@ class Sim {
   // ------------------------------------------------------------ time-based checks
 
   void audit() {
-    const TimeUs hb = static_cast<TimeUs>(c_.config().heartbeat_timeout_ms) * kMs;
+    const TimeUs hb = static_cast<TimeUs>(c_->config().heartbeat_timeout_ms) * kMs;
+    // no hang past the failover timeout: a peer without a serving master is taken back
+    // or ends (MASTER_CONNECTION_LOST, or KICKED by a master that went on without it)
+    bool failing_over = false;
+    for (auto& pr : procs_) {
+      if (pr.stage == Stage::kDead || !pr.accepted) continue;
+      // (one that has not noticed its master's crash yet will look for the next)
+      failing_over = failing_over || pr.failover_since_us >= 0 || conns_.at(pr.conn - 1).gen != gen_;
+      if (pr.failover_since_us < 0) continue;
+      // (a stopped process's timers wait, and run when it resumes)
+      const bool frozen = pr.stopped || now_ - pr.resumed_us <= 100 * kMs;
+      require(frozen || now_ - pr.failover_since_us <= failover_timeout_us() + 100 * kMs,
+              name(pr) + " has been without a serving master for " +
+                  std::to_string((now_ - pr.failover_since_us) / kMs) + " ms (session " +
+                  (pr.session.state() == peer::Session::State::kResuming ? "resuming" : "reconnecting") +
+                  "), past the failover timeout of " + std::to_string(failover_timeout_.count()) + " ms");
+    }
+    // a restarted master that nobody asks to take a run back serves a new one
+    if (master_up_ && awaiting_recovery_ && !c_->recovering() && !failing_over) {
+      note("master " + std::to_string(gen_) + ": no peer left to take back; a new run");
+      awaiting_recovery_ = false;
+      ++run_;
+    }
+    if (!master_up_) return;  // the rest asks the master
     for (auto& pr : procs_) {
       if (pr.id.is_nil()) continue;
-      const bool known = c_.find_peer(pr.id) != nullptr;
-      if (!known) removed_at_.try_emplace(pr.id, now_);
+      const bool known = c_->find_peer(pr.id) != nullptr;
+      if (known) {
+        removed_at_.erase(pr.id);  // (a master that took the run back knows it again)
+      } else {
+        removed_at_.try_emplace(pr.id, now_);
+      }
       // a dead process leaves the coordinator (its connection closes, or it falls silent)
       if (pr.stage == Stage::kDead) {
         require(!known || now_ - pr.dead_us < hb + 500 * kMs,
                 name(pr) + " died " + std::to_string((now_ - pr.dead_us) / kMs) + " ms ago but the coordinator still counts it");
         continue;
       }
-      // a live, reachable peer that the coordinator removed learns it
-      const bool excused = pr.stopped || cut_from_master(pr.index);
+      // a live, reachable peer that the coordinator removed learns it (one that looks
+      // for a master, or has not noticed yet that its master crashed, is bounded above)
+      const bool excused = pr.stopped || cut_from_master(pr.index) || pr.failover_since_us >= 0 ||
+                           conns_.at(pr.conn - 1).gen != gen_ || awaiting_recovery_;
       if (known || excused) {
         pr.ghost_since_us = -1;
       } else if (pr.ghost_since_us < 0) {
@@ -1694,7 +2181,7 @@ class Sim {
       bool has_holder = false;
       for (const auto& pr : procs_) {
         if (pr.group != g || pr.stage == Stage::kDead || pr.stopped || pr.id.is_nil() || in_partition(pr.index) ||
-            c_.find_peer(pr.id) == nullptr) {
+            c_->find_peer(pr.id) == nullptr) {
           continue;
         }
         ++eligible;
@@ -1704,8 +2191,8 @@ class Sim {
         live_since_us_[g] = now_;
         continue;
       }
-      const bool faults_now = in_storm_ || std::any_of(partitions_.begin(), partitions_.end(),
-                                                       [](const auto& part) { return part.active; });
+      const bool faults_now = in_storm_ || awaiting_recovery_ || c_->recovering() ||
+                              std::any_of(partitions_.begin(), partitions_.end(), [](const auto& part) { return part.active; });
       if (faults_now) {
         live_since_us_[g] = std::max(live_since_us_[g], now_);
         continue;
@@ -1716,9 +2203,9 @@ class Sim {
         // long after the last fault the views name no departed peer: are-peers-pending
         // said yes after the departure, and update topology refreshed them
         for (const auto& pr : procs_) {
-          if (pr.group != g || pr.stage == Stage::kDead || !pr.accepted || c_.find_peer(pr.id) == nullptr) continue;
+          if (pr.group != g || pr.stage == Stage::kDead || !pr.accepted || c_->find_peer(pr.id) == nullptr) continue;
           for (const auto& m : pr.view) {
-            if (c_.find_peer(m.id) != nullptr) continue;
+            if (c_->find_peer(m.id) != nullptr) continue;
             const TimeUs removed = removed_at_.try_emplace(m.id, now_).first->second;
             require(now_ - removed <= live_bound_us_, name(pr) + "'s membership view still names " + m.id.to_string() +
                                                           ", removed " + std::to_string((now_ - removed) / kMs) +
@@ -1740,7 +2227,32 @@ class Sim {
   Rng rng_;
   TimeUs duration_us_;
   bool trace_, verbose_;
-  Coordinator c_;
+  Config base_config_;
+  // The serving master; while it is down (master_up_ false), the crashed one's last
+  // state, which nothing feeds.
+  std::unique_ptr<Coordinator> c_;
+  bool failover_ = false;        // the peers run with failover on
+  std::chrono::milliseconds failover_timeout_{30'000};
+  std::map<std::uint32_t, std::optional<std::uint64_t>> last_master_revision_;  // at the last crash
+  bool master_crashes_ = false;  // the master crashes now and then
+  bool master_up_ = true;
+  std::uint32_t gen_ = 1;        // the master's generation: one per start
+  // Set by a restart until the new master took the run back (or no peer is left to
+  // ask it): newcomers wait meanwhile (docs/simulation.md).
+  bool awaiting_recovery_ = false;
+  // The run: a new one when a master starts with nobody to take back (its epochs and
+  // revisions start over).
+  std::uint32_t run_ = 1;
+  TimeUs master_down_since_us_ = 0;
+  // Attempt numbers may be used again by a later master (one that never heard of them):
+  // the masters that issued each, for lineage().
+  std::map<std::uint64_t, std::set<std::uint32_t>> issuers_;
+  std::map<std::uint32_t, std::uint64_t> highest_revision_;  // per group, over every master
+  // The k-th control outcome (are-peers-pending, agree, sync) of a group's view:
+  // (run, group, epoch, k) -> (proc, outcome)
+  std::map<std::tuple<std::uint32_t, std::uint32_t, std::uint64_t, std::uint32_t>,
+           std::vector<std::pair<std::size_t, std::vector<std::uint8_t>>>>
+      control_outcomes_;
   std::vector<std::uint32_t> groups_;
   std::size_t peers_max_ = 4;
   std::uint32_t reduces_ = 2;
@@ -1762,11 +2274,12 @@ class Sim {
   TimeUs last_fault_us_ = 0;
 
   std::map<std::uint64_t, RingAttempt> ring_attempts_;
-  std::map<std::uint64_t, p::CollectiveResult> collective_outcomes_;
-  std::set<std::uint64_t> committed_;  // attempts a peer returned from on its commit
-  std::map<std::uint64_t, p::SyncResult> sync_outcomes_;
+  // by attempt (lineage()): who learned which outcome
+  std::map<std::uint64_t, std::vector<std::pair<std::size_t, p::CollectiveResult>>> collective_outcomes_;
+  std::map<std::uint64_t, std::vector<std::size_t>> committed_;  // attempts peers returned from on their commit
+  std::map<std::uint64_t, std::vector<std::pair<std::size_t, p::SyncResult>>> sync_outcomes_;
   std::map<std::uint64_t, std::pair<std::uint64_t, std::vector<std::uint64_t>>> elected_;
-  std::map<std::pair<std::uint64_t, std::uint32_t>, p::TopologyResult> views_;
+  std::map<std::tuple<std::uint32_t, std::uint64_t, std::uint32_t>, p::TopologyResult> views_;  // (run, epoch, group)
   std::map<std::uint32_t, std::optional<std::uint64_t>> group_revision_;
   std::map<std::uint32_t, TimeUs> last_progress_us_;
   std::map<std::uint32_t, TimeUs> live_since_us_;
@@ -1777,6 +2290,8 @@ class Sim {
 };
 
 TEST(SimNetwork, SeededRuns) {
+  // the sessions log their failovers; the trace says what happened
+  log::set_level(log::Level::kError);
   const TimeUs duration_us = static_cast<TimeUs>(env_u64("LOCKSTEP_NETSIM_SECONDS").value_or(60)) * kSec;
   const bool verbose = env_u64("LOCKSTEP_NETSIM_VERBOSE").value_or(0) != 0;
   std::vector<std::uint64_t> seeds;
@@ -1822,6 +2337,16 @@ TEST(SimNetwork, SeededRuns) {
             << total.n[kCrashes] << ", stops " << total.n[kStops] << ", isolations " << total.n[kIsolations]
             << ", p2p partitions " << total.n[kP2PPartitions] << ", connection drops " << total.n[kDrops]
             << ", evictions " << total.n[kEvictions] << "\n"
+            << "  failover: " << total.n[kFailoverSeeds] << " seed(s) with failover; master crashes " << total.n[kMasterCrashes]
+            << " (during: recovery " << total.n[kCrashInRecovery] << ", update topology " << total.n[kCrashInTopologyVote]
+            << ", join " << total.n[kCrashInJoin] << ", optimize " << total.n[kCrashInOptimize] << ", are-peers-pending "
+            << total.n[kCrashInPending] << ", agree " << total.n[kCrashInAgree] << ", collectives "
+            << total.n[kCrashInCollective] << ", sync " << total.n[kCrashInSync] << "), restarts "
+            << total.n[kMasterRestarts] << "; recoveries " << total.n[kRecoveries] << " (" << total.n[kTakenBack]
+            << " peers taken back, " << total.n[kForwarded] << " outcomes forwarded); resume tries "
+            << total.n[kResumeTries] << ", terms refused " << total.n[kTermRefusals] << ", session refusals "
+            << total.n[kSessionRefusals] << "; failovers ended KICKED " << total.n[kFailoverKicked]
+            << ", MASTER_CONNECTION_LOST " << total.n[kFailoverTimeouts] << "\n"
             << "  liveness enforced at " << total.n[kLivenessArmed] << " checks; longest wait for a sync then "
             << total.longest_armed_stall_us / kMs << " ms\n";
   // the runs must exercise what they claim to, or they prove little
@@ -1841,6 +2366,10 @@ TEST(SimNetwork, SeededRuns) {
     EXPECT_GT(total.n[kLivenessArmed], 0u);
     EXPECT_GT(total.n[kSplitFetches], 0u);
     EXPECT_GT(total.n[kEvictions], 0u);
+    EXPECT_GT(total.n[kMasterCrashes], 0u);
+    EXPECT_GT(total.n[kRecoveries], 0u);
+    EXPECT_GT(total.n[kTakenBack], 0u);
+    EXPECT_GT(total.n[kFailoverKicked] + total.n[kFailoverTimeouts], 0u);
   }
 }
 
