@@ -209,8 +209,11 @@ void Coordinator::finish_recovery(const std::map<std::uint32_t, std::pair<std::u
                       .op = Operation::kConnection,
                       .reason = missing.empty() ? std::string() : "peers of the last view did not come back in time",
                       .peers = std::vector<PeerId>(back.begin(), back.end())});
-  resolve_collectives(reports, out);
+  // The control rounds first: a peer further behind in them is removed before any
+  // collective's outcome is forwarded to it (the first outcome after its own may be of a
+  // round that the lost master ran without it).
   resolve_control_rounds(reports, out);
+  resolve_collectives(reports, out);
   std::vector<PeerId> resumed;
   for (const PeerId& id : back) {
     if (peers_.count(id) > 0) resumed.push_back(id);
@@ -232,7 +235,9 @@ void Coordinator::resolve_collectives(const std::map<PeerId, proto::ResumeReport
   std::map<Key, std::map<std::uint64_t, const proto::ResumeOutcome*>> outcomes;
   std::map<Key, std::set<std::uint64_t>> started;
   for (const auto& [id, report] : reports) {
-    const std::uint32_t group = peers_.at(id).group;
+    const Peer* peer = find_peer(id);
+    if (peer == nullptr) continue;  // removed for the control rounds it missed: behind
+    const std::uint32_t group = peer->group;
     for (const auto& o : report.outcomes) outcomes[{group, o.tag}].emplace(o.attempt, &o);
     for (const auto& op : report.ops) {
       if (op.attempt > 0) started[{group, op.tag}].insert(op.attempt);

@@ -3834,6 +3834,40 @@ TEST(CoordinatorRecovery, AMissedRoundOutcomeIsForwardedAndAPeerFurtherBehindRem
   EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{view[0], view[1], view[2]}));
 }
 
+// A peer the lost master had removed without its knowing (it was cut off) comes back in
+// the same view, voted for a collective whose round went on without it: the first
+// outcome after its own is of a round it was not in. It is removed for the rounds it
+// missed, and is sent no collective's outcome before its Goodbye.
+TEST(CoordinatorRecovery, APeerRemovedForMissedRoundsIsForwardedNoCollectiveOutcome) {
+  Harness h;
+  const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3)};
+  std::vector<FakePeer> peers;
+  Outbox out;
+  const p::AgreeResult agreed{LOCKSTEP_OK, true, "", {}};
+  for (std::size_t i = 0; i < view.size(); ++i) {
+    Returning r = come_back(h, view[i], 0);
+    p::ResumeReport report = report_of(5, view);
+    if (i < 2) {  // the round of tag 4 after attempt 9 succeeded without peer 3
+      report.control_count = 3;
+      report.last_control = p::encode_frame(agreed);
+      report.outcomes.push_back(p::ResumeOutcome{4, 21, LOCKSTEP_OK, 2, "", {7}});
+    } else {  // voted for tag 4 after attempt 9, then was cut off and removed
+      report.control_count = 1;
+      report.ops.push_back(p::ResumeOp{4, 0});
+      report.outcomes.push_back(p::ResumeOutcome{4, 9, LOCKSTEP_OK, 3, "", {1}});
+    }
+    out = h.send(r.peer, report);
+    peers.push_back(r.peer);
+  }
+  auto bye = one_of<p::Goodbye>(out, peers[2].conn);
+  ASSERT_TRUE(bye.has_value()) << describe(out);
+  EXPECT_EQ(bye->status, LOCKSTEP_STATUS_KICKED);
+  EXPECT_TRUE(all_of<p::CollectiveResult>(out, peers[2].conn).empty()) << describe(out);
+  EXPECT_TRUE(h.gone(peers[2]));
+  EXPECT_TRUE(one_of<p::Resumed>(out, peers[0].conn).has_value());
+  EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{view[0], view[1]}));
+}
+
 TEST(CoordinatorRecovery, TermsFenceMastersAndAServingMasterTakesNobodyBack) {
   Harness h;
   const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3)};
