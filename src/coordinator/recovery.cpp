@@ -295,7 +295,22 @@ void Coordinator::resolve_collectives(const std::map<PeerId, proto::ResumeReport
 // peer received since its view began. A peer one outcome behind, waiting in that round,
 // gets the outcome another peer received; a peer further behind missed a round it did
 // not wait in (the lost master had removed it): it is removed.
+//
+// Are-peers-pending is run-wide: a group whose peers all missed its outcome (waiting in
+// it) gets it from another group when that outcome was yes, which every peer that
+// received it answers with update topology: a peer of the same view (epoch) that waits in
+// are-peers-pending while another votes update topology after a yes waits in that round
+// (the documented loop; casting it again would meet the update vote: a mismatch). A no is
+// not told apart from the previous round's by the reports: such a group casts its vote
+// again, and its next round is the others' next one.
 void Coordinator::resolve_control_rounds(const std::map<PeerId, proto::ResumeReport>& reports, Outbox& out) {
+  std::map<std::uint64_t, proto::Message> pending_yes;  // by the view's epoch
+  for (const auto& [id, report] : reports) {
+    if (report.waiting != static_cast<std::uint16_t>(MsgType::kVoteUpdateTopology)) continue;
+    auto kept = decode_kept(report.last_control);
+    const auto* r = kept ? std::get_if<proto::PeersPendingResult>(&*kept) : nullptr;
+    if (r != nullptr && r->status == LOCKSTEP_OK && r->pending) pending_yes.insert_or_assign(report.epoch, std::move(*kept));
+  }
   std::map<std::uint32_t, const proto::ResumeReport*> ahead;  // a report with the most outcomes, per group
   for (const auto& [id, report] : reports) {
     const auto group = peers_.at(id).group;
@@ -306,7 +321,17 @@ void Coordinator::resolve_control_rounds(const std::map<PeerId, proto::ResumeRep
     const Peer* peer = find_peer(id);
     if (peer == nullptr) continue;
     const proto::ResumeReport& best = *ahead.at(peer->group);
-    if (report.control_count == best.control_count) continue;
+    if (report.control_count == best.control_count) {
+      const auto yes = pending_yes.find(report.epoch);
+      if (yes != pending_yes.end() && report.waiting == static_cast<std::uint16_t>(MsgType::kVotePeersPending)) {
+        out.push_back(Event{.text = "forwarding a missed PeersPendingResult (yes) to " + id.to_string(),
+                            .reason = "a peer of another group received it from the lost master",
+                            .group = peer->group,
+                            .peers = {id}});
+        send(*peer, yes->second, out);
+      }
+      continue;
+    }
     std::optional<proto::Message> outcome;
     if (report.control_count + 1 == best.control_count) outcome = decode_kept(best.last_control);
     const auto wanted = outcome_of(report.waiting);

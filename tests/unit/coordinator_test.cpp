@@ -3868,6 +3868,42 @@ TEST(CoordinatorRecovery, APeerRemovedForMissedRoundsIsForwardedNoCollectiveOutc
   EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{view[0], view[1]}));
 }
 
+// Are-peers-pending is run-wide: a group whose every peer missed its yes gets it from
+// another group, whose peers vote update topology after it; a no is not forwarded.
+TEST(CoordinatorRecovery, AMissedPendingYesReachesTheGroupsThatMissedIt) {
+  for (const bool yes : {true, false}) {
+    SCOPED_TRACE(yes ? "yes" : "no");
+    Harness h;
+    const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3)};
+    std::vector<FakePeer> peers;
+    Outbox out;
+    const p::PeersPendingResult result{LOCKSTEP_OK, yes, ""};
+    for (std::size_t i = 0; i < view.size(); ++i) {
+      Returning r = come_back(h, view[i], 0, i < 2 ? 1 : 2);
+      p::ResumeReport report = report_of(5, view);
+      if (i < 2) {  // group 1 received the outcome and went on
+        report.control_count = 4;
+        report.last_control = p::encode_frame(result);
+        report.waiting = static_cast<std::uint16_t>(yes ? p::MsgType::kVoteUpdateTopology : p::MsgType::kSyncVote);
+      } else {  // group 2, alone, waits in that round
+        report.control_count = 2;
+        report.waiting = static_cast<std::uint16_t>(p::MsgType::kVotePeersPending);
+      }
+      out = h.send(r.peer, report);
+      peers.push_back(r.peer);
+    }
+    const auto forwarded = all_of<p::PeersPendingResult>(out, peers[2].conn);
+    ASSERT_EQ(forwarded.size(), yes ? 1u : 0u) << describe(out);
+    if (yes) {
+      EXPECT_EQ(forwarded[0], result);
+      EXPECT_LT(index_of(out, peers[2].conn, p::MsgType::kPeersPendingResult),
+                index_of(out, peers[2].conn, p::MsgType::kResumed));
+    }
+    EXPECT_TRUE(all_of<p::PeersPendingResult>(out, peers[0].conn).empty());
+    EXPECT_TRUE(one_of<p::Resumed>(out, peers[2].conn).has_value());
+  }
+}
+
 TEST(CoordinatorRecovery, TermsFenceMastersAndAServingMasterTakesNobodyBack) {
   Harness h;
   const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3)};
