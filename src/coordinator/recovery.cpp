@@ -121,6 +121,12 @@ bool Coordinator::try_finish_recovery(TimeMs now_ms, Outbox& out) {
       views[group] = best->first;
     }
   }
+  // Views are run-wide (every update gives every group's peers one of the same epoch): a
+  // group whose peers all report an older one missed the last topology change, as a
+  // peer that reports an older view than its group's does; they are turned away.
+  std::uint64_t last_epoch = 0;
+  for (const auto& [group, view] : views) last_epoch = std::max(last_epoch, view.first);
+  std::erase_if(views, [&](const auto& entry) { return entry.second.first < last_epoch; });
   std::set<PeerId> expected;
   std::set<PeerId> back;
   for (const auto& [group, view] : views) expected.insert(view.second.begin(), view.second.end());

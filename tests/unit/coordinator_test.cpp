@@ -3904,6 +3904,35 @@ TEST(CoordinatorRecovery, AMissedPendingYesReachesTheGroupsThatMissedIt) {
   }
 }
 
+// Every group gets a view of the same epoch at an update: a group whose every peer
+// reports an older one missed the last topology change, and is turned away.
+TEST(CoordinatorRecovery, AGroupThatMissedTheLastTopologyChangeIsTurnedAway) {
+  Harness h;
+  const std::vector<PeerId> group1{old_id(1), old_id(2), old_id(4)};  // peer 4 does not come back
+  std::vector<FakePeer> peers;
+  for (std::size_t i = 0; i < 2; ++i) {
+    Returning r = come_back(h, group1[i], 0, 1);
+    ASSERT_TRUE(r.welcome.has_value()) << describe(r.out);
+    h.send(r.peer, report_of(6, group1));
+    peers.push_back(r.peer);
+  }
+  Returning c = come_back(h, old_id(3), 0, 2);
+  ASSERT_TRUE(c.welcome.has_value()) << describe(c.out);
+  h.send(c.peer, report_of(5, {old_id(3)}));  // group 2 missed the TopologyResult of epoch 6
+  peers.push_back(c.peer);
+  const Outbox out = pass_window(h, peers);
+  for (std::size_t i = 0; i < 2; ++i) {
+    auto resumed = one_of<p::Resumed>(out, peers[i].conn);
+    ASSERT_TRUE(resumed.has_value()) << describe(out);
+    EXPECT_EQ(resumed->epoch, 6u);
+  }
+  auto bye = one_of<p::Goodbye>(out, c.peer.conn);
+  ASSERT_TRUE(bye.has_value()) << describe(out);
+  EXPECT_EQ(bye->status, LOCKSTEP_STATUS_KICKED);
+  EXPECT_TRUE(h.gone(c.peer));
+  EXPECT_TRUE(h.c.ring(2).empty());
+}
+
 TEST(CoordinatorRecovery, TermsFenceMastersAndAServingMasterTakesNobodyBack) {
   Harness h;
   const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3)};
