@@ -401,6 +401,7 @@ class Coordinator {
                        const std::set<PeerId>& back, TimeMs now_ms, Outbox& out);
   void resolve_collectives(const std::map<PeerId, proto::ResumeReport>& reports, Outbox& out);
   void resolve_control_rounds(const std::map<PeerId, proto::ResumeReport>& reports, Outbox& out);
+  void remove_peers_left_out(const std::map<PeerId, proto::ResumeReport>& reports, Outbox& out);
   void handle_peer_message(Peer& peer, const proto::Message& message, TimeMs now_ms, Outbox& out);
   void refuse(const Peer& peer, proto::MsgType request, StatusCode status, std::string reason, Outbox& out);
   void send(const Peer& peer, proto::Message message, Outbox& out);

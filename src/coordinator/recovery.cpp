@@ -215,9 +215,10 @@ void Coordinator::finish_recovery(const std::map<std::uint32_t, std::pair<std::u
                       .op = Operation::kConnection,
                       .reason = missing.empty() ? std::string() : "peers of the last view did not come back in time",
                       .peers = std::vector<PeerId>(back.begin(), back.end())});
-  // The control rounds first: a peer further behind in them is removed before any
-  // collective's outcome is forwarded to it (the first outcome after its own may be of a
-  // round that the lost master ran without it).
+  // The peers the lost master had removed first, then the control rounds: a peer further
+  // behind in them is removed before any collective's outcome is forwarded to it (the
+  // first outcome after its own may be of a round that the lost master ran without it).
+  remove_peers_left_out(reports, out);
   resolve_control_rounds(reports, out);
   resolve_collectives(reports, out);
   std::vector<PeerId> resumed;
@@ -297,30 +298,70 @@ void Coordinator::resolve_collectives(const std::map<PeerId, proto::ResumeReport
   }
 }
 
+// A peer the lost master had removed without its knowing (its Goodbye lost with the
+// master) reports the same view as the others: a removal changes no view. The others'
+// reports show it: a collective attempt starts only once every member has voted, so an
+// attempt of its group that it neither voted for nor was sent nor has the outcome of (a
+// tag it has no vote in flight for, a number above every attempt it was sent and above
+// its own last outcome of the tag: a small all-reduce's outcome has no attempt before it)
+// ran without it.
+void Coordinator::remove_peers_left_out(const std::map<PeerId, proto::ResumeReport>& reports, Outbox& out) {
+  std::map<std::uint32_t, std::set<std::pair<std::uint64_t, std::uint64_t>>> attempts;  // group -> (tag, attempt)
+  for (const auto& [id, report] : reports) {
+    const Peer* peer = find_peer(id);
+    if (peer == nullptr) continue;
+    for (const auto& op : report.ops) {
+      if (op.attempt > 0) attempts[peer->group].emplace(op.tag, op.attempt);
+    }
+    for (const auto& o : report.outcomes) attempts[peer->group].emplace(o.tag, o.attempt);
+  }
+  for (const auto& entry : reports) {
+    const PeerId& id = entry.first;
+    const proto::ResumeReport& report = entry.second;  // named: Clang 14 lambdas capture no structured binding
+    const Peer* peer = find_peer(id);
+    if (peer == nullptr) continue;
+    const auto& of_group = attempts[peer->group];
+    const auto without = std::find_if(of_group.begin(), of_group.end(), [&](const auto& a) {
+      if (a.second <= report.attempt_seen) return false;
+      const bool voted = std::any_of(report.ops.begin(), report.ops.end(), [&](const proto::ResumeOp& op) {
+        return op.tag == a.first && (op.attempt == 0 || op.attempt == a.second);
+      });
+      const bool ended = std::any_of(report.outcomes.begin(), report.outcomes.end(), [&](const proto::ResumeOutcome& o) {
+        return o.tag == a.first && o.attempt >= a.second;
+      });
+      return !voted && !ended;
+    });
+    if (without == of_group.end()) continue;
+    remove_peer(id, LOCKSTEP_STATUS_KICKED,
+                "the lost master had removed it: attempt " + std::to_string(without->second) + " of tag " +
+                    std::to_string(without->first) + " ran without it",
+                /*connection_open=*/true, /*straggler=*/false, out);
+  }
+}
+
 // The group's rounds (are-peers-pending, agree, sync) are numbered by the outcomes each
 // peer received since its view began. A peer one outcome behind, waiting in that round,
 // gets the outcome another peer received; a peer further behind missed a round it did
 // not wait in (the lost master had removed it): it is removed.
 //
-// Are-peers-pending is run-wide: a group whose peers all missed its outcome (waiting in
-// it) gets it from another group when that outcome was yes, which every peer that
-// received it answers with update topology: a peer of the same view (epoch) that waits in
-// are-peers-pending while another votes update topology after a yes waits in that round
-// (the documented loop; casting it again would meet the update vote: a mismatch). A no is
-// not told apart from the previous round's by the reports: such a group casts its vote
-// again, and its next round is the others' next one.
+// Are-peers-pending is run-wide: every peer of a view counts the same rounds
+// (ResumeReport.pending_count). A group whose peers all missed the last one's outcome,
+// waiting in it, gets it (yes or no) from a peer of another group of the same view that
+// received it; casting the vote again would put that group one round behind the others
+// (its next round their next one), and a run-wide operation the loop calls every so many
+// rounds would then meet a different one (OPERATION_MISMATCH).
 void Coordinator::resolve_control_rounds(const std::map<PeerId, proto::ResumeReport>& reports, Outbox& out) {
-  std::map<std::uint64_t, proto::Message> pending_yes;  // by the view's epoch
+  std::map<std::uint64_t, const proto::ResumeReport*> pending_ahead;  // the most rounds, by the view's epoch
   for (const auto& [id, report] : reports) {
-    if (report.waiting != static_cast<std::uint16_t>(MsgType::kVoteUpdateTopology)) continue;
-    auto kept = decode_kept(report.last_control);
-    const auto* r = kept ? std::get_if<proto::PeersPendingResult>(&*kept) : nullptr;
-    if (r != nullptr && r->status == LOCKSTEP_OK && r->pending) pending_yes.insert_or_assign(report.epoch, std::move(*kept));
+    if (find_peer(id) == nullptr) continue;
+    auto& best = pending_ahead[report.epoch];
+    if (best == nullptr || report.pending_count > best->pending_count) best = &report;
   }
   std::map<std::uint32_t, const proto::ResumeReport*> ahead;  // a report with the most outcomes, per group
   for (const auto& [id, report] : reports) {
-    const auto group = peers_.at(id).group;
-    auto& best = ahead[group];
+    const Peer* peer = find_peer(id);
+    if (peer == nullptr) continue;  // removed: the lost master had left it out
+    auto& best = ahead[peer->group];
     if (best == nullptr || report.control_count > best->control_count) best = &report;
   }
   for (const auto& [id, report] : reports) {
@@ -328,13 +369,15 @@ void Coordinator::resolve_control_rounds(const std::map<PeerId, proto::ResumeRep
     if (peer == nullptr) continue;
     const proto::ResumeReport& best = *ahead.at(peer->group);
     if (report.control_count == best.control_count) {
-      const auto yes = pending_yes.find(report.epoch);
-      if (yes != pending_yes.end() && report.waiting == static_cast<std::uint16_t>(MsgType::kVotePeersPending)) {
-        out.push_back(Event{.text = "forwarding a missed PeersPendingResult (yes) to " + id.to_string(),
+      const proto::ResumeReport& run_best = *pending_ahead.at(report.epoch);  // it is among them
+      if (report.pending_count + 1 == run_best.pending_count && run_best.last_pending_status == LOCKSTEP_OK &&
+          report.waiting == static_cast<std::uint16_t>(MsgType::kVotePeersPending)) {
+        out.push_back(Event{.text = std::string("forwarding a missed PeersPendingResult (") +
+                                    (run_best.last_pending ? "yes" : "no") + ") to " + id.to_string(),
                             .reason = "a peer of another group received it from the lost master",
                             .group = peer->group,
                             .peers = {id}});
-        send(*peer, yes->second, out);
+        send(*peer, proto::PeersPendingResult{LOCKSTEP_OK, run_best.last_pending, {}}, out);
       }
       continue;
     }

@@ -244,6 +244,9 @@ proto::ResumeReport Session::report() const {
     if (op.voted && r.ops.size() < limits::kCollectivesPerGroupMaxDefault) r.ops.push_back(proto::ResumeOp{tag, op.attempt});
   }
   r.outcomes.assign(outcomes_.begin(), outcomes_.end());
+  r.pending_count = pending_count_;
+  r.last_pending_status = last_pending_status_;
+  r.last_pending = last_pending_;
   return r;
 }
 
@@ -315,6 +318,9 @@ Commands Session::deliver(proto::Message message) {
       epoch_ = t->epoch;
       control_count_ = 0;
       last_control_.clear();
+      pending_count_ = 0;
+      last_pending_status_ = LOCKSTEP_OK;
+      last_pending_ = false;
       // The collectives' outcomes too: a view begins with no collective in flight at any
       // of its members (update and optimize topology wait for them), so no member can
       // miss an older one. Kept, they would be taken for the outcome of a round that a
@@ -341,6 +347,11 @@ Commands Session::deliver(proto::Message message) {
     }
     if (const auto* r = std::get_if<proto::SyncResult>(&message); r != nullptr && r->status == LOCKSTEP_OK) {
       revision_ = r->revision;
+    }
+    if (const auto* r = std::get_if<proto::PeersPendingResult>(&message)) {
+      ++pending_count_;
+      last_pending_status_ = r->status;
+      last_pending_ = r->pending;
     }
     round_ = waiting_ = proto::MsgType{};
   } else if (const auto* r = std::get_if<proto::Refused>(&message);

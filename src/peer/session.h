@@ -217,6 +217,10 @@ class Session {
   // The group's rounds whose outcome arrived since the view began, and the last one.
   std::uint64_t control_count_ = 0;
   std::vector<std::uint8_t> last_control_;
+  // The run-wide are-peers-pending rounds answered since the view began, and the last answer.
+  std::uint64_t pending_count_ = 0;
+  StatusCode last_pending_status_ = LOCKSTEP_OK;
+  bool last_pending_ = false;
   // The control request (a vote, or a report within its round) the owner waits on the
   // answer to (0: none), and whether a round it opened has had no outcome yet (its
   // vote's type, 0: none); `optimizing_`: that round is an optimize topology.

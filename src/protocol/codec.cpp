@@ -424,7 +424,9 @@ bool fields(Io& io, Of<Io, ResumeReport>& m) {
          io.list(m.ops, limits::kCollectivesPerGroupMaxDefault, 16, "resume.ops",
                  [&](auto& op) { return fields(io, op); }) &&
          io.list(m.outcomes, limits::kResumeOutcomesKept, 8 + 8 + 4 + 4 + 2 + 2, "resume.outcomes",
-                 [&](auto& o) { return fields(io, o); });
+                 [&](auto& o) { return fields(io, o); }) &&
+         io.u(m.pending_count, "resume.pending_count") &&
+         io.status(m.last_pending_status, "resume.last_pending_status") && io.boolean(m.last_pending, "resume.last_pending");
 }
 
 template <typename Io>

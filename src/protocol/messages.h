@@ -36,7 +36,10 @@ inline constexpr std::uint32_t kMagic = 0x4c4b5354;  // "LKST"
 // 14: relay processes (lockstep-relay): RelayHello, RelayAssign, RelayAddress,
 //    Welcome.relay_host; the ends of a relayed edge prove security::relay_key
 // 15: failover: Hello.resume_id and term, Welcome.term, ResumeReport, Resumed
-inline constexpr std::uint16_t kProtocolVersion = 16;
+// 16: a standby's Goodbye(NOT_SERVING)
+// 17: ResumeReport.pending_count, last_pending_status and last_pending (the run-wide
+//    are-peers-pending rounds)
+inline constexpr std::uint16_t kProtocolVersion = 17;
 
 enum class MsgType : std::uint16_t {
   // peer -> master
@@ -643,6 +646,11 @@ struct ResumeReport {
   std::vector<std::uint8_t> last_control = {};
   std::vector<ResumeOp> ops = {};
   std::vector<ResumeOutcome> outcomes = {};
+  // The are-peers-pending rounds whose outcome it received since its view began (they
+  // are run-wide: every group's peers count the same rounds) and the last outcome.
+  std::uint64_t pending_count = 0;
+  StatusCode last_pending_status = LOCKSTEP_OK;
+  bool last_pending = false;
   bool operator==(const ResumeReport&) const = default;
 };
 // Recovery is over: the peer is an accepted member again, under this term, in the view

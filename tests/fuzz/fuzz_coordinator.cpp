@@ -362,6 +362,9 @@ class Driver {
           o.world_size = in_.byte() % 4;
           report.outcomes.push_back(o);
         }
+        report.pending_count = in_.byte() % 3;
+        report.last_pending_status = in_.flag() ? LOCKSTEP_OK : LOCKSTEP_STATUS_OPERATION_MISMATCH;
+        report.last_pending = in_.flag();
         return deliver(conn, report);
       }
       case kOpCount: break;
@@ -565,7 +568,7 @@ class Script {
   Script& resume_hello(std::uint8_t conn, std::uint8_t n) { return op(kResumeHello).b(conn).b(0).b(n).b(n).b(1); }
   // Its report: epoch 2, a view of old ids 0..2, nothing in flight.
   Script& resume_report(std::uint8_t conn) {
-    return op(kResumeReport).b(conn).b(2).b(0x07).b(0).b(40).b(1).b(3).b(0).b(0).b(0).b(0).b(0);
+    return op(kResumeReport).b(conn).b(2).b(0x07).b(0).b(40).b(1).b(3).b(0).b(0).b(0).b(0).b(0).b(0).b(1).b(0);
   }
   // Two peers in group 0, both accepted (the first alone, then the second by a vote).
   Script& two_accepted() {

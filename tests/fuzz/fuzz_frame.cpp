@@ -155,7 +155,8 @@ std::vector<p::Message> sample_messages() {
   m.emplace_back(p::ResumeReport{3, {a, b}, 4, 9, true, 6, 2, static_cast<std::uint16_t>(p::MsgType::kVoteAgree),
                                  p::encode_frame(p::AgreeResult{LOCKSTEP_OK, true, "", {}}),
                                  {p::ResumeOp{7, 9}},
-                                 {p::ResumeOutcome{8, 5, LOCKSTEP_OK, 2, "", std::vector<std::uint8_t>(16, 9)}}});
+                                 {p::ResumeOutcome{8, 5, LOCKSTEP_OK, 2, "", std::vector<std::uint8_t>(16, 9)}},
+                                 3, LOCKSTEP_OK, true});
   m.emplace_back(p::Resumed{2, 3});
   return m;
 }

@@ -123,7 +123,8 @@ std::vector<Message> samples() {
                              static_cast<std::uint16_t>(MsgType::kVoteAgree), encode_frame(AgreeResult{LOCKSTEP_OK, true, "", {}}),
                              {ResumeOp{5, 76}, ResumeOp{6, 0}},
                              {ResumeOutcome{5, 75, LOCKSTEP_OK, 3, "", {}},
-                              ResumeOutcome{7, 70, LOCKSTEP_STATUS_PEER_CONNECTION_LOST, 2, "peer p3 lost", Bytes(12, 1)}}});
+                              ResumeOutcome{7, 70, LOCKSTEP_STATUS_PEER_CONNECTION_LOST, 2, "peer p3 lost", Bytes(12, 1)}},
+                             6, LOCKSTEP_STATUS_OPERATION_MISMATCH, true});
   all.push_back(Resumed{4, 9});
   all.push_back(Resumed{});
   all.push_back(RelayHello{kMagic, kProtocolVersion, 48160, "", {1, 2, 3}});
@@ -685,10 +686,12 @@ TEST(CodecPayload, TruncationNamesEachFieldInLayoutOrder) {
        {"hello.magic", "hello.version", "hello.group", "hello.pool_size", "hello.p2p_port", "hello.shared_state_port",
         "hello.benchmark_port", "hello.advertised_host", "hello.auth", "hello.resume_id", "hello.term"}},
       // as for members: the outcome count is checked against 28 bytes per outcome first
-      {ResumeReport{1, {PeerId{1, 2}}, 2, 3, true, 4, 5, 6, {7}, {ResumeOp{8, 9}}, {ResumeOutcome{1, 2, LOCKSTEP_OK, 3, "r", {4}}}},
+      {ResumeReport{1, {PeerId{1, 2}}, 2, 3, true, 4, 5, 6, {7}, {ResumeOp{8, 9}}, {ResumeOutcome{1, 2, LOCKSTEP_OK, 3, "r", {4}}},
+                    10, LOCKSTEP_OK, true},
        {"resume.epoch", "resume.view", "resume.epoch_seen", "resume.attempt_seen", "resume.has_revision",
         "resume.revision", "resume.control_count", "resume.waiting", "resume.last_control", "resume.ops",
-        "resume.outcomes", "resume.outcome.data"}},
+        "resume.outcomes", "resume.outcome.data", "resume.pending_count", "resume.last_pending_status",
+        "resume.last_pending"}},
       {Resumed{1, 2}, {"resumed.term", "resumed.epoch"}},
       {P2PReport{1, {PeerId{1, 1}}}, {"p2p_report.epoch", "p2p_report.unreachable"}},
       {VoteAgree{true, AgreeMode::kAllEqual, {1}}, {"vote_agree.flag", "vote_agree.mode", "vote_agree.value"}},

@@ -3868,11 +3868,14 @@ TEST(CoordinatorRecovery, APeerRemovedForMissedRoundsIsForwardedNoCollectiveOutc
   EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{view[0], view[1]}));
 }
 
-// Are-peers-pending is run-wide: a group whose every peer missed its yes gets it from
-// another group, whose peers vote update topology after it; a no is not forwarded.
-TEST(CoordinatorRecovery, AMissedPendingYesReachesTheGroupsThatMissedIt) {
-  for (const bool yes : {true, false}) {
-    SCOPED_TRACE(yes ? "yes" : "no");
+// Are-peers-pending is run-wide: a group whose every peer missed the last round's outcome
+// (yes or no) gets it from another group of the view, which counted one round more. A
+// failed round's outcome is not forwarded (the group casts its vote again).
+TEST(CoordinatorRecovery, AMissedPendingOutcomeReachesTheGroupsThatMissedIt) {
+  for (const int c : {0, 1, 2}) {
+    const bool yes = c == 0;
+    const bool failed = c == 2;
+    SCOPED_TRACE(yes ? "yes" : failed ? "failed" : "no");
     Harness h;
     const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3)};
     std::vector<FakePeer> peers;
@@ -3885,22 +3888,65 @@ TEST(CoordinatorRecovery, AMissedPendingYesReachesTheGroupsThatMissedIt) {
         report.control_count = 4;
         report.last_control = p::encode_frame(result);
         report.waiting = static_cast<std::uint16_t>(yes ? p::MsgType::kVoteUpdateTopology : p::MsgType::kSyncVote);
+        report.pending_count = 3;
+        report.last_pending = yes;
+        if (failed) report.last_pending_status = LOCKSTEP_STATUS_OPERATION_MISMATCH;
       } else {  // group 2, alone, waits in that round
         report.control_count = 2;
         report.waiting = static_cast<std::uint16_t>(p::MsgType::kVotePeersPending);
+        report.pending_count = 2;
       }
       out = h.send(r.peer, report);
       peers.push_back(r.peer);
     }
     const auto forwarded = all_of<p::PeersPendingResult>(out, peers[2].conn);
-    ASSERT_EQ(forwarded.size(), yes ? 1u : 0u) << describe(out);
-    if (yes) {
+    ASSERT_EQ(forwarded.size(), failed ? 0u : 1u) << describe(out);
+    if (!failed) {
       EXPECT_EQ(forwarded[0], result);
       EXPECT_LT(index_of(out, peers[2].conn, p::MsgType::kPeersPendingResult),
                 index_of(out, peers[2].conn, p::MsgType::kResumed));
     }
     EXPECT_TRUE(all_of<p::PeersPendingResult>(out, peers[0].conn).empty());
     EXPECT_TRUE(one_of<p::Resumed>(out, peers[2].conn).has_value());
+  }
+}
+
+// A peer the lost master had removed without its knowing reports the same view as the
+// others; an attempt of its group that ran without it (it did not vote for it, was not
+// sent it, has no outcome of it) shows it, and it is not taken back. A peer that voted for
+// the tag (the Go did not reach it) or ended that attempt is taken back.
+TEST(CoordinatorRecovery, APeerTheLostMasterHadRemovedIsNotTakenBack) {
+  for (const int c : {0, 1, 2}) {
+    SCOPED_TRACE(c == 0 ? "left out" : c == 1 ? "voted" : "ended");
+    Harness h;
+    const std::vector<PeerId> view{old_id(1), old_id(2), old_id(3)};
+    std::vector<FakePeer> peers;
+    Outbox out;
+    for (std::size_t i = 0; i < view.size(); ++i) {
+      Returning r = come_back(h, view[i], 0);
+      p::ResumeReport report = report_of(5, view);  // attempt_seen 40
+      if (i > 0) {
+        report.attempt_seen = 44;
+        report.ops.push_back(p::ResumeOp{3, 44});  // an attempt that started after 40
+      } else if (c == 1) {
+        report.ops.push_back(p::ResumeOp{3, 0});  // voted; the Go did not reach it
+      } else if (c == 2) {
+        report.outcomes.push_back(p::ResumeOutcome{3, 44, LOCKSTEP_OK, 3, "", {1}});  // a vote-carried one
+      }
+      out = h.send(r.peer, report);
+      peers.push_back(r.peer);
+    }
+    if (c == 0) {
+      const auto bye = one_of<p::Goodbye>(out, peers[0].conn);
+      ASSERT_TRUE(bye.has_value()) << describe(out);
+      EXPECT_EQ(bye->status, LOCKSTEP_STATUS_KICKED);
+      EXPECT_NE(bye->reason.find("attempt 44 of tag 3 ran without it"), std::string::npos) << bye->reason;
+      EXPECT_EQ(h.c.ring(1), (std::vector<PeerId>{view[1], view[2]}));
+    } else {
+      EXPECT_TRUE(all_of<p::Goodbye>(out, peers[0].conn).empty()) << describe(out);
+      EXPECT_EQ(h.c.ring(1), view);
+    }
+    EXPECT_TRUE(one_of<p::Resumed>(out, peers[1].conn).has_value());
   }
 }
 

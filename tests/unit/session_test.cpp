@@ -698,6 +698,43 @@ TEST(SessionFailover, TheOutcomesReportedAreThoseOfTheCurrentView) {
   EXPECT_EQ(report.ops, std::vector<p::ResumeOp>{(p::ResumeOp{5, 0})});
 }
 
+// Are-peers-pending is run-wide: the report counts its rounds since the view began and
+// carries the last outcome, so that a new master can give a group that missed it the
+// outcome another group received (coordinator_test: AMissedPendingOutcome...).
+TEST(SessionFailover, TheReportCountsThePendingRoundsOfTheViewAndCarriesTheLastOutcome) {
+  Session s = member_with_failover();
+  s.send(p::VotePeersPending{});
+  s.on_message(at(2), p::PeersPendingResult{LOCKSTEP_OK, true, ""});
+  s.send(p::VotePeersPending{});
+  s.on_message(at(3), p::PeersPendingResult{LOCKSTEP_OK, false, ""});
+  s.send(p::VotePeersPending{});  // waits in the third round
+  s.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  p::ResumeReport report = decoded_report(s.resume(at(20), welcome_back(1)));
+  EXPECT_EQ(report.pending_count, 2u);
+  EXPECT_EQ(report.last_pending_status, LOCKSTEP_OK);
+  EXPECT_FALSE(report.last_pending);
+  EXPECT_EQ(report.waiting, static_cast<std::uint16_t>(p::MsgType::kVotePeersPending));
+  // A new view starts the count again.
+  Session t = member_with_failover();
+  t.send(p::VotePeersPending{});
+  t.on_message(at(2), p::PeersPendingResult{LOCKSTEP_STATUS_OPERATION_MISMATCH, false, "mismatch"});
+  t.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  report = decoded_report(t.resume(at(20), welcome_back(1)));
+  EXPECT_EQ(report.pending_count, 1u);
+  EXPECT_EQ(report.last_pending_status, LOCKSTEP_STATUS_OPERATION_MISMATCH);
+  Session u = member_with_failover();
+  u.send(p::VotePeersPending{});
+  u.on_message(at(2), p::PeersPendingResult{LOCKSTEP_OK, true, ""});
+  p::TopologyResult next;
+  next.epoch = 4;
+  next.ring = {p::MemberInfo{kSelf, "a", 1, 2, 3, {}}, p::MemberInfo{kOther, "b", 1, 2, 3, {}}};
+  u.on_message(at(3), next);
+  u.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
+  report = decoded_report(u.resume(at(20), welcome_back(1)));
+  EXPECT_EQ(report.pending_count, 0u);
+  EXPECT_FALSE(report.last_pending);
+}
+
 TEST(SessionFailover, AnAnswerToTheLostMastersRequestEndsItsRoundWithTheRetryableFailure) {
   Session s = member_with_failover();
   s.send(p::VoteUpdateTopology{});
