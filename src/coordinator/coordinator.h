@@ -538,6 +538,7 @@ class Coordinator {
   struct Recovery {
     TimeMs started_ms = 0;
     std::map<PeerId, proto::ResumeReport> reports;
+    std::set<PeerId> welcomed;  // taken back by this recovery (they granted its term)
   };
   std::uint64_t term_ = 1;
   bool term_fixed_ = false;

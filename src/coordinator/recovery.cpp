@@ -74,11 +74,23 @@ void Coordinator::handle_resume_hello(ConnId conn, const proto::Hello& hello, co
       term_ = std::max(term_, hello.term + 1);
       term_fixed_ = true;
     }
-    recovery_ = Recovery{now_ms, {}};
+    recovery_ = Recovery{now_ms, {}, {}};
     out.push_back(Event{.text = "recovery began: peer " + id.to_string() + " asks to be taken back; term " +
                                 std::to_string(term_),
                         .op = Operation::kConnection,
                         .reason = "a peer of a lost master's run reconnected",
+                        .peers = {id}});
+  }
+  if (hello.term >= term_ && config_.term == 0 && recovery_->welcomed.count(id) == 0 && peers_.count(id) == 0) {
+    // The term was fixed by the first peer back, which had not heard of a later master
+    // (a newcomer that the lost master welcomed before its own recovery fixed its term,
+    // say): the term goes above this peer's too. The peers welcomed before grant it with
+    // Resumed; nothing completes during a recovery, so no operation sees two terms.
+    term_ = hello.term + 1;
+    out.push_back(Event{.text = "recovery: term raised to " + std::to_string(term_) + " for peer " + id.to_string() +
+                                ", which granted term " + std::to_string(hello.term),
+                        .op = Operation::kConnection,
+                        .reason = "a peer back later had granted a higher term than the first",
                         .peers = {id}});
   }
   if (hello.term >= term_) {
@@ -86,6 +98,7 @@ void Coordinator::handle_resume_hello(ConnId conn, const proto::Hello& hello, co
                                                 " to a master; this one's is " + std::to_string(term_));
   }
   if (peers_.count(id) > 0) return refuse(LOCKSTEP_STATUS_REJECTED, "a peer with this identity is already here");
+  recovery_->welcomed.insert(id);
   register_peer(conn, hello, id, host, observed_host, /*resuming=*/true, now_ms, out);
 }
 

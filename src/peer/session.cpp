@@ -99,10 +99,13 @@ Commands Session::on_message(Time now, proto::Message message) {
   }
   if (std::holds_alternative<proto::HeartbeatAck>(message)) return {};
   if (const auto* resumed = std::get_if<proto::Resumed>(&message)) {
-    if (state_ != State::kResuming || resumed->term != term_) {
+    // The new master may have raised its term during the recovery (a peer back after this
+    // one had granted a higher one): this peer grants it now.
+    if (state_ != State::kResuming || resumed->term < term_) {
       return fail(Status(LOCKSTEP_STATUS_PROTOCOL_ERROR, "the master sent Resumed (term " + std::to_string(resumed->term) +
                                                              ") where this peer was not resuming under that term"));
     }
+    term_ = resumed->term;
     return finish_resume();
   }
   if (state_ == State::kResuming) {

@@ -563,8 +563,15 @@ TEST(SessionFailover, AMasterIsObeyedOnlyWithATermAboveEveryTermGranted) {
   }
   s.resume(at(50), welcome_back(4));
   EXPECT_EQ(s.state(), State::kResuming);
-  // A Resumed of another term is not this protocol's master.
+  // A Resumed of a higher term: the master raised its term during the recovery (a peer
+  // back later had granted a higher one); this peer grants it.
   s.on_message(at(51), p::Resumed{5, 3});
+  EXPECT_EQ(s.state(), State::kConnected);
+  s.lose(at(60), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone a third time"));
+  EXPECT_EQ(s.resume_hello(p::Hello{}).term, 5u);
+  // A Resumed of a lower term than the Welcome's is not this protocol's master.
+  s.resume(at(70), welcome_back(7));
+  s.on_message(at(71), p::Resumed{6, 3});
   EXPECT_EQ(s.state(), State::kEnded);
   EXPECT_EQ(s.status().code(), LOCKSTEP_STATUS_PROTOCOL_ERROR);
   // The first master's term (its Welcome's) counts as granted.
