@@ -39,7 +39,8 @@ std::optional<proto::Message> decode_kept(const std::vector<std::uint8_t>& frame
 
 // A peer of a lost master's run asks to be taken back. A master serving a run of its
 // own refuses (KICKED: that run went on without the peer); otherwise the first such
-// peer opens the recovery and fixes the term one above the term it had granted.
+// peer opens the recovery and fixes the term one above the term it had granted (raised
+// for a peer back later that had granted more).
 void Coordinator::handle_resume_hello(ConnId conn, const proto::Hello& hello, const std::string& host,
                                       const std::string& observed_host, TimeMs now_ms, Outbox& out) {
   const PeerId id = hello.resume_id;
