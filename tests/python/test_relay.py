@@ -6,6 +6,7 @@ strangers; without a run secret there is no relay."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import struct
@@ -297,7 +298,9 @@ def test_optimize_topology_measures_relayed_pairs_through_the_relay(relayed):
     relayed.run(lambda i, comm: comm.all_reduce(np.full(COUNT, 1.0, dtype=np.float32), tag=40))
 
 
-PROTOCOL_VERSION = 16
+# The protocol version the library speaks (src/protocol/messages.h, kProtocolVersion).
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "protocol", "messages.h")) as _f:
+    PROTOCOL_VERSION = int(re.search(r"kProtocolVersion = (\d+);", _f.read()).group(1))
 
 
 def wire_id(hex_id: str) -> bytes:
