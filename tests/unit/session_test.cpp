@@ -527,13 +527,20 @@ TEST(SessionFailover, AnAcceptedPeerThatLosesItsMasterReportsWhatItKnewAndFailsW
   EXPECT_EQ(all_of<cmd::SendFrame>(s.send(p::VoteAgree{true})).size(), 1u);
 }
 
-TEST(SessionFailover, AnOutcomeTheNewMasterForwardsIsTheOneThatCounts) {
+// A member whose attempt 7 of tag 5 was in flight when it lost its master, welcomed
+// back by a new one (term 2), its report sent.
+Session resuming_with_attempt_in_flight() {
   Session s = member_with_failover();
   s.register_op(5);
   s.send(p::CollectiveInit{5, {}});
   s.on_message(at(2), p::CollectiveGo{5, 7, 0, 3, {}});
   s.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
   s.resume(at(20), welcome_back(2));
+  return s;
+}
+
+TEST(SessionFailover, AnOutcomeTheNewMasterForwardsIsTheOneThatCounts) {
+  Session s = resuming_with_attempt_in_flight();
   Commands c = s.on_message(at(21), p::CollectiveResult{5, 7, LOCKSTEP_OK, 2, ""});
   ASSERT_EQ(all_of<cmd::RouteToOp>(c).size(), 1u);
   c = s.on_message(at(22), p::Resumed{2, 3});
@@ -663,12 +670,7 @@ TEST(SessionFailover, NoAttemptEndsByCommitWhileTheMasterIsAwayAndCommitsAreRepo
 // ends it, before the master's Resumed: the new vote, held meanwhile, goes out at the
 // resume like any other vote whose round had not started.
 TEST(SessionFailover, AVoteCastAfterAForwardedOutcomeGoesOutAtTheResume) {
-  Session s = member_with_failover();
-  s.register_op(5);
-  s.send(p::CollectiveInit{5, {}});
-  s.on_message(at(2), p::CollectiveGo{5, 7, 0, 3, {}});
-  s.lose(at(10), Status(LOCKSTEP_STATUS_MASTER_CONNECTION_LOST, "gone"));
-  s.resume(at(20), welcome_back(2));
+  Session s = resuming_with_attempt_in_flight();
   Commands c = s.on_message(at(21), p::CollectiveResult{5, 7, LOCKSTEP_STATUS_PEER_CONNECTION_LOST, 0, "lost"});
   ASSERT_EQ(all_of<cmd::RouteToOp>(c).size(), 1u);
   s.unregister_op(5);
